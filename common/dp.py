@@ -1,0 +1,302 @@
+"""DP-SGD with random sparsification (RS) on Opacus.
+
+``SparseDPEngine`` is Opacus's ``PrivacyEngine`` plus one method, ``set_mask``. Its
+optimizer, ``SparseDPOptimizer``, is a ``DPOptimizer`` whose step is, for a public mask ``m``
+(RS paper, Algorithm 1, lines 9-13)::
+
+    g'_i  = m * g_i                                  # 1. sparsify each per-sample gradient
+    c_i   = min(1, C / ||g'_i||)                     # 2. clip: norms of the MASKED gradients
+    s     = sum_i c_i * g'_i                         # 3. sum
+    g~    = (s + m * N(0, sigma^2 C^2 I_d)) / B      # 4. noise on kept coordinates only, 5. scale
+
+Order matters. Clipping after sparsifying bounds the sensitivity of ``s`` by ``C`` on the
+kept coordinates, and the Gaussian noise covers exactly those coordinates; the coordinates
+off the mask carry no data and no noise. Because ``m`` is drawn from a seed, independent of
+the data, it is public and the mechanism is the Gaussian mechanism restricted to a
+data-independent subspace: the RDP/PRV accounting of plain DP-SGD for the same sampling
+rate ``q``, ``sigma`` and number of steps applies unchanged, so ``get_epsilon`` is Opacus's.
+Everything after step 4 (scaling, momentum, the optimizer update, quantizing or encoding the
+resulting model delta) is post-processing and costs no privacy.
+
+The noise on kept coordinates is exactly the noise plain Opacus would have drawn there from
+the same generator state (full-size noise is drawn, then masked), and ``set_mask(None)``
+runs Opacus's own code: with the same seeds, r = 0 reproduces plain Opacus bit for bit.
+
+Momentum and weight decay: with zero momentum state and no weight decay, coordinates off the
+mask get exactly zero update. Velocity accumulated under an earlier mask keeps moving
+coordinates that a later mask drops (the paper notes this, Sec. 4), and weight decay moves
+every coordinate. The federated client builds a fresh optimizer every round, so its updates
+stay on the round's mask.
+
+Ablations (RS paper, Appendix E), selected with ``mechanism``:
+  - ``"dpsgd"``: Algorithm 1 above (private).
+  - ``"clipped"``: Algorithm 3, sparsify and clip, no noise (``noise_multiplier`` must be 0).
+  - ``"noisy"``: Algorithm 2, sparsify, no per-sample clipping, noise ``m * N(0, (sigma C)^2)``
+    (set ``max_grad_norm=1`` for the paper's ``N(0, sigma^2)``).
+  The ablations are not differentially private: ``get_epsilon`` returns ``inf`` for them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from opacus import PrivacyEngine
+from opacus.optimizers import DPOptimizer
+from opacus.optimizers.optimizer import (
+    _check_processed_flag,
+    _generate_noise,
+    _mark_as_processed,
+)
+from torch import nn
+
+from fedsparse.common.layout import ParamLayout, unwrap_name
+
+__all__ = ["MECHANISMS", "SparseDPEngine", "SparseDPOptimizer"]
+
+MECHANISMS = ("dpsgd", "clipped", "noisy")
+
+
+class SparseDPOptimizer(DPOptimizer):
+    """A ``DPOptimizer`` that sparsifies per-sample gradients and noise with a public mask.
+
+    Masks are set per parameter with ``set_param_masks``; parameters without a mask are kept
+    whole. With no masks and ``clip_per_sample=True`` every method is Opacus's own.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *, clip_per_sample: bool = True,
+                 **kwargs: Any) -> None:
+        super().__init__(optimizer, **kwargs)
+        self.clip_per_sample = clip_per_sample
+        self._kept_index: dict[nn.Parameter, torch.Tensor] = {}
+        self._noise_mask: dict[nn.Parameter, torch.Tensor] = {}
+
+    def set_param_masks(self, masks: dict[nn.Parameter, torch.Tensor | None]) -> None:
+        """Sets boolean masks (shaped like each parameter); ``None`` or all-True keeps all."""
+        params = set(self.params)
+        self._kept_index, self._noise_mask = {}, {}
+        for p, mask in masks.items():
+            if p not in params:
+                raise ValueError("set_param_masks: a masked tensor is not one of this optimizer's params")
+            if mask is None:
+                continue
+            if mask.dtype != torch.bool or tuple(mask.shape) != tuple(p.shape):
+                raise ValueError(
+                    f"mask has dtype {mask.dtype} and shape {tuple(mask.shape)}: expected "
+                    f"torch.bool with the parameter's shape {tuple(p.shape)}"
+                )
+            if bool(mask.all()):
+                continue
+            mask = mask.to(p.device)
+            self._kept_index[p] = torch.nonzero(mask.reshape(-1), as_tuple=True)[0]
+            self._noise_mask[p] = mask.to(p.dtype)
+
+    @property
+    def is_masked(self) -> bool:
+        """Whether any parameter currently has a partial mask."""
+        return bool(self._kept_index)
+
+    def _kept_grad_sample(self, p: nn.Parameter) -> torch.Tensor:
+        """Per-sample gradients of ``p`` on its kept coordinates, shape ``(B, keep_p)``."""
+        grad_sample = self._get_flat_grad_sample(p).to(p.dtype)
+        flat = grad_sample.reshape(len(grad_sample), p.numel())
+        index = self._kept_index.get(p)
+        return flat if index is None else flat.index_select(1, index)
+
+    def clip_and_accumulate(self) -> None:
+        """Sparsify, then clip each per-sample gradient, then sum into ``p.summed_grad``."""
+        if not self._kept_index and self.clip_per_sample:
+            super().clip_and_accumulate()
+            return
+        kept = [self._kept_grad_sample(p) for p in self.params]
+        batch = len(kept[0])
+        if self.clip_per_sample and batch > 0:
+            norms = torch.stack([k.norm(2, dim=-1) for k in kept], dim=1).norm(2, dim=1)
+            factor = (self.max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
+        else:
+            factor = torch.ones(batch, device=kept[0].device)
+        for p, k in zip(self.params, kept, strict=True):
+            _check_processed_flag(p.grad_sample)
+            summed = factor.to(device=k.device, dtype=k.dtype) @ k
+            index = self._kept_index.get(p)
+            if index is not None:
+                full = torch.zeros(p.numel(), device=k.device, dtype=k.dtype)
+                summed = full.index_copy_(0, index, summed)
+            grad = summed.view_as(p)
+            if p.summed_grad is not None:
+                p.summed_grad += grad
+            else:
+                p.summed_grad = grad
+            _mark_as_processed(p.grad_sample)
+
+    def add_noise(self) -> None:
+        """Adds ``m * N(0, (sigma C)^2)`` to ``p.summed_grad`` and stores the result in ``p.grad``."""
+        if not self._noise_mask:
+            super().add_noise()
+            return
+        for p in self.params:
+            _check_processed_flag(p.summed_grad)
+            noise = _generate_noise(
+                std=self.noise_multiplier * self.max_grad_norm,
+                reference=p.summed_grad,
+                generator=self.generator,
+                secure_mode=self.secure_mode,
+            )
+            mask = self._noise_mask.get(p)
+            if mask is not None:
+                noise.mul_(mask)
+            p.grad = (p.summed_grad + noise).view_as(p)
+            _mark_as_processed(p.summed_grad)
+
+
+class SparseDPEngine(PrivacyEngine):
+    """Opacus's ``PrivacyEngine`` with random sparsification.
+
+    Usage mirrors Opacus::
+
+        engine = SparseDPEngine(accountant="rdp", secure_mode=False)
+        model, optimizer, loader = engine.make_private(
+            module=model, optimizer=optimizer, data_loader=loader,
+            noise_multiplier=1.0, max_grad_norm=1.0)
+        engine.set_mask(mask)   # flat bool over trainable params, named_parameters() order
+        ...train...
+        engine.get_epsilon(delta=1e-5)
+
+    ``make_private``/``make_private_with_epsilon`` take Opacus's keyword arguments and return
+    Opacus's kinds of objects; the optimizer is a ``SparseDPOptimizer``. Supported: flat
+    clipping, non-distributed, per-sample-gradient modes ``hooks``, ``functorch``, ``ew``.
+
+    Args:
+        accountant: ``"rdp"``, ``"prv"`` or ``"gdp"`` (Opacus accountants).
+        secure_mode: Opacus's secure mode (cryptographically secure noise, no user seeds).
+        mechanism: ``"dpsgd"`` (private), or the non-private ablations ``"clipped"``/``"noisy"``.
+    """
+
+    def __init__(self, *, accountant: str = "rdp", secure_mode: bool = False,
+                 mechanism: str = "dpsgd") -> None:
+        if mechanism not in MECHANISMS:
+            raise ValueError(f"mechanism={mechanism!r}: expected one of {', '.join(MECHANISMS)}")
+        super().__init__(accountant=accountant, secure_mode=secure_mode)
+        self.mechanism = mechanism
+        self._layout: ParamLayout | None = None
+        self._params: dict[str, nn.Parameter] = {}
+        self._optimizer: SparseDPOptimizer | None = None
+        self._mask: torch.Tensor | None = None
+
+    def _prepare_optimizer(self, *, optimizer: torch.optim.Optimizer, clipping: str = "flat",
+                           distributed: bool = False, grad_sample_mode: str = "hooks",
+                           **kwargs: Any) -> DPOptimizer:
+        if clipping != "flat" or distributed or "ghost" in grad_sample_mode:
+            raise NotImplementedError(
+                f"clipping={clipping!r}, distributed={distributed}, "
+                f"grad_sample_mode={grad_sample_mode!r}: SparseDPEngine supports flat clipping, "
+                "one process, and grad_sample_mode in ('hooks', 'functorch', 'ew') (ghost "
+                "clipping computes norms that ignore the mask)"
+            )
+        if isinstance(optimizer, DPOptimizer):
+            optimizer = optimizer.original_optimizer
+        noise_generator = kwargs.pop("noise_generator", None)
+        generator = self.secure_rng if self.secure_mode else noise_generator
+        sparse = SparseDPOptimizer(
+            optimizer,
+            clip_per_sample=self.mechanism != "noisy",
+            generator=generator,
+            secure_mode=self.secure_mode,
+            **kwargs,
+        )
+        self._optimizer = sparse
+        return sparse
+
+    def make_private(self, *, module: nn.Module, noise_multiplier: float,
+                     **kwargs: Any) -> Any:
+        """Opacus's ``make_private``; returns ``(module, optimizer, data_loader)``."""
+        if self.mechanism == "clipped" and noise_multiplier != 0:
+            raise ValueError(
+                f"noise_multiplier={noise_multiplier}: mechanism='clipped' adds no noise, "
+                "expected 0"
+            )
+        if not math.isfinite(noise_multiplier) or noise_multiplier < 0:
+            raise ValueError(f"noise_multiplier={noise_multiplier}: expected a finite value >= 0")
+        max_grad_norm = kwargs.get("max_grad_norm")
+        if isinstance(max_grad_norm, (int, float)) and not (
+            math.isfinite(max_grad_norm) and max_grad_norm > 0
+        ):
+            raise ValueError(f"max_grad_norm={max_grad_norm}: expected a finite value > 0")
+        self._layout = ParamLayout.from_module(module)
+        self._params = {
+            unwrap_name(n): p for n, p in module.named_parameters() if p.requires_grad
+        }
+        self._mask = None
+        result = super().make_private(module=module, noise_multiplier=noise_multiplier, **kwargs)
+        return result
+
+    def make_private_with_epsilon(self, **kwargs: Any) -> Any:
+        """Opacus's ``make_private_with_epsilon`` (calibrates sigma for the target epsilon)."""
+        if self.mechanism != "dpsgd":
+            raise ValueError(
+                f"mechanism={self.mechanism!r} is not private: make_private_with_epsilon "
+                "needs mechanism='dpsgd'"
+            )
+        return super().make_private_with_epsilon(**kwargs)
+
+    @property
+    def layout(self) -> ParamLayout:
+        """Layout of the trainable parameters the masks refer to."""
+        if self._layout is None:
+            raise RuntimeError("call make_private(...) before using the mask layout")
+        return self._layout
+
+    @property
+    def optimizer(self) -> SparseDPOptimizer:
+        if self._optimizer is None:
+            raise RuntimeError("call make_private(...) first")
+        return self._optimizer
+
+    @property
+    def mask(self) -> torch.Tensor | None:
+        """The current flat mask (``None``: no sparsification)."""
+        return self._mask
+
+    @property
+    def keep_fraction(self) -> float:
+        """Fraction of trainable coordinates currently kept (1.0 without a mask)."""
+        if self._mask is None or self._mask.numel() == 0:
+            return 1.0
+        return float(self._mask.sum()) / self._mask.numel()
+
+    def set_mask(self, mask: torch.Tensor | None) -> None:
+        """Sets the RS mask for the following steps.
+
+        Args:
+            mask: flat ``torch.bool`` tensor over the trainable parameters (those with
+                ``requires_grad``), concatenated in ``named_parameters()`` order, as from
+                ``fedsparse.common.masks.sample_mask(layout.numel, keep=..., seed=...)``;
+                ``None`` turns sparsification off (plain DP-SGD). It must not depend on the
+                private data: it is treated as public by the accounting.
+
+        Raises:
+            ValueError: wrong dtype or length.
+        """
+        layout = self.layout
+        if mask is None:
+            self._mask = None
+            self.optimizer.set_param_masks({p: None for p in self._params.values()})
+            return
+        if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+            raise ValueError(
+                f"mask has type {type(mask).__name__}"
+                f"{'/' + str(mask.dtype) if isinstance(mask, torch.Tensor) else ''}: "
+                "expected a flat torch.bool tensor"
+            )
+        views = layout.split(mask, field="mask")
+        self._mask = mask
+        self.optimizer.set_param_masks({self._params[n]: v for n, v in views.items()})
+
+    def get_epsilon(self, delta: float) -> float:
+        """Epsilon spent so far at ``delta``; ``inf`` for the non-private ablations."""
+        if self.mechanism != "dpsgd":
+            return math.inf
+        if len(self.accountant) == 0:
+            return 0.0
+        return float(self.accountant.get_epsilon(delta=delta))

@@ -1,0 +1,284 @@
+"""Local DP-SGD + RS training: configs, one-epoch loop, evaluation, centralized driver.
+
+The federated client and the centralized demo share these pieces. Privacy-relevant settings
+(``PrivacyConfig``, ``SparsityConfig``) are kept apart from optimisation/performance knobs
+(``TrainConfig``), as jax_privacy keeps ``DPExecutionPlan`` apart from performance flags.
+
+Randomness comes from separate, seeded streams: model init, Poisson sampling (the data
+loader's generator), DP noise (the optimizer's generator) and masks (``derive_seed``); in
+``secure_mode`` Opacus draws noise and batches from OS entropy and seeds are refused.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from opacus.utils.batch_memory_manager import BatchMemoryManager
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from fedsparse.common.dp import MECHANISMS, SparseDPEngine
+from fedsparse.common.masks import derive_seed, keep_count, sample_mask
+from fedsparse.common.schedules import RateSchedule
+
+__all__ = [
+    "EpochStats",
+    "PrivacyConfig",
+    "SparsityConfig",
+    "TrainConfig",
+    "evaluate",
+    "make_private",
+    "round_mask",
+    "train_centralized",
+    "train_one_epoch",
+]
+
+ACCOUNTANTS = ("rdp", "prv", "gdp")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrivacyConfig:
+    """Privacy-relevant settings of local training.
+
+    Exactly one of ``noise_multiplier`` and ``target_epsilon`` is set for ``mechanism="dpsgd"``.
+    """
+
+    mechanism: str = "dpsgd"
+    noise_multiplier: float | None = None
+    target_epsilon: float | None = None
+    delta: float = 1e-5
+    max_grad_norm: float = 1.0
+    accountant: str = "rdp"
+    secure_mode: bool = False
+
+    def __post_init__(self) -> None:
+        if self.mechanism not in MECHANISMS:
+            raise ValueError(f"mechanism={self.mechanism!r}: expected one of {', '.join(MECHANISMS)}")
+        if self.accountant not in ACCOUNTANTS:
+            raise ValueError(f"accountant={self.accountant!r}: expected one of {', '.join(ACCOUNTANTS)}")
+        if (self.noise_multiplier is None) == (self.target_epsilon is None):
+            raise ValueError(
+                f"noise_multiplier={self.noise_multiplier}, target_epsilon={self.target_epsilon}: "
+                "set exactly one"
+            )
+        if self.noise_multiplier is not None and not (
+            math.isfinite(self.noise_multiplier) and self.noise_multiplier >= 0
+        ):
+            raise ValueError(f"noise_multiplier={self.noise_multiplier}: expected finite >= 0")
+        if self.target_epsilon is not None:
+            if self.mechanism != "dpsgd":
+                raise ValueError(f"target_epsilon={self.target_epsilon}: needs mechanism='dpsgd'")
+            if not (math.isfinite(self.target_epsilon) and self.target_epsilon > 0):
+                raise ValueError(f"target_epsilon={self.target_epsilon}: expected finite > 0")
+        if not 0.0 < self.delta < 1.0:
+            raise ValueError(f"delta={self.delta}: expected 0 < delta < 1")
+        if not (math.isfinite(self.max_grad_norm) and self.max_grad_norm > 0):
+            raise ValueError(f"max_grad_norm={self.max_grad_norm}: expected finite > 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SparsityConfig:
+    """Random-sparsification settings: the rate schedule and the mask seed."""
+
+    schedule: str = "gradual"
+    final_rate: float = 0.0
+    cooling_steps: int = 1
+    initial_keep: float = 1.0
+    final_keep: float = 1.0
+    mask_seed: int = 0
+
+    def __post_init__(self) -> None:
+        self.rate_schedule(1)  # validates the schedule fields
+        if not 0 <= self.mask_seed < 2**64:
+            raise ValueError(f"mask_seed={self.mask_seed}: expected 0 <= mask_seed < 2**64")
+
+    def rate_schedule(self, total_steps: int) -> RateSchedule:
+        """The schedule over ``total_steps`` epochs (centralized) or rounds (federated)."""
+        return RateSchedule(
+            kind=self.schedule,
+            final_rate=self.final_rate,
+            total_steps=total_steps,
+            cooling_steps=self.cooling_steps,
+            initial_keep=self.initial_keep,
+            final_keep=self.final_keep,
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Optimisation and performance knobs of local training."""
+
+    epochs: int = 1
+    batch_size: int = 64
+    lr: float = 0.1
+    momentum: float = 0.0
+    max_physical_batch_size: int = 0
+    poisson_sampling: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for field in ("epochs", "batch_size"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"{field}={getattr(self, field)}: expected >= 1")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"lr={self.lr}: expected finite > 0")
+        if not 0.0 <= self.momentum < 1.0:
+            raise ValueError(f"momentum={self.momentum}: expected 0 <= momentum < 1")
+        if self.max_physical_batch_size < 0:
+            raise ValueError(f"max_physical_batch_size={self.max_physical_batch_size}: expected >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EpochStats:
+    """What one epoch (or one federated round's local training) produced."""
+
+    epoch: int
+    rate: float
+    keep_fraction: float
+    train_loss: float
+    examples: int
+    epsilon: float
+    test_loss: float = math.nan
+    test_accuracy: float = math.nan
+
+
+def round_mask(numel: int, *, rate: float, mask_seed: int, step: int) -> torch.Tensor | None:
+    """The public mask of epoch/round ``step``: ``None`` when nothing is dropped (r = 0)."""
+    keep = keep_count(numel, rate=rate)
+    if keep == numel:
+        return None
+    return sample_mask(numel, keep=keep, seed=derive_seed(mask_seed, step))
+
+
+def make_private(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    privacy: PrivacyConfig,
+    train: TrainConfig,
+    epochs_for_target: int,
+) -> tuple[SparseDPEngine, nn.Module, torch.optim.Optimizer, DataLoader]:
+    """Wraps ``model`` for DP-SGD + RS on the in-memory data ``(x, y)``.
+
+    Args:
+        epochs_for_target: epochs that ``target_epsilon`` must cover (ignored with a fixed
+            ``noise_multiplier``).
+    """
+    data_gen = None if privacy.secure_mode else torch.Generator().manual_seed(derive_seed(train.seed, 1))
+    noise_gen = None if privacy.secure_mode else torch.Generator().manual_seed(derive_seed(train.seed, 2))
+    loader = DataLoader(
+        TensorDataset(x, y), batch_size=min(train.batch_size, len(x)), generator=data_gen,
+        shuffle=not train.poisson_sampling and data_gen is not None,
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=train.lr, momentum=train.momentum)
+    engine = SparseDPEngine(
+        accountant=privacy.accountant, secure_mode=privacy.secure_mode, mechanism=privacy.mechanism
+    )
+    common = dict(
+        module=model, optimizer=optimizer, data_loader=loader, max_grad_norm=privacy.max_grad_norm,
+        poisson_sampling=train.poisson_sampling, noise_generator=noise_gen,
+    )
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Secure RNG turned off")
+        if privacy.target_epsilon is not None:
+            private = engine.make_private_with_epsilon(
+                target_epsilon=privacy.target_epsilon, target_delta=privacy.delta,
+                epochs=epochs_for_target, **common,
+            )
+        else:
+            private = engine.make_private(noise_multiplier=privacy.noise_multiplier, **common)
+    module, dp_optimizer, dp_loader = private
+    return engine, module, dp_optimizer, dp_loader
+
+
+def train_one_epoch(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loader: DataLoader,
+    *,
+    max_physical_batch_size: int = 0,
+) -> tuple[float, int]:
+    """One pass over ``loader``; returns (mean training loss, examples seen)."""
+    model.train()
+    criterion = nn.CrossEntropyLoss()
+    total_loss, examples = 0.0, 0
+
+    def run(batches: DataLoader) -> None:
+        nonlocal total_loss, examples
+        for xb, yb in batches:
+            # An empty Poisson batch still takes a step: Opacus adds noise to a zero sum.
+            optimizer.zero_grad(set_to_none=True)
+            loss = criterion(model(xb), yb)
+            loss.backward()
+            optimizer.step()
+            if len(xb):
+                total_loss += float(loss) * len(xb)
+                examples += len(xb)
+
+    if max_physical_batch_size > 0:
+        with BatchMemoryManager(
+            data_loader=loader, max_physical_batch_size=max_physical_batch_size,
+            optimizer=optimizer,  # type: ignore[arg-type]
+        ) as memory_safe_loader:
+            run(memory_safe_loader)
+    else:
+        run(loader)
+    return (total_loss / examples if examples else math.nan), examples
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *,
+             batch_size: int = 1024) -> tuple[float, float]:
+    """Returns (mean cross-entropy loss, accuracy) of ``model`` on ``(x, y)``."""
+    model.eval()
+    loss, correct = 0.0, 0
+    for start in range(0, len(x), batch_size):
+        logits = model(x[start : start + batch_size])
+        target = y[start : start + batch_size]
+        loss += float(nn.functional.cross_entropy(logits, target, reduction="sum"))
+        correct += int((logits.argmax(dim=1) == target).sum())
+    n = max(len(x), 1)
+    return loss / n, correct / n
+
+
+def train_centralized(
+    model: nn.Module,
+    train_xy: tuple[torch.Tensor, torch.Tensor],
+    test_xy: tuple[torch.Tensor, torch.Tensor],
+    *,
+    privacy: PrivacyConfig,
+    sparsity: SparsityConfig,
+    train: TrainConfig,
+    on_epoch: Callable[[EpochStats], None] | None = None,
+) -> list[EpochStats]:
+    """Centralized DP-SGD with RS (RS paper, Algorithm 1): one public mask per epoch.
+
+    Returns one ``EpochStats`` per epoch (rate, kept fraction, losses, accuracy, epsilon).
+    """
+    engine, module, optimizer, loader = make_private(
+        model, *train_xy, privacy=privacy, train=train, epochs_for_target=train.epochs
+    )
+    schedule = sparsity.rate_schedule(train.epochs)
+    numel = engine.layout.numel
+    history = []
+    for epoch in range(train.epochs):
+        rate = schedule.rate(epoch)
+        engine.set_mask(round_mask(numel, rate=rate, mask_seed=sparsity.mask_seed, step=epoch))
+        train_loss, examples = train_one_epoch(
+            module, optimizer, loader, max_physical_batch_size=train.max_physical_batch_size
+        )
+        test_loss, test_acc = evaluate(module, *test_xy)
+        stats = EpochStats(
+            epoch=epoch, rate=rate, keep_fraction=engine.keep_fraction, train_loss=train_loss,
+            examples=examples, epsilon=engine.get_epsilon(privacy.delta),
+            test_loss=test_loss, test_accuracy=test_acc,
+        )
+        history.append(stats)
+        if on_epoch is not None:
+            on_epoch(stats)
+    return history
