@@ -65,8 +65,9 @@ class SparseDPOptimizer(DPOptimizer):
     whole. With no masks and ``clip_per_sample=True`` every method is Opacus's own.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, *, clip_per_sample: bool = True,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, *, clip_per_sample: bool = True, **kwargs: Any
+    ) -> None:
         super().__init__(optimizer, **kwargs)
         self.clip_per_sample = clip_per_sample
         self._kept_index: dict[nn.Parameter, torch.Tensor] = {}
@@ -78,7 +79,9 @@ class SparseDPOptimizer(DPOptimizer):
         self._kept_index, self._noise_mask = {}, {}
         for p, mask in masks.items():
             if p not in params:
-                raise ValueError("set_param_masks: a masked tensor is not one of this optimizer's params")
+                raise ValueError(
+                    "set_param_masks: a masked tensor is not one of this optimizer's params"
+                )
             if mask is None:
                 continue
             if mask.dtype != torch.bool or tuple(mask.shape) != tuple(p.shape):
@@ -131,7 +134,7 @@ class SparseDPOptimizer(DPOptimizer):
             _mark_as_processed(p.grad_sample)
 
     def add_noise(self) -> None:
-        """Adds ``m * N(0, (sigma C)^2)`` to ``p.summed_grad`` and stores the result in ``p.grad``."""
+        """Adds ``m * N(0, (sigma C)^2)`` to ``p.summed_grad``; the result goes to ``p.grad``."""
         if not self._noise_mask:
             super().add_noise()
             return
@@ -173,8 +176,9 @@ class SparseDPEngine(PrivacyEngine):
         mechanism: ``"dpsgd"`` (private), or the non-private ablations ``"clipped"``/``"noisy"``.
     """
 
-    def __init__(self, *, accountant: str = "rdp", secure_mode: bool = False,
-                 mechanism: str = "dpsgd") -> None:
+    def __init__(
+        self, *, accountant: str = "rdp", secure_mode: bool = False, mechanism: str = "dpsgd"
+    ) -> None:
         if mechanism not in MECHANISMS:
             raise ValueError(f"mechanism={mechanism!r}: expected one of {', '.join(MECHANISMS)}")
         super().__init__(accountant=accountant, secure_mode=secure_mode)
@@ -184,9 +188,15 @@ class SparseDPEngine(PrivacyEngine):
         self._optimizer: SparseDPOptimizer | None = None
         self._mask: torch.Tensor | None = None
 
-    def _prepare_optimizer(self, *, optimizer: torch.optim.Optimizer, clipping: str = "flat",
-                           distributed: bool = False, grad_sample_mode: str = "hooks",
-                           **kwargs: Any) -> DPOptimizer:
+    def _prepare_optimizer(
+        self,
+        *,
+        optimizer: torch.optim.Optimizer,
+        clipping: str = "flat",
+        distributed: bool = False,
+        grad_sample_mode: str = "hooks",
+        **kwargs: Any,
+    ) -> DPOptimizer:
         if clipping != "flat" or distributed or "ghost" in grad_sample_mode:
             raise NotImplementedError(
                 f"clipping={clipping!r}, distributed={distributed}, "
@@ -208,8 +218,7 @@ class SparseDPEngine(PrivacyEngine):
         self._optimizer = sparse
         return sparse
 
-    def make_private(self, *, module: nn.Module, noise_multiplier: float,
-                     **kwargs: Any) -> Any:
+    def make_private(self, *, module: nn.Module, noise_multiplier: float, **kwargs: Any) -> Any:
         """Opacus's ``make_private``; returns ``(module, optimizer, data_loader)``."""
         if self.mechanism == "clipped" and noise_multiplier != 0:
             raise ValueError(
@@ -224,9 +233,7 @@ class SparseDPEngine(PrivacyEngine):
         ):
             raise ValueError(f"max_grad_norm={max_grad_norm}: expected a finite value > 0")
         self._layout = ParamLayout.from_module(module)
-        self._params = {
-            unwrap_name(n): p for n, p in module.named_parameters() if p.requires_grad
-        }
+        self._params = {unwrap_name(n): p for n, p in module.named_parameters() if p.requires_grad}
         self._mask = None
         result = super().make_private(module=module, noise_multiplier=noise_multiplier, **kwargs)
         return result

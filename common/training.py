@@ -57,9 +57,13 @@ class PrivacyConfig:
 
     def __post_init__(self) -> None:
         if self.mechanism not in MECHANISMS:
-            raise ValueError(f"mechanism={self.mechanism!r}: expected one of {', '.join(MECHANISMS)}")
+            raise ValueError(
+                f"mechanism={self.mechanism!r}: expected one of {', '.join(MECHANISMS)}"
+            )
         if self.accountant not in ACCOUNTANTS:
-            raise ValueError(f"accountant={self.accountant!r}: expected one of {', '.join(ACCOUNTANTS)}")
+            raise ValueError(
+                f"accountant={self.accountant!r}: expected one of {', '.join(ACCOUNTANTS)}"
+            )
         if (self.noise_multiplier is None) == (self.target_epsilon is None):
             raise ValueError(
                 f"noise_multiplier={self.noise_multiplier}, target_epsilon={self.target_epsilon}: "
@@ -129,7 +133,9 @@ class TrainConfig:
         if not 0.0 <= self.momentum < 1.0:
             raise ValueError(f"momentum={self.momentum}: expected 0 <= momentum < 1")
         if self.max_physical_batch_size < 0:
-            raise ValueError(f"max_physical_batch_size={self.max_physical_batch_size}: expected >= 0")
+            raise ValueError(
+                f"max_physical_batch_size={self.max_physical_batch_size}: expected >= 0"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -169,10 +175,16 @@ def make_private(
         epochs_for_target: epochs that ``target_epsilon`` must cover (ignored with a fixed
             ``noise_multiplier``).
     """
-    data_gen = None if privacy.secure_mode else torch.Generator().manual_seed(derive_seed(train.seed, 1))
-    noise_gen = None if privacy.secure_mode else torch.Generator().manual_seed(derive_seed(train.seed, 2))
+    data_gen = (
+        None if privacy.secure_mode else torch.Generator().manual_seed(derive_seed(train.seed, 1))
+    )
+    noise_gen = (
+        None if privacy.secure_mode else torch.Generator().manual_seed(derive_seed(train.seed, 2))
+    )
     loader = DataLoader(
-        TensorDataset(x, y), batch_size=min(train.batch_size, len(x)), generator=data_gen,
+        TensorDataset(x, y),
+        batch_size=min(train.batch_size, len(x)),
+        generator=data_gen,
         shuffle=not train.poisson_sampling and data_gen is not None,
     )
     optimizer = torch.optim.SGD(model.parameters(), lr=train.lr, momentum=train.momentum)
@@ -180,15 +192,21 @@ def make_private(
         accountant=privacy.accountant, secure_mode=privacy.secure_mode, mechanism=privacy.mechanism
     )
     common = dict(
-        module=model, optimizer=optimizer, data_loader=loader, max_grad_norm=privacy.max_grad_norm,
-        poisson_sampling=train.poisson_sampling, noise_generator=noise_gen,
+        module=model,
+        optimizer=optimizer,
+        data_loader=loader,
+        max_grad_norm=privacy.max_grad_norm,
+        poisson_sampling=train.poisson_sampling,
+        noise_generator=noise_gen,
     )
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Secure RNG turned off")
         if privacy.target_epsilon is not None:
             private = engine.make_private_with_epsilon(
-                target_epsilon=privacy.target_epsilon, target_delta=privacy.delta,
-                epochs=epochs_for_target, **common,
+                target_epsilon=privacy.target_epsilon,
+                target_delta=privacy.delta,
+                epochs=epochs_for_target,
+                **common,
             )
         else:
             private = engine.make_private(noise_multiplier=privacy.noise_multiplier, **common)
@@ -217,12 +235,13 @@ def train_one_epoch(
             loss.backward()
             optimizer.step()
             if len(xb):
-                total_loss += float(loss) * len(xb)
+                total_loss += float(loss.detach()) * len(xb)
                 examples += len(xb)
 
     if max_physical_batch_size > 0:
         with BatchMemoryManager(
-            data_loader=loader, max_physical_batch_size=max_physical_batch_size,
+            data_loader=loader,
+            max_physical_batch_size=max_physical_batch_size,
             optimizer=optimizer,  # type: ignore[arg-type]
         ) as memory_safe_loader:
             run(memory_safe_loader)
@@ -232,8 +251,9 @@ def train_one_epoch(
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *,
-             batch_size: int = 1024) -> tuple[float, float]:
+def evaluate(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, batch_size: int = 1024
+) -> tuple[float, float]:
     """Returns (mean cross-entropy loss, accuracy) of ``model`` on ``(x, y)``."""
     model.eval()
     loss, correct = 0.0, 0
@@ -274,9 +294,14 @@ def train_centralized(
         )
         test_loss, test_acc = evaluate(module, *test_xy)
         stats = EpochStats(
-            epoch=epoch, rate=rate, keep_fraction=engine.keep_fraction, train_loss=train_loss,
-            examples=examples, epsilon=engine.get_epsilon(privacy.delta),
-            test_loss=test_loss, test_accuracy=test_acc,
+            epoch=epoch,
+            rate=rate,
+            keep_fraction=engine.keep_fraction,
+            train_loss=train_loss,
+            examples=examples,
+            epsilon=engine.get_epsilon(privacy.delta),
+            test_loss=test_loss,
+            test_accuracy=test_acc,
         )
         history.append(stats)
         if on_epoch is not None:

@@ -20,18 +20,36 @@ warnings.filterwarnings("ignore", message=".*non-full backward hook.*")
 
 def small_cnn() -> nn.Module:
     return nn.Sequential(
-        nn.Conv2d(1, 4, 3, padding=1), nn.Tanh(), nn.MaxPool2d(2),
-        nn.Flatten(), nn.Linear(4 * 4 * 4, 16), nn.Tanh(), nn.Linear(16, 3),
+        nn.Conv2d(1, 4, 3, padding=1),
+        nn.Tanh(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(4 * 4 * 4, 16),
+        nn.Tanh(),
+        nn.Linear(16, 3),
     )
 
 
 def data(n: int = 48, seed: int = 0) -> TensorDataset:
     g = torch.Generator().manual_seed(seed)
-    return TensorDataset(torch.randn(n, 1, 8, 8, generator=g), torch.randint(0, 3, (n,), generator=g))
+    return TensorDataset(
+        torch.randn(n, 1, 8, 8, generator=g), torch.randint(0, 3, (n,), generator=g)
+    )
 
 
-def run_steps(engine_cls, *, mask_fn=None, momentum=0.0, steps=3, sigma=1.0, clip=1.0,
-              poisson=True, mechanism=None, lr=0.1, batch_size=16):
+def run_steps(
+    engine_cls,
+    *,
+    mask_fn=None,
+    momentum=0.0,
+    steps=3,
+    sigma=1.0,
+    clip=1.0,
+    poisson=True,
+    mechanism=None,
+    lr=0.1,
+    batch_size=16,
+):
     torch.manual_seed(0)
     model = small_cnn()
     initial = [p.detach().clone() for p in model.parameters()]
@@ -39,8 +57,12 @@ def run_steps(engine_cls, *, mask_fn=None, momentum=0.0, steps=3, sigma=1.0, cli
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     engine = engine_cls() if mechanism is None else engine_cls(mechanism=mechanism)
     module, dp_opt, dp_loader = engine.make_private(
-        module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=sigma,
-        max_grad_norm=clip, poisson_sampling=poisson,
+        module=model,
+        optimizer=optimizer,
+        data_loader=loader,
+        noise_multiplier=sigma,
+        max_grad_norm=clip,
+        poisson_sampling=poisson,
         noise_generator=torch.Generator().manual_seed(2),
     )
     if mask_fn is not None:
@@ -54,7 +76,9 @@ def run_steps(engine_cls, *, mask_fn=None, momentum=0.0, steps=3, sigma=1.0, cli
             done += 1
             if done == steps:
                 break
-    delta = torch.cat([(p.detach() - q).reshape(-1) for p, q in zip(model.parameters(), initial)])
+    delta = torch.cat(
+        [(p.detach() - q).reshape(-1) for p, q in zip(model.parameters(), initial, strict=True)]
+    )
     return model, engine, delta
 
 
@@ -63,10 +87,11 @@ def test_r0_reproduces_plain_opacus_bit_for_bit() -> None:
         plain, _, _ = run_steps(PrivacyEngine, momentum=momentum)
         sparse, _, _ = run_steps(SparseDPEngine, momentum=momentum)
         full, _, _ = run_steps(
-            SparseDPEngine, momentum=momentum,
+            SparseDPEngine,
+            momentum=momentum,
             mask_fn=lambda e: torch.ones(e.layout.numel, dtype=torch.bool),
         )
-        for a, b, c in zip(plain.parameters(), sparse.parameters(), full.parameters()):
+        for a, b, c in zip(plain.parameters(), sparse.parameters(), full.parameters(), strict=True):
             assert torch.equal(a, b)
             assert torch.equal(a, c)
 
@@ -104,8 +129,12 @@ def test_clip_norms_are_masked_gradient_norms(clip: float) -> None:
     engine = SparseDPEngine()
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     module, dp_opt, loader = engine.make_private(
-        module=model, optimizer=optimizer, data_loader=DataLoader(ds, batch_size=16),
-        noise_multiplier=0.0, max_grad_norm=clip, poisson_sampling=False,
+        module=model,
+        optimizer=optimizer,
+        data_loader=DataLoader(ds, batch_size=16),
+        noise_multiplier=0.0,
+        max_grad_norm=clip,
+        poisson_sampling=False,
     )
     mask = sample_mask(engine.layout.numel, keep=engine.layout.numel // 3, seed=9)
     engine.set_mask(mask)
@@ -132,15 +161,25 @@ class ZeroGrad(nn.Module):
         return self.fc(x) * 0.0
 
 
-def noise_only_grad(*, keep: int | None, d: int = 20_000, sigma: float = 1.3, clip: float = 0.7,
-                    batch: int = 10, seed: int = 4) -> tuple[torch.Tensor, torch.Tensor | None]:
+def noise_only_grad(
+    *,
+    keep: int | None,
+    d: int = 20_000,
+    sigma: float = 1.3,
+    clip: float = 0.7,
+    batch: int = 10,
+    seed: int = 4,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     model = ZeroGrad(d)
     x = torch.randn(batch, d)
     engine = SparseDPEngine()
     module, dp_opt, loader = engine.make_private(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
         data_loader=DataLoader(TensorDataset(x, torch.zeros(batch)), batch_size=batch),
-        noise_multiplier=sigma, max_grad_norm=clip, poisson_sampling=False,
+        noise_multiplier=sigma,
+        max_grad_norm=clip,
+        poisson_sampling=False,
         noise_generator=torch.Generator().manual_seed(seed),
     )
     mask = None if keep is None else sample_mask(d, keep=keep, seed=seed)
@@ -192,8 +231,11 @@ def test_epsilon_equals_opacus_accountant(accountant_cls) -> None:
     loader = DataLoader(data(n=48), batch_size=12)
     engine = SparseDPEngine(accountant=name)
     module, dp_opt, dp_loader = engine.make_private(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-        data_loader=loader, noise_multiplier=1.1, max_grad_norm=1.0,
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=loader,
+        noise_multiplier=1.1,
+        max_grad_norm=1.0,
     )
     engine.set_mask(sample_mask(engine.layout.numel, keep=100, seed=0))
     for _ in range(3):
@@ -209,8 +251,9 @@ def test_epsilon_equals_opacus_accountant(accountant_cls) -> None:
 
 def test_clipped_ablation_is_noise_free_and_not_private() -> None:
     mask_fn = lambda e: sample_mask(e.layout.numel, keep=200, seed=1)  # noqa: E731
-    _, engine_a, delta_a = run_steps(SparseDPEngine, mask_fn=mask_fn, sigma=0.0, mechanism="clipped",
-                                     poisson=False)
+    _, engine_a, delta_a = run_steps(
+        SparseDPEngine, mask_fn=mask_fn, sigma=0.0, mechanism="clipped", poisson=False
+    )
     _, engine_b, delta_b = run_steps(SparseDPEngine, mask_fn=mask_fn, sigma=0.0, poisson=False)
     assert torch.equal(delta_a, delta_b)  # Alg. 3 == Alg. 1 with sigma = 0
     assert engine_a.get_epsilon(1e-5) == math.inf
@@ -227,9 +270,12 @@ def test_noisy_ablation_skips_clipping() -> None:
     x, y = data(n=8).tensors
     engine = SparseDPEngine(mechanism="noisy")
     module, dp_opt, _ = engine.make_private(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
-        data_loader=DataLoader(TensorDataset(x, y), batch_size=8), noise_multiplier=0.0,
-        max_grad_norm=1e-4, poisson_sampling=False,
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+        data_loader=DataLoader(TensorDataset(x, y), batch_size=8),
+        noise_multiplier=0.0,
+        max_grad_norm=1e-4,
+        poisson_sampling=False,
     )
     mask = sample_mask(engine.layout.numel, keep=300, seed=2)
     engine.set_mask(mask)
@@ -249,8 +295,11 @@ def test_masks_are_keyed_by_name_with_frozen_parameters() -> None:
     model[0].weight.requires_grad_(False)  # frozen: not part of the mask
     engine = SparseDPEngine()
     module, dp_opt, loader = engine.make_private(
-        module=model, optimizer=torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1),
-        data_loader=DataLoader(data(), batch_size=16), noise_multiplier=1.0, max_grad_norm=1.0,
+        module=model,
+        optimizer=torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1),
+        data_loader=DataLoader(data(), batch_size=16),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
     )
     assert engine.layout.names == ("0.bias", "4.weight", "4.bias", "6.weight", "6.bias")
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -262,7 +311,9 @@ def test_masks_are_keyed_by_name_with_frozen_parameters() -> None:
         dp_opt.zero_grad()
         nn.functional.cross_entropy(module(xb), yb).backward()
         dp_opt.step()
-    delta = torch.cat([(p.detach() - q).reshape(-1) for p, q in zip(trainable, initial)])
+    delta = torch.cat(
+        [(p.detach() - q).reshape(-1) for p, q in zip(trainable, initial, strict=True)]
+    )
     assert torch.count_nonzero(delta[~mask]) == 0
     assert torch.equal(model[0].weight, frozen)
 
@@ -275,14 +326,22 @@ def test_batch_memory_manager_split_equals_one_batch() -> None:
         model = small_cnn()
         engine = SparseDPEngine()
         module, dp_opt, loader = engine.make_private(
-            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
-            data_loader=DataLoader(data(n=32), batch_size=32), noise_multiplier=0.8,
-            max_grad_norm=0.5, poisson_sampling=False,
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+            data_loader=DataLoader(data(n=32), batch_size=32),
+            noise_multiplier=0.8,
+            max_grad_norm=0.5,
+            poisson_sampling=False,
             noise_generator=torch.Generator().manual_seed(5),
         )
         engine.set_mask(sample_mask(engine.layout.numel, keep=150, seed=5))
-        batches = loader if physical is None else BatchMemoryManager(
-            data_loader=loader, max_physical_batch_size=physical, optimizer=dp_opt).__enter__()
+        batches = (
+            loader
+            if physical is None
+            else BatchMemoryManager(
+                data_loader=loader, max_physical_batch_size=physical, optimizer=dp_opt
+            ).__enter__()
+        )
         for xb, yb in batches:
             dp_opt.zero_grad()
             nn.functional.cross_entropy(module(xb), yb).backward()
@@ -294,7 +353,9 @@ def test_batch_memory_manager_split_equals_one_batch() -> None:
 
 def test_empty_poisson_batch_with_mask() -> None:
     _, engine, delta = run_steps(
-        SparseDPEngine, batch_size=1, steps=60,
+        SparseDPEngine,
+        batch_size=1,
+        steps=60,
         mask_fn=lambda e: sample_mask(e.layout.numel, keep=30, seed=0),
     )
     assert torch.count_nonzero(delta[~engine.mask]) == 0
@@ -314,8 +375,12 @@ def test_set_mask_validation() -> None:
 
 def test_unsupported_modes_and_bad_config_raise() -> None:
     model = small_cnn()
-    kwargs = dict(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                  data_loader=DataLoader(data(), batch_size=16), max_grad_norm=1.0)
+    kwargs = dict(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(data(), batch_size=16),
+        max_grad_norm=1.0,
+    )
     with pytest.raises(NotImplementedError, match="ghost"):
         SparseDPEngine().make_private(noise_multiplier=1.0, grad_sample_mode="ghost", **kwargs)
     with pytest.raises(ValueError, match="noise_multiplier=nan"):
@@ -331,9 +396,13 @@ def test_make_private_with_epsilon_hits_target() -> None:
     model = small_cnn()
     engine = SparseDPEngine()
     module, dp_opt, loader = engine.make_private_with_epsilon(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-        data_loader=DataLoader(data(n=48), batch_size=12), target_epsilon=3.0,
-        target_delta=1e-5, epochs=2, max_grad_norm=1.0,
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(data(n=48), batch_size=12),
+        target_epsilon=3.0,
+        target_delta=1e-5,
+        epochs=2,
+        max_grad_norm=1.0,
     )
     engine.set_mask(sample_mask(engine.layout.numel, keep=500, seed=0))
     for _ in range(2):
@@ -345,7 +414,11 @@ def test_make_private_with_epsilon_hits_target() -> None:
     assert 2.8 < eps <= 3.0 + 1e-6
     with pytest.raises(ValueError, match="not private"):
         SparseDPEngine(mechanism="noisy").make_private_with_epsilon(
-            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-            data_loader=DataLoader(data(), batch_size=12), target_epsilon=3.0,
-            target_delta=1e-5, epochs=2, max_grad_norm=1.0,
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(data(), batch_size=12),
+            target_epsilon=3.0,
+            target_delta=1e-5,
+            epochs=2,
+            max_grad_norm=1.0,
         )
