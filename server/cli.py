@@ -43,6 +43,8 @@ for _message in (
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 console = Console()
+if not console.is_terminal:  # logs and CI: do not squeeze the round table into 80 columns
+    console = Console(width=140)
 
 DEFAULT_MODELS = {
     "digits": "digits-cnn",
