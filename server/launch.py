@@ -4,6 +4,10 @@
 (Ray backend, clients in subprocess isolation) that this module starts on free 127.0.0.1
 ports with a private ``FLWR_HOME``, then ``flwr run <app> <connection> --stream`` against
 it. Every process started here is stopped by PID (its whole process group) on exit.
+
+``run_deployment`` runs the same app on a loopback *deployment*: a non-simulation SuperLink
+and N ``flower-supernode`` processes (partition ``i`` of N each), then ``flwr run <app>
+deploy --stream``. ``deploy/`` and ``docker-compose.yml`` start the same commands in containers.
 """
 
 from __future__ import annotations
@@ -22,12 +26,16 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
+from fedsparse.common.config import FederatedConfig
+
 __all__ = [
     "APP_DIR",
+    "deployment_args",
     "flwr_env",
     "format_run_config",
     "free_port",
     "managed_process",
+    "run_deployment",
     "descendants",
     "stop_process",
     "tool",
@@ -186,3 +194,147 @@ def managed_process(
         yield process
     finally:
         stop_process(process)
+
+
+def deployment_args(
+    *, http_port: int, fleet_port: int, num_nodes: int, node_ports: Sequence[int]
+) -> tuple[list[str], list[list[str]]]:
+    """``flower-superlink`` and ``flower-supernode`` argument lists for a loopback deployment.
+
+    The SuperLink serves the Runtime and Control HTTP APIs on ``http_port`` and the gRPC
+    (grpc-rere) Fleet API on ``fleet_port``; SuperNode ``i`` serves its ClientAppIo (Runtime
+    HTTP API) on ``node_ports[i]`` and holds partition ``i`` of ``num_nodes``. Everything
+    listens on 127.0.0.1 only. (SuperNodes install no runtime dependencies unless asked.)
+    """
+    superlink = [
+        tool("flower-superlink"),
+        "--insecure",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(http_port),
+        "--fleet-api-address",
+        f"127.0.0.1:{fleet_port}",
+        "--disable-runtime-dependency-installation",
+    ]
+    supernodes = [
+        [
+            tool("flower-supernode"),
+            "--insecure",
+            "--superlink",
+            f"127.0.0.1:{fleet_port}",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(node_ports[i]),
+            "--node-config",
+            f"partition-id={i} num-partitions={num_nodes}",
+        ]
+        for i in range(num_nodes)
+    ]
+    return superlink, supernodes
+
+
+def _log_tails(paths: Sequence[Path], *, lines: int = 20) -> str:
+    parts = []
+    for path in paths:
+        if path.exists():
+            tail = path.read_text(errors="replace").splitlines()[-lines:]
+            parts.append(f"--- {path.name} ---\n" + "\n".join(tail))
+    return "\n".join(parts)
+
+
+def run_deployment(
+    *,
+    out: Path,
+    overrides: Mapping[str, Any],
+    num_nodes: int,
+    timeout: float = 600.0,
+    pids: list[int] | None = None,
+) -> dict:
+    """Runs the app on a loopback deployment; returns ``summary.json``'s content.
+
+    Starts a non-simulation SuperLink and ``num_nodes`` SuperNodes on free 127.0.0.1 ports
+    with a private ``FLWR_HOME`` (``<out>/.flwr``), submits the app with ``flwr run <app>
+    deploy --stream`` and the run config ``overrides`` (plus ``out-dir=<out>``), and stops
+    every process by PID, descendants included, however the run ends. Logs go to
+    ``<out>/superlink.log``, ``<out>/supernode-<i>.log`` and ``<out>/flwr.log``.
+
+    Args:
+        out: run directory (created); the ServerApp writes ``rounds.jsonl`` and
+            ``summary.json`` there.
+        overrides: run-config values (keys as in ``[tool.flwr.app.config]``).
+        num_nodes: SuperNodes to start; node ``i`` holds partition ``i`` of ``num_nodes``.
+        timeout: seconds allowed for ``flwr run``.
+        pids: if given, the PID of every process started here is appended to it.
+
+    Raises:
+        ValueError: a bad run-config override or ``num_nodes``.
+        RuntimeError: a process failed, the run timed out or left no ``summary.json``
+            (with the tails of the logs).
+    """
+    if num_nodes < 1:
+        raise ValueError(f"num_nodes={num_nodes}: expected >= 1")
+    out = Path(out).resolve()
+    run_config = {**overrides, "out-dir": str(out)}
+    config = FederatedConfig.from_run_config(run_config)  # validate before starting anything
+    typed = {k: v for k, v in config.to_run_config().items() if k in run_config}
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in ("rounds.jsonl", "summary.json"):
+        (out / stale).unlink(missing_ok=True)
+    flwr_home = out / ".flwr"
+    shutil.rmtree(flwr_home, ignore_errors=True)
+    http, fleet = free_port(), free_port()
+    node_ports = [free_port() for _ in range(num_nodes)]
+    write_flwr_config(flwr_home, name="deploy", control_port=http)
+    env = flwr_env(flwr_home)
+    superlink_args, supernode_args = deployment_args(
+        http_port=http, fleet_port=fleet, num_nodes=num_nodes, node_ports=node_ports
+    )
+    run_args = [
+        tool("flwr"),
+        "run",
+        str(APP_DIR),
+        "deploy",
+        *format_run_config(typed),
+        "--stream",
+    ]
+    logs = [out / "superlink.log", *(out / f"supernode-{i}.log" for i in range(num_nodes))]
+    logs.append(out / "flwr.log")
+    recorded = pids if pids is not None else []
+    try:
+        with contextlib.ExitStack() as stack:
+            link_log = stack.enter_context(logs[0].open("wb"))
+            superlink = stack.enter_context(managed_process(superlink_args, env=env, log=link_log))
+            recorded.append(superlink.pid)
+            wait_for_port(http, timeout=60, process=superlink)
+            wait_for_port(fleet, timeout=60, process=superlink)
+            nodes = []
+            for i, args in enumerate(supernode_args):
+                node_log = stack.enter_context(logs[1 + i].open("wb"))
+                nodes.append(stack.enter_context(managed_process(args, env=env, log=node_log)))
+                recorded.append(nodes[-1].pid)
+            for node, port in zip(nodes, node_ports, strict=True):
+                wait_for_port(port, timeout=60, process=node)
+            run_log = stack.enter_context(logs[-1].open("wb"))
+            run = stack.enter_context(managed_process(run_args, env=env, log=run_log, cwd=APP_DIR))
+            recorded.append(run.pid)
+            deadline = time.monotonic() + timeout
+            while run.poll() is None:
+                for process in (superlink, *nodes):
+                    if process.poll() is not None:
+                        raise RuntimeError(
+                            f"{process.args[0]} exited with code {process.returncode}"
+                        )
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"timeout={timeout:.0f} s reached")
+                time.sleep(0.5)
+    except RuntimeError as error:
+        raise RuntimeError(f"{error}\n{_log_tails(logs)}") from error
+    summary_path = out / "summary.json"
+    if run.returncode != 0 or not summary_path.exists():
+        raise RuntimeError(
+            f"flwr run exited with code {run.returncode} and "
+            f"{'no' if not summary_path.exists() else 'a'} summary.json:\n{_log_tails(logs)}"
+        )
+    return json.loads(summary_path.read_text())
