@@ -24,7 +24,7 @@ from fedsparse.common.config import FederatedConfig
 from fedsparse.common.data import Split, load_dataset
 from fedsparse.common.layout import ParamLayout
 from fedsparse.common.masks import derive_seed, sample_mask
-from fedsparse.common.models import build_model
+from fedsparse.common.models import DEFAULT_MODELS, build_model
 from fedsparse.common.partition import partition_indices
 from fedsparse.common.payload import decode_update, encode_update
 from fedsparse.common.protocol import (
@@ -44,14 +44,6 @@ for _message in (
     warnings.filterwarnings("ignore", message=_message)
 
 app = ClientApp()
-
-DEFAULT_MODELS = {
-    "digits": "digits-cnn",
-    "mnist": "dpcnn-mnist",
-    "fmnist": "dpcnn-mnist",
-    "cifar10": "dpcnn",
-    "svhn": "dpcnn",
-}
 
 
 def model_name(cfg: FederatedConfig) -> str:

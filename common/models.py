@@ -227,6 +227,15 @@ _REGISTRY: Final[dict[str, _ModelFactory]] = {
 }
 
 MODEL_NAMES: Final[tuple[str, ...]] = tuple(_REGISTRY)
+
+#: The model each dataset uses unless one is named.
+DEFAULT_MODELS = {
+    "digits": "digits-cnn",
+    "mnist": "dpcnn-mnist",
+    "fmnist": "dpcnn-mnist",
+    "cifar10": "dpcnn",
+    "svhn": "dpcnn",
+}
 """Names accepted by :func:`build_model`."""
 
 

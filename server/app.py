@@ -28,13 +28,13 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 
-from fedsparse.client.app import DEFAULT_MODELS, model_name
+from fedsparse.client.app import model_name
 from fedsparse.common.aggregate import SparseAggregator
 from fedsparse.common.config import FederatedConfig
 from fedsparse.common.data import load_dataset
 from fedsparse.common.layout import ParamLayout
 from fedsparse.common.masks import derive_seed, keep_count, sample_mask
-from fedsparse.common.models import build_model
+from fedsparse.common.models import DEFAULT_MODELS, build_model
 from fedsparse.common.payload import PayloadError, decode_update, encode_update
 from fedsparse.common.protocol import CONFIG_RECORD, METRICS_RECORD, client_mask_seed, round_seed
 from fedsparse.common.training import evaluate

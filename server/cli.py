@@ -22,7 +22,7 @@ from rich.console import Console
 
 from fedsparse.common.data import load_dataset
 from fedsparse.common.masks import derive_seed
-from fedsparse.common.models import build_model, count_parameters
+from fedsparse.common.models import DEFAULT_MODELS, build_model, count_parameters
 from fedsparse.common.training import (
     EpochStats,
     PrivacyConfig,
@@ -45,14 +45,6 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 console = Console()
 if not console.is_terminal:  # logs and CI: do not squeeze the round table into 80 columns
     console = Console(width=140)
-
-DEFAULT_MODELS = {
-    "digits": "digits-cnn",
-    "mnist": "dpcnn-mnist",
-    "fmnist": "dpcnn-mnist",
-    "cifar10": "dpcnn",
-    "svhn": "dpcnn",
-}
 
 
 def run_train(
