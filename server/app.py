@@ -109,6 +109,8 @@ class RoundLog:
     dense_uplink_bytes: int
     dense_downlink_bytes: int
     wall_seconds: float
+    started_at: float  # unix time the round began (to match wire captures by time)
+    ended_at: float  # unix time the round's line was written
     rejected: list[str]
 
 
@@ -201,7 +203,7 @@ def run_federated(grid: Grid, cfg: FederatedConfig) -> dict[str, Any]:
     )
     nodes = _wait_for_nodes(grid, cfg.min_clients, cfg.round_timeout)
     for server_round in range(1, cfg.num_rounds + 1):
-        started = time.perf_counter()
+        started, started_at = time.perf_counter(), time.time()
         rate = schedule.rate(server_round - 1)
         keep = keep_count(d, rate=rate)
         seed = round_seed(cfg.seed, server_round)
@@ -297,6 +299,8 @@ def run_federated(grid: Grid, cfg: FederatedConfig) -> dict[str, Any]:
             dense_uplink_bytes=answered * d * 4,
             dense_downlink_bytes=len(selected) * d * 4,
             wall_seconds=time.perf_counter() - started,
+            started_at=started_at,
+            ended_at=time.time(),
             rejected=rejected,
         )
         logs.append(entry)
