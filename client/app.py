@@ -20,7 +20,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricR
 from flwr.clientapp import ClientApp
 from opacus.accountants.utils import get_noise_multiplier
 
-from fedsparse.common.config import FederatedConfig
+from fedsparse.common.config import FederatedConfig, wire_encoding
 from fedsparse.common.data import Split, load_dataset
 from fedsparse.common.layout import ParamLayout
 from fedsparse.common.masks import derive_seed, sample_mask
@@ -214,7 +214,9 @@ def train(msg: Message, context: Context) -> Message:
         dense_size=numel,
         round=server_round,
         mask_seed=None if mask is None else mask_seed,
+        encoding=wire_encoding(cfg.codec, sparse=mask is not None),
         value_dtype=cfg.value_dtype,
+        compression=cfg.compression,
     )
     _save_state(context, global_flat, model_version, list(engine.accountant.history))
     content = RecordDict(

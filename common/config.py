@@ -16,13 +16,30 @@ from dataclasses import dataclass
 from typing import Any
 
 from fedsparse.common.dp import MECHANISMS
-from fedsparse.common.payload import VALUE_DTYPES
+from fedsparse.common.payload import COMPRESSIONS, VALUE_DTYPES
 from fedsparse.common.training import ACCOUNTANTS, PrivacyConfig, SparsityConfig
 
-__all__ = ["CODECS", "MASK_SCOPES", "FederatedConfig"]
+__all__ = ["CODECS", "MASK_SCOPES", "FederatedConfig", "wire_encoding"]
 
 MASK_SCOPES = ("round", "client")
-CODECS = ("values",)
+# How a sparse update's support travels (payload.py): "values" sends values only and lets the
+# receiver regenerate the support from the broadcast seed; "coo", "delta" and "bitmap" send it
+# explicitly (what a system without seed sharing pays); "auto" picks the smallest, which is
+# "values" whenever a seed is known.
+CODECS = ("values", "coo", "delta", "bitmap", "auto")
+
+
+def wire_encoding(codec: str, *, sparse: bool) -> str:
+    """The ``payload.encode_update`` encoding for a run-config ``codec``.
+
+    A full update (``sparse=False``: rate 0, or the first dense download) always travels
+    ``"dense"``: every codec agrees that no indices are needed.
+    """
+    if codec not in CODECS:
+        raise ValueError(f"codec={codec!r}: expected one of {', '.join(CODECS)}")
+    if not sparse:
+        return "dense"
+    return "seeded" if codec == "values" else codec
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,6 +74,7 @@ class FederatedConfig:
     # transport
     codec: str = "values"
     value_dtype: str = "fp32"
+    compression: str = "none"
     # data and model
     dataset: str = "digits"
     data_dir: str = ""
@@ -96,6 +114,8 @@ class FederatedConfig:
             fail("codec", f"one of {', '.join(CODECS)}")
         if self.value_dtype not in VALUE_DTYPES:
             fail("value_dtype", f"one of {', '.join(VALUE_DTYPES)}")
+        if self.compression not in COMPRESSIONS:
+            fail("compression", f"one of {', '.join(COMPRESSIONS)}")
         if not 0 <= self.seed < 2**63:
             fail("seed", "0 <= seed < 2**63")
         if self.dirichlet_alpha <= 0:

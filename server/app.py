@@ -30,12 +30,18 @@ from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 
 from fedsparse.client.app import model_name
 from fedsparse.common.aggregate import SparseAggregator
-from fedsparse.common.config import FederatedConfig
+from fedsparse.common.config import FederatedConfig, wire_encoding
 from fedsparse.common.data import load_dataset
 from fedsparse.common.layout import ParamLayout
 from fedsparse.common.masks import derive_seed, keep_count, sample_mask
 from fedsparse.common.models import DEFAULT_MODELS, build_model
-from fedsparse.common.payload import PayloadError, decode_update, encode_update
+from fedsparse.common.payload import (
+    ENCODINGS,
+    EXPLICIT_ENCODINGS,
+    PayloadError,
+    decode_update,
+    encode_update,
+)
 from fedsparse.common.protocol import CONFIG_RECORD, METRICS_RECORD, client_mask_seed, round_seed
 from fedsparse.common.training import evaluate
 
@@ -55,8 +61,14 @@ def message_bytes(message: Message) -> int:
 
 @dataclass
 class _Downlink:
-    """What the server knows about which global model version each node holds."""
+    """What the server knows about which global model version each node holds.
 
+    Downloads carry global-model VALUES in fp32 (never quantized: the global model is not a
+    noisy update) with the run's codec and compression for the support.
+    """
+
+    codec: str = "values"
+    compression: str = "none"
     versions: dict[int, int] = field(default_factory=dict)
     touched: dict[int, torch.Tensor] = field(default_factory=dict)  # version -> changed coords
     seeded: dict[int, tuple[int, int]] = field(default_factory=dict)  # version -> (seed, keep)
@@ -66,24 +78,36 @@ class _Downlink:
     ) -> tuple[bytes, int]:
         """(payload of global-model VALUES the node is missing, base version it patches)."""
         d = weights.numel()
+        dense = encode_update(
+            weights, dense_size=d, round=server_round, compression=self.compression
+        )
         held = self.versions.get(node)
         if held is None or any(v not in self.touched for v in range(held + 1, version + 1)):
-            return encode_update(weights, dense_size=d, round=server_round), -1
+            return dense, -1
         if held + 1 == version and version in self.seeded:
             seed, keep = self.seeded[version]
             mask = sample_mask(d, keep=keep, seed=seed)
             return encode_update(
-                weights[mask], dense_size=d, round=server_round, mask_seed=seed
+                weights[mask],
+                dense_size=d,
+                round=server_round,
+                mask_seed=seed,
+                encoding=wire_encoding(self.codec, sparse=True),
+                compression=self.compression,
             ), held
         union = torch.zeros(d, dtype=torch.bool)
         for v in range(held + 1, version + 1):
             union |= self.touched[v]
         support = torch.nonzero(union).flatten()
-        if 2 * support.numel() >= d:  # int32 index + fp32 value beats dense fp32 below d/2
-            return encode_update(weights, dense_size=d, round=server_round), -1
-        return encode_update(
-            weights[support], dense_size=d, round=server_round, indices=support
-        ), held
+        sparse = encode_update(
+            weights[support],
+            dense_size=d,
+            round=server_round,
+            indices=support,
+            encoding="auto",  # a data-dependent union: no seed, smallest explicit support
+            compression=self.compression,
+        )
+        return (sparse, held) if len(sparse) < len(dense) else (dense, -1)
 
 
 @dataclass
@@ -154,10 +178,28 @@ def _train_config(
     )
 
 
+def _accepted_encodings(codec: str, *, sparse: bool) -> tuple[str, ...]:
+    """Encodings a reply may use: the configured one (any sparse one for ``auto``)."""
+    encoding = wire_encoding(codec, sparse=sparse)
+    if encoding == "auto":
+        return tuple(e for e in ENCODINGS if e != "dense")
+    return (encoding,)
+
+
 def _check_reply(
-    reply: Message, *, d: int, server_round: int, expected_seed: int | None, keep: int
+    reply: Message,
+    *,
+    d: int,
+    server_round: int,
+    expected_seed: int | None,
+    keep: int,
+    codec: str = "values",
 ) -> tuple[torch.Tensor, torch.Tensor | None, float, dict[str, Any], int]:
-    """Validates one reply; returns (values, support or None, weight, metrics, payload size)."""
+    """Validates one reply; returns (values, support or None, weight, metrics, payload size).
+
+    An explicit support (coo/delta/bitmap) must equal the round's public mask: the server
+    never aggregates values on coordinates a client chose itself.
+    """
     try:
         payload = bytes(reply.content.config_records[CONFIG_RECORD]["update"])
         metrics = dict(reply.content.metric_records[METRICS_RECORD])
@@ -168,9 +210,14 @@ def _check_reply(
         expected_dense_size=d,
         expected_round=server_round,
         expected_mask_seed=expected_seed,
-        expected_encoding="dense" if keep == d else "seeded",
+        expected_encoding=_accepted_encodings(codec, sparse=keep < d),
         expected_keep=keep,
     )
+    if update.encoding in EXPLICIT_ENCODINGS:
+        assert expected_seed is not None  # keep < d
+        mask = sample_mask(d, keep=keep, seed=expected_seed)
+        if not torch.equal(update.support(), torch.nonzero(mask).flatten()):
+            raise PayloadError(f"indices: the {update.encoding} support is not the round's mask")
     weight = metrics.get("num-examples")
     if not isinstance(weight, int) or not 0 < weight <= 10**9:
         raise PayloadError(f"num-examples={weight!r}: expected an integer in [1, 1e9]")
@@ -188,7 +235,7 @@ def run_federated(grid: Grid, cfg: FederatedConfig) -> dict[str, Any]:
     weights = layout.flatten_module(model).clone()
     _, test = load_dataset(cfg.dataset, data_dir=cfg.data_dir or None, seed=cfg.seed)
     schedule = cfg.sparsity().rate_schedule(cfg.num_rounds)
-    downlink = _Downlink()
+    downlink = _Downlink(codec=cfg.codec, compression=cfg.compression)
     rng = np.random.default_rng(derive_seed(cfg.seed, 0xC0FFEE))
     epsilons: dict[int, float] = {}
     logs: list[RoundLog] = []
@@ -255,6 +302,7 @@ def run_federated(grid: Grid, cfg: FederatedConfig) -> dict[str, Any]:
                     server_round=server_round,
                     expected_seed=None if keep == d else expected_seed,
                     keep=keep,
+                    codec=cfg.codec,
                 )
                 aggregator.add(values, support=support, weight=weight)
             except (PayloadError, ValueError) as err:

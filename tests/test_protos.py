@@ -77,19 +77,29 @@ def test_generated_module_imports_and_pins_the_schema() -> None:
         "value_dtype": 8,
         "indices": 10,
         "values": 11,
+        "value_scale": 12,
+        "compression": 13,
     }
     proto = descriptor_pb2.DescriptorProto()
     payload_pb2.SparseUpdate.DESCRIPTOR.CopyToProto(proto)
-    assert [(r.start, r.end) for r in proto.reserved_range] == [(12, 16)]  # end exclusive
+    assert [(r.start, r.end) for r in proto.reserved_range] == [(14, 16)]  # end exclusive
+    assert payload_pb2.SparseUpdate.DESCRIPTOR.fields_by_name["value_scale"].has_presence
     assert dict(payload_pb2.ValueDtype.items()) == {
         "VALUE_DTYPE_UNSPECIFIED": 0,
         "VALUE_DTYPE_FP32": 1,
         "VALUE_DTYPE_FP16": 2,
         "VALUE_DTYPE_BF16": 3,
+        "VALUE_DTYPE_INT8": 4,
     }
     assert dict(payload_pb2.IndexEncoding.items()) == {
         "INDEX_ENCODING_UNSPECIFIED": 0,
         "INDEX_ENCODING_SEEDED_MASK": 1,
         "INDEX_ENCODING_DENSE": 2,
         "INDEX_ENCODING_COO_INT32": 3,
+        "INDEX_ENCODING_DELTA_VARINT": 4,
+        "INDEX_ENCODING_BITMAP": 5,
+    }
+    assert dict(payload_pb2.Compression.items()) == {
+        "COMPRESSION_NONE": 0,
+        "COMPRESSION_ZSTD": 1,
     }

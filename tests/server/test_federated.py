@@ -12,7 +12,7 @@ from fedsparse.client.app import app as client_app
 from fedsparse.common.aggregate import SparseAggregator
 from fedsparse.common.config import FederatedConfig
 from fedsparse.common.masks import keep_count
-from fedsparse.common.payload import decode_update, payload_size
+from fedsparse.common.payload import decode_update, encode_update, payload_size
 from fedsparse.common.protocol import CONFIG_RECORD, METRICS_RECORD, round_seed
 from fedsparse.server.app import run_federated
 from fedsparse.server.inprocess import InProcessGrid
@@ -158,11 +158,13 @@ def test_per_client_masks_touch_the_union(tmp_path: Path) -> None:
         tmp_path, nodes=3, num_rounds=2, final_rate=0.9, mask_scope="client", schedule="constant"
     )
     assert all(r["rejected"] == [] for r in rounds)
-    # The server sends the missing values with explicit indices (union of 3 client masks).
+    # The server sends the missing values with an explicit support (union of 3 client masks,
+    # 27% of d): "auto" picks the bitmap (d/8 bytes) over delta varints (~1 B per index here)
+    # and COO (4 B per index), so each download is ~ 4 B per union value + d/8.
     keep = keep_count(D_DIGITS, rate=0.9)
     union = D_DIGITS * (1 - 0.9**3)
     per_client = rounds[1]["downlink_payload_bytes"] / 3
-    assert abs(per_client / 8 - union) < 5 * math.sqrt(union)  # int32 index + fp32 value each
+    assert abs((per_client - math.ceil(D_DIGITS / 8)) / 4 - union) < 5 * math.sqrt(union)
     assert rounds[0]["uplink_payload_bytes"] < 3 * (keep * 4 + 64)
 
 
@@ -204,3 +206,85 @@ def test_sparse_aggregator_weighted_per_coordinate_mean() -> None:
     torch.testing.assert_close(w, torch.tensor([1.0, 0.0, (2 + 9) / 4, 4.0, 0.0]))
     with pytest.raises(ValueError, match="weight=0"):
         agg.add(torch.tensor([1.0]), support=torch.tensor([1]), weight=0)
+
+
+@pytest.fixture(scope="module")
+def values_codec_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], torch.Tensor]:
+    out = tmp_path_factory.mktemp("values")
+    rounds = run(out, nodes=2, num_rounds=2, final_rate=0.7, schedule="constant")
+    return rounds, torch.load(out / "checkpoint.pt")["weights"]
+
+
+@pytest.mark.parametrize("codec", ["coo", "delta", "bitmap", "auto"])
+def test_explicit_codecs_train_the_same_model_and_cost_their_index_bytes(
+    tmp_path: Path, codec: str, values_codec_run: tuple[list[dict], torch.Tensor]
+) -> None:
+    """Only the support's encoding changes: the aggregated model is bit-identical."""
+    base, weights = values_codec_run
+    rounds = run(tmp_path, nodes=2, num_rounds=2, final_rate=0.7, schedule="constant", codec=codec)
+    assert torch.equal(torch.load(tmp_path / "checkpoint.pt")["weights"], weights)
+    keep = keep_count(D_DIGITS, rate=0.7)
+    index_bytes = {
+        "coo": 4 * keep,
+        "bitmap": math.ceil(D_DIGITS / 8),
+        # mean gap 3.3: one varint byte per index, two for the rare gaps >= 128
+        "delta": keep,
+        "auto": 0,  # the seed is known: values only
+    }[codec]
+    for r, b in zip(rounds, base, strict=True):
+        assert r["test_accuracy"] == b["test_accuracy"] and r["rejected"] == []
+        extra = (r["uplink_payload_bytes"] - b["uplink_payload_bytes"]) / 2  # per client
+        # + the indices field's tag and length, - the mask seed varint (10 bytes for 63 bits)
+        assert abs(extra - index_bytes) <= 16 if codec != "auto" else extra == 0
+
+
+def test_int8_zstd_uplink_is_a_quarter_and_still_learns(
+    tmp_path: Path, values_codec_run: tuple[list[dict], torch.Tensor]
+) -> None:
+    base, _ = values_codec_run
+    rounds = run(
+        tmp_path,
+        nodes=2,
+        num_rounds=2,
+        final_rate=0.7,
+        schedule="constant",
+        value_dtype="int8",
+        compression="zstd",
+    )
+    for r, b in zip(rounds, base, strict=True):
+        assert r["rejected"] == []
+        assert r["uplink_payload_bytes"] < 0.27 * b["uplink_payload_bytes"]
+        # Quantization error (<= max|v|/254 per value) barely moves the model.
+        assert abs(r["test_accuracy"] - b["test_accuracy"]) < 0.05
+
+
+def test_a_support_other_than_the_round_mask_is_rejected(tmp_path: Path) -> None:
+    def shifted(msg: Message, ctx: Context) -> Message:
+        reply = client_app(msg, ctx)
+        update = decode_update(bytes(reply.content.config_records[CONFIG_RECORD]["update"]))
+        assert update.indices is not None
+        moved = torch.clamp(update.indices + 1, max=D_DIGITS - 1).unique()
+        payload = encode_update(
+            update.values[: len(moved)],
+            dense_size=D_DIGITS,
+            round=update.round,
+            indices=moved,
+            encoding="coo",
+        )
+        reply.content.config_records[CONFIG_RECORD] = ConfigRecord({"update": payload})
+        return reply
+
+    rounds = run(
+        tmp_path,
+        nodes=3,
+        overrides={1001: shifted},
+        num_rounds=1,
+        final_rate=0.7,
+        schedule="constant",
+        codec="coo",
+    )
+    assert rounds[0]["num_rejected"] == 1
+    reason = rounds[0]["rejected"][0]
+    assert reason.startswith("node 1001: ") and (
+        "not the round's mask" in reason or "keep" in reason
+    )
