@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -70,6 +71,7 @@ class FederatedConfig:
     cooling_rounds: int = 1
     initial_keep: float = 1.0
     final_keep: float = 1.0
+    rate_steps: str = ""  # schedule=steps: comma-separated rates, e.g. "0,0.5,0.7,0.9"
     mask_scope: str = "round"
     # transport
     codec: str = "values"
@@ -124,7 +126,8 @@ class FederatedConfig:
             self.privacy()
             self.sparsity().rate_schedule(self.num_rounds)
         except ValueError as err:
-            raise ValueError(str(err).replace("_", "-")) from err
+            message = re.sub(r"(?<![\w-])steps=", "rate-steps=", str(err).replace("_", "-"))
+            raise ValueError(message) from err
 
     @classmethod
     def from_run_config(cls, run_config: Mapping[str, Any]) -> FederatedConfig:
@@ -164,7 +167,17 @@ class FederatedConfig:
             cooling_steps=self.cooling_rounds,
             initial_keep=self.initial_keep,
             final_keep=self.final_keep,
+            steps=self.steps(),
         )
+
+    def steps(self) -> tuple[float, ...]:
+        """``rate-steps`` parsed (empty when unset)."""
+        try:
+            return tuple(float(x) for x in self.rate_steps.split(",") if x.strip())
+        except ValueError:
+            raise ValueError(
+                f"rate-steps={self.rate_steps!r}: expected comma-separated rates"
+            ) from None
 
 
 def _coerce(key: str, value: Any, kind: type) -> Any:

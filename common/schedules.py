@@ -11,6 +11,8 @@ the number of kept coordinates is ``keep = d - floor(r * d)`` (``masks.keep_coun
 - ``linear-keep`` / ``exp-keep``: the GIP paper's decays of the keep ratio ``k`` from ``k0`` to
   ``k_final`` over ``E`` steps, linear ``k(e) = k0 + (k_final - k0) * e/(E-1)`` or
   exponential ``k(e) = k0 * (k_final/k0) ** (e/(E-1))``; ``r(e) = 1 - k(e)``.
+- ``steps``: an explicit list, ``r(e) = steps[min(e, len(steps) - 1)]`` (sweeps and
+  benchmarks that visit given rates round by round).
 
 Schedules are data-independent: they are public and do not affect privacy accounting.
 """
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 
 __all__ = ["SCHEDULES", "RateSchedule"]
 
-SCHEDULES = ("gradual", "cooling", "constant", "linear-keep", "exp-keep")
+SCHEDULES = ("gradual", "cooling", "constant", "linear-keep", "exp-keep", "steps")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,6 +38,7 @@ class RateSchedule:
         cooling_steps: ``e*`` for ``cooling``, ``>= 1``.
         initial_keep: ``k0`` for the keep-ratio decays, in ``(0, 1]``.
         final_keep: ``k_final`` for the keep-ratio decays, in ``(0, 1]``.
+        steps: the rates for ``steps`` (the last one repeats), each in ``[0, 1)``.
     """
 
     kind: str = "gradual"
@@ -44,6 +47,7 @@ class RateSchedule:
     cooling_steps: int = 1
     initial_keep: float = 1.0
     final_keep: float = 1.0
+    steps: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in SCHEDULES:
@@ -58,6 +62,11 @@ class RateSchedule:
             value = getattr(self, field)
             if not 0.0 < value <= 1.0:
                 raise ValueError(f"{field}={value}: expected 0 < k <= 1")
+        if self.kind == "steps" and not self.steps:
+            raise ValueError("steps=(): the 'steps' schedule needs at least one rate")
+        for rate in self.steps:
+            if not 0.0 <= rate < 1.0:
+                raise ValueError(f"steps={self.steps}: each rate must satisfy 0 <= r < 1")
 
     def rate(self, step: int) -> float:
         """Sparsification rate ``r(step)`` for ``step`` in ``[0, total_steps)``.
@@ -74,6 +83,8 @@ class RateSchedule:
             return self.final_rate * min(step / self.cooling_steps, 1.0)
         if self.kind == "constant":
             return self.final_rate
+        if self.kind == "steps":
+            return self.steps[min(step, len(self.steps) - 1)]
         k0, k1 = self.initial_keep, self.final_keep
         if self.kind == "linear-keep":
             keep = k0 + (k1 - k0) * progress

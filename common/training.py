@@ -93,6 +93,7 @@ class SparsityConfig:
     cooling_steps: int = 1
     initial_keep: float = 1.0
     final_keep: float = 1.0
+    steps: tuple[float, ...] = ()
     mask_seed: int = 0
 
     def __post_init__(self) -> None:
@@ -109,6 +110,7 @@ class SparsityConfig:
             cooling_steps=self.cooling_steps,
             initial_keep=self.initial_keep,
             final_keep=self.final_keep,
+            steps=self.steps,
         )
 
 

@@ -57,3 +57,25 @@ def test_validation_names_field(kwargs: dict, match: str) -> None:
 def test_step_out_of_range() -> None:
     with pytest.raises(ValueError, match="step=5"):
         RateSchedule(total_steps=5).rate(5)
+
+
+def test_steps_schedule_visits_the_given_rates_and_repeats_the_last() -> None:
+    schedule = RateSchedule(kind="steps", steps=(0.0, 0.5, 0.7, 0.9), total_steps=6)
+    assert schedule.rates() == [0.0, 0.5, 0.7, 0.9, 0.9, 0.9]
+    with pytest.raises(ValueError, match="needs at least one rate"):
+        RateSchedule(kind="steps", total_steps=2)
+    with pytest.raises(ValueError, match="each rate must satisfy"):
+        RateSchedule(kind="steps", steps=(0.5, 1.0), total_steps=2)
+
+
+def test_steps_schedule_from_the_run_config() -> None:
+    from fedsparse.common.config import FederatedConfig
+
+    cfg = FederatedConfig.from_run_config(
+        {"schedule": "steps", "rate-steps": "0, 0.5,0.9", "num-rounds": 3}
+    )
+    assert cfg.sparsity().rate_schedule(3).rates() == [0.0, 0.5, 0.9]
+    with pytest.raises(ValueError, match=r"^rate-steps=\(0\.0, 1\.5\): each rate"):
+        FederatedConfig.from_run_config({"schedule": "steps", "rate-steps": "0,1.5"})
+    with pytest.raises(ValueError, match=r"^rate-steps='a,b': expected comma-separated"):
+        FederatedConfig.from_run_config({"schedule": "steps", "rate-steps": "a,b"})
