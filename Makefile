@@ -32,6 +32,7 @@ test: $(STAMP) lint typecheck
 bench: $(STAMP)
 	$(BIN)/python benchmarks/masks.py
 	$(BIN)/python benchmarks/engine.py
+	$(BIN)/python benchmarks/bytes.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache
