@@ -239,9 +239,116 @@ def simulate(
 
 
 @app.command()
+def sweep(
+    out: Annotated[Path, Opt(help="output: CSVs, plots, report.md")] = Path("runs/sweep"),
+    grid: Annotated[
+        list[str] | None, Opt("--grid", help="key=v1,v2,... (repeat for a cartesian product)")
+    ] = None,
+    set_: Annotated[list[str] | None, Opt("--set", help="fixed override key=value")] = None,
+    seeds: Annotated[int, Opt(help="seeds per config: base+0..N-1 (base: --set seed)")] = 1,
+    clients: Annotated[int, Opt(help="clients (SuperNodes) per run")] = 10,
+    backend: Annotated[str, Opt(help="simulation | inprocess")] = "simulation",
+    jobs: Annotated[int, Opt(help="runs at a time")] = 1,
+    timeout: Annotated[float, Opt(help="seconds per simulation run")] = 3600.0,
+    cpus_per_client: Annotated[float, Opt(help="Ray CPUs per virtual client")] = 1.0,
+    runs_dir: Annotated[Path | None, Opt(help="per-run directories (default OUT/runs)")] = None,
+) -> None:
+    """Bandwidth vs accuracy: a grid of runs x seeds; results/summary CSVs, plots, report.md.
+
+    Finished runs (summary.json with the same config) are reused; failed runs are recorded and
+    the sweep goes on (exit code 1 at the end if any failed).
+    """
+    import shlex
+
+    from fedsparse.server.report import write_outputs
+    from fedsparse.server.sweep import RunSettings, parse_grid, plan_sweep, run_sweep
+
+    try:
+        settings = RunSettings(
+            backend=backend, clients=clients, cpus_per_client=cpus_per_client, timeout=timeout
+        )
+        if jobs < 1:
+            raise ValueError(f"jobs={jobs}: expected >= 1")
+        fixed = _parse_sets(set_ or [])
+        plan = plan_sweep(parse_grid(grid or []), fixed, seeds=seeds, clients=clients)
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from err
+    args = ["fedsparse", "sweep", "--out", str(out)]
+    args += [a for g in grid or [] for a in ("--grid", g)]
+    args += [a for s in set_ or [] for a in ("--set", s)]
+    args += ["--seeds", str(seeds), "--clients", str(clients), "--backend", backend]
+    args += ["--jobs", str(jobs)] + (["--runs-dir", str(runs_dir)] if runs_dir else [])
+    runs_dir = runs_dir or out / "runs"
+    console.print(
+        f"[bold]{len(plan.runs)} runs[/] ({len(plan.runs) // seeds} configs x {seeds} seeds, "
+        f"{clients} clients, {backend}); run directories under {runs_dir}"
+    )
+    rows = run_sweep(plan, runs_dir=runs_dir, settings=settings, jobs=jobs, console=console)
+    paths = write_outputs(out, plan, settings, rows, command=shlex.join(args))
+    failed = sum(r["status"] != "ok" for r in rows)
+    reused = sum(bool(r["reused"]) for r in rows)
+    console.print(
+        f"[bold]{len(rows) - failed} ok[/] ({reused} reused), [bold]{failed} failed[/]; "
+        f"wrote {paths['results.csv']}, {paths['summary.csv']} and {paths['report.md']}"
+    )
+    if failed:
+        raise typer.Exit(1)
+
+
+@app.command()
 def demo(out: Annotated[Path, Opt(help="output directory")] = Path("runs/demo")) -> None:
     """10 clients on the embedded digits: epsilon=3, gradual cooling to r*=0.7, 10 rounds."""
     simulate(out=out, clients=10, set_=None, cpus_per_client=1.0, timeout=3600.0)
+
+
+def _print_wire_report(run_dir: Path) -> None:
+    from fedsparse.server.wire import capture_lines, wire_report, wire_table, write_wire_csv
+
+    rows = wire_report(run_dir)
+    console.print(wire_table(rows, title=f"bytes per round: {run_dir}"))
+    for line in capture_lines(run_dir):
+        console.print(line)
+    console.print(f"wrote {write_wire_csv(rows, run_dir / 'wire_report.csv')}")
+
+
+@app.command()
+def deploy(
+    out: Annotated[Path, Opt(help="output directory")] = Path("runs/deploy"),
+    nodes: Annotated[int, Opt(help="flower-supernode processes")] = 2,
+    set_: Annotated[list[str] | None, Opt("--set", help="run-config override key=value")] = None,
+    tls: Annotated[bool, Opt(help="TLS with a throwaway CA in OUT/certs")] = False,
+    idle_seconds: Annotated[float, Opt(help="idle polling measurement before the run")] = 6.0,
+    timeout: Annotated[float, Opt(help="seconds before the run is stopped")] = 3600.0,
+) -> None:
+    """Loopback deployment (SuperLink + SuperNodes over gRPC) with on-the-wire byte counts."""
+    from fedsparse.server.launch import run_deployment
+
+    overrides = _parse_sets(set_ or [])
+    try:
+        run_deployment(
+            out=out,
+            overrides=overrides,
+            num_nodes=nodes,
+            timeout=timeout,
+            tls=tls,
+            idle_seconds=idle_seconds,
+        )
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from err
+    except RuntimeError as err:
+        console.print(f"[bold red]deployment failed:[/] {err}")
+        raise typer.Exit(1) from err
+    _print_wire_report(out)
+
+
+@app.command("wire-report")
+def wire_report_command(
+    run_dir: Annotated[Path, typer.Argument(help="run directory with rounds.jsonl")],
+) -> None:
+    """Payload, message and wire bytes per round (wire.json if captured); writes a CSV."""
+    if not (run_dir / "rounds.jsonl").exists():
+        raise typer.BadParameter(f"run_dir={run_dir}: no rounds.jsonl")
+    _print_wire_report(run_dir)
 
 
 def main() -> None:

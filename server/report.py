@@ -1,0 +1,289 @@
+"""A sweep's outputs: ``results.csv``, ``summary.csv``, ``rounds.csv``, PNG plots, ``report.md``.
+
+``results.csv`` has one row per run (``fedsparse.server.sweep``); ``summary.csv`` one row per
+grid point with the mean and standard error over its successful seeds (SE = sample std /
+sqrt(n), blank for n = 1); ``rounds.csv`` every run's ``rounds.jsonl`` lines, so the plots can
+be redrawn without the run directories. Plots use matplotlib's Agg backend (no display).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402 - the backend must be chosen first
+import numpy as np  # noqa: E402
+from matplotlib.axes import Axes  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
+
+from fedsparse.server.sweep import METRICS, RunSettings, SweepPlan, point_label  # noqa: E402
+
+__all__ = [
+    "PLOTS",
+    "ROUND_KEYS",
+    "mean_se",
+    "summarize",
+    "write_csv",
+    "write_outputs",
+]
+
+SUMMARY_METRICS = (*METRICS, "wall_seconds")
+ROUND_KEYS = (
+    "round",
+    "rate",
+    "keep_fraction",
+    "test_accuracy",
+    "test_loss",
+    "epsilon_max",
+    "train_loss",
+    "uplink_payload_bytes",
+    "uplink_message_bytes",
+    "downlink_payload_bytes",
+    "downlink_message_bytes",
+    "dense_uplink_bytes",
+    "dense_downlink_bytes",
+    "wall_seconds",
+)
+PLOTS = {
+    "accuracy_vs_uplink.png": "Test accuracy vs cumulative uplink payload",
+    "final_accuracy.png": "Final test accuracy",
+    "uplink_per_round.png": "Uplink bytes per round",
+}
+
+
+def mean_se(values: Iterable[float]) -> tuple[float, float]:
+    """Mean and standard error (sample std / sqrt(n)); SE is NaN for n = 1, both for n = 0."""
+    x = np.asarray([float(v) for v in values], dtype=np.float64)
+    if x.size == 0:
+        return math.nan, math.nan
+    se = float(x.std(ddof=1) / math.sqrt(x.size)) if x.size > 1 else math.nan
+    return float(x.mean()), se
+
+
+@dataclass
+class ConfigRuns:
+    """One grid point's rows (all seeds) and its successful runs' rounds."""
+
+    label: str
+    point: dict[str, str]
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    rounds: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # slug -> rounds
+
+    @property
+    def ok(self) -> list[dict[str, Any]]:
+        """Rows of the successful runs."""
+        return [r for r in self.rows if r["status"] == "ok"]
+
+
+def group_configs(plan: SweepPlan, rows: Sequence[Mapping[str, Any]]) -> list[ConfigRuns]:
+    """Rows grouped by grid point (plan order), with each successful run's rounds loaded."""
+    groups: dict[str, ConfigRuns] = {}
+    for run, row in zip(plan.runs, rows, strict=True):
+        group = groups.setdefault(run.label, ConfigRuns(label=run.label, point=dict(run.point)))
+        group.rows.append(dict(row))
+        path = Path(row["run_dir"]) / "rounds.jsonl"
+        if row["status"] == "ok" and path.exists():
+            lines = path.read_text().splitlines()
+            group.rounds[row["slug"]] = [json.loads(s) for s in lines if s]
+    return list(groups.values())
+
+
+def summarize(groups: Sequence[ConfigRuns]) -> list[dict[str, Any]]:
+    """One ``summary.csv`` row per grid point: n, failures, mean and SE of every metric."""
+    out = []
+    for group in groups:
+        row: dict[str, Any] = {"config": group.label, **group.point}
+        row["n"], row["n_failed"] = len(group.ok), len(group.rows) - len(group.ok)
+        for metric in SUMMARY_METRICS:
+            row[f"{metric}_mean"], row[f"{metric}_se"] = mean_se(r[metric] for r in group.ok)
+        out.append(row)
+    return out
+
+
+def _cell(value: Any) -> Any:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return ""
+    return value
+
+
+def write_csv(path: Path, rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> None:
+    """Writes ``rows`` (floats as ``repr``, exact; None/NaN as blank cells)."""
+    with path.open("w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(columns), extrasaction="ignore")
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: _cell(row.get(k)) for k in columns})
+
+
+def _per_round(group: ConfigRuns, values: Any) -> np.ndarray:
+    """(runs x rounds) array of ``values(rounds)`` over the group's runs, cut to the shortest."""
+    runs = list(group.rounds.values())
+    length = min(len(r) for r in runs)
+    return np.asarray([np.asarray(values(r), dtype=np.float64)[:length] for r in runs])
+
+
+def _band(ax: Axes, x: np.ndarray, y: np.ndarray, label: str) -> None:
+    """Mean curve over runs (rows of y) with a shaded +-SE band when there are several."""
+    mean = y.mean(axis=0)
+    (line,) = ax.plot(x, mean, marker="o", markersize=3, label=label)
+    if y.shape[0] > 1:
+        se = y.std(axis=0, ddof=1) / math.sqrt(y.shape[0])
+        ax.fill_between(x, mean - se, mean + se, color=line.get_color(), alpha=0.2)
+
+
+def plot_accuracy_vs_uplink(groups: Sequence[ConfigRuns], path: Path) -> None:
+    """(a) Test accuracy vs cumulative uplink payload MB, one curve per grid point."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for group in (g for g in groups if g.rounds):
+        up = _per_round(group, lambda r: np.cumsum([e["uplink_payload_bytes"] for e in r]))
+        acc = _per_round(group, lambda r: [e["test_accuracy"] for e in r])
+        _band(ax, up.mean(axis=0) / 1e6, acc, group.label)
+    ax.set(xlabel="cumulative uplink payload (MB)", ylabel="test accuracy")
+    ax.set_title(PLOTS[path.name] + " (mean ± SE over seeds)")
+    _finish(fig, ax, path)
+
+
+def plot_final_accuracy(plan: SweepPlan, summary: Sequence[Mapping[str, Any]], path: Path) -> None:
+    """(b) Final accuracy vs final rate, a line per other grid point; else a bar per config."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ok = [s for s in summary if s["n"] > 0]
+    if "final-rate" in plan.grid:
+        others = [k for k in plan.grid if k != "final-rate"]
+        lines: dict[str, list[Mapping[str, Any]]] = {}
+        for row in ok:
+            lines.setdefault(point_label((k, row[k]) for k in others), []).append(row)
+        for label, members in lines.items():
+            members = sorted(members, key=lambda r: float(r["final-rate"]))
+            x = [float(r["final-rate"]) for r in members]
+            y = [r["final_test_accuracy_mean"] for r in members]
+            err = np.nan_to_num([r["final_test_accuracy_se"] for r in members])
+            ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=label if others else None)
+        ax.set(xlabel="final sparsification rate r*", ylabel="final test accuracy")
+    else:
+        labels = [r["config"] for r in ok]
+        err = np.nan_to_num([r["final_test_accuracy_se"] for r in ok])
+        ax.bar(labels, [r["final_test_accuracy_mean"] for r in ok], yerr=err, capsize=3)
+        ax.set(ylabel="final test accuracy")
+        ax.tick_params(axis="x", labelrotation=20)
+    ax.set_title(PLOTS[path.name] + " (error bars: SE over seeds)")
+    _finish(fig, ax, path)
+
+
+def plot_uplink_per_round(groups: Sequence[ConfigRuns], path: Path) -> None:
+    """(c) Uplink MB per round: payload solid, Flower message dashed, one color per config."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for group in (g for g in groups if g.rounds):
+        rounds = _per_round(group, lambda r: [e["round"] for e in r])[0]
+        payload = _per_round(group, lambda r: [e["uplink_payload_bytes"] for e in r])
+        message = _per_round(group, lambda r: [e["uplink_message_bytes"] for e in r])
+        (line,) = ax.plot(rounds, payload.mean(axis=0) / 1e6, marker="o", label=group.label)
+        ax.plot(rounds, message.mean(axis=0) / 1e6, "--", color=line.get_color())
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set(xlabel="round", ylabel="uplink MB per round (all clients)")
+    ax.set_title(PLOTS[path.name] + " (solid: payload, dashed: Flower message)")
+    _finish(fig, ax, path)
+
+
+def _finish(fig: Any, ax: Axes, path: Path) -> None:
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _pm(mean: float, se: float, digits: int, scale: float = 1.0) -> str:
+    if math.isnan(mean):
+        return "—"
+    text = f"{mean / scale:.{digits}f}"
+    return text if math.isnan(se) else f"{text} ± {se / scale:.{digits}f}"
+
+
+TABLE = (  # (header, metric, digits, scale)
+    ("final test acc", "final_test_accuracy", 4, 1.0),
+    ("ε max", "epsilon_max", 3, 1.0),
+    ("uplink payload MB", "total_uplink_payload_bytes", 3, 1e6),
+    ("uplink message MB", "total_uplink_message_bytes", 3, 1e6),
+    ("downlink payload MB", "total_downlink_payload_bytes", 3, 1e6),
+    ("dense uplink MB", "total_dense_uplink_bytes", 3, 1e6),
+    ("uplink savings ×", "uplink_savings", 2, 1.0),
+    ("wall s", "wall_seconds", 1, 1.0),
+)
+
+
+def render_report(
+    plan: SweepPlan,
+    settings: RunSettings,
+    summary: Sequence[Mapping[str, Any]],
+    rows: Sequence[Mapping[str, Any]],
+    command: str,
+) -> str:
+    """The markdown report: command, fixed settings, mean ± SE table, failures, plots."""
+    lines = ["# fedsparse sweep", "", "Produced by:", "", "```", command, "```", ""]
+    lines += ["## Fixed settings", "", "| setting | value |", "|---|---|"]
+    lines += [f"| backend | {settings.backend} |", f"| clients | {settings.clients} |"]
+    lines += [f"| seeds | {', '.join(map(str, plan.seeds))} |"]
+    lines += [f"| {k} | {v} |" for k, v in plan.fixed.items() if k != "seed"]
+    lines += ["", "Every other run-config key has its `pyproject.toml` default.", ""]
+    lines += ["## Results (mean ± SE over seeds; SE = sample std / √n)", ""]
+    lines += ["| config | n | " + " | ".join(h for h, *_ in TABLE) + " |"]
+    lines += ["|---|---:|" + "---:|" * len(TABLE)]
+    for row in summary:
+        cells = [_pm(row[f"{m}_mean"], row[f"{m}_se"], d, s) for _, m, d, s in TABLE]
+        lines.append(f"| {row['config']} | {row['n']} | " + " | ".join(cells) + " |")
+    failed = [r for r in rows if r["status"] != "ok"]
+    if failed:
+        lines += ["", "## Failed runs", ""]
+        lines += [f"- `{r['slug']}`: {r['error']}" for r in failed]
+    lines += ["", "## Plots", ""]
+    lines += [f"![{title}]({name})\n" for name, title in PLOTS.items()]
+    return "\n".join(lines)
+
+
+def _round_rows(groups: Sequence[ConfigRuns]) -> list[dict[str, Any]]:
+    out = []
+    for group in groups:
+        for row in group.ok:
+            for entry in group.rounds.get(row["slug"], []):
+                out.append({"slug": row["slug"], **group.point, "seed": row["seed"], **entry})
+    return out
+
+
+def write_outputs(
+    out: Path,
+    plan: SweepPlan,
+    settings: RunSettings,
+    rows: Sequence[Mapping[str, Any]],
+    *,
+    command: str,
+) -> dict[str, Path]:
+    """Writes the CSVs, the PNG plots and ``report.md`` into ``out``; returns their paths."""
+    out.mkdir(parents=True, exist_ok=True)
+    keys = list(plan.grid)
+    shown = [{**r, "run_dir": os.path.relpath(r["run_dir"], out)} for r in rows]
+    paths = {name: out / name for name in ("results.csv", "summary.csv", "rounds.csv")}
+    result_cols = ["slug", *keys, "seed", "status", "reused", *SUMMARY_METRICS, "run_dir", "error"]
+    write_csv(paths["results.csv"], shown, result_cols)
+    groups = group_configs(plan, rows)
+    summary = summarize(groups)
+    stats = [f"{m}_{s}" for m in SUMMARY_METRICS for s in ("mean", "se")]
+    write_csv(paths["summary.csv"], summary, ["config", *keys, "n", "n_failed", *stats])
+    write_csv(paths["rounds.csv"], _round_rows(groups), ["slug", *keys, "seed", *ROUND_KEYS])
+    for name in PLOTS:
+        paths[name] = out / name
+    plot_accuracy_vs_uplink(groups, paths["accuracy_vs_uplink.png"])
+    plot_final_accuracy(plan, summary, paths["final_accuracy.png"])
+    plot_uplink_per_round(groups, paths["uplink_per_round.png"])
+    paths["report.md"] = out / "report.md"
+    paths["report.md"].write_text(render_report(plan, settings, summary, rows, command) + "\n")
+    return paths

@@ -1,0 +1,370 @@
+"""``fedsparse sweep``: a grid of federated runs (configs x seeds), resumable, one row per run.
+
+A sweep is the cartesian product of ``--grid key=v1,v2,...`` lists on top of fixed ``--set``
+overrides, each point repeated over seeds ``base..base+N-1`` (run-config key ``seed``). Every
+run config is validated with ``FederatedConfig.from_run_config`` before anything runs. Each run
+writes into its own directory ``<runs_dir>/<slug>/`` on one of two backends:
+
+- ``simulation``: Flower's simulation engine (``run_simulation``: SuperLink + ``flwr run``);
+- ``inprocess``: ``run_federated`` on ``InProcessGrid`` with the real ClientApp (fast).
+
+A run that fails is recorded (``status=failed`` and the error) and the others go on. A run
+directory holding ``summary.json`` whose config, client count and backend match is reused,
+not rerun. ``fedsparse.server.report`` turns the rows into CSVs, plots and ``report.md``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import itertools
+import json
+import logging
+import re
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor, as_completed
+from dataclasses import dataclass
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from fedsparse.common.config import FederatedConfig
+
+__all__ = [
+    "BACKENDS",
+    "METRICS",
+    "RunSettings",
+    "SweepPlan",
+    "SweepRun",
+    "execute_run",
+    "parse_grid",
+    "plan_sweep",
+    "run_sweep",
+]
+
+BACKENDS = ("simulation", "inprocess")
+#: Per-run numbers copied from ``summary.json`` into ``results.csv`` (and aggregated).
+METRICS = (
+    "final_test_accuracy",
+    "epsilon_max",
+    "total_uplink_payload_bytes",
+    "total_uplink_message_bytes",
+    "total_downlink_payload_bytes",
+    "total_downlink_message_bytes",
+    "total_dense_uplink_bytes",
+    "total_dense_downlink_bytes",
+    "uplink_savings",
+)
+RESERVED = {"seed": "use --seeds N (and --set seed=BASE)", "out-dir": "the sweep sets it per run"}
+_UNSAFE = re.compile(r"[^A-Za-z0-9.+-]")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SweepRun:
+    """One run of a sweep: a grid point, a seed, and the run-config overrides they make."""
+
+    slug: str
+    point: tuple[tuple[str, str], ...]  # (grid key, value) in grid order
+    seed: int
+    overrides: Mapping[str, str]
+
+    @property
+    def label(self) -> str:
+        """The grid point as ``key=value, ...`` (``default`` for an empty grid)."""
+        return point_label(self.point)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SweepPlan:
+    """Every run of a sweep, in order (grid points in product order, seeds innermost)."""
+
+    grid: Mapping[str, Sequence[str]]
+    fixed: Mapping[str, str]
+    seeds: tuple[int, ...]
+    runs: tuple[SweepRun, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunSettings:
+    """How each run executes (not part of the run config; ``clients`` is part of a run's id)."""
+
+    backend: str = "simulation"
+    clients: int = 10
+    cpus_per_client: float = 1.0
+    timeout: float = 3600.0
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend={self.backend!r}: expected one of {', '.join(BACKENDS)}")
+        if self.clients < 1:
+            raise ValueError(f"clients={self.clients}: expected >= 1")
+        if not self.cpus_per_client > 0:
+            raise ValueError(f"cpus_per_client={self.cpus_per_client}: expected > 0")
+        if not self.timeout > 0:
+            raise ValueError(f"timeout={self.timeout}: expected > 0")
+
+
+def point_label(point: Iterable[tuple[str, str]]) -> str:
+    """``key=value, ...`` for a grid point; ``default`` when the grid is empty."""
+    return ", ".join(f"{k}={v}" for k, v in point) or "default"
+
+
+def parse_grid(items: Iterable[str]) -> dict[str, list[str]]:
+    """Parses ``key=v1,v2,...`` items (``--grid``), keeping order.
+
+    Raises:
+        ValueError: no ``=``, an empty key or value, a duplicate value, a key given twice.
+    """
+    grid: dict[str, list[str]] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ValueError(f"--grid {item!r}: expected key=v1,v2,...")
+        if key in grid:
+            raise ValueError(f"--grid {key}: given twice; list all values in one --grid")
+        values = [v.strip() for v in raw.split(",")]
+        if not raw.strip() or any(not v for v in values):
+            raise ValueError(f"--grid {key}={raw!r}: empty value; expected {key}=v1,v2,...")
+        dupes = sorted({v for v in values if values.count(v) > 1})
+        if dupes:
+            raise ValueError(f"--grid {key}={raw!r}: duplicate value {', '.join(dupes)}")
+        grid[key] = values
+    return grid
+
+
+def _slug_part(key: str, value: str) -> str:
+    text = f"{key}-{value}"
+    safe = _UNSAFE.sub("-", text)[:60]
+    if safe != text:  # keep sanitized slugs unique: tag them with a hash of the raw text
+        safe += "-" + hashlib.sha1(text.encode()).hexdigest()[:6]
+    return safe
+
+
+def run_slug(point: Iterable[tuple[str, str]], seed: int) -> str:
+    """Filesystem-safe directory name for a run, e.g. ``final-rate-0.5_seed-1``."""
+    return "_".join([*(_slug_part(k, v) for k, v in point), f"seed-{seed}"])
+
+
+def _check_keys(grid: Mapping[str, Sequence[str]], fixed: Mapping[str, str]) -> None:
+    for key in grid:
+        if key in fixed:
+            raise ValueError(f"{key!r} is in both --grid and --set; give it in one of them")
+        if key in RESERVED:
+            raise ValueError(f"--grid {key}: not allowed here ({RESERVED[key]})")
+        if not grid[key]:
+            raise ValueError(f"--grid {key}: empty value list")
+    if "out-dir" in fixed:
+        raise ValueError(f"--set out-dir: not allowed here ({RESERVED['out-dir']})")
+
+
+def plan_sweep(
+    grid: Mapping[str, Sequence[str]],
+    fixed: Mapping[str, str],
+    *,
+    seeds: int,
+    clients: int | None = None,
+) -> SweepPlan:
+    """Expands and validates a sweep; nothing runs.
+
+    Args:
+        grid: key -> values (cartesian product over keys, in order).
+        fixed: overrides common to every run (``--set``); ``seed`` here is the base seed.
+        seeds: runs per grid point, with seeds ``base + 0 .. base + seeds - 1``.
+        clients: if given, every run's ``min-clients`` must not exceed it.
+
+    Raises:
+        ValueError: naming the key and value (and the grid point) that is wrong.
+    """
+    if seeds < 1:
+        raise ValueError(f"seeds={seeds}: expected >= 1")
+    _check_keys(grid, fixed)
+    base = FederatedConfig.from_run_config({"seed": fixed.get("seed", "0")}).seed
+    runs, seen = [], {}
+    for values in itertools.product(*grid.values()):
+        point = tuple(zip(grid, values, strict=True))
+        for seed in range(base, base + seeds):
+            overrides = {**fixed, **dict(point), "seed": str(seed)}
+            where = f"grid point {point_label(point)}, seed {seed}"
+            try:
+                cfg = FederatedConfig.from_run_config(overrides)
+            except ValueError as err:
+                raise ValueError(f"{where}: {err}") from None
+            if clients is not None and cfg.min_clients > clients:
+                raise ValueError(f"{where}: min-clients={cfg.min_clients} > clients={clients}")
+            key = json.dumps(cfg.to_run_config(), sort_keys=True)
+            if key in seen:
+                raise ValueError(f"{where}: the same run config as {seen[key]} (duplicate value)")
+            seen[key] = where
+            runs.append(
+                SweepRun(slug=run_slug(point, seed), point=point, seed=seed, overrides=overrides)
+            )
+    return SweepPlan(
+        grid={k: list(v) for k, v in grid.items()},
+        fixed=dict(fixed),
+        seeds=tuple(range(base, base + seeds)),
+        runs=tuple(runs),
+    )
+
+
+def _identity(run: SweepRun, settings: RunSettings) -> dict[str, Any]:
+    """What must match for a finished run directory to be reused."""
+    config = FederatedConfig.from_run_config(run.overrides).to_run_config()
+    config.pop("out-dir")
+    return {"config": config, "clients": settings.clients, "backend": settings.backend}
+
+
+def _reusable(run_dir: Path, identity: dict[str, Any]) -> dict[str, Any] | None:
+    """The finished run's record if ``run_dir`` holds this very run, else None."""
+    try:
+        record = json.loads((run_dir / "sweep-run.json").read_text())
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    config = dict(summary.get("config", {}))
+    config.pop("out-dir", None)
+    same = all(record.get(k) == v for k, v in identity.items()) and config == identity["config"]
+    return record if same and record.get("status") == "ok" else None
+
+
+def _run_inprocess(overrides: Mapping[str, str], out: Path, settings: RunSettings) -> dict:
+    from fedsparse.client.app import app as client_app
+    from fedsparse.server.app import run_federated
+    from fedsparse.server.inprocess import InProcessGrid
+
+    cfg = FederatedConfig.from_run_config({**overrides, "out-dir": str(out)})
+    grid = InProcessGrid(client_app, num_nodes=settings.clients, run_config=cfg.to_run_config())
+    flwr_logger = logging.getLogger("flwr")
+    level = flwr_logger.level
+    flwr_logger.setLevel(logging.WARNING)  # the progress bar replaces per-round INFO lines
+    try:
+        return run_federated(grid, cfg)
+    finally:
+        flwr_logger.setLevel(level)
+
+
+def _run_simulation(overrides: Mapping[str, str], out: Path, settings: RunSettings) -> dict:
+    from fedsparse.server.simulate import run_simulation
+
+    return run_simulation(
+        out=out,
+        overrides=dict(overrides),
+        clients=settings.clients,
+        cpus_per_client=settings.cpus_per_client,
+        timeout=settings.timeout,
+        console=Console(file=io.StringIO(), width=140),  # no live table under the progress bar
+    )
+
+
+def run_backend(overrides: Mapping[str, str], out: Path, settings: RunSettings) -> dict:
+    """Runs one federation on ``settings.backend``; returns its summary (``summary.json``)."""
+    runner = _run_inprocess if settings.backend == "inprocess" else _run_simulation
+    return runner(overrides, out, settings)
+
+
+def _row(run: SweepRun, run_dir: Path, **fields: Any) -> dict[str, Any]:
+    return {
+        "slug": run.slug,
+        "config": run.label,
+        **dict(run.point),
+        "seed": run.seed,
+        "reused": False,
+        **dict.fromkeys(METRICS),
+        "wall_seconds": None,
+        "run_dir": str(run_dir),
+        "error": "",
+        **fields,
+    }
+
+
+def execute_run(run: SweepRun, run_dir: Path, settings: RunSettings) -> dict[str, Any]:
+    """Runs (or reuses) one run; returns its ``results.csv`` row. Never raises for a run error.
+
+    The row has ``status`` ``ok`` or ``failed``; a failure's message is in ``error`` (one
+    line) and in full in ``<run_dir>/error.txt``.
+    """
+    identity = _identity(run, settings)
+    record = _reusable(run_dir, identity)
+    if record is not None:
+        summary = json.loads((run_dir / "summary.json").read_text())
+        metrics = {k: summary[k] for k in METRICS}
+        return _row(run, run_dir, status="ok", reused=True, **metrics, wall_seconds=record["wall"])
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for stale in ("summary.json", "sweep-run.json", "error.txt"):
+        (run_dir / stale).unlink(missing_ok=True)
+    started = time.perf_counter()
+    try:
+        summary = run_backend(run.overrides, run_dir, settings)
+    except Exception as err:  # a failed run is a result; the sweep goes on
+        message = f"{type(err).__name__}: {err}"
+        (run_dir / "error.txt").write_text(message + "\n")
+        line = " | ".join(s for s in message.splitlines() if s.strip())
+        return _row(run, run_dir, status="failed", error=line[:300])
+    wall = time.perf_counter() - started
+    record = {**identity, "status": "ok", "wall": wall}
+    (run_dir / "sweep-run.json").write_text(json.dumps(record, indent=2) + "\n")
+    metrics = {k: summary[k] for k in METRICS}
+    return _row(run, run_dir, status="ok", **metrics, wall_seconds=wall)
+
+
+def _executor(settings: RunSettings, jobs: int) -> Executor:
+    if settings.backend == "inprocess":  # Flower/torch process globals: one process per job
+        return ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("spawn"))
+    return ThreadPoolExecutor(max_workers=jobs)  # each run already lives in subprocesses
+
+
+def _describe(row: Mapping[str, Any]) -> str:
+    if row["status"] != "ok":
+        return f"[red]failed[/] {row['slug']}: {row['error'][:160]}"
+    acc, up = row["final_test_accuracy"], row["total_uplink_payload_bytes"] / 1e6
+    note = " [dim](reused: summary.json with the same config)[/]" if row["reused"] else ""
+    return f"[green]ok[/] {row['slug']}: acc {acc:.4f}, uplink {up:.3f} MB{note}"
+
+
+def run_sweep(
+    plan: SweepPlan,
+    *,
+    runs_dir: Path,
+    settings: RunSettings,
+    jobs: int = 1,
+    console: Console | None = None,
+    execute: Callable[[SweepRun, Path, RunSettings], dict[str, Any]] = execute_run,
+) -> list[dict[str, Any]]:
+    """Runs every run of ``plan`` (``jobs`` at a time) under a progress bar.
+
+    Returns:
+        The ``results.csv`` rows, in plan order.
+    """
+    if jobs < 1:
+        raise ValueError(f"jobs={jobs}: expected >= 1")
+    console = console or Console()
+    rows: dict[str, dict[str, Any]] = {}
+    columns = (
+        TextColumn("[bold]sweep"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.description}"),
+    )
+    with Progress(*columns, console=console) as progress:
+        task = progress.add_task("", total=len(plan.runs))
+
+        def done(row: dict[str, Any]) -> None:
+            rows[row["slug"]] = row
+            progress.console.print(_describe(row))
+            progress.update(task, advance=1, description=row["slug"])
+
+        if jobs == 1:
+            for run in plan.runs:
+                progress.update(task, description=f"running {run.slug}")
+                done(execute(run, runs_dir / run.slug, settings))
+        else:
+            with _executor(settings, jobs) as pool:
+                futures = [pool.submit(execute, r, runs_dir / r.slug, settings) for r in plan.runs]
+                for future in as_completed(futures):
+                    done(future.result())
+    return [rows[run.slug] for run in plan.runs]

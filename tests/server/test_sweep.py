@@ -1,0 +1,318 @@
+"""``fedsparse sweep``: grid parsing and validation, mean/SE, a real in-process sweep, resume."""
+
+import csv
+import json
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from fedsparse.server import sweep as sweep_mod
+from fedsparse.server.cli import app
+from fedsparse.server.report import PLOTS, mean_se, write_outputs
+from fedsparse.server.sweep import (
+    METRICS,
+    RunSettings,
+    parse_grid,
+    plan_sweep,
+    run_slug,
+    run_sweep,
+)
+
+PNG = b"\x89PNG\r\n\x1a\n"
+ENV = {"COLUMNS": "240"}  # keep rich from wrapping error messages
+INT_METRICS = [m for m in METRICS if m.startswith("total_")]
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    with path.open(newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
+def test_parse_grid_keeps_keys_and_values_in_order() -> None:
+    grid = parse_grid(["final-rate=0, 0.5,0.9", "value-dtype=fp16,fp32"])
+    assert grid == {"final-rate": ["0", "0.5", "0.9"], "value-dtype": ["fp16", "fp32"]}
+    assert parse_grid([]) == {}
+
+
+@pytest.mark.parametrize(
+    ("items", "match"),
+    [
+        (["final-rate"], "--grid 'final-rate': expected key=v1,v2"),
+        (["=0,1"], "expected key=v1,v2"),
+        (["final-rate="], "--grid final-rate='': empty value"),
+        (["final-rate=0,,0.5"], "--grid final-rate='0,,0.5': empty value"),
+        (["final-rate=0.5,0,0.5"], "duplicate value 0.5"),
+        (["final-rate=0", "final-rate=0.5"], "final-rate: given twice"),
+    ],
+)
+def test_parse_grid_errors_name_key_and_value(items: list[str], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        parse_grid(items)
+
+
+@pytest.mark.parametrize(
+    ("grid", "fixed", "kwargs", "match"),
+    [
+        (
+            {"final-rate": ["0", "1.2"]},
+            {},
+            {},
+            r"point final-rate=1\.2, seed 0: final-rate=1\.2",
+        ),
+        ({"value-dtype": ["fp32", "fp64"]}, {}, {}, "value-dtype='fp64': expected one of"),
+        ({"num-round": ["1", "2"]}, {}, {}, "'num-round' is unknown"),
+        ({"lr": ["0.1"]}, {"lr": "0.2"}, {}, "'lr' is in both --grid and --set"),
+        ({"final-rate": ["0.5", "0.50"]}, {}, {}, "final-rate=0.50, seed 0: the same run config"),
+        ({"seed": ["1", "2"]}, {}, {}, "--grid seed: not allowed here"),
+        ({}, {"out-dir": "x"}, {}, "--set out-dir: not allowed"),
+        ({}, {"seed": "-1"}, {}, "seed=-1"),
+        ({}, {"lr": "fast"}, {}, "lr='fast': expected float"),
+        ({"final-rate": ["0"]}, {}, {"seeds": 0}, "seeds=0: expected >= 1"),
+        ({}, {"min-clients": "4"}, {"clients": 3}, "min-clients=4 > clients=3"),
+    ],
+)
+def test_plan_rejects_bad_configs_before_running(grid, fixed, kwargs, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        plan_sweep(grid, fixed, **{"seeds": 1, **kwargs})
+
+
+def test_plan_is_the_cartesian_product_times_seeds() -> None:
+    grid = {"final-rate": ["0", "0.9"], "value-dtype": ["fp32", "fp16", "bf16"]}
+    plan = plan_sweep(grid, {"num-rounds": "2", "seed": "5"}, seeds=3)
+    assert plan.seeds == (5, 6, 7) and len(plan.runs) == 2 * 3 * 3
+    points = [(r.overrides["final-rate"], r.overrides["value-dtype"]) for r in plan.runs[::3]]
+    assert points == [(r, d) for r in ("0", "0.9") for d in ("fp32", "fp16", "bf16")]
+    first = plan.runs[:3]
+    assert [r.seed for r in first] == [5, 6, 7]
+    assert [r.overrides["seed"] for r in first] == ["5", "6", "7"]
+    assert first[0].overrides == {
+        "num-rounds": "2",
+        "seed": "5",
+        "final-rate": "0",
+        "value-dtype": "fp32",
+    }
+    assert first[0].slug == "final-rate-0_value-dtype-fp32_seed-5"
+    assert first[0].label == "final-rate=0, value-dtype=fp32"
+    assert len({r.slug for r in plan.runs}) == len(plan.runs)
+    # No grid: one config ("default") per seed.
+    assert [r.label for r in plan_sweep({}, {}, seeds=2).runs] == ["default", "default"]
+
+
+def test_slugs_are_filesystem_safe_and_unique() -> None:
+    a = run_slug([("data-dir", "/tmp/a b")], 0)
+    b = run_slug([("data-dir", "/tmp/a_b")], 0)
+    assert a != b
+    for slug in (a, b):
+        assert all(c.isalnum() or c in ".+-_" for c in slug), slug
+
+
+def test_mean_and_standard_error_by_hand() -> None:
+    mean, se = mean_se([1, 2, 3, 4])  # var = (2.25 + .25 + .25 + 2.25) / 3 = 5/3
+    assert mean == 2.5 and se == pytest.approx(math.sqrt(5 / 3) / 2, rel=1e-15)
+    mean, se = mean_se([0.7, 0.9])  # |a - b| / 2 for two values
+    assert mean == pytest.approx(0.8) and se == pytest.approx(0.1, rel=1e-12)
+    mean, se = mean_se([5.0])
+    assert mean == 5.0 and math.isnan(se)
+    assert all(math.isnan(x) for x in mean_se([]))
+
+
+@pytest.fixture(scope="module")
+def swept(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real sweep: final-rate 0 and 0.9, 2 seeds, 3 in-process clients, 2 rounds."""
+    out = tmp_path_factory.mktemp("sweep")
+    args = ["sweep", "--out", str(out), "--grid", "final-rate=0,0.9", "--seeds", "2"]
+    args += ["--set", "num-rounds=2", "--clients", "3", "--backend", "inprocess"]
+    result = CliRunner().invoke(app, args, env=ENV)
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def test_results_rows_equal_each_runs_summary(swept: Path) -> None:
+    rows = read_csv(swept / "results.csv")
+    assert [(r["final-rate"], r["seed"]) for r in rows] == [
+        ("0", "0"),
+        ("0", "1"),
+        ("0.9", "0"),
+        ("0.9", "1"),
+    ]
+    for row in rows:
+        assert row["status"] == "ok" and row["reused"] == "False" and row["error"] == ""
+        run_dir = swept / row["run_dir"]
+        assert run_dir == swept / "runs" / row["slug"]
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["config"]["final-rate"] == float(row["final-rate"])
+        assert summary["config"]["seed"] == int(row["seed"]) and summary["rounds"] == 2
+        for key in INT_METRICS:
+            assert int(row[key]) == summary[key], key
+        for key in ("final_test_accuracy", "epsilon_max", "uplink_savings"):
+            assert float(row[key]) == summary[key], key  # floats round-trip exactly
+        assert float(row["uplink_savings"]) == pytest.approx(
+            summary["total_dense_uplink_bytes"] / summary["total_uplink_payload_bytes"]
+        )
+        assert float(row["wall_seconds"]) > 0
+    # The two seeds are different runs (data order, noise, init), not copies.
+    assert rows[0]["final_test_accuracy"] != rows[1]["final_test_accuracy"]
+
+
+def test_sparsification_shrinks_the_uplink(swept: Path) -> None:
+    rows = {(r["final-rate"], r["seed"]): r for r in read_csv(swept / "results.csv")}
+    for seed in ("0", "1"):
+        dense, sparse = rows["0", seed], rows["0.9", seed]
+        for key in ("total_uplink_payload_bytes", "total_uplink_message_bytes"):
+            assert int(sparse[key]) < 0.6 * int(dense[key]), key  # r = 0 then 0.9: keep 55%
+        assert float(sparse["uplink_savings"]) > 1.7 > 1.0 > float(dense["uplink_savings"]) - 1e-3
+
+
+def test_summary_is_numpy_mean_and_se_over_seeds(swept: Path) -> None:
+    results = read_csv(swept / "results.csv")
+    summary = read_csv(swept / "summary.csv")
+    assert [s["config"] for s in summary] == ["final-rate=0", "final-rate=0.9"]
+    for row in summary:
+        runs = [r for r in results if r["final-rate"] == row["final-rate"]]
+        assert int(row["n"]) == len(runs) == 2 and row["n_failed"] == "0"
+        for metric in (*METRICS, "wall_seconds"):
+            x = np.array([float(r[metric]) for r in runs])
+            assert float(row[f"{metric}_mean"]) == pytest.approx(x.mean(), rel=1e-12, abs=0)
+            se = x.std(ddof=1) / np.sqrt(x.size)
+            assert float(row[f"{metric}_se"]) == pytest.approx(se, rel=1e-9, abs=1e-12)
+
+
+def test_plots_and_report(swept: Path) -> None:
+    report = (swept / "report.md").read_text()
+    for name in PLOTS:
+        data = (swept / name).read_bytes()
+        assert data.startswith(PNG) and len(data) > 1000, name
+        assert f"]({name})" in report
+    table = [line for line in report.splitlines() if line.startswith("| final-rate=")]
+    assert len(table) == 2
+    assert table[0].startswith("| final-rate=0 | 2 | ") and " ± " in table[0]
+    assert "--grid final-rate=0,0.9 --set num-rounds=2 --seeds 2 --clients 3" in report
+    assert "| num-rounds | 2 |" in report and "| clients | 3 |" in report
+    rounds = read_csv(swept / "rounds.csv")
+    assert len(rounds) == 4 * 2 and {r["round"] for r in rounds} == {"1", "2"}
+
+
+def test_resume_reuses_finished_runs(swept: Path, tmp_path: Path) -> None:
+    summaries = sorted((swept / "runs").glob("*/summary.json"))
+    assert len(summaries) == 4
+    before = {p: p.stat().st_mtime_ns for p in summaries}
+    args = ["sweep", "--out", str(tmp_path), "--runs-dir", str(swept / "runs")]
+    args += ["--grid", "final-rate=0,0.9", "--seeds", "2", "--set", "num-rounds=2"]
+    args += ["--clients", "3", "--backend", "inprocess"]
+    result = CliRunner().invoke(app, args, env=ENV)
+    assert result.exit_code == 0, result.output
+    assert result.output.count("reused") >= 4 and "4 ok (4 reused)" in result.output
+    assert {p: p.stat().st_mtime_ns for p in summaries} == before
+    again = read_csv(tmp_path / "results.csv")
+    first = read_csv(swept / "results.csv")
+    assert [r["reused"] for r in again] == ["True"] * 4
+    for a, b in zip(again, first, strict=True):
+        for key in (*METRICS, "wall_seconds"):
+            assert a[key] == b[key], key
+
+
+def test_a_changed_config_is_rerun(
+    monkeypatch: pytest.MonkeyPatch, swept: Path, tmp_path: Path
+) -> None:
+    calls: list[str] = []
+
+    def fake(overrides, out, settings):
+        calls.append(out.name)
+        raise RuntimeError("not reused")
+
+    monkeypatch.setattr(sweep_mod, "run_backend", fake)
+    runs_dir = tmp_path / "runs"
+    src = swept / "runs" / "final-rate-0_seed-0"
+    (runs_dir / src.name).mkdir(parents=True)
+    for name in ("summary.json", "sweep-run.json"):
+        (runs_dir / src.name / name).write_bytes((src / name).read_bytes())
+    same = plan_sweep({"final-rate": ["0"]}, {"num-rounds": "2"}, seeds=1)
+    settings = RunSettings(backend="inprocess", clients=3)
+    assert run_sweep(same, runs_dir=runs_dir, settings=settings)[0]["reused"] and not calls
+    other = RunSettings(backend="inprocess", clients=4)  # same config, other federation
+    assert run_sweep(same, runs_dir=runs_dir, settings=other)[0]["status"] == "failed"
+    lr = plan_sweep({"final-rate": ["0"]}, {"num-rounds": "2", "lr": "0.1"}, seeds=1)
+    assert run_sweep(lr, runs_dir=runs_dir, settings=settings)[0]["status"] == "failed"
+    assert calls == [src.name, src.name]
+
+
+def test_a_failed_run_is_recorded_and_the_others_go_on(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    real = sweep_mod.run_backend
+
+    def flaky(overrides, out, settings):
+        if overrides["final-rate"] == "0.5":
+            raise RuntimeError("disk on fire\nsecond line")
+        return real(overrides, out, settings)
+
+    monkeypatch.setattr(sweep_mod, "run_backend", flaky)
+    plan = plan_sweep({"final-rate": ["0", "0.5", "0.9"]}, {"num-rounds": "1"}, seeds=1)
+    settings = RunSettings(backend="inprocess", clients=2)
+    rows = run_sweep(plan, runs_dir=tmp_path / "runs", settings=settings)
+    assert [r["status"] for r in rows] == ["ok", "failed", "ok"]
+    failed = rows[1]
+    assert failed["error"] == "RuntimeError: disk on fire | second line"
+    assert failed["final_test_accuracy"] is None
+    assert "disk on fire" in (tmp_path / "runs" / failed["slug"] / "error.txt").read_text()
+    assert not (tmp_path / "runs" / failed["slug"] / "summary.json").exists()
+    write_outputs(tmp_path, plan, settings, rows, command="fedsparse sweep ...")
+    summary = {s["config"]: s for s in read_csv(tmp_path / "summary.csv")}
+    bad = summary["final-rate=0.5"]
+    assert (bad["n"], bad["n_failed"], bad["final_test_accuracy_mean"]) == ("0", "1", "")
+    good = summary["final-rate=0.9"]
+    assert good["n"] == "1" and good["final_test_accuracy_se"] == ""  # SE blank for n = 1
+    results = read_csv(tmp_path / "results.csv")
+    assert results[1]["status"] == "failed" and results[1]["final_test_accuracy"] == ""
+    report = (tmp_path / "report.md").read_text()
+    assert "## Failed runs" in report and "disk on fire" in report
+    assert "| final-rate=0.5 | 0 | — |" in report
+    # A failed run is retried next time; finished ones are reused.
+    monkeypatch.setattr(sweep_mod, "run_backend", real)
+    again = run_sweep(plan, runs_dir=tmp_path / "runs", settings=settings)
+    assert [(r["status"], r["reused"]) for r in again] == [
+        ("ok", True),
+        ("ok", False),
+        ("ok", True),
+    ]
+
+
+def test_parallel_jobs_keep_plan_order(tmp_path: Path) -> None:
+    plan = plan_sweep({"final-rate": ["0", "0.5", "0.9"]}, {}, seeds=2)
+
+    def fake(run, run_dir, settings):
+        return {"slug": run.slug, "status": "ok", "reused": False, "error": "", **metrics}
+
+    metrics = {"final_test_accuracy": 0.5, "total_uplink_payload_bytes": 1000}
+
+    rows = run_sweep(
+        plan, runs_dir=tmp_path, settings=RunSettings(backend="simulation"), jobs=3, execute=fake
+    )
+    assert [r["slug"] for r in rows] == [r.slug for r in plan.runs]
+
+
+def test_cli_validates_before_running(tmp_path: Path) -> None:
+    out = tmp_path / "never"
+    args = ["sweep", "--out", str(out), "--grid", "final-rate=0,1.5", "--backend", "inprocess"]
+    result = CliRunner().invoke(app, args, env=ENV)
+    assert result.exit_code != 0 and "final-rate=1.5" in result.output
+    assert not out.exists()
+    result = CliRunner().invoke(app, ["sweep", "--out", str(out), "--backend", "ray"], env=ENV)
+    assert result.exit_code != 0 and "backend='ray'" in result.output
+
+
+@pytest.mark.slow
+def test_simulation_backend_sweep(tmp_path: Path) -> None:
+    """One config, 2 rounds, 2 clients on Flower's simulation engine."""
+    plan = plan_sweep({"final-rate": ["0.5"]}, {"num-rounds": "2"}, seeds=1)
+    settings = RunSettings(backend="simulation", clients=2, timeout=300)
+    rows = run_sweep(plan, runs_dir=tmp_path / "runs", settings=settings)
+    assert rows[0]["status"] == "ok", rows[0]["error"]
+    summary = json.loads((tmp_path / "runs" / rows[0]["slug"] / "summary.json").read_text())
+    assert rows[0]["total_uplink_payload_bytes"] == summary["total_uplink_payload_bytes"] > 0
+    assert (tmp_path / "runs" / rows[0]["slug"] / "flwr.log").exists()
+    assert os.path.isdir(tmp_path / "runs" / rows[0]["slug"] / ".flwr")
