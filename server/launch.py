@@ -39,6 +39,7 @@ from fedsparse.server.wire import capture_summary
 
 __all__ = [
     "APP_DIR",
+    "app_bundle_dir",
     "TlsFiles",
     "deployment_args",
     "generate_tls_files",
@@ -369,6 +370,22 @@ def _read_rounds(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def app_bundle_dir(out: Path, app_dir: Path = APP_DIR) -> Path:
+    """A directory holding only the app's ``pyproject.toml``, for ``flwr run`` to bundle.
+
+    ``flwr run`` packs the app directory into the bundle (FAB) that every SuperNode downloads
+    when a run starts; from the repository root that is every ``.py``/``.md``/``.toml`` file,
+    tests and docs included (~300 KB, twice the digits model). The ServerApp and ClientApp
+    import the installed ``fedsparse`` package, so the bundle needs the run config and the
+    components from ``pyproject.toml`` only (~3 KB). Flower 1.39's ``fab-exclude`` cannot do
+    this: with any user pattern it rejects our ``.gitignore``.
+    """
+    bundle = Path(out) / ".app"
+    bundle.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(Path(app_dir) / "pyproject.toml", bundle / "pyproject.toml")
+    return bundle
+
+
 def fab_size(app_dir: Path = APP_DIR) -> int | None:
     """Bytes of the app bundle (FAB) ``flwr run`` would build now, or None if it cannot.
 
@@ -466,7 +483,8 @@ def run_deployment(
     flwr_home = out / ".flwr"
     shutil.rmtree(flwr_home, ignore_errors=True)
     tls_files = generate_tls_files(out / "certs") if tls else None
-    fab_bytes = fab_size() if relay else None  # the bundle `flwr run` builds from these files
+    app = app_bundle_dir(out)
+    fab_bytes = fab_size(app) if relay else None  # the bundle `flwr run` builds from these files
     http, fleet = free_port(), free_port()
     node_ports = [free_port() for _ in range(num_nodes)]
     write_flwr_config(
@@ -479,7 +497,7 @@ def run_deployment(
     run_args = [
         tool("flwr"),
         "run",
-        str(APP_DIR),
+        str(app),
         "deploy",
         *format_run_config(typed),
         "--stream",
@@ -517,7 +535,7 @@ def run_deployment(
                 wait_for_port(port, timeout=60, process=node)
             idle = _measure_idle(relays, nodes, seconds=idle_seconds)
             run_log = stack.enter_context(logs[-1].open("wb"))
-            run = stack.enter_context(managed_process(run_args, env=env, log=run_log, cwd=APP_DIR))
+            run = stack.enter_context(managed_process(run_args, env=env, log=run_log, cwd=app))
             recorded.append(run.pid)
             deadline = time.monotonic() + timeout
             while run.poll() is None:

@@ -18,7 +18,7 @@ from rich.table import Table
 
 from fedsparse.common.config import FederatedConfig
 from fedsparse.server.launch import (
-    APP_DIR,
+    app_bundle_dir,
     flwr_env,
     format_run_config,
     free_port,
@@ -109,7 +109,7 @@ def run_simulation(
     run_args = [
         tool("flwr"),
         "run",
-        str(APP_DIR),
+        str(app_bundle_dir(out)),
         "sim",
         *format_run_config(typed),
         "--federation-config",
@@ -129,7 +129,7 @@ def run_simulation(
         wait_for_port(http, timeout=60, process=superlink)
         with (
             (out / "flwr.log").open("wb") as run_log,
-            managed_process(run_args, env=env, log=run_log, cwd=APP_DIR) as run,
+            managed_process(run_args, env=env, log=run_log, cwd=out / ".app") as run,
             Live(table, console=console, refresh_per_second=2, transient=False),
         ):
             deadline = time.monotonic() + timeout

@@ -230,7 +230,9 @@ def test_messages_cross_the_wire_with_bounded_overhead(relayed: dict) -> None:
     print(capture_lines(relayed["out"]))
     assert [r["round"] for r in rows] == [1, 2] and all(r["wire_captured"] for r in rows)
     fab = wire["fab_bytes"]
-    assert fab is not None and fab > 10_000  # the app bundle, fetched in round 1 by each node
+    # The app bundle, fetched in round 1 by each node, holds only pyproject.toml
+    # (launch.app_bundle_dir): ~3 KB instead of ~300 KB for the repository root.
+    assert fab is not None and 1_000 < fab < 10_000
     for row in rows:
         up, down = row["uplink_wire_bytes"], row["downlink_wire_bytes"]
         if row["round"] == 1:
