@@ -165,8 +165,8 @@ def write_synthetic_cifar(root: Path, per_batch: int = 64, test: int = 100) -> P
 
 
 def wire_table(model: str, work: Path, *, tls: bool) -> list[dict[str, Any]]:
-    from fedsparse.server.launch import run_deployment
-    from fedsparse.server.wire import wire_report
+    from fedsparse.lab.deploy import run_deployment
+    from fedsparse.lab.wire import wire_report
 
     dataset = MODELS[model]
     base: dict[str, Any] = {

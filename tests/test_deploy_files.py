@@ -2,7 +2,7 @@
 
 ``docker-compose.yml`` (plain) and ``deploy/with-tls.yml`` (TLS overlay) are parsed with
 PyYAML and their commands compared, flag by flag, with
-``fedsparse.server.launch.deployment_args``; ``docker compose config -q`` validates both
+``fedsparse.lab.deploy.deployment_args``; ``docker compose config -q`` validates both
 where a docker CLI with the compose plugin exists (no engine needed).
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fedsparse.server.launch import deployment_args
+from fedsparse.lab.deploy import deployment_args
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "docker-compose.yml"

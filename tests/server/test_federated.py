@@ -14,8 +14,8 @@ from fedsparse.common.config import FederatedConfig
 from fedsparse.common.masks import keep_count
 from fedsparse.common.payload import decode_update, encode_update, payload_size
 from fedsparse.common.protocol import CONFIG_RECORD, METRICS_RECORD, round_seed
+from fedsparse.lab.inprocess import InProcessGrid
 from fedsparse.server.app import run_federated
-from fedsparse.server.inprocess import InProcessGrid
 
 D_DIGITS = 38_282
 

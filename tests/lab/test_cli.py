@@ -5,7 +5,7 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from fedsparse.server.cli import app
+from fedsparse.lab.cli import app
 
 
 def test_train_writes_epochs_and_summary(tmp_path: Path) -> None:

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from fedsparse.server import sweep as sweep_mod
-from fedsparse.server.cli import app
-from fedsparse.server.report import PLOTS, mean_se, write_outputs
-from fedsparse.server.sweep import (
+from fedsparse.lab import sweep as sweep_mod
+from fedsparse.lab.cli import app
+from fedsparse.lab.report import PLOTS, mean_se, write_outputs
+from fedsparse.lab.sweep import (
     METRICS,
     RunSettings,
     parse_grid,

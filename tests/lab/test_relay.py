@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from fedsparse.server.relay import ByteRelay
+from fedsparse.lab.relay import ByteRelay
 
 Handler = Callable[[socket.socket], None]
 

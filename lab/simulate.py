@@ -17,16 +17,14 @@ from rich.live import Live
 from rich.table import Table
 
 from fedsparse.common.config import FederatedConfig
-from fedsparse.server.launch import (
+from fedsparse.lab.flower import (
     app_bundle_dir,
     flwr_env,
     format_run_config,
-    free_port,
-    managed_process,
     tool,
-    wait_for_port,
     write_flwr_config,
 )
+from fedsparse.lab.processes import free_port, managed_process, wait_for_port
 
 __all__ = ["run_simulation"]
 

@@ -10,7 +10,7 @@ writes into its own directory ``<runs_dir>/<slug>/`` on one of two backends:
 
 A run that fails is recorded (``status=failed`` and the error) and the others go on. A run
 directory holding ``summary.json`` whose config, client count and backend match is reused,
-not rerun. ``fedsparse.server.report`` turns the rows into CSVs, plots and ``report.md``.
+not rerun. ``fedsparse.lab.report`` turns the rows into CSVs, plots and ``report.md``.
 """
 
 from __future__ import annotations
@@ -233,8 +233,8 @@ def _reusable(run_dir: Path, identity: dict[str, Any]) -> dict[str, Any] | None:
 
 def _run_inprocess(overrides: Mapping[str, str], out: Path, settings: RunSettings) -> dict:
     from fedsparse.client.app import app as client_app
+    from fedsparse.lab.inprocess import InProcessGrid
     from fedsparse.server.app import run_federated
-    from fedsparse.server.inprocess import InProcessGrid
 
     cfg = FederatedConfig.from_run_config({**overrides, "out-dir": str(out)})
     grid = InProcessGrid(client_app, num_nodes=settings.clients, run_config=cfg.to_run_config())
@@ -248,7 +248,7 @@ def _run_inprocess(overrides: Mapping[str, str], out: Path, settings: RunSetting
 
 
 def _run_simulation(overrides: Mapping[str, str], out: Path, settings: RunSettings) -> dict:
-    from fedsparse.server.simulate import run_simulation
+    from fedsparse.lab.simulate import run_simulation
 
     return run_simulation(
         out=out,

@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from fedsparse.server.launch import _is_zombie, run_deployment
-from fedsparse.server.relay import Record
-from fedsparse.server.wire import (
+from fedsparse.lab.deploy import run_deployment
+from fedsparse.lab.processes import is_zombie
+from fedsparse.lab.relay import Record
+from fedsparse.lab.wire import (
     REPORT_FIELDS,
     capture_lines,
     capture_summary,
@@ -192,7 +193,7 @@ IDLE_SECONDS = 6.0  # two 3-second SuperNode polls
 
 
 def _alive(pid: int) -> bool:
-    return Path(f"/proc/{pid}").exists() and not _is_zombie(pid)
+    return Path(f"/proc/{pid}").exists() and not is_zombie(pid)
 
 
 @pytest.fixture(scope="module")
@@ -328,7 +329,7 @@ def test_tls_run_completes_and_costs_more_on_the_wire(
 def test_cli_wire_report_prints_and_writes_csv(tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
-    from fedsparse.server.cli import app
+    from fedsparse.lab.cli import app
 
     _write_rounds(tmp_path)
     result = CliRunner().invoke(app, ["wire-report", str(tmp_path)])

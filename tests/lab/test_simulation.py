@@ -10,9 +10,9 @@ from fedsparse.common.config import FederatedConfig
 from fedsparse.common.masks import keep_count
 from fedsparse.common.payload import payload_size
 from fedsparse.common.protocol import round_seed
+from fedsparse.lab.inprocess import InProcessGrid
+from fedsparse.lab.simulate import run_simulation
 from fedsparse.server.app import run_federated
-from fedsparse.server.inprocess import InProcessGrid
-from fedsparse.server.simulate import run_simulation
 
 D_DIGITS = 38_282
 KEYS = (

@@ -4,7 +4,7 @@ Three byte counts per round and direction, from the innermost out:
 
 * payload: the ``SparseUpdate`` bytes (``rounds.jsonl``: ``*_payload_bytes``);
 * message: the serialized Flower messages (``*_message_bytes``), before gRPC framing;
-* wire: what ``ByteRelay`` (``server/relay.py``) read from the TCP streams between the
+* wire: what ``ByteRelay`` (``lab/relay.py``) read from the TCP streams between the
   SuperNodes and the SuperLink's Fleet API: gRPC/HTTP2 framing and headers, every RPC of the
   object protocol (pull, push, confirm), the SuperNodes' polling and heartbeats, and under
   TLS the record framing and handshakes. Not TCP/IP headers or ACKs.
@@ -43,7 +43,7 @@ from typing import Any
 
 from rich.table import Table
 
-from fedsparse.server.relay import DIRECTIONS, Record
+from fedsparse.lab.relay import DIRECTIONS, Record
 
 __all__ = [
     "REPORT_FIELDS",

@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from fedsparse.server.launch import _is_zombie, run_deployment
-from fedsparse.server.simulate import run_simulation
+from fedsparse.lab.deploy import run_deployment
+from fedsparse.lab.processes import is_zombie
+from fedsparse.lab.simulate import run_simulation
 
 pytestmark = pytest.mark.slow
 
@@ -37,7 +38,7 @@ def _rounds(out: Path) -> list[dict]:
 
 
 def _alive(pid: int) -> bool:
-    return Path(f"/proc/{pid}").exists() and not _is_zombie(pid)
+    return Path(f"/proc/{pid}").exists() and not is_zombie(pid)
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """A sweep's outputs: ``results.csv``, ``summary.csv``, ``rounds.csv``, PNG plots, ``report.md``.
 
-``results.csv`` has one row per run (``fedsparse.server.sweep``); ``summary.csv`` one row per
+``results.csv`` has one row per run (``fedsparse.lab.sweep``); ``summary.csv`` one row per
 grid point with the mean and standard error over its successful seeds (SE = sample std /
 sqrt(n), blank for n = 1); ``rounds.csv`` every run's ``rounds.jsonl`` lines, so the plots can
 be redrawn without the run directories. Plots use matplotlib's Agg backend (no display).
@@ -25,7 +25,7 @@ import numpy as np  # noqa: E402
 from matplotlib.axes import Axes  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-from fedsparse.server.sweep import METRICS, RunSettings, SweepPlan, point_label  # noqa: E402
+from fedsparse.lab.sweep import METRICS, RunSettings, SweepPlan, point_label  # noqa: E402
 
 __all__ = [
     "PLOTS",

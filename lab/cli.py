@@ -209,7 +209,7 @@ def simulate(
     timeout: Annotated[float, Opt(help="seconds before the run is stopped")] = 3600.0,
 ) -> None:
     """Federated DP-SGD + RS on Flower's simulation engine (Ray backend)."""
-    from fedsparse.server.simulate import run_simulation
+    from fedsparse.lab.simulate import run_simulation
 
     if clients < 1:
         raise typer.BadParameter(f"clients={clients}: expected >= 1")
@@ -260,8 +260,8 @@ def sweep(
     """
     import shlex
 
-    from fedsparse.server.report import write_outputs
-    from fedsparse.server.sweep import RunSettings, parse_grid, plan_sweep, run_sweep
+    from fedsparse.lab.report import write_outputs
+    from fedsparse.lab.sweep import RunSettings, parse_grid, plan_sweep, run_sweep
 
     try:
         settings = RunSettings(
@@ -302,7 +302,7 @@ def demo(out: Annotated[Path, Opt(help="output directory")] = Path("runs/demo"))
 
 
 def _print_wire_report(run_dir: Path) -> None:
-    from fedsparse.server.wire import capture_lines, wire_report, wire_table, write_wire_csv
+    from fedsparse.lab.wire import capture_lines, wire_report, wire_table, write_wire_csv
 
     rows = wire_report(run_dir)
     console.print(wire_table(rows, title=f"bytes per round: {run_dir}"))
@@ -321,7 +321,7 @@ def deploy(
     timeout: Annotated[float, Opt(help="seconds before the run is stopped")] = 3600.0,
 ) -> None:
     """Loopback deployment (SuperLink + SuperNodes over gRPC) with on-the-wire byte counts."""
-    from fedsparse.server.launch import run_deployment
+    from fedsparse.lab.deploy import run_deployment
 
     overrides = _parse_sets(set_ or [])
     try:

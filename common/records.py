@@ -1,0 +1,202 @@
+"""The run-record schema, written once: ``rounds.jsonl`` lines and ``summary.json``.
+
+The ServerApp writes one ``RoundLog`` per round and one ``RunSummary`` per run; the sweep, the
+report, the live table and the wire report read them back with ``from_json``. Field metadata
+says which fields a consumer uses, so no consumer spells the schema again:
+
+* ``RunSummary`` fields tagged ``metric`` are the per-run numbers a sweep copies into
+  ``results.csv`` and averages over seeds;
+* ``RoundLog`` fields tagged ``per_round`` are the per-round curves a sweep keeps
+  (``rounds.csv``) and plots.
+
+Pure Python (no Flower): a record is plain data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Self
+
+__all__ = [
+    "LINKS",
+    "RoundLog",
+    "RunSummary",
+    "epsilon_stats",
+    "per_round_fields",
+    "read_rounds",
+    "summary_metrics",
+]
+
+Link = Literal["uplink", "downlink"]
+#: The two directions, as they appear in field names (``uplink_payload_bytes``, ...).
+LINKS: tuple[Link, ...] = ("uplink", "downlink")
+
+_PER_ROUND = {"per_round": True}
+_METRIC = {"metric": True}
+
+
+def _from_mapping(cls: type[Any], data: Mapping[str, Any], what: str) -> Any:
+    """``cls(**data)`` restricted to ``cls``'s fields; a missing field is a named error."""
+    names = [f.name for f in dataclasses.fields(cls)]
+    missing = [n for n in names if n not in data]
+    if missing:
+        raise ValueError(f"{what}: missing field(s) {', '.join(missing)}")
+    return cls(**{n: data[n] for n in names})
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoundLog:
+    """One line of ``rounds.jsonl``: what happened in one round, bytes and privacy included."""
+
+    round: int = field(metadata=_PER_ROUND)
+    num_clients: int  # clients selected
+    num_replies: int  # replies received (errors included) before the round timeout
+    num_rejected: int  # client errors and replies that failed validation
+    rate: float = field(metadata=_PER_ROUND)
+    keep: int
+    keep_fraction: float = field(metadata=_PER_ROUND)
+    test_accuracy: float = field(metadata=_PER_ROUND)
+    test_loss: float = field(metadata=_PER_ROUND)
+    epsilon_max: float = field(metadata=_PER_ROUND)
+    epsilon_median: float
+    train_loss: float = field(metadata=_PER_ROUND)
+    uplink_payload_bytes: int = field(metadata=_PER_ROUND)
+    uplink_message_bytes: int = field(metadata=_PER_ROUND)
+    downlink_payload_bytes: int = field(metadata=_PER_ROUND)
+    downlink_message_bytes: int = field(metadata=_PER_ROUND)
+    dense_uplink_bytes: int = field(metadata=_PER_ROUND)  # 4 d per answering client
+    dense_downlink_bytes: int = field(metadata=_PER_ROUND)  # 4 d per selected client
+    wall_seconds: float = field(metadata=_PER_ROUND)
+    started_at: float  # unix time the round began (to match wire captures by time)
+    ended_at: float  # unix time the round's line was written
+    rejected: list[str]  # one reason per rejected reply
+
+    def to_json(self) -> str:
+        """One ``rounds.jsonl`` line (no newline)."""
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, data: str | Mapping[str, Any]) -> Self:
+        """Parses one line (or its decoded mapping); extra keys are ignored."""
+        mapping = json.loads(data) if isinstance(data, str) else data
+        return _from_mapping(cls, mapping, "rounds.jsonl line")  # type: ignore[no-any-return]
+
+    def payload_bytes(self, link: Link) -> int:
+        """Payload bytes sent on ``link`` this round."""
+        return int(getattr(self, f"{link}_payload_bytes"))
+
+    def message_bytes(self, link: Link) -> int:
+        """Serialized Flower-message bytes sent on ``link`` this round."""
+        return int(getattr(self, f"{link}_message_bytes"))
+
+    def dense_bytes(self, link: Link) -> int:
+        """The dense fp32 baseline of ``link`` this round."""
+        return int(getattr(self, f"dense_{link}_bytes"))
+
+
+#: ``RoundLog`` byte fields summed into ``RunSummary.total_<field>``.
+_TOTALS = (
+    "uplink_payload_bytes",
+    "uplink_message_bytes",
+    "downlink_payload_bytes",
+    "downlink_message_bytes",
+    "dense_uplink_bytes",
+    "dense_downlink_bytes",
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunSummary:
+    """``summary.json``: the run's final numbers, byte totals and the config it ran."""
+
+    rounds: int
+    parameters: int
+    final_test_accuracy: float = field(metadata=_METRIC)
+    final_test_loss: float
+    epsilon_max: float = field(metadata=_METRIC)
+    epsilon_median: float
+    delta: float
+    total_uplink_payload_bytes: int = field(metadata=_METRIC)
+    total_uplink_message_bytes: int = field(metadata=_METRIC)
+    total_downlink_payload_bytes: int = field(metadata=_METRIC)
+    total_downlink_message_bytes: int = field(metadata=_METRIC)
+    total_dense_uplink_bytes: int = field(metadata=_METRIC)
+    total_dense_downlink_bytes: int = field(metadata=_METRIC)
+    uplink_savings: float = field(metadata=_METRIC)  # dense uplink / uplink payload
+    uplink_message_savings: float  # dense uplink / uplink Flower messages
+    rejected_updates: int
+    wall_seconds: float
+    config: dict[str, Any]
+
+    @classmethod
+    def from_rounds(
+        cls, logs: Sequence[RoundLog], *, parameters: int, delta: float, config: dict[str, Any]
+    ) -> Self:
+        """The summary of a run whose rounds are ``logs`` (at least one)."""
+        if not logs:
+            raise ValueError("logs: expected at least one round")
+        totals = {f"total_{k}": int(sum(getattr(entry, k) for entry in logs)) for k in _TOTALS}
+        up = totals["total_uplink_payload_bytes"]
+        dense_up = totals["total_dense_uplink_bytes"]
+        last = logs[-1]
+        return cls(
+            rounds=len(logs),
+            parameters=parameters,
+            final_test_accuracy=last.test_accuracy,
+            final_test_loss=last.test_loss,
+            epsilon_max=last.epsilon_max,
+            epsilon_median=last.epsilon_median,
+            delta=delta,
+            **totals,
+            uplink_savings=dense_up / up if up else math.nan,
+            uplink_message_savings=(
+                dense_up / totals["total_uplink_message_bytes"] if up else math.nan
+            ),
+            rejected_updates=int(sum(entry.num_rejected for entry in logs)),
+            wall_seconds=sum(entry.wall_seconds for entry in logs),
+            config=config,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``summary.json`` mapping (field order as declared)."""
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        """``summary.json``'s text."""
+        return json.dumps(self.to_dict(), indent=2) + "\n"
+
+    @classmethod
+    def from_json(cls, data: str | Mapping[str, Any]) -> Self:
+        """Parses ``summary.json`` (text or decoded mapping); extra keys are ignored."""
+        mapping = json.loads(data) if isinstance(data, str) else data
+        return _from_mapping(cls, mapping, "summary.json")  # type: ignore[no-any-return]
+
+
+def epsilon_stats(epsilons: Sequence[float]) -> tuple[float, float]:
+    """(max, median) of the clients' epsilons so far; (0, 0) before any client reported."""
+    values = list(epsilons) or [0.0]
+    return max(values), float(statistics.median(values))
+
+
+def summary_metrics() -> tuple[str, ...]:
+    """``RunSummary`` fields a sweep copies per run and averages over seeds."""
+    return tuple(f.name for f in dataclasses.fields(RunSummary) if f.metadata.get("metric"))
+
+
+def per_round_fields() -> tuple[str, ...]:
+    """``RoundLog`` fields a sweep keeps per round and plots."""
+    return tuple(f.name for f in dataclasses.fields(RoundLog) if f.metadata.get("per_round"))
+
+
+def read_rounds(path: Path) -> list[RoundLog]:
+    """Every complete line of a ``rounds.jsonl`` (empty if the file does not exist)."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    return [RoundLog.from_json(line) for line in path.read_text().splitlines() if line.strip()]
