@@ -23,8 +23,14 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+# mypy sees the packages under their import names (fedsparse.common, ...) through a tree of
+# symlinks: the source folders are mapped by setuptools' package-dir, which mypy cannot follow.
+TYPECHECK := build/typecheck
 typecheck: $(STAMP)
-	$(BIN)/mypy
+	@rm -rf $(TYPECHECK) && mkdir -p $(TYPECHECK)/fedsparse
+	@for p in common client server lab; do ln -s $(CURDIR)/$$p $(TYPECHECK)/fedsparse/$$p; done
+	@ln -s $(CURDIR)/protos/fedsparse/v1 $(TYPECHECK)/fedsparse/v1
+	cd $(TYPECHECK) && $(abspath $(BIN))/mypy --config-file $(CURDIR)/pyproject.toml -p fedsparse
 
 test: $(STAMP) lint typecheck
 	$(BIN)/python -m pytest -q

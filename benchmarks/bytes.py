@@ -43,8 +43,8 @@ from flwr.supercore.task_identity import TaskIdentity
 from fedsparse.common.masks import derive_seed, keep_count
 from fedsparse.common.models import build_model, count_parameters
 from fedsparse.common.payload import decode_update, encode_update, information_limit
-from fedsparse.common.protocol import CONFIG_RECORD, METRICS_RECORD
-from fedsparse.server.app import message_bytes
+from fedsparse.common.protocol import CONFIG_RECORD, METRICS_RECORD, TrainReply
+from fedsparse.server.messages import message_bytes
 
 RATES = (0.0, 0.5, 0.7, 0.9)
 CODECS = ("values", "coo", "delta", "bitmap", "auto")
@@ -71,20 +71,18 @@ def reply_message(payload: bytes) -> Message:
             getattr(TaskIdentity, attr)
         except RuntimeError:  # not inside a Flower runtime: stamp like one
             setattr(TaskIdentity, attr, SUPERLINK_NODE_ID if attr == "node_id" else value)
+    reply = TrainReply(
+        update=payload,
+        num_examples=898,
+        examples_seen=898,
+        train_loss=0.5,
+        epsilon=2.9,
+        noise_multiplier=1.1,
+        keep=1,
+    )
+    config, metrics = reply.to_records()
     content = RecordDict(
-        {
-            CONFIG_RECORD: ConfigRecord({"update": payload}),
-            METRICS_RECORD: MetricRecord(
-                {
-                    "num-examples": 898,
-                    "examples-seen": 898,
-                    "train-loss": 0.5,
-                    "epsilon": 2.9,
-                    "noise-multiplier": 1.1,
-                    "keep": 1,
-                }
-            ),
-        }
+        {CONFIG_RECORD: ConfigRecord(config), METRICS_RECORD: MetricRecord(metrics)}
     )
     return Message(content=content, dst_node_id=NODE_ID, message_type=MessageType.TRAIN)
 

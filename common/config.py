@@ -4,7 +4,10 @@
 run --run-config`` and ``fedsparse simulate --set key=value`` override them. Both apps parse
 the same mapping with ``FederatedConfig.from_run_config`` so server and clients agree, and a
 bad value is rejected with the key's name and the value (``final-rate=1.2: expected 0 <= r <
-1``). Pure Python: the mapping is a plain dict, no Flower import.
+1``), names included (``dataset='imagenet': expected one of digits, ...``): a typo fails at
+parse time, not half a minute later inside Flower. The allowed names are the ``Literal`` types
+of the modules that implement them (``data.DatasetName``, ``models.ModelName``, ...). Pure
+Python: the mapping is a plain dict, no Flower import.
 """
 
 from __future__ import annotations
@@ -14,23 +17,47 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final, Literal, get_args
 
-from fedsparse.common.dp import MECHANISMS
-from fedsparse.common.payload import COMPRESSIONS, VALUE_DTYPES
-from fedsparse.common.training import ACCOUNTANTS, PrivacyConfig, SparsityConfig
+from fedsparse.common.data import DATASET_INPUT_SHAPES, DATASET_NAMES, DatasetName
+from fedsparse.common.dp import MECHANISMS, MechanismName
+from fedsparse.common.models import DEFAULT_MODELS, MODEL_INPUT_SHAPES, MODEL_NAMES, ModelName
+from fedsparse.common.partition import PARTITIONER_NAMES, PartitionerName
+from fedsparse.common.payload import (
+    COMPRESSIONS,
+    VALUE_DTYPES,
+    Compression,
+    IndexEncoding,
+    ValueDType,
+)
+from fedsparse.common.privacy import ACCOUNTANTS, AccountantName
+from fedsparse.common.schedules import SCHEDULES, ScheduleName
+from fedsparse.common.training import PrivacyConfig, SparsityConfig
 
-__all__ = ["CODECS", "MASK_SCOPES", "FederatedConfig", "wire_encoding"]
+__all__ = [
+    "CODECS",
+    "MASK_SCOPES",
+    "CodecName",
+    "FederatedConfig",
+    "MaskScope",
+    "wire_encoding",
+]
 
-MASK_SCOPES = ("round", "client")
-# How a sparse update's support travels (payload.py): "values" sends values only and lets the
-# receiver regenerate the support from the broadcast seed; "coo", "delta" and "bitmap" send it
-# explicitly (what a system without seed sharing pays); "auto" picks the smallest, which is
-# "values" whenever a seed is known.
-CODECS = ("values", "coo", "delta", "bitmap", "auto")
+MaskScope = Literal["round", "client"]
+"""One mask per round for every client, or one per (round, client)."""
+
+MASK_SCOPES: Final[tuple[MaskScope, ...]] = get_args(MaskScope)
+
+CodecName = Literal["values", "coo", "delta", "bitmap", "auto"]
+"""How a sparse update's support travels (payload): "values" sends values only and lets the
+receiver regenerate the support from the broadcast seed; "coo", "delta" and "bitmap" send it
+explicitly (what a system without seed sharing pays); "auto" picks the smallest, which is
+"values" whenever a seed is known."""
+
+CODECS: Final[tuple[CodecName, ...]] = get_args(CodecName)
 
 
-def wire_encoding(codec: str, *, sparse: bool) -> str:
+def wire_encoding(codec: CodecName, *, sparse: bool) -> IndexEncoding:
     """The ``payload.encode_update`` encoding for a run-config ``codec``.
 
     A full update (``sparse=False``: rate 0, or the first dense download) always travels
@@ -40,7 +67,9 @@ def wire_encoding(codec: str, *, sparse: bool) -> str:
         raise ValueError(f"codec={codec!r}: expected one of {', '.join(CODECS)}")
     if not sparse:
         return "dense"
-    return "seeded" if codec == "values" else codec
+    if codec == "values":
+        return "seeded"
+    return codec
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,31 +87,31 @@ class FederatedConfig:
     lr: float = 0.5
     momentum: float = 0.0
     # privacy (target-epsilon > 0 calibrates sigma; else noise-multiplier is used)
-    mechanism: str = "dpsgd"
+    mechanism: MechanismName = "dpsgd"
     max_grad_norm: float = 1.0
     noise_multiplier: float = 0.0
     target_epsilon: float = 3.0
     delta: float = 1e-5
-    accountant: str = "rdp"
+    accountant: AccountantName = "rdp"
     secure_mode: bool = False
     # sparsification
     final_rate: float = 0.7
-    schedule: str = "gradual"
+    schedule: ScheduleName = "gradual"
     cooling_rounds: int = 1
     initial_keep: float = 1.0
     final_keep: float = 1.0
     rate_steps: str = ""  # schedule=steps: comma-separated rates, e.g. "0,0.5,0.7,0.9"
-    mask_scope: str = "round"
+    mask_scope: MaskScope = "round"
     # transport
-    codec: str = "values"
-    value_dtype: str = "fp32"
-    compression: str = "none"
+    codec: CodecName = "values"
+    value_dtype: ValueDType = "fp32"
+    compression: Compression = "none"
     # data and model
-    dataset: str = "digits"
+    dataset: DatasetName = "digits"
     data_dir: str = ""
-    partitioner: str = "iid"
+    partitioner: PartitionerName = "iid"
     dirichlet_alpha: float = 0.5
-    model: str = ""
+    model: ModelName | Literal[""] = ""  # "": the dataset's default (``model_name``)
     seed: int = 0
     out_dir: str = ""
 
@@ -106,18 +135,20 @@ class FederatedConfig:
             fail("noise_multiplier", "a finite value >= 0")
         if not (math.isfinite(self.target_epsilon) and self.target_epsilon >= 0):
             fail("target_epsilon", "a finite value >= 0 (0: use noise-multiplier)")
-        if self.mechanism not in MECHANISMS:
-            fail("mechanism", f"one of {', '.join(MECHANISMS)}")
-        if self.accountant not in ACCOUNTANTS:
-            fail("accountant", f"one of {', '.join(ACCOUNTANTS)}")
-        if self.mask_scope not in MASK_SCOPES:
-            fail("mask_scope", f"one of {', '.join(MASK_SCOPES)}")
-        if self.codec not in CODECS:
-            fail("codec", f"one of {', '.join(CODECS)}")
-        if self.value_dtype not in VALUE_DTYPES:
-            fail("value_dtype", f"one of {', '.join(VALUE_DTYPES)}")
-        if self.compression not in COMPRESSIONS:
-            fail("compression", f"one of {', '.join(COMPRESSIONS)}")
+        for field, names in _NAMED_FIELDS.items():
+            if getattr(self, field) not in names:
+                fail(field, f"one of {', '.join(names)}")
+        if self.model not in ("", *MODEL_NAMES):
+            fail("model", f"one of {', '.join(MODEL_NAMES)} ('' for the dataset's default)")
+        model_shape = MODEL_INPUT_SHAPES[self.model_name]
+        data_shape = DATASET_INPUT_SHAPES[self.dataset]
+        if model_shape != data_shape:
+            fits = [m for m in MODEL_NAMES if MODEL_INPUT_SHAPES[m] == data_shape]
+            fail(
+                "model",
+                f"a model for dataset={self.dataset!r} ({_shape(data_shape)} images; "
+                f"{self.model} takes {_shape(model_shape)}): one of {', '.join(fits)} or ''",
+            )
         if not 0 <= self.seed < 2**63:
             fail("seed", "0 <= seed < 2**63")
         if self.dirichlet_alpha <= 0:
@@ -141,6 +172,13 @@ class FederatedConfig:
                 raise ValueError(f"run config key {key!r} is unknown; known keys: {known}")
             kwargs[name] = _coerce(key, value, type(fields[name].default))
         return cls(**kwargs)
+
+    @property
+    def model_name(self) -> ModelName:
+        """The model to build: ``model``, or ``DEFAULT_MODELS[dataset]`` when it is empty."""
+        if self.model == "":
+            return DEFAULT_MODELS[self.dataset]
+        return self.model
 
     def to_run_config(self) -> dict[str, Any]:
         """The dashed-key mapping (what ``[tool.flwr.app.config]`` holds)."""
@@ -178,6 +216,24 @@ class FederatedConfig:
             raise ValueError(
                 f"rate-steps={self.rate_steps!r}: expected comma-separated rates"
             ) from None
+
+
+# Fields whose value is a name, and the names they accept (from the modules that implement them).
+_NAMED_FIELDS: Final[dict[str, tuple[str, ...]]] = {
+    "mechanism": MECHANISMS,
+    "accountant": ACCOUNTANTS,
+    "schedule": SCHEDULES,
+    "mask_scope": MASK_SCOPES,
+    "codec": CODECS,
+    "value_dtype": VALUE_DTYPES,
+    "compression": COMPRESSIONS,
+    "dataset": DATASET_NAMES,
+    "partitioner": PARTITIONER_NAMES,
+}
+
+
+def _shape(shape: tuple[int, ...]) -> str:
+    return "x".join(map(str, shape))
 
 
 def _coerce(key: str, value: Any, kind: type) -> Any:

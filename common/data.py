@@ -30,22 +30,35 @@ import pickle
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, Literal, get_args
 
 import numpy as np
 import torch
 
 __all__ = [
+    "DATASET_INPUT_SHAPES",
     "DATASET_NAMES",
     "NORMALIZATION",
     "DatasetFormatError",
+    "DatasetName",
     "Split",
     "load_dataset",
     "read_idx",
 ]
 
-DATASET_NAMES: Final[tuple[str, ...]] = ("digits", "mnist", "fmnist", "cifar10", "svhn")
+DatasetName = Literal["digits", "mnist", "fmnist", "cifar10", "svhn"]
 """Names accepted by :func:`load_dataset`; only ``"digits"`` needs no ``data_dir``."""
+
+DATASET_NAMES: Final[tuple[DatasetName, ...]] = get_args(DatasetName)
+
+DATASET_INPUT_SHAPES: Final[dict[DatasetName, tuple[int, int, int]]] = {
+    "digits": (1, 8, 8),
+    "mnist": (1, 28, 28),
+    "fmnist": (1, 28, 28),
+    "cifar10": (3, 32, 32),
+    "svhn": (3, 32, 32),
+}
+"""``C x H x W`` of one image of each dataset (every one has 10 classes)."""
 
 NORMALIZATION: Final[dict[str, tuple[tuple[float, ...], tuple[float, ...]]]] = {
     "mnist": ((0.1307,), (0.3081,)),
@@ -108,7 +121,7 @@ class Split:
 
 
 def load_dataset(
-    name: str, *, data_dir: str | os.PathLike[str] | None = None, seed: int = 0
+    name: DatasetName, *, data_dir: str | os.PathLike[str] | None = None, seed: int = 0
 ) -> tuple[Split, Split]:
     """Load a dataset's train and test splits as normalized tensors.
 

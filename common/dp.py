@@ -39,7 +39,7 @@ Ablations (RS paper, Appendix E), selected with ``mechanism``:
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Final, Literal, get_args
 
 import torch
 from opacus import PrivacyEngine
@@ -52,10 +52,14 @@ from opacus.optimizers.optimizer import (
 from torch import nn
 
 from fedsparse.common.layout import ParamLayout, unwrap_name
+from fedsparse.common.privacy import AccountantName
 
-__all__ = ["MECHANISMS", "SparseDPEngine", "SparseDPOptimizer"]
+__all__ = ["MECHANISMS", "MechanismName", "SparseDPEngine", "SparseDPOptimizer"]
 
-MECHANISMS = ("dpsgd", "clipped", "noisy")
+MechanismName = Literal["dpsgd", "clipped", "noisy"]
+"""Algorithm 1 (private) and the non-private ablations (module docstring)."""
+
+MECHANISMS: Final[tuple[MechanismName, ...]] = get_args(MechanismName)
 
 
 class SparseDPOptimizer(DPOptimizer):
@@ -177,7 +181,11 @@ class SparseDPEngine(PrivacyEngine):
     """
 
     def __init__(
-        self, *, accountant: str = "rdp", secure_mode: bool = False, mechanism: str = "dpsgd"
+        self,
+        *,
+        accountant: AccountantName = "rdp",
+        secure_mode: bool = False,
+        mechanism: MechanismName = "dpsgd",
     ) -> None:
         if mechanism not in MECHANISMS:
             raise ValueError(f"mechanism={mechanism!r}: expected one of {', '.join(MECHANISMS)}")

@@ -26,17 +26,23 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Final
+from typing import TYPE_CHECKING, Final, Literal, get_args
 
 import torch
 from torch import nn
 
+if TYPE_CHECKING:
+    from fedsparse.common.data import DatasetName
+
 __all__ = [
+    "DEFAULT_MODELS",
+    "MODEL_INPUT_SHAPES",
     "MODEL_NAMES",
     "ActivationConfig",
     "DPCNN",
     "DPCNNMnist",
     "DigitsCNN",
+    "ModelName",
     "TemperedSigmoid",
     "build_model",
     "count_parameters",
@@ -220,27 +226,36 @@ class DigitsCNN(nn.Module):
 
 _ModelFactory = Callable[..., nn.Module]
 
-_REGISTRY: Final[dict[str, _ModelFactory]] = {
+ModelName = Literal["dpcnn", "dpcnn-mnist", "digits-cnn"]
+"""Names accepted by :func:`build_model`."""
+
+MODEL_NAMES: Final[tuple[ModelName, ...]] = get_args(ModelName)
+
+_REGISTRY: Final[dict[ModelName, _ModelFactory]] = {
     "dpcnn": DPCNN,
     "dpcnn-mnist": DPCNNMnist,
     "digits-cnn": DigitsCNN,
 }
 
-MODEL_NAMES: Final[tuple[str, ...]] = tuple(_REGISTRY)
+MODEL_INPUT_SHAPES: Final[dict[ModelName, tuple[int, int, int]]] = {
+    "dpcnn": (3, 32, 32),
+    "dpcnn-mnist": (1, 28, 28),
+    "digits-cnn": (1, 8, 8),
+}
+"""The ``C x H x W`` input each model takes (its linear head fixes the spatial size)."""
 
-#: The model each dataset uses unless one is named.
-DEFAULT_MODELS = {
+DEFAULT_MODELS: Final[dict[DatasetName, ModelName]] = {
     "digits": "digits-cnn",
     "mnist": "dpcnn-mnist",
     "fmnist": "dpcnn-mnist",
     "cifar10": "dpcnn",
     "svhn": "dpcnn",
 }
-"""Names accepted by :func:`build_model`."""
+"""The model each dataset uses unless one is named."""
 
 
 def build_model(
-    name: str,
+    name: ModelName,
     *,
     num_classes: int = 10,
     activation: ActivationConfig | None = None,

@@ -29,24 +29,26 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, Literal, get_args
 
 import numpy as np
 
 if TYPE_CHECKING:
     from flwr_datasets.partitioner import Partitioner
 
-__all__ = ["PARTITIONER_NAMES", "partition_indices"]
+__all__ = ["PARTITIONER_NAMES", "PartitionerName", "partition_indices"]
 
-PARTITIONER_NAMES: Final[tuple[str, ...]] = ("iid", "dirichlet", "shard", "pathological")
+PartitionerName = Literal["iid", "dirichlet", "shard", "pathological"]
 """Names accepted by :func:`partition_indices` (``"pathological"`` is ``"shard"``)."""
+
+PARTITIONER_NAMES: Final[tuple[PartitionerName, ...]] = get_args(PartitionerName)
 
 
 def partition_indices(
     labels: np.ndarray,
     *,
     num_partitions: int,
-    partitioner: str = "iid",
+    partitioner: PartitionerName = "iid",
     alpha: float = 0.5,
     shards_per_partition: int = 2,
     min_partition_size: int = 2,

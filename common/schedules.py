@@ -21,10 +21,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Final, Literal, get_args
 
-__all__ = ["SCHEDULES", "RateSchedule"]
+__all__ = ["SCHEDULES", "RateSchedule", "ScheduleName"]
 
-SCHEDULES = ("gradual", "cooling", "constant", "linear-keep", "exp-keep", "steps")
+ScheduleName = Literal["gradual", "cooling", "constant", "linear-keep", "exp-keep", "steps"]
+"""The schedules above (run-config ``schedule``)."""
+
+SCHEDULES: Final[tuple[ScheduleName, ...]] = get_args(ScheduleName)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,7 +45,7 @@ class RateSchedule:
         steps: the rates for ``steps`` (the last one repeats), each in ``[0, 1)``.
     """
 
-    kind: str = "gradual"
+    kind: ScheduleName = "gradual"
     final_rate: float = 0.0
     total_steps: int = 1
     cooling_steps: int = 1

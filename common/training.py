@@ -4,9 +4,15 @@ The federated client and the centralized demo share these pieces. Privacy-releva
 (``PrivacyConfig``, ``SparsityConfig``) are kept apart from optimisation/performance knobs
 (``TrainConfig``), as jax_privacy keeps ``DPExecutionPlan`` apart from performance flags.
 
-Randomness comes from separate, seeded streams: model init, Poisson sampling (the data
-loader's generator), DP noise (the optimizer's generator) and masks (``derive_seed``); in
-``secure_mode`` Opacus draws noise and batches from OS entropy and seeds are refused.
+Randomness comes from separate, seeded streams (``seeds.Stream``): Poisson sampling (the data
+loader's generator) and DP noise (the optimizer's generator) from ``TrainConfig.seed``, masks
+from ``SparsityConfig.mask_seed``; in ``secure_mode`` Opacus draws noise and batches from OS
+entropy and seeds are refused.
+
+A ``target_epsilon`` is met on the exact number of steps that run
+(``privacy.calibrate_noise_multiplier`` with ``privacy.steps_per_epoch``), not on the
+``int(epochs / q)`` of Opacus's ``make_private_with_epsilon``, which can be one step short (see
+``privacy``). Where the two counts agree, σ is Opacus's, bit for bit.
 """
 
 from __future__ import annotations
@@ -21,11 +27,20 @@ from opacus.utils.batch_memory_manager import BatchMemoryManager
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from fedsparse.common.dp import MECHANISMS, SparseDPEngine
+from fedsparse.common.dp import MECHANISMS, MechanismName, SparseDPEngine
 from fedsparse.common.masks import derive_seed, keep_count, sample_mask
-from fedsparse.common.schedules import RateSchedule
+from fedsparse.common.privacy import (
+    ACCOUNTANTS,
+    AccountantName,
+    calibrate_noise_multiplier,
+    sample_rate,
+    steps_per_epoch,
+)
+from fedsparse.common.schedules import RateSchedule, ScheduleName
+from fedsparse.common.seeds import Stream, stream_seed
 
 __all__ = [
+    "ACCOUNTANTS",
     "EpochStats",
     "PrivacyConfig",
     "SparsityConfig",
@@ -37,8 +52,6 @@ __all__ = [
     "train_one_epoch",
 ]
 
-ACCOUNTANTS = ("rdp", "prv", "gdp")
-
 
 @dataclass(frozen=True, kw_only=True)
 class PrivacyConfig:
@@ -47,12 +60,12 @@ class PrivacyConfig:
     Exactly one of ``noise_multiplier`` and ``target_epsilon`` is set for ``mechanism="dpsgd"``.
     """
 
-    mechanism: str = "dpsgd"
+    mechanism: MechanismName = "dpsgd"
     noise_multiplier: float | None = None
     target_epsilon: float | None = None
     delta: float = 1e-5
     max_grad_norm: float = 1.0
-    accountant: str = "rdp"
+    accountant: AccountantName = "rdp"
     secure_mode: bool = False
 
     def __post_init__(self) -> None:
@@ -88,7 +101,7 @@ class PrivacyConfig:
 class SparsityConfig:
     """Random-sparsification settings: the rate schedule and the mask seed."""
 
-    schedule: str = "gradual"
+    schedule: ScheduleName = "gradual"
     final_rate: float = 0.0
     cooling_steps: int = 1
     initial_keep: float = 1.0
@@ -159,6 +172,7 @@ def round_mask(numel: int, *, rate: float, mask_seed: int, step: int) -> torch.T
     keep = keep_count(numel, rate=rate)
     if keep == numel:
         return None
+    # A per-step refinement of an already derived mask seed, not a stream of the run's seed.
     return sample_mask(numel, keep=keep, seed=derive_seed(mask_seed, step))
 
 
@@ -175,14 +189,31 @@ def make_private(
 
     Args:
         epochs_for_target: epochs that ``target_epsilon`` must cover (ignored with a fixed
-            ``noise_multiplier``).
+            ``noise_multiplier``). σ is calibrated for exactly the steps they take,
+            ``epochs_for_target * privacy.steps_per_epoch(len(x), train.batch_size)``, at the
+            rate the accountant charges, ``privacy.sample_rate(len(x), train.batch_size)``
+            (Opacus's ``make_private_with_epsilon`` used ``int(epochs / q)`` steps at the
+            loader's ``q``; where those agree, σ is unchanged).
     """
-    data_gen = (
-        None if privacy.secure_mode else torch.Generator().manual_seed(derive_seed(train.seed, 1))
-    )
-    noise_gen = (
-        None if privacy.secure_mode else torch.Generator().manual_seed(derive_seed(train.seed, 2))
-    )
+    data_gen, noise_gen = None, None
+    if not privacy.secure_mode:
+        data_gen = torch.Generator().manual_seed(stream_seed(train.seed, Stream.POISSON_SAMPLING))
+        noise_gen = torch.Generator().manual_seed(stream_seed(train.seed, Stream.DP_NOISE))
+    noise_multiplier = privacy.noise_multiplier
+    if privacy.target_epsilon is not None:
+        steps = epochs_for_target * steps_per_epoch(
+            len(x), train.batch_size, poisson_sampling=train.poisson_sampling
+        )
+        noise_multiplier = calibrate_noise_multiplier(
+            target_epsilon=privacy.target_epsilon,
+            delta=privacy.delta,
+            sample_rate=sample_rate(
+                len(x), train.batch_size, poisson_sampling=train.poisson_sampling
+            ),
+            steps=steps,
+            accountant=privacy.accountant,
+        )
+    assert noise_multiplier is not None  # PrivacyConfig sets exactly one of the two
     loader = DataLoader(
         TensorDataset(x, y),
         batch_size=min(train.batch_size, len(x)),
@@ -193,25 +224,17 @@ def make_private(
     engine = SparseDPEngine(
         accountant=privacy.accountant, secure_mode=privacy.secure_mode, mechanism=privacy.mechanism
     )
-    common = dict(
-        module=model,
-        optimizer=optimizer,
-        data_loader=loader,
-        max_grad_norm=privacy.max_grad_norm,
-        poisson_sampling=train.poisson_sampling,
-        noise_generator=noise_gen,
-    )
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Secure RNG turned off")
-        if privacy.target_epsilon is not None:
-            private = engine.make_private_with_epsilon(
-                target_epsilon=privacy.target_epsilon,
-                target_delta=privacy.delta,
-                epochs=epochs_for_target,
-                **common,
-            )
-        else:
-            private = engine.make_private(noise_multiplier=privacy.noise_multiplier, **common)
+        private = engine.make_private(
+            module=model,
+            optimizer=optimizer,
+            data_loader=loader,
+            noise_multiplier=noise_multiplier,
+            max_grad_norm=privacy.max_grad_norm,
+            poisson_sampling=train.poisson_sampling,
+            noise_generator=noise_gen,
+        )
     module, dp_optimizer, dp_loader = private
     return engine, module, dp_optimizer, dp_loader
 

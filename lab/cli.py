@@ -13,16 +13,26 @@ import json
 import math
 import time
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any, TypeVar
 
 import torch
 import typer
 from rich.console import Console
 
-from fedsparse.common.data import load_dataset
-from fedsparse.common.masks import derive_seed
-from fedsparse.common.models import DEFAULT_MODELS, build_model, count_parameters
+from fedsparse.common.data import DATASET_NAMES, DatasetName, load_dataset
+from fedsparse.common.dp import MECHANISMS
+from fedsparse.common.models import (
+    DEFAULT_MODELS,
+    MODEL_NAMES,
+    ModelName,
+    build_model,
+    count_parameters,
+)
+from fedsparse.common.privacy import ACCOUNTANTS
+from fedsparse.common.schedules import SCHEDULES
+from fedsparse.common.seeds import Stream, stream_seed
 from fedsparse.common.training import (
     EpochStats,
     PrivacyConfig,
@@ -31,15 +41,16 @@ from fedsparse.common.training import (
     train_centralized,
 )
 
-# Opacus/torch chatter that says nothing about this run: seeded (non-secure) RNG is the
-# documented default, the RDP order warning is informational, and Opacus's hooks fire on inputs
-# that do not require grad by design.
-for _message in (
+#: Opacus/torch chatter that says nothing about a run: seeded (non-secure) RNG is the
+#: documented default, the RDP order warning is informational, and Opacus's hooks fire on
+#: inputs that do not require grad by design. Ignored while a command runs (``main``).
+QUIET_WARNINGS = (
     "Secure RNG turned off",
     "Optimal order is the largest alpha",
     "Full backward hook is firing",
-):
-    warnings.filterwarnings("ignore", message=_message)
+)
+
+Choice = TypeVar("Choice", bound=str)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 console = Console()
@@ -50,20 +61,22 @@ if not console.is_terminal:  # logs and CI: do not squeeze the round table into 
 def run_train(
     *,
     out: Path,
-    dataset: str,
+    dataset: DatasetName,
     data_dir: Path | None,
-    model_name: str | None,
+    model_name: ModelName | None,
     privacy: PrivacyConfig,
     sparsity: SparsityConfig,
     train: TrainConfig,
-) -> dict:
+) -> dict[str, Any]:
     """Runs centralized training, printing a table per epoch; returns the summary dict."""
     torch.set_num_threads(max(1, torch.get_num_threads()))
     out.mkdir(parents=True, exist_ok=True)
     train_split, test_split = load_dataset(dataset, data_dir=data_dir, seed=train.seed)
     model_name = model_name or DEFAULT_MODELS[dataset]
     with torch.random.fork_rng():
-        torch.manual_seed(derive_seed(train.seed, 0) % 2**31)
+        # NOTE: build_model re-seeds under its own fork_rng (default seed=0), so this seed
+        # does not reach the weights: every --seed starts from the same initialisation.
+        torch.manual_seed(stream_seed(train.seed, Stream.MODEL_INIT) % 2**31)
         model = build_model(model_name)
     console.print(
         f"[bold]{dataset}[/]: {len(train_split)} train / {len(test_split)} test examples; "
@@ -121,6 +134,18 @@ def run_train(
 Opt = typer.Option
 
 
+def _choice(field: str, value: str, choices: Sequence[Choice]) -> Choice:
+    """``value`` as the one of ``choices`` it names.
+
+    Raises:
+        ValueError: none of them (naming ``field`` and ``value``).
+    """
+    for choice in choices:
+        if value == choice:
+            return choice
+    raise ValueError(f"{field}={value!r}: expected one of {', '.join(choices)}")
+
+
 @app.command()
 def train(
     out: Annotated[Path, Opt(help="output directory")] = Path("runs/train"),
@@ -152,18 +177,18 @@ def train(
         target_epsilon = None
     try:
         privacy = PrivacyConfig(
-            mechanism=mechanism,
+            mechanism=_choice("mechanism", mechanism, MECHANISMS),
             noise_multiplier=noise_multiplier,
             target_epsilon=target_epsilon,
             delta=delta,
             max_grad_norm=max_grad_norm,
-            accountant=accountant,
+            accountant=_choice("accountant", accountant, ACCOUNTANTS),
         )
         sparsity = SparsityConfig(
-            schedule=schedule,
+            schedule=_choice("schedule", schedule, SCHEDULES),
             final_rate=final_rate,
             cooling_steps=cooling_steps,
-            mask_seed=derive_seed(seed, 3),
+            mask_seed=stream_seed(seed, Stream.EPOCH_MASKS),
         )
         config = TrainConfig(
             epochs=epochs,
@@ -173,17 +198,15 @@ def train(
             max_physical_batch_size=max_physical_batch_size,
             seed=seed,
         )
+        dataset_name = _choice("dataset", dataset, DATASET_NAMES)
+        model_name = None if model is None else _choice("model", model, MODEL_NAMES)
     except ValueError as err:
         raise typer.BadParameter(str(err)) from err
-    if dataset not in DEFAULT_MODELS:
-        raise typer.BadParameter(
-            f"dataset={dataset!r}: expected one of {', '.join(DEFAULT_MODELS)}"
-        )
     run_train(
         out=out,
-        dataset=dataset,
+        dataset=dataset_name,
         data_dir=data_dir,
-        model_name=model,
+        model_name=model_name,
         privacy=privacy,
         sparsity=sparsity,
         train=config,
@@ -228,13 +251,13 @@ def simulate(
     except RuntimeError as err:
         console.print(f"[bold red]simulation failed:[/] {err}")
         raise typer.Exit(1) from err
-    up, dense = summary["total_uplink_payload_bytes"], summary["total_dense_uplink_bytes"]
+    up, dense = summary.total_uplink_payload_bytes, summary.total_dense_uplink_bytes
     console.print(
-        f"[bold green]final test accuracy {summary['final_test_accuracy']:.4f}[/], "
-        f"epsilon max {summary['epsilon_max']:.3f} (median {summary['epsilon_median']:.3f}) at "
-        f"delta={summary['delta']:g}\nuplink {up / 1e6:.3f} MB vs dense {dense / 1e6:.3f} MB "
-        f"({summary['uplink_savings']:.2f}x less); Flower messages "
-        f"{summary['total_uplink_message_bytes'] / 1e6:.3f} MB; wrote {out / 'rounds.jsonl'}"
+        f"[bold green]final test accuracy {summary.final_test_accuracy:.4f}[/], "
+        f"epsilon max {summary.epsilon_max:.3f} (median {summary.epsilon_median:.3f}) at "
+        f"delta={summary.delta:g}\nuplink {up / 1e6:.3f} MB vs dense {dense / 1e6:.3f} MB "
+        f"({summary.uplink_savings:.2f}x less); Flower messages "
+        f"{summary.total_uplink_message_bytes / 1e6:.3f} MB; wrote {out / 'rounds.jsonl'}"
     )
 
 
@@ -261,11 +284,14 @@ def sweep(
     import shlex
 
     from fedsparse.lab.report import write_outputs
-    from fedsparse.lab.sweep import RunSettings, parse_grid, plan_sweep, run_sweep
+    from fedsparse.lab.sweep import BACKENDS, RunSettings, parse_grid, plan_sweep, run_sweep
 
     try:
         settings = RunSettings(
-            backend=backend, clients=clients, cpus_per_client=cpus_per_client, timeout=timeout
+            backend=_choice("backend", backend, BACKENDS),
+            clients=clients,
+            cpus_per_client=cpus_per_client,
+            timeout=timeout,
         )
         if jobs < 1:
             raise ValueError(f"jobs={jobs}: expected >= 1")
@@ -352,8 +378,11 @@ def wire_report_command(
 
 
 def main() -> None:
-    """Console-script entry point."""
-    app()
+    """Console-script entry point: the command line, without ``QUIET_WARNINGS``."""
+    with warnings.catch_warnings():
+        for message in QUIET_WARNINGS:
+            warnings.filterwarnings("ignore", message=message)
+        app()
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ Fleet API through its own ``ByteRelay`` (``lab/relay.py``), which counts the byt
 wire; ``run_deployment`` then writes ``wire.json`` (see ``lab/wire.py``). With ``tls=True``
 the SuperLink serves TLS with a throwaway CA (``<out>/certs``) and the relays count
 ciphertext, TLS framing included. Every process started here is stopped by PID
-(``lab/processes.py``) however the run ends.
+(``lab/processes.py``) however the run ends. The steps shared with ``fedsparse simulate``
+(run directory, ``FLWR_HOME``, SuperLink, ``flwr run``, summary) are in ``lab/launch.py``.
 """
 
 from __future__ import annotations
@@ -16,23 +17,26 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import shutil
-import subprocess
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from fedsparse.common.config import FederatedConfig
-from fedsparse.lab.flower import (
-    app_bundle_dir,
-    fab_size,
-    flwr_env,
-    format_run_config,
-    tool,
-    write_flwr_config,
+from fedsparse.common.records import RunSummary, read_rounds
+from fedsparse.lab.flower import fab_size, tool
+from fedsparse.lab.launch import (
+    PORT_TIMEOUT,
+    RUN_OUTPUTS,
+    connect,
+    flwr_run,
+    log_tails,
+    prepare_run,
+    read_summary,
+    start_process,
+    superlink_args,
+    wait_for_exit,
 )
-from fedsparse.lab.processes import free_port, managed_process, wait_for_port
+from fedsparse.lab.processes import Process, check_running, free_port, wait_for_port
 from fedsparse.lab.relay import ByteRelay
 from fedsparse.lab.tls import TlsFiles, generate_tls_files, security_args
 from fedsparse.lab.wire import capture_summary
@@ -67,17 +71,9 @@ def deployment_args(
     targets = list(superlink_ports) if superlink_ports is not None else [fleet_port] * num_nodes
     if len(targets) != num_nodes:
         raise ValueError(f"superlink_ports has {len(targets)} ports: expected {num_nodes}")
-    superlink = [
-        tool("flower-superlink"),
-        *security_args(tls, server=True),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(http_port),
-        "--fleet-api-address",
-        f"127.0.0.1:{fleet_port}",
-        "--disable-runtime-dependency-installation",
-    ]
+    superlink = superlink_args(
+        security_args(tls, server=True), http_port=http_port, fleet_port=fleet_port
+    )
     supernodes = [
         [
             tool("flower-supernode"),
@@ -96,31 +92,20 @@ def deployment_args(
     return superlink, supernodes
 
 
-def _log_tails(paths: Sequence[Path], *, lines: int = 20) -> str:
-    parts = []
-    for path in paths:
-        if path.exists():
-            tail = path.read_text(errors="replace").splitlines()[-lines:]
-            parts.append(f"--- {path.name} ---\n" + "\n".join(tail))
-    return "\n".join(parts)
-
-
 def _wait_for_traffic(
-    relays: Sequence[ByteRelay], nodes: Sequence[subprocess.Popen], *, timeout: float
+    relays: Sequence[ByteRelay], nodes: Sequence[Process], *, timeout: float
 ) -> None:
     """Waits until every relay has carried bytes both ways (its SuperNode is connected)."""
     deadline = time.monotonic() + timeout
     while not all(min(r.totals().values()) > 0 for r in relays):
-        for node in nodes:
-            if node.poll() is not None:
-                raise RuntimeError(f"{node.args[0]} exited with code {node.returncode}")
+        check_running(nodes)
         if time.monotonic() > deadline:
             raise RuntimeError(f"a SuperNode did not reach the SuperLink within {timeout:.0f} s")
         time.sleep(0.2)
 
 
 def _measure_idle(
-    relays: Sequence[ByteRelay], nodes: Sequence[subprocess.Popen], *, seconds: float
+    relays: Sequence[ByteRelay], nodes: Sequence[Process], *, seconds: float
 ) -> tuple[float, float] | None:
     """Sleeps through the idle window (connected SuperNodes, no run yet); returns it."""
     if not relays or seconds <= 0:
@@ -130,12 +115,6 @@ def _measure_idle(
     started = time.time()
     time.sleep(seconds)
     return started, time.time()
-
-
-def _read_rounds(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def _write_wire(
@@ -148,7 +127,7 @@ def _write_wire(
 ) -> None:
     capture = capture_summary(
         [relay.records() for relay in relays],
-        _read_rounds(out / "rounds.jsonl"),
+        read_rounds(out / "rounds.jsonl"),
         idle=idle,
         capture=(
             min(r.started_at or 0.0 for r in relays),
@@ -172,8 +151,8 @@ def run_deployment(
     relay: bool = True,
     idle_seconds: float = 6.0,
     tls: bool = False,
-) -> dict:
-    """Runs the app on a loopback deployment; returns ``summary.json``'s content.
+) -> RunSummary:
+    """Runs the app on a loopback deployment; returns its ``summary.json``.
 
     Starts a non-simulation SuperLink and ``num_nodes`` SuperNodes on free 127.0.0.1 ports
     with a private ``FLWR_HOME`` (``<out>/.flwr``), submits the app with ``flwr run <app>
@@ -210,91 +189,53 @@ def run_deployment(
         raise ValueError(f"num_nodes={num_nodes}: expected >= 1")
     if not 0 <= idle_seconds < math.inf:
         raise ValueError(f"idle_seconds={idle_seconds}: expected a finite value >= 0")
-    out = Path(out).resolve()
-    run_config = {**overrides, "out-dir": str(out)}
-    config = FederatedConfig.from_run_config(run_config)  # validate before starting anything
-    typed = {k: v for k, v in config.to_run_config().items() if k in run_config}
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in ("rounds.jsonl", "summary.json", "wire.json"):
-        (out / stale).unlink(missing_ok=True)
-    flwr_home = out / ".flwr"
-    shutil.rmtree(flwr_home, ignore_errors=True)
-    tls_files = generate_tls_files(out / "certs") if tls else None
-    app = app_bundle_dir(out)
-    fab_bytes = fab_size(app) if relay else None  # the bundle `flwr run` builds from these files
-    http, fleet = free_port(), free_port()
+    run = prepare_run(out, overrides, stale=(*RUN_OUTPUTS, "wire.json"))
+    tls_files = generate_tls_files(run.out / "certs") if tls else None
+    fab_bytes = fab_size(run.app) if relay else None  # the bundle `flwr run` builds from it
+    link = connect(run, name="deploy", root_certificates=tls_files.ca_cert if tls_files else None)
     node_ports = [free_port() for _ in range(num_nodes)]
-    write_flwr_config(
-        flwr_home,
-        name="deploy",
-        control_port=http,
-        root_certificates=tls_files.ca_cert if tls_files else None,
-    )
-    env = flwr_env(flwr_home)
-    run_args = [
-        tool("flwr"),
-        "run",
-        str(app),
-        "deploy",
-        *format_run_config(typed),
-        "--stream",
-    ]
-    logs = [out / "superlink.log", *(out / f"supernode-{i}.log" for i in range(num_nodes))]
-    logs.append(out / "flwr.log")
+    node_logs = [run.out / f"supernode-{i}.log" for i in range(num_nodes)]
+    logs = [run.superlink_log, *node_logs, run.flwr_log]
     recorded = pids if pids is not None else []
     relays: list[ByteRelay] = []
     idle = None
     try:
         with contextlib.ExitStack() as stack:
             relays = [
-                stack.enter_context(ByteRelay(("127.0.0.1", fleet)))
+                stack.enter_context(ByteRelay(("127.0.0.1", link.fleet_port)))
                 for _ in range(num_nodes if relay else 0)
             ]
-            superlink_args, supernode_args = deployment_args(
-                http_port=http,
-                fleet_port=fleet,
+            superlink_command, supernode_commands = deployment_args(
+                http_port=link.http_port,
+                fleet_port=link.fleet_port,
                 num_nodes=num_nodes,
                 node_ports=node_ports,
                 superlink_ports=[r.port for r in relays] if relays else None,
                 tls=tls_files,
             )
-            link_log = stack.enter_context(logs[0].open("wb"))
-            superlink = stack.enter_context(managed_process(superlink_args, env=env, log=link_log))
-            recorded.append(superlink.pid)
-            wait_for_port(http, timeout=60, process=superlink)
-            wait_for_port(fleet, timeout=60, process=superlink)
-            nodes = []
-            for i, args in enumerate(supernode_args):
-                node_log = stack.enter_context(logs[1 + i].open("wb"))
-                nodes.append(stack.enter_context(managed_process(args, env=env, log=node_log)))
-                recorded.append(nodes[-1].pid)
+            superlink = stack.enter_context(
+                start_process(
+                    superlink_command,
+                    env=link.env,
+                    log=run.superlink_log,
+                    ports=[link.http_port, link.fleet_port],
+                    pids=recorded,
+                )
+            )
+            nodes = [
+                stack.enter_context(start_process(args, env=link.env, log=log, pids=recorded))
+                for args, log in zip(supernode_commands, node_logs, strict=True)
+            ]
             for node, port in zip(nodes, node_ports, strict=True):
-                wait_for_port(port, timeout=60, process=node)
+                wait_for_port(port, timeout=PORT_TIMEOUT, process=node)
             idle = _measure_idle(relays, nodes, seconds=idle_seconds)
-            run_log = stack.enter_context(logs[-1].open("wb"))
-            run = stack.enter_context(managed_process(run_args, env=env, log=run_log, cwd=app))
-            recorded.append(run.pid)
-            deadline = time.monotonic() + timeout
-            while run.poll() is None:
-                for process in (superlink, *nodes):
-                    if process.poll() is not None:
-                        raise RuntimeError(
-                            f"{process.args[0]} exited with code {process.returncode}"
-                        )
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"timeout={timeout:.0f} s reached")
-                time.sleep(0.5)
+            flwr = stack.enter_context(flwr_run(run, link, pids=recorded))
+            returncode = wait_for_exit(flwr, timeout=timeout, watch=[superlink, *nodes])
     except RuntimeError as error:
         if relays:  # what was captured up to the failure, best effort
             with contextlib.suppress(OSError, ValueError, KeyError):
-                _write_wire(out, relays, idle, tls=tls, fab_bytes=fab_bytes)
-        raise RuntimeError(f"{error}\n{_log_tails(logs)}") from error
+                _write_wire(run.out, relays, idle, tls=tls, fab_bytes=fab_bytes)
+        raise RuntimeError(f"{error}\n{log_tails(logs)}") from error
     if relays:  # stopped by now (LIFO: the processes first, then the relays)
-        _write_wire(out, relays, idle, tls=tls, fab_bytes=fab_bytes)
-    summary_path = out / "summary.json"
-    if run.returncode != 0 or not summary_path.exists():
-        raise RuntimeError(
-            f"flwr run exited with code {run.returncode} and "
-            f"{'no' if not summary_path.exists() else 'a'} summary.json:\n{_log_tails(logs)}"
-        )
-    return json.loads(summary_path.read_text())
+        _write_wire(run.out, relays, idle, tls=tls, fab_bytes=fab_bytes)
+    return read_summary(run, returncode, logs=lambda: log_tails(logs))

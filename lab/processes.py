@@ -12,19 +12,25 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO
+from typing import IO, TypeAlias
 
 __all__ = [
+    "Process",
+    "check_running",
     "descendants",
     "free_port",
     "is_zombie",
     "managed_process",
+    "program",
     "stop_process",
     "wait_for_port",
 ]
+
+#: A child process started here (binary output, to a log file).
+Process: TypeAlias = subprocess.Popen[bytes]
 
 
 def free_port() -> int:
@@ -34,7 +40,20 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def wait_for_port(port: int, *, timeout: float, process: subprocess.Popen | None = None) -> None:
+def program(process: Process) -> str:
+    """The program ``process`` runs (its first argument), for messages."""
+    args = process.args
+    return os.fsdecode(args if isinstance(args, str | bytes | os.PathLike) else args[0])
+
+
+def check_running(processes: Iterable[Process]) -> None:
+    """Raises ``RuntimeError`` naming the first of ``processes`` that has exited, if any."""
+    for process in processes:
+        if process.poll() is not None:
+            raise RuntimeError(f"{program(process)} exited with code {process.returncode}")
+
+
+def wait_for_port(port: int, *, timeout: float, process: Process | None = None) -> None:
     """Waits until 127.0.0.1:port accepts TCP connections.
 
     Raises:
@@ -42,8 +61,8 @@ def wait_for_port(port: int, *, timeout: float, process: subprocess.Popen | None
     """
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if process is not None and process.poll() is not None:
-            raise RuntimeError(f"{process.args[0]} exited with code {process.returncode}")
+        if process is not None:
+            check_running([process])
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             sock.settimeout(0.5)
             if sock.connect_ex(("127.0.0.1", port)) == 0:
@@ -79,7 +98,7 @@ def _signal_all(pids: Sequence[int], sig: signal.Signals) -> None:
             os.kill(pid, sig)
 
 
-def stop_process(process: subprocess.Popen, *, grace: float = 10.0) -> None:
+def stop_process(process: Process, *, grace: float = 10.0) -> None:
     """Stops ``process`` and all its descendants by PID: SIGTERM, then SIGKILL after ``grace``."""
     tree = descendants(process.pid)
     if process.poll() is None:
@@ -96,6 +115,7 @@ def stop_process(process: subprocess.Popen, *, grace: float = 10.0) -> None:
 
 
 def is_zombie(pid: int) -> bool:
+    """Whether ``pid`` is a zombie (exited, not yet reaped) or gone."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
     except OSError:
@@ -105,7 +125,7 @@ def is_zombie(pid: int) -> bool:
 @contextmanager
 def managed_process(
     args: Sequence[str], *, env: Mapping[str, str], log: IO[bytes], cwd: Path | None = None
-) -> Iterator[subprocess.Popen]:
+) -> Iterator[Process]:
     """Starts ``args`` in its own process group; stops the group by PID on exit."""
     process = subprocess.Popen(
         list(args),

@@ -3,29 +3,27 @@
 ``results.csv`` has one row per run (``fedsparse.lab.sweep``); ``summary.csv`` one row per
 grid point with the mean and standard error over its successful seeds (SE = sample std /
 sqrt(n), blank for n = 1); ``rounds.csv`` every run's ``rounds.jsonl`` lines, so the plots can
-be redrawn without the run directories. Plots use matplotlib's Agg backend (no display).
+be redrawn without the run directories. Plots are drawn on matplotlib ``Figure`` objects,
+without pyplot: no display, and no change to the process's matplotlib backend.
 """
 
 from __future__ import annotations
 
 import csv
-import json
 import math
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import matplotlib
+import numpy as np
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402 - the backend must be chosen first
-import numpy as np  # noqa: E402
-from matplotlib.axes import Axes  # noqa: E402
-from matplotlib.ticker import MaxNLocator  # noqa: E402
-
-from fedsparse.lab.sweep import METRICS, RunSettings, SweepPlan, point_label  # noqa: E402
+from fedsparse.common.records import RoundLog, per_round_fields, read_rounds
+from fedsparse.lab.sweep import METRICS, RunSettings, SweepPlan, point_label
 
 __all__ = [
     "PLOTS",
@@ -36,23 +34,11 @@ __all__ = [
     "write_outputs",
 ]
 
+#: Per-run numbers of ``results.csv`` and ``summary.csv``: the run's ``METRICS`` and the
+#: sweep's wall time for the run (``wall_seconds``, not the summary's sum over rounds).
 SUMMARY_METRICS = (*METRICS, "wall_seconds")
-ROUND_KEYS = (
-    "round",
-    "rate",
-    "keep_fraction",
-    "test_accuracy",
-    "test_loss",
-    "epsilon_max",
-    "train_loss",
-    "uplink_payload_bytes",
-    "uplink_message_bytes",
-    "downlink_payload_bytes",
-    "downlink_message_bytes",
-    "dense_uplink_bytes",
-    "dense_downlink_bytes",
-    "wall_seconds",
-)
+#: ``RoundLog`` fields kept in ``rounds.csv`` (those tagged ``per_round``).
+ROUND_KEYS = per_round_fields()
 PLOTS = {
     "accuracy_vs_uplink.png": "Test accuracy vs cumulative uplink payload",
     "final_accuracy.png": "Final test accuracy",
@@ -76,7 +62,7 @@ class ConfigRuns:
     label: str
     point: dict[str, str]
     rows: list[dict[str, Any]] = field(default_factory=list)
-    rounds: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # slug -> rounds
+    rounds: dict[str, list[RoundLog]] = field(default_factory=dict)  # slug -> rounds
 
     @property
     def ok(self) -> list[dict[str, Any]]:
@@ -92,8 +78,7 @@ def group_configs(plan: SweepPlan, rows: Sequence[Mapping[str, Any]]) -> list[Co
         group.rows.append(dict(row))
         path = Path(row["run_dir"]) / "rounds.jsonl"
         if row["status"] == "ok" and path.exists():
-            lines = path.read_text().splitlines()
-            group.rounds[row["slug"]] = [json.loads(s) for s in lines if s]
+            group.rounds[row["slug"]] = read_rounds(path)
     return list(groups.values())
 
 
@@ -124,7 +109,9 @@ def write_csv(path: Path, rows: Sequence[Mapping[str, Any]], columns: Sequence[s
             writer.writerow({k: _cell(row.get(k)) for k in columns})
 
 
-def _per_round(group: ConfigRuns, values: Any) -> np.ndarray:
+def _per_round(
+    group: ConfigRuns, values: Callable[[list[RoundLog]], Sequence[float] | np.ndarray]
+) -> np.ndarray:
     """(runs x rounds) array of ``values(rounds)`` over the group's runs, cut to the shortest."""
     runs = list(group.rounds.values())
     length = min(len(r) for r in runs)
@@ -142,10 +129,10 @@ def _band(ax: Axes, x: np.ndarray, y: np.ndarray, label: str) -> None:
 
 def plot_accuracy_vs_uplink(groups: Sequence[ConfigRuns], path: Path) -> None:
     """(a) Test accuracy vs cumulative uplink payload MB, one curve per grid point."""
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = _figure()
     for group in (g for g in groups if g.rounds):
-        up = _per_round(group, lambda r: np.cumsum([e["uplink_payload_bytes"] for e in r]))
-        acc = _per_round(group, lambda r: [e["test_accuracy"] for e in r])
+        up = _per_round(group, lambda r: np.cumsum([e.uplink_payload_bytes for e in r]))
+        acc = _per_round(group, lambda r: [e.test_accuracy for e in r])
         _band(ax, up.mean(axis=0) / 1e6, acc, group.label)
     ax.set(xlabel="cumulative uplink payload (MB)", ylabel="test accuracy")
     ax.set_title(PLOTS[path.name] + " (mean ± SE over seeds)")
@@ -154,7 +141,7 @@ def plot_accuracy_vs_uplink(groups: Sequence[ConfigRuns], path: Path) -> None:
 
 def plot_final_accuracy(plan: SweepPlan, summary: Sequence[Mapping[str, Any]], path: Path) -> None:
     """(b) Final accuracy vs final rate, a line per other grid point; else a bar per config."""
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = _figure()
     ok = [s for s in summary if s["n"] > 0]
     if "final-rate" in plan.grid:
         others = [k for k in plan.grid if k != "final-rate"]
@@ -180,11 +167,11 @@ def plot_final_accuracy(plan: SweepPlan, summary: Sequence[Mapping[str, Any]], p
 
 def plot_uplink_per_round(groups: Sequence[ConfigRuns], path: Path) -> None:
     """(c) Uplink MB per round: payload solid, Flower message dashed, one color per config."""
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = _figure()
     for group in (g for g in groups if g.rounds):
-        rounds = _per_round(group, lambda r: [e["round"] for e in r])[0]
-        payload = _per_round(group, lambda r: [e["uplink_payload_bytes"] for e in r])
-        message = _per_round(group, lambda r: [e["uplink_message_bytes"] for e in r])
+        rounds = _per_round(group, lambda r: [e.round for e in r])[0]
+        payload = _per_round(group, lambda r: [e.uplink_payload_bytes for e in r])
+        message = _per_round(group, lambda r: [e.uplink_message_bytes for e in r])
         (line,) = ax.plot(rounds, payload.mean(axis=0) / 1e6, marker="o", label=group.label)
         ax.plot(rounds, message.mean(axis=0) / 1e6, "--", color=line.get_color())
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -193,13 +180,18 @@ def plot_uplink_per_round(groups: Sequence[ConfigRuns], path: Path) -> None:
     _finish(fig, ax, path)
 
 
-def _finish(fig: Any, ax: Axes, path: Path) -> None:
+def _figure() -> tuple[Figure, Axes]:
+    """A figure with one axes, not registered with pyplot (nothing to close, no backend)."""
+    fig = Figure(figsize=(7, 4.5))
+    return fig, fig.subplots()
+
+
+def _finish(fig: Figure, ax: Axes, path: Path) -> None:
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def _pm(mean: float, se: float, digits: int, scale: float = 1.0) -> str:
@@ -255,7 +247,8 @@ def _round_rows(groups: Sequence[ConfigRuns]) -> list[dict[str, Any]]:
     for group in groups:
         for row in group.ok:
             for entry in group.rounds.get(row["slug"], []):
-                out.append({"slug": row["slug"], **group.point, "seed": row["seed"], **entry})
+                values = {key: getattr(entry, key) for key in ROUND_KEYS}
+                out.append({"slug": row["slug"], **group.point, "seed": row["seed"], **values})
     return out
 
 

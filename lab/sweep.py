@@ -27,16 +27,18 @@ from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing import get_context
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from fedsparse.common.config import FederatedConfig
+from fedsparse.common.records import RunSummary, summary_metrics
 
 __all__ = [
     "BACKENDS",
     "METRICS",
+    "Backend",
     "RunSettings",
     "SweepPlan",
     "SweepRun",
@@ -46,19 +48,11 @@ __all__ = [
     "run_sweep",
 ]
 
-BACKENDS = ("simulation", "inprocess")
-#: Per-run numbers copied from ``summary.json`` into ``results.csv`` (and aggregated).
-METRICS = (
-    "final_test_accuracy",
-    "epsilon_max",
-    "total_uplink_payload_bytes",
-    "total_uplink_message_bytes",
-    "total_downlink_payload_bytes",
-    "total_downlink_message_bytes",
-    "total_dense_uplink_bytes",
-    "total_dense_downlink_bytes",
-    "uplink_savings",
-)
+Backend = Literal["simulation", "inprocess"]
+BACKENDS: tuple[Backend, ...] = ("simulation", "inprocess")
+#: Per-run numbers copied from ``summary.json`` into ``results.csv`` (and aggregated): the
+#: ``RunSummary`` fields tagged ``metric``.
+METRICS = summary_metrics()
 RESERVED = {"seed": "use --seeds N (and --set seed=BASE)", "out-dir": "the sweep sets it per run"}
 _UNSAFE = re.compile(r"[^A-Za-z0-9.+-]")
 
@@ -92,7 +86,7 @@ class SweepPlan:
 class RunSettings:
     """How each run executes (not part of the run config; ``clients`` is part of a run's id)."""
 
-    backend: str = "simulation"
+    backend: Backend = "simulation"
     clients: int = 10
     cpus_per_client: float = 1.0
     timeout: float = 3600.0
@@ -184,7 +178,8 @@ def plan_sweep(
         raise ValueError(f"seeds={seeds}: expected >= 1")
     _check_keys(grid, fixed)
     base = FederatedConfig.from_run_config({"seed": fixed.get("seed", "0")}).seed
-    runs, seen = [], {}
+    runs: list[SweepRun] = []
+    seen: dict[str, str] = {}  # run config (JSON) -> where it was first planned
     for values in itertools.product(*grid.values()):
         point = tuple(zip(grid, values, strict=True))
         for seed in range(base, base + seeds):
@@ -218,20 +213,20 @@ def _identity(run: SweepRun, settings: RunSettings) -> dict[str, Any]:
     return {"config": config, "clients": settings.clients, "backend": settings.backend}
 
 
-def _reusable(run_dir: Path, identity: dict[str, Any]) -> dict[str, Any] | None:
-    """The finished run's record if ``run_dir`` holds this very run, else None."""
+def _reusable(run_dir: Path, identity: dict[str, Any]) -> tuple[dict[str, Any], RunSummary] | None:
+    """The finished run's record and summary if ``run_dir`` holds this very run, else None."""
     try:
         record = json.loads((run_dir / "sweep-run.json").read_text())
-        summary = json.loads((run_dir / "summary.json").read_text())
-    except (OSError, ValueError):
+        summary = RunSummary.from_json((run_dir / "summary.json").read_text())
+    except (OSError, ValueError, TypeError):  # missing, unreadable or of another schema
         return None
-    config = dict(summary.get("config", {}))
+    config = dict(summary.config)
     config.pop("out-dir", None)
     same = all(record.get(k) == v for k, v in identity.items()) and config == identity["config"]
-    return record if same and record.get("status") == "ok" else None
+    return (record, summary) if same and record.get("status") == "ok" else None
 
 
-def _run_inprocess(overrides: Mapping[str, str], out: Path, settings: RunSettings) -> dict:
+def _run_inprocess(overrides: Mapping[str, str], out: Path, settings: RunSettings) -> RunSummary:
     from fedsparse.client.app import app as client_app
     from fedsparse.lab.inprocess import InProcessGrid
     from fedsparse.server.app import run_federated
@@ -247,7 +242,7 @@ def _run_inprocess(overrides: Mapping[str, str], out: Path, settings: RunSetting
         flwr_logger.setLevel(level)
 
 
-def _run_simulation(overrides: Mapping[str, str], out: Path, settings: RunSettings) -> dict:
+def _run_simulation(overrides: Mapping[str, str], out: Path, settings: RunSettings) -> RunSummary:
     from fedsparse.lab.simulate import run_simulation
 
     return run_simulation(
@@ -260,10 +255,15 @@ def _run_simulation(overrides: Mapping[str, str], out: Path, settings: RunSettin
     )
 
 
-def run_backend(overrides: Mapping[str, str], out: Path, settings: RunSettings) -> dict:
+def run_backend(overrides: Mapping[str, str], out: Path, settings: RunSettings) -> RunSummary:
     """Runs one federation on ``settings.backend``; returns its summary (``summary.json``)."""
     runner = _run_inprocess if settings.backend == "inprocess" else _run_simulation
     return runner(overrides, out, settings)
+
+
+def _metrics(summary: RunSummary) -> dict[str, Any]:
+    """The ``METRICS`` of one run, by name."""
+    return {name: getattr(summary, name) for name in METRICS}
 
 
 def _row(run: SweepRun, run_dir: Path, **fields: Any) -> dict[str, Any]:
@@ -288,10 +288,10 @@ def execute_run(run: SweepRun, run_dir: Path, settings: RunSettings) -> dict[str
     line) and in full in ``<run_dir>/error.txt``.
     """
     identity = _identity(run, settings)
-    record = _reusable(run_dir, identity)
-    if record is not None:
-        summary = json.loads((run_dir / "summary.json").read_text())
-        metrics = {k: summary[k] for k in METRICS}
+    found = _reusable(run_dir, identity)
+    if found is not None:
+        record, summary = found
+        metrics = _metrics(summary)
         return _row(run, run_dir, status="ok", reused=True, **metrics, wall_seconds=record["wall"])
     run_dir.mkdir(parents=True, exist_ok=True)
     for stale in ("summary.json", "sweep-run.json", "error.txt"):
@@ -307,8 +307,7 @@ def execute_run(run: SweepRun, run_dir: Path, settings: RunSettings) -> dict[str
     wall = time.perf_counter() - started
     record = {**identity, "status": "ok", "wall": wall}
     (run_dir / "sweep-run.json").write_text(json.dumps(record, indent=2) + "\n")
-    metrics = {k: summary[k] for k in METRICS}
-    return _row(run, run_dir, status="ok", **metrics, wall_seconds=wall)
+    return _row(run, run_dir, status="ok", **_metrics(summary), wall_seconds=wall)
 
 
 def _executor(settings: RunSettings, jobs: int) -> Executor:

@@ -35,15 +35,18 @@ The idle rate is measured before ``flwr run``, with every SuperNode connected an
 from __future__ import annotations
 
 import csv
+import errno
 import json
 import math
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from rich.table import Table
 
-from fedsparse.lab.relay import DIRECTIONS, Record
+from fedsparse.common.records import LINKS, Link, RoundLog, read_rounds
+from fedsparse.lab.relay import DIRECTIONS, Direction, Record
 
 __all__ = [
     "REPORT_FIELDS",
@@ -61,11 +64,12 @@ WINDOW_NOTE = (
     "setup=[-inf, started_at_1), round k=[started_at_k, ended_at_k), "
     "between k=[ended_at_k, started_at_k+1), teardown=[ended_at_last, inf)"
 )
-_LINKS = {"up": "uplink", "down": "downlink"}
+#: The relay's direction of each link: a SuperNode's uplink is what it sends (``up``).
+_LINKS: dict[Direction, Link] = dict(zip(DIRECTIONS, LINKS, strict=True))
 
 
 def _bytes(records: Sequence[Record], t0: float, t1: float) -> dict[str, int]:
-    sums = dict.fromkeys(DIRECTIONS, 0)
+    sums: dict[str, int] = dict.fromkeys(DIRECTIONS, 0)
     for record in records:
         if t0 <= record.time < t1:
             sums[record.direction] += record.nbytes
@@ -80,16 +84,16 @@ def _rates(records: Sequence[Record], idle: tuple[float, float] | None) -> dict[
 
 
 def _categorize(
-    records: Sequence[Record], rounds: Sequence[Mapping[str, Any]], idle: dict[str, float] | None
+    records: Sequence[Record], rounds: Sequence[RoundLog], idle: dict[str, float] | None
 ) -> dict[str, Any]:
     """Bytes per window (see the module docstring) for one stream of records."""
-    starts = [float(r["started_at"]) for r in rounds]
-    ends = [float(r["ended_at"]) for r in rounds]
+    starts = [float(r.started_at) for r in rounds]
+    ends = [float(r.ended_at) for r in rounds]
     per_round = []
     for k, entry in enumerate(rounds):
         seconds = ends[k] - starts[k]
         row: dict[str, Any] = {
-            "round": int(entry["round"]),
+            "round": int(entry.round),
             "started_at": starts[k],
             "ended_at": ends[k],
             "seconds": seconds,
@@ -114,7 +118,7 @@ def _categorize(
 
 def capture_summary(
     records: Sequence[Sequence[Record]],
-    rounds: Sequence[Mapping[str, Any]],
+    rounds: Sequence[RoundLog],
     *,
     idle: tuple[float, float] | None,
     capture: tuple[float, float],
@@ -127,7 +131,8 @@ def capture_summary(
 
     Args:
         records: one relay's time series per SuperNode.
-        rounds: ``rounds.jsonl`` lines (need ``round``, ``started_at``, ``ended_at``), in order.
+        rounds: ``rounds.jsonl``'s rounds, in order (their ``started_at`` and ``ended_at``
+            cut the windows).
         idle: the idle measurement window ``(t0, t1)`` (unix times), or None if not measured.
         capture: when the relays started and stopped (unix times).
         tls: whether the relays carried TLS.
@@ -180,7 +185,7 @@ REPORT_FIELDS = (
     "seconds",
     *(
         f"{link}_{field}"
-        for link in ("uplink", "downlink")
+        for link in LINKS
         for field in (
             "payload_bytes",
             "message_bytes",
@@ -205,12 +210,14 @@ def _ratio(numerator: float | None, denominator: float | None) -> float | None:
     return numerator / denominator
 
 
-def _report_row(entry: Mapping[str, Any], wire: Mapping[str, Any] | None, tls: bool | None) -> dict:
-    row: dict[str, Any] = {"round": int(entry["round"]), "seconds": entry.get("wall_seconds")}
+def _report_row(
+    entry: RoundLog, wire: Mapping[str, Any] | None, tls: bool | None
+) -> dict[str, Any]:
+    row: dict[str, Any] = {"round": int(entry.round), "seconds": entry.wall_seconds}
     for d, link in _LINKS.items():
-        payload = entry[f"{link}_payload_bytes"]
-        message = entry[f"{link}_message_bytes"]
-        dense = entry[f"dense_{link}_bytes"]
+        payload = entry.payload_bytes(link)
+        message = entry.message_bytes(link)
+        dense = entry.dense_bytes(link)
         on_wire = None if wire is None else wire[d]
         row[f"{link}_payload_bytes"] = payload
         row[f"{link}_message_bytes"] = message
@@ -241,13 +248,15 @@ def wire_report(run_dir: Path) -> list[dict[str, Any]]:
         FileNotFoundError: ``run_dir`` has no ``rounds.jsonl``.
     """
     run_dir = Path(run_dir)
-    lines = (run_dir / "rounds.jsonl").read_text().splitlines()
-    rounds = [json.loads(line) for line in lines if line.strip()]
+    rounds_path = run_dir / "rounds.jsonl"
+    if not rounds_path.exists():
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(rounds_path))
+    rounds = read_rounds(rounds_path)
     wire_path = run_dir / "wire.json"
     capture = json.loads(wire_path.read_text()) if wire_path.exists() else None
     by_round = {r["round"]: r for r in capture["total"]["rounds"]} if capture else {}
     tls = capture["tls"] if capture else None
-    return [_report_row(entry, by_round.get(entry["round"]), tls) for entry in rounds]
+    return [_report_row(entry, by_round.get(entry.round), tls) for entry in rounds]
 
 
 def _count(value: int | None) -> str:

@@ -12,15 +12,16 @@ import math
 import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, get_args
 
 import numpy as np
 import pytest
 import torch
 import zstandard
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
+from fedsparse.common import payload
 from fedsparse.common.masks import keep_count, sample_mask
 from fedsparse.common.payload import (
     COMPRESSIONS,
@@ -40,6 +41,7 @@ from fedsparse.v1 import payload_pb2 as pb
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 FUZZ_EXAMPLES = 10_000
+SMALLEST_SUBNORMAL = np.float32(2.0**-149)
 
 
 def sections(data: bytes) -> tuple[int, int]:
@@ -64,13 +66,20 @@ def size_for(update: SparseUpdate, data: bytes) -> int:
 
 
 def expected_values(values: torch.Tensor, value_dtype: str) -> torch.Tensor:
-    """What the decoder must return for ``values`` sent as ``value_dtype``."""
+    """What the decoder must return for ``values`` sent as ``value_dtype``.
+
+    int8: all zeros (or nothing) when ``max|v| == 0``; otherwise the scale is ``max|v| / 127``
+    in float32, floored at the smallest subnormal (for ``max|v| <= 63 * 2**-149`` the quotient
+    underflows to 0, and the encoder sends exact multiples of ``2**-149`` instead), and each
+    value is ``round-half-even(v / scale)``, clipped to [-127, 127], times the scale.
+    """
     if value_dtype != "int8":
         return values.to(TORCH_DTYPES[value_dtype]).float()
     v = values.numpy().astype(np.float32)
-    scale = np.float32(np.abs(v).max() / np.float32(127)) if v.size else np.float32(0)
-    if scale == 0:
+    max_abs = np.float32(np.abs(v).max()) if v.size else np.float32(0)
+    if max_abs == 0:
         return torch.zeros_like(values)
+    scale = max(np.float32(max_abs / np.float32(127)), SMALLEST_SUBNORMAL)
     q = np.clip(np.rint(v / scale), -127, 127).astype(np.float32)
     return torch.from_numpy(q * scale)
 
@@ -110,8 +119,25 @@ def encode(kwargs: dict[str, Any]) -> bytes:
 # --- round trips, sizes, golden bytes ---------------------------------------------------------
 
 
+def edge_case(values: list[float], value_dtype: str, **kwargs: Any) -> dict[str, Any]:
+    """An explicit ``codec_args`` example (dense unless ``kwargs`` say otherwise)."""
+    args = {"dense_size": len(values), "round": 0, "encoding": "dense", "compression": "none"}
+    return {"values": torch.tensor(values), "value_dtype": value_dtype, **args, **kwargs}
+
+
+F32_MAX = float(np.finfo(np.float32).max)
+F32_BELOW_MAX = float(np.nextafter(np.float32(F32_MAX), np.float32(0)))
+
+
 @settings(max_examples=400, deadline=None)
 @given(codec_args())
+@example(edge_case([6.5861e-44], "int8"))  # 47 * 2**-149: max|v| / 127 underflows to 0
+@example(edge_case([1e-45, -1e-45, 0.0, -0.0], "int8", compression="zstd"))
+@example(edge_case([F32_BELOW_MAX, -F32_BELOW_MAX, 1e-45, -2.5], "int8"))
+@example(edge_case([F32_MAX, -F32_MAX, 1e-45], "fp32", encoding="coo", indices=torch.arange(3)))
+@example(edge_case([0.0, -0.0, 0.0], "int8", encoding="bitmap", indices=torch.arange(3)))
+@example(edge_case([], "int8", dense_size=5, encoding="seeded", mask_seed=0))
+@example(edge_case([], "fp16", dense_size=9, encoding="delta", indices=torch.zeros(0, dtype=int)))
 def test_every_codec_round_trips_with_exact_size(kwargs: dict[str, Any]) -> None:
     data = encode(kwargs)
     update = decode_update(data, expected_dense_size=kwargs["dense_size"])
@@ -151,6 +177,15 @@ def test_every_codec_round_trips_with_exact_size(kwargs: dict[str, Any]) -> None
         and update.compression == "none"
     )
     assert version == (1 if v1 else 2)
+
+
+def test_name_tuples_are_the_literal_types_in_tie_break_order() -> None:
+    assert ENCODINGS == ("seeded", "dense", "coo", "delta", "bitmap")  # choose_encoding ties
+    assert get_args(payload.Encoding) == ENCODINGS
+    assert get_args(payload.IndexEncoding) == payload.INDEX_ENCODINGS == (*ENCODINGS, "auto")
+    assert get_args(payload.ExplicitEncoding) == EXPLICIT_ENCODINGS == ENCODINGS[2:]
+    assert get_args(payload.ValueDType) == VALUE_DTYPES == ("fp32", "fp16", "bf16", "int8")
+    assert get_args(payload.Compression) == COMPRESSIONS == ("none", "zstd")
 
 
 def test_golden_version_2_bytes() -> None:
@@ -226,6 +261,25 @@ def test_int8_edge_cases() -> None:
         .values.isfinite()
         .all()
     )
+
+
+@pytest.mark.xfail(strict=True, reason="encoder defect, reported: not fixed here (semantics)")
+@pytest.mark.parametrize(
+    "max_abs",
+    [
+        # max|v| / 127 rounds DOWN to a coarse subnormal scale (150 / 127 -> 1 * 2**-149), so
+        # q = 150 is clipped to 127: error 23 scales, not <= s/2 (max|v| in ~[1.8e-43, 2.2e-41]).
+        150 * 2.0**-149,
+        # float32(F32_MAX / 127) * 127 rounds past F32_MAX: the encoder accepts the value and
+        # writes a payload whose decoded value is inf, which decode_update rejects.
+        F32_MAX,
+    ],
+)
+def test_int8_documented_error_bound_at_the_float32_extremes(max_abs: float) -> None:
+    values = torch.tensor([max_abs, -max_abs / 3])
+    out = decode_update(encode_update(values, dense_size=2, round=0, value_dtype="int8"))
+    assert out.value_scale is not None
+    assert float((out.values.double() - values.double()).abs().max()) <= out.value_scale / 2
 
 
 def test_int8_quantization_error_is_unbiased_in_aggregate() -> None:
@@ -428,12 +482,51 @@ FIELDS = [f.name for f in pb.SparseUpdate.DESCRIPTOR.fields]
 
 
 @st.composite
+def fuzz_codec_args(draw: st.DrawFn, *, max_keep: int = 24, max_dense: int = 600) -> dict[str, Any]:
+    """``codec_args`` for the 10,000-case fuzz: a handful of draws instead of one per element.
+
+    The header fields are drawn as in ``codec_args``; the values and the support come from a
+    numpy generator seeded by one draw. Hypothesis's per-value and per-index draws were most of
+    the fuzz's run time, and shrinking the values of a payload that is then mutated buys
+    nothing. The values mix random float32 bit patterns (subnormals, huge magnitudes, -0.0),
+    standard normals and exact zeros.
+    """
+    encoding = draw(st.sampled_from((*ENCODINGS, "auto")))
+    value_dtype = draw(st.sampled_from(VALUE_DTYPES))
+    if encoding == "dense":
+        dense_size = keep = draw(st.integers(1, max_keep))
+    else:
+        dense_size = draw(st.integers(1, max_dense))
+        keep = draw(st.integers(0, min(dense_size, max_keep)))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    bound = 1e4 if value_dtype == "fp16" else 1e30
+    bits = rng.integers(0, 2**32, size=keep, dtype=np.uint32).view(np.float32)
+    usable = np.isfinite(bits) & (np.abs(bits) <= bound) & (rng.random(keep) < 0.5)
+    values = np.where(usable, bits, rng.standard_normal(keep).astype(np.float32))
+    values[rng.random(keep) < 0.1] = 0.0
+    kwargs: dict[str, Any] = {
+        "values": torch.from_numpy(values),
+        "dense_size": dense_size,
+        "round": draw(st.integers(0, 2**32 - 1)),
+        "encoding": encoding,
+        "value_dtype": value_dtype,
+        "compression": draw(st.sampled_from(COMPRESSIONS)),
+    }
+    if encoding == "seeded" or (encoding == "auto" and draw(st.booleans())):
+        kwargs["mask_seed"] = draw(st.integers(0, 2**64 - 1))
+    elif encoding != "dense":
+        idx = np.sort(rng.choice(dense_size, size=keep, replace=False))
+        kwargs["indices"] = torch.from_numpy(idx.astype(np.int64))
+    return kwargs
+
+
+@st.composite
 def fuzz_payloads(draw: st.DrawFn) -> bytes:
     """A valid payload of any codec, then mutated (or not), or random bytes."""
     kind = draw(st.sampled_from(("valid", "bytes", "field", "splice", "random")))
     if kind == "random":
         return draw(st.binary(max_size=200))
-    data = encode(draw(codec_args(max_keep=24, max_dense=600)))
+    data = encode(draw(fuzz_codec_args()))
     if kind == "bytes":  # flip, insert, delete or truncate at a few positions
         buf = bytearray(data)
         for _ in range(draw(st.integers(1, 4))):
@@ -464,7 +557,7 @@ def fuzz_payloads(draw: st.DrawFn) -> bytes:
         setattr(msg, name, value)
         return msg.SerializeToString(deterministic=draw(st.booleans()))
     if kind == "splice":  # a valid payload's head with another payload's tail
-        other = encode(draw(codec_args(max_keep=24, max_dense=600)))
+        other = encode(draw(fuzz_codec_args()))
         cut_a = draw(st.integers(0, len(data)))
         cut_b = draw(st.integers(0, len(other)))
         return data[:cut_a] + other[cut_b:]

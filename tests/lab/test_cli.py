@@ -1,11 +1,20 @@
-"""The ``fedsparse train`` command: files written, epsilon within budget, accuracy above chance."""
+"""The ``fedsparse train`` command: files written, epsilon within budget, accuracy above chance.
+
+And the command line's process hygiene: importing ``fedsparse.lab`` changes no global state.
+"""
 
 import json
+import subprocess
+import sys
+import warnings
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
-from fedsparse.lab.cli import app
+from fedsparse.lab.cli import QUIET_WARNINGS, app, main
+
+LAB = Path(__file__).resolve().parents[2] / "lab"
 
 
 def test_train_writes_epochs_and_summary(tmp_path: Path) -> None:
@@ -42,3 +51,57 @@ def test_bad_option_names_field_and_value(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["train", "--out", str(tmp_path), "--final-rate", "1.5"])
     assert result.exit_code != 0
     assert "final_rate=1.5" in result.output
+
+
+def test_train_checks_names_before_running(tmp_path: Path) -> None:
+    out = tmp_path / "never"
+    for option, value in (("--dataset", "imagenet"), ("--model", "resnet"), ("--accountant", "x")):
+        result = CliRunner().invoke(app, ["train", "--out", str(out), option, value])
+        assert result.exit_code != 0
+        assert f"{option[2:]}={value!r}: expected one of" in result.output
+    assert not out.exists()
+
+
+# Imports every module-level import of the lab modules first (third-party packages and the
+# other fedsparse packages may set up what they like), then the lab modules themselves.
+_IMPORT_CHECK = """
+import ast, importlib, sys, warnings
+from pathlib import Path
+lab = sorted(Path(sys.argv[1]).glob("*.py"))
+for path in lab:
+    for node in ast.parse(path.read_text()).body:
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+            [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
+        for name in names:
+            if not name.startswith("fedsparse.lab"):
+                importlib.import_module(name)
+import matplotlib
+filters, backend = list(warnings.filters), dict.__getitem__(matplotlib.rcParams, "backend")
+for path in lab:
+    importlib.import_module(f"fedsparse.lab.{path.stem}")
+assert warnings.filters == filters, [f for f in warnings.filters if f not in filters]
+assert dict.__getitem__(matplotlib.rcParams, "backend") == backend
+assert "matplotlib.pyplot" not in sys.modules
+print(len(lab))
+"""
+
+
+def test_importing_lab_changes_no_global_state() -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", _IMPORT_CHECK, str(LAB)], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+    assert int(result.stdout) == len(list(LAB.glob("*.py")))
+
+
+def test_main_ignores_the_chatter_only_while_it_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[list[str]] = []
+
+    def command() -> None:
+        seen.append([str(f[1].pattern) for f in warnings.filters if f[1] is not None])
+
+    monkeypatch.setattr("fedsparse.lab.cli.app", command)
+    before = list(warnings.filters)
+    main()
+    assert all(message in seen[0] for message in QUIET_WARNINGS)
+    assert warnings.filters == before

@@ -65,7 +65,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 def test_both_run_two_rounds_with_all_clients(runs: dict) -> None:
     for kind in ("deploy", "sim"):
-        assert runs[kind]["rounds"] == 2
+        assert runs[kind].rounds == 2
         assert [r["round"] for r in runs[f"{kind}_rounds"]] == [1, 2]
         assert all(r["num_replies"] == 2 and r["num_rejected"] == 0 for r in runs[f"{kind}_rounds"])
 
@@ -98,9 +98,9 @@ def test_message_bytes_agree_within_one_percent(runs: dict) -> None:
 
 
 def test_accuracy_and_epsilon(runs: dict) -> None:
-    assert runs["deploy"]["final_test_accuracy"] > 0.2
-    assert runs["sim"]["final_test_accuracy"] > 0.2
-    assert abs(runs["deploy"]["epsilon_max"] - runs["sim"]["epsilon_max"]) < 1e-9
+    assert runs["deploy"].final_test_accuracy > 0.2
+    assert runs["sim"].final_test_accuracy > 0.2
+    assert abs(runs["deploy"].epsilon_max - runs["sim"].epsilon_max) < 1e-9
     for sim, dep in zip(runs["sim_rounds"], runs["deploy_rounds"], strict=True):
         assert abs(sim["epsilon_max"] - dep["epsilon_max"]) < 1e-9
 

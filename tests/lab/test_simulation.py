@@ -30,9 +30,9 @@ def test_simulation_matches_in_process_rounds(tmp_path: Path) -> None:
     overrides = {"num-rounds": "2", "final-rate": "0.5", "target-epsilon": "3.0"}
     summary = run_simulation(out=tmp_path / "sim", overrides=overrides, clients=4)
     sim = [json.loads(x) for x in (tmp_path / "sim" / "rounds.jsonl").read_text().splitlines()]
-    assert len(sim) == 2 and summary["rounds"] == 2
+    assert len(sim) == 2 and summary.rounds == 2
     assert sim[-1]["test_accuracy"] > 0.3  # chance is 0.1
-    assert 0 < summary["epsilon_max"] <= 3.0 + 1e-6
+    assert 0 < summary.epsilon_max <= 3.0 + 1e-6
     for r in sim:
         keep = keep_count(D_DIGITS, rate=r["rate"])
         encoding = "dense" if keep == D_DIGITS else "seeded"

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from fedsparse.lab import sweep as sweep_mod
 from fedsparse.lab.cli import app
-from fedsparse.lab.report import PLOTS, mean_se, write_outputs
+from fedsparse.lab.report import PLOTS, ROUND_KEYS, mean_se, write_outputs
 from fedsparse.lab.sweep import (
     METRICS,
     RunSettings,
@@ -30,6 +30,38 @@ INT_METRICS = [m for m in METRICS if m.startswith("total_")]
 def read_csv(path: Path) -> list[dict[str, str]]:
     with path.open(newline="") as fh:
         return list(csv.DictReader(fh))
+
+
+def test_csv_columns_are_the_published_ones() -> None:
+    # Taken from the record schema's metadata (common/records.py); results.csv, summary.csv
+    # and rounds.csv published so far have exactly these columns, in this order.
+    assert METRICS == (
+        "final_test_accuracy",
+        "epsilon_max",
+        "total_uplink_payload_bytes",
+        "total_uplink_message_bytes",
+        "total_downlink_payload_bytes",
+        "total_downlink_message_bytes",
+        "total_dense_uplink_bytes",
+        "total_dense_downlink_bytes",
+        "uplink_savings",
+    )
+    assert ROUND_KEYS == (
+        "round",
+        "rate",
+        "keep_fraction",
+        "test_accuracy",
+        "test_loss",
+        "epsilon_max",
+        "train_loss",
+        "uplink_payload_bytes",
+        "uplink_message_bytes",
+        "downlink_payload_bytes",
+        "downlink_message_bytes",
+        "dense_uplink_bytes",
+        "dense_downlink_bytes",
+        "wall_seconds",
+    )
 
 
 def test_parse_grid_keeps_keys_and_values_in_order() -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
+from fedsparse.common.records import RoundLog
 from fedsparse.lab.deploy import run_deployment
 from fedsparse.lab.processes import is_zombie
 from fedsparse.lab.relay import Record
@@ -28,37 +29,51 @@ from fedsparse.lab.wire import (
     write_wire_csv,
 )
 
+
+def _round(
+    number: int,
+    *,
+    up: tuple[int, int],
+    down: tuple[int, int],
+    wall_seconds: float,
+    window: tuple[float, float],
+) -> RoundLog:
+    """A ``rounds.jsonl`` line: ``up``/``down`` = (payload, message) bytes, dense 4000 each."""
+    return RoundLog(
+        round=number,
+        num_clients=2,
+        num_replies=2,
+        num_rejected=0,
+        rate=0.0,
+        keep=100,
+        keep_fraction=1.0,
+        test_accuracy=0.5,
+        test_loss=1.0,
+        epsilon_max=1.0,
+        epsilon_median=1.0,
+        train_loss=1.0,
+        uplink_payload_bytes=up[0],
+        uplink_message_bytes=up[1],
+        downlink_payload_bytes=down[0],
+        downlink_message_bytes=down[1],
+        dense_uplink_bytes=4000,
+        dense_downlink_bytes=4000,
+        wall_seconds=wall_seconds,
+        started_at=window[0],
+        ended_at=window[1],
+        rejected=[],
+    )
+
+
 ROUNDS = [
-    {
-        "round": 1,
-        "uplink_payload_bytes": 1000,
-        "uplink_message_bytes": 1100,
-        "downlink_payload_bytes": 2000,
-        "downlink_message_bytes": 2200,
-        "dense_uplink_bytes": 4000,
-        "dense_downlink_bytes": 4000,
-        "wall_seconds": 9.5,
-        "started_at": 100.0,
-        "ended_at": 110.0,
-    },
-    {
-        "round": 2,
-        "uplink_payload_bytes": 500,
-        "uplink_message_bytes": 600,
-        "downlink_payload_bytes": 1000,
-        "downlink_message_bytes": 1100,
-        "dense_uplink_bytes": 4000,
-        "dense_downlink_bytes": 4000,
-        "wall_seconds": 4.5,
-        "started_at": 111.0,
-        "ended_at": 116.0,
-    },
+    _round(1, up=(1000, 1100), down=(2000, 2200), wall_seconds=9.5, window=(100.0, 110.0)),
+    _round(2, up=(500, 600), down=(1000, 1100), wall_seconds=4.5, window=(111.0, 116.0)),
 ]
 
 
 def _write_rounds(run_dir: Path) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "rounds.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROUNDS))
+    (run_dir / "rounds.jsonl").write_text("".join(r.to_json() + "\n" for r in ROUNDS))
 
 
 def _wire_round(round_: int, seconds: float, up: int, down: int) -> dict:
@@ -146,6 +161,16 @@ def test_report_ratios_exact(tmp_path: Path) -> None:
     assert [r["round"] for r in rows] == ["1", "2"]
     assert float(rows[0]["uplink_wire_vs_message"]) == pytest.approx(1.2)
     assert tuple(rows[0]) == REPORT_FIELDS
+    assert REPORT_FIELDS[:6] == (
+        "round",
+        "seconds",
+        "uplink_payload_bytes",
+        "uplink_message_bytes",
+        "uplink_wire_bytes",
+        "uplink_dense_bytes",
+    )
+    assert REPORT_FIELDS[12:14] == ("downlink_payload_bytes", "downlink_message_bytes")
+    assert REPORT_FIELDS[-2:] == ("wire_captured", "tls") and len(REPORT_FIELDS) == 24
     text = _render(wire_table([first, second]))
     assert "1,320" in text and "1.200" in text and "TLS" in text
 
@@ -232,7 +257,7 @@ def test_messages_cross_the_wire_with_bounded_overhead(relayed: dict) -> None:
     assert [r["round"] for r in rows] == [1, 2] and all(r["wire_captured"] for r in rows)
     fab = wire["fab_bytes"]
     # The app bundle, fetched in round 1 by each node, holds only pyproject.toml
-    # (launch.app_bundle_dir): ~3 KB instead of ~300 KB for the repository root.
+    # (flower.app_bundle_dir): ~3 KB instead of ~300 KB for the repository root.
     assert fab is not None and 1_000 < fab < 10_000
     for row in rows:
         up, down = row["uplink_wire_bytes"], row["downlink_wire_bytes"]
@@ -273,7 +298,7 @@ def test_idle_rates_and_window_totals(relayed: dict) -> None:
 
 @pytest.mark.slow
 def test_relayed_run_stops_every_process(relayed: dict) -> None:
-    assert relayed["summary"]["rounds"] == 2
+    assert relayed["summary"].rounds == 2
     assert len(relayed["pids"]) == 4
     deadline = time.monotonic() + 10
     while any(_alive(pid) for pid in relayed["pids"]) and time.monotonic() < deadline:
@@ -298,7 +323,7 @@ def test_tls_run_completes_and_costs_more_on_the_wire(
         idle_seconds=IDLE_SECONDS,
         tls=True,
     )
-    assert summary["rounds"] == 1
+    assert summary.rounds == 1
     assert (out / "certs" / "ca.crt").exists()
     wire = json.loads((out / "wire.json").read_text())
     assert wire["tls"] is True

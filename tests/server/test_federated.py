@@ -98,12 +98,11 @@ def test_dense_noise_free_round_equals_fedavg_of_local_updates(tmp_path: Path) -
     )
     nodes = {1001 + i: recording for i in range(3)}
     run(tmp_path, nodes=3, overrides=nodes, **cfg_kwargs)
-    from fedsparse.client.app import model_name
     from fedsparse.common.layout import ParamLayout
     from fedsparse.common.models import build_model
 
     cfg = FederatedConfig(**cfg_kwargs)
-    model = build_model(model_name(cfg), seed=0)
+    model = build_model(cfg.model_name, seed=0)
     w0 = ParamLayout.from_module(model).flatten_module(model)
     total = sum(n for _, n in seen)
     assert len({n for _, n in seen}) > 1  # unequal weights make the check meaningful

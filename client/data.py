@@ -1,0 +1,54 @@
+"""A node's training partition: the dataset and its partitioning, cached per process."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+
+from fedsparse.common.config import FederatedConfig
+from fedsparse.common.data import DatasetName, Split, load_dataset
+from fedsparse.common.partition import PartitionerName, partition_indices
+
+__all__ = ["local_data"]
+
+
+@functools.lru_cache(maxsize=4)
+def _dataset(name: DatasetName, data_dir: str, seed: int) -> tuple[Split, Split]:
+    return load_dataset(name, data_dir=data_dir or None, seed=seed)
+
+
+@functools.lru_cache(maxsize=4)
+def _partitions(
+    name: DatasetName,
+    data_dir: str,
+    seed: int,
+    num_partitions: int,
+    partitioner: PartitionerName,
+    alpha: float,
+) -> tuple[np.ndarray, ...]:
+    train, _ = _dataset(name, data_dir, seed)
+    return tuple(
+        partition_indices(
+            train.y.numpy(),
+            num_partitions=num_partitions,
+            partitioner=partitioner,
+            alpha=alpha,
+            seed=seed,
+        )
+    )
+
+
+def local_data(cfg: FederatedConfig, partition_id: int, num_partitions: int) -> Split:
+    """This node's training partition (cached per process; keyed by every input)."""
+    if not 0 <= partition_id < num_partitions:
+        raise ValueError(
+            f"partition-id={partition_id}: expected 0 <= id < num-partitions={num_partitions}"
+        )
+    train, _ = _dataset(cfg.dataset, cfg.data_dir, cfg.seed)
+    parts = _partitions(
+        cfg.dataset, cfg.data_dir, cfg.seed, num_partitions, cfg.partitioner, cfg.dirichlet_alpha
+    )
+    idx = torch.from_numpy(parts[partition_id])
+    return Split(x=train.x[idx], y=train.y[idx])

@@ -1,0 +1,271 @@
+"""Accounting glue: Opacus's sampling rate and step count, σ calibration, history records.
+
+The privacy of DP-SGD (with or without a public RS mask) is fixed by three numbers: the
+Poisson sampling rate ``q``, the noise multiplier ``σ`` and the number of noisy steps ``T``;
+Opacus's accountants (RDP, PRV, GDP) turn a history of ``(σ, q, T)`` entries into ``ε`` at a
+given ``δ``. This module holds the arithmetic around them that both the federated client and
+the centralized trainer need, as plain functions:
+
+* ``steps_per_epoch`` and ``sample_rate``: the per-epoch ``T`` and the ``q`` that Opacus
+  really uses for an in-memory loader of ``n`` examples and batch size ``b``
+  (``training.make_private`` builds it with ``batch_size=min(b, n)``, so ``k = ceil(n /
+  min(b, n))`` batches). With Poisson sampling the ``DPDataLoader`` samples each example with
+  probability ``1 / k`` and yields ``T = int(1 / (1 / k))`` batches per epoch (Opacus's
+  ``UniformWithReplacementSampler``), and the accountant charges ``q = 1 / T`` per step: both
+  are ``k`` and ``1 / k`` except where ``1 / (1 / k)`` rounds below ``k`` in floating point
+  (``k = 93, 99, 105, ...``: 92 steps charged at ``q = 1/92``, a conservative rate).
+* ``calibrate_noise_multiplier``: the smallest ``σ`` (to a tolerance) whose ``ε`` after exactly
+  ``steps`` steps is at most the target. Opacus's ``get_noise_multiplier(epochs=E)`` calibrates
+  for ``int(E / q)`` steps, which can be one short of the ``E * int(1 / q)`` that run
+  (``q = 1/75``, ``E = 3``: 224 calibrated, 225 run, ``ε = 3.0018`` for a target of 3).
+* ``history_to_record`` / ``history_from_record``: the accountant history as the lists a
+  Flower ``ConfigRecord`` holds between rounds (``Context.state``).
+
+References:
+    M. Abadi et al. "Deep Learning with Differential Privacy". CCS 2016. arXiv:1607.00133.
+    I. Mironov, K. Talwar, L. Zhang. "Rényi Differential Privacy of the Sampled Gaussian
+    Mechanism". 2019. arXiv:1908.10530.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Mapping, Sequence
+from typing import Any, Final, Literal, get_args
+
+from opacus.accountants import create_accountant
+from opacus.accountants.analysis.gdp import compute_mu_poisson, delta_eps_mu
+
+__all__ = [
+    "ACCOUNTANTS",
+    "HISTORY_KEYS",
+    "AccountantName",
+    "calibrate_noise_multiplier",
+    "compute_epsilon",
+    "history_from_record",
+    "history_to_record",
+    "sample_rate",
+    "steps_per_epoch",
+]
+
+AccountantName = Literal["rdp", "prv", "gdp"]
+"""Opacus accountants (``opacus.accountants.create_accountant``)."""
+
+ACCOUNTANTS: Final[tuple[AccountantName, ...]] = get_args(AccountantName)
+
+HISTORY_KEYS: Final = ("acc-sigma", "acc-q", "acc-steps")
+"""Record keys of the accountant history: σ, q and step count of each entry."""
+
+_MAX_SIGMA: Final = 1e6  # Opacus's bound (accountants.utils.MAX_SIGMA)
+# The GDP accountant solves for ε in [0, 500] and fails outside; these bound the answer.
+_GDP_EPS_RANGE: Final = (0.0, 500.0)
+
+
+def steps_per_epoch(num_examples: int, batch_size: int, *, poisson_sampling: bool = True) -> int:
+    """Optimizer steps (accountant steps) in one epoch of ``training.train_one_epoch``.
+
+    The loader has ``k = ceil(n / min(b, n))`` batches. With Poisson sampling Opacus's
+    ``DPDataLoader`` yields ``int(1 / (1 / k))`` batches per epoch (empty ones included; each
+    still takes a noisy step): ``k``, except where floating point makes ``1 / (1 / k)`` fall
+    just below ``k`` (``k = 93``: 92 steps). Without Poisson sampling, the plain loader's ``k``.
+    Physical batching (``BatchMemoryManager``) does not change the count.
+    """
+    n, b = _check_sizes(num_examples, batch_size)
+    batches = -(-n // min(b, n))
+    if poisson_sampling:
+        return int(1 / (1 / batches))  # opacus.utils.uniform_sampler.UniformWithReplacementSampler
+    return batches
+
+
+def sample_rate(num_examples: int, batch_size: int, *, poisson_sampling: bool = True) -> float:
+    """The sampling rate ``q`` the accountant charges per step (Opacus's, not ``b / n``).
+
+    ``PrivacyEngine.make_private`` charges ``1 / len(loader)`` with the loader it returns, so
+    ``1 / steps_per_epoch(...)``: ``1 / ceil(n / min(b, n))`` except in ``steps_per_epoch``'s
+    floating-point cases, where it is ``1 / (k - 1)``, above the rate examples are really
+    sampled with (Opacus's accounting is conservative there, and so is ours).
+    """
+    return 1 / steps_per_epoch(num_examples, batch_size, poisson_sampling=poisson_sampling)
+
+
+def compute_epsilon(
+    *,
+    noise_multiplier: float,
+    sample_rate: float,
+    steps: int,
+    delta: float,
+    accountant: AccountantName,
+) -> float:
+    """``ε`` at ``delta`` of ``steps`` DP-SGD steps with ``(noise_multiplier, sample_rate)``.
+
+    Opacus's accountant with history ``[(noise_multiplier, sample_rate, steps)]``. For
+    ``"gdp"``, where Opacus's root search fails outside ``ε`` in [0, 500], returns 0 when ``ε =
+    0`` already meets ``delta`` and ``inf`` when no ``ε <= 500`` does.
+    """
+    acc = create_accountant(mechanism=accountant)
+    acc.history = [(noise_multiplier, sample_rate, steps)]
+    try:
+        return float(acc.get_epsilon(delta=delta))
+    except ValueError:
+        if accountant != "gdp":
+            raise
+        mu = compute_mu_poisson(
+            steps=steps, noise_multiplier=noise_multiplier, sample_rate=sample_rate
+        )
+        low, high = _GDP_EPS_RANGE
+        if delta_eps_mu(eps=low, mu=mu) <= delta:
+            return 0.0
+        if not delta_eps_mu(eps=high, mu=mu) <= delta:
+            return math.inf
+        raise
+
+
+def calibrate_noise_multiplier(
+    *,
+    target_epsilon: float,
+    delta: float,
+    sample_rate: float,
+    steps: int,
+    accountant: AccountantName,
+    epsilon_tolerance: float = 0.01,
+) -> float:
+    """The noise multiplier ``σ`` that spends at most ``target_epsilon`` in exactly ``steps``.
+
+    Opacus's search (``opacus.accountants.utils.get_noise_multiplier``), on the exact step
+    count: double ``σ`` from 20 until ``ε(σ) <= target``, then bisect until ``target - ε(σ) <=
+    epsilon_tolerance``. With the steps Opacus would derive from epochs, the result is
+    Opacus's, bit for bit.
+
+    Guarantee: ``compute_epsilon(σ, sample_rate, steps, delta, accountant) <= target_epsilon``
+    (and within ``epsilon_tolerance`` of it). Running fewer steps spends less; running more
+    (e.g. a client that trains more rounds than planned) spends more.
+
+    Raises:
+        ValueError: an argument out of range (the message names it and its value), or no
+            ``σ <= 1e6`` reaches the target.
+    """
+    _check_positive("target_epsilon", target_epsilon)
+    _check_positive("epsilon_tolerance", epsilon_tolerance)
+    if not 0.0 < delta < 1.0:
+        raise ValueError(f"delta={delta!r}: expected 0 < delta < 1")
+    if not 0.0 < sample_rate <= 1.0:
+        raise ValueError(f"sample_rate={sample_rate!r}: expected 0 < q <= 1")
+    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1:
+        raise ValueError(f"steps={steps!r}: expected an integer >= 1")
+    if accountant not in ACCOUNTANTS:
+        raise ValueError(f"accountant={accountant!r}: expected one of {', '.join(ACCOUNTANTS)}")
+
+    def epsilon(sigma: float) -> float:
+        return compute_epsilon(
+            noise_multiplier=sigma,
+            sample_rate=sample_rate,
+            steps=int(steps),
+            delta=delta,
+            accountant=accountant,
+        )
+
+    sigma_low, sigma_high, eps_high = 0.0, 10.0, math.inf
+    while eps_high > target_epsilon:
+        sigma_high *= 2
+        eps_high = epsilon(sigma_high)
+        if sigma_high > _MAX_SIGMA:
+            raise ValueError(
+                f"target_epsilon={target_epsilon!r}: unreachable with noise_multiplier <= "
+                f"{_MAX_SIGMA:g} at delta={delta}, sample_rate={sample_rate}, steps={steps}"
+            )
+    while target_epsilon - eps_high > epsilon_tolerance:
+        sigma = (sigma_low + sigma_high) / 2
+        eps = epsilon(sigma)
+        if eps < target_epsilon:
+            sigma_high, eps_high = sigma, eps
+        else:
+            sigma_low = sigma
+    return sigma_high
+
+
+def history_to_record(
+    history: Sequence[tuple[float, float, int]],
+) -> dict[str, list[float] | list[int]]:
+    """The accountant history as record lists ``{"acc-sigma", "acc-q", "acc-steps"}``.
+
+    Layout (what the client has always stored in ``Context.state``): one list per key, a
+    leading ``(0.0, 0.0, 0)`` entry (a ``ConfigRecord`` list cannot be empty), then one entry
+    per history entry; σ and q as ``float``, steps as ``int``. Every real entry has at least
+    one step, so ``history_from_record`` (which skips zero-step entries) inverts this exactly.
+
+    Raises:
+        ValueError: a malformed entry (non-finite or negative σ, q outside [0, 1], steps not
+            an integer >= 1); the message names the key and the entry.
+    """
+    entries: list[tuple[float, float, int]] = [(0.0, 0.0, 0)]
+    for i, entry in enumerate(history):
+        if len(entry) != 3:
+            raise ValueError(f"history[{i}]={entry!r}: expected (sigma, q, steps)")
+        sigma, q, steps = entry
+        entries.append(_check_entry(i, sigma, q, steps, min_steps=1))
+    return {
+        "acc-sigma": [s for s, _, _ in entries],
+        "acc-q": [q for _, q, _ in entries],
+        "acc-steps": [n for _, _, n in entries],
+    }
+
+
+def history_from_record(record: Mapping[str, Any]) -> list[tuple[float, float, int]]:
+    """The accountant history stored by ``history_to_record`` (other keys are ignored).
+
+    Entries with zero steps (the leading placeholder) are skipped: they spend nothing.
+
+    Raises:
+        ValueError: a key missing or not a list, lists of different lengths, or a malformed
+            entry; the message names the key.
+    """
+    columns: list[Sequence[Any]] = []
+    for key in HISTORY_KEYS:
+        if key not in record:
+            raise ValueError(f"{key}: missing from the accountant-history record")
+        value = record[key]
+        if isinstance(value, str | bytes) or not isinstance(value, Sequence):
+            raise ValueError(f"{key}={value!r}: expected a list")
+        columns.append(value)
+    length = len(columns[0])
+    for key, column in zip(HISTORY_KEYS[1:], columns[1:], strict=True):
+        if len(column) != length:
+            raise ValueError(
+                f"{key}: {len(column)} entries, expected {length} (as many as {HISTORY_KEYS[0]})"
+            )
+    history = []
+    for i, (sigma, q, steps) in enumerate(zip(*columns, strict=True)):
+        entry = _check_entry(i, sigma, q, steps, min_steps=0)
+        if entry[2] > 0:
+            history.append(entry)
+    return history
+
+
+def _check_entry(
+    i: int, sigma: Any, q: Any, steps: Any, *, min_steps: int
+) -> tuple[float, float, int]:
+    sigma_key, q_key, steps_key = HISTORY_KEYS
+    if not (_is_real(sigma) and math.isfinite(sigma) and sigma >= 0):
+        raise ValueError(f"{sigma_key}[{i}]={sigma!r}: expected a finite value >= 0")
+    if not (_is_real(q) and 0.0 <= q <= 1.0):
+        raise ValueError(f"{q_key}[{i}]={q!r}: expected 0 <= q <= 1")
+    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < min_steps:
+        raise ValueError(f"{steps_key}[{i}]={steps!r}: expected an integer >= {min_steps}")
+    return float(sigma), float(q), int(steps)
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _check_positive(field: str, value: float) -> None:
+    if not (_is_real(value) and math.isfinite(value) and value > 0):
+        raise ValueError(f"{field}={value!r}: expected a finite value > 0")
+
+
+def _check_sizes(num_examples: int, batch_size: int) -> tuple[int, int]:
+    for field, value in (("num_examples", num_examples), ("batch_size", batch_size)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise ValueError(f"{field}={value!r}: expected an integer >= 1")
+    return int(num_examples), int(batch_size)

@@ -1,0 +1,94 @@
+"""The downlink cache: which global-model version each node holds, and what it is missing.
+
+A node that has never trained gets the dense model. A node that holds the previous version
+gets only the coordinates the last round changed: the previous round's seeded mask travels
+as values only (every party regenerates it from the seed); any other gap travels as the union
+of the changed coordinates with an explicit support (``auto`` encoding), or dense when that is
+smaller. Applying the payload on the node is exact, so the node's copy equals the server's.
+Downloads carry global-model VALUES in fp32 (never quantized: the global model is not a noisy
+update) with the run's codec and compression for the support.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from fedsparse.common.config import CodecName, wire_encoding
+from fedsparse.common.masks import sample_mask
+from fedsparse.common.payload import Compression, encode_update
+
+__all__ = ["DownlinkCache"]
+
+
+@dataclass
+class DownlinkCache:
+    """Per-node model versions and per-version changed coordinates."""
+
+    codec: CodecName = "values"
+    compression: Compression = "none"
+    versions: dict[int, int] = field(default_factory=dict)  # node -> version it holds
+    touched: dict[int, torch.Tensor] = field(default_factory=dict)  # version -> changed coords
+    seeded: dict[int, tuple[int, int]] = field(default_factory=dict)  # version -> (seed, keep)
+
+    def record_version(
+        self, version: int, touched: torch.Tensor, *, seeded: tuple[int, int] | None
+    ) -> None:
+        """Records what changed from ``version - 1`` to ``version``.
+
+        Args:
+            touched: boolean mask of the coordinates that changed.
+            seeded: ``(mask seed, keep)`` when ``touched`` is exactly that seeded mask, so
+                nodes one version behind can be sent values only.
+        """
+        self.touched[version] = touched
+        if seeded is not None:
+            self.seeded[version] = seeded
+
+    def node_applied(self, node: int, version: int) -> None:
+        """The node patched its copy to ``version`` (it replied to that round)."""
+        self.versions[node] = version
+
+    def forget(self, node: int) -> None:
+        """The node's state is unknown (it failed): it gets the dense model next time."""
+        self.versions.pop(node, None)
+
+    def payload(
+        self, node: int, weights: torch.Tensor, *, version: int, server_round: int
+    ) -> tuple[bytes, int]:
+        """(payload of global-model VALUES the node is missing, base version it patches).
+
+        The base version is -1 when the payload is the dense model.
+        """
+        d = weights.numel()
+        dense = encode_update(
+            weights, dense_size=d, round=server_round, compression=self.compression
+        )
+        held = self.versions.get(node)
+        if held is None or any(v not in self.touched for v in range(held + 1, version + 1)):
+            return dense, -1
+        if held + 1 == version and version in self.seeded:
+            seed, keep = self.seeded[version]
+            mask = sample_mask(d, keep=keep, seed=seed)
+            return encode_update(
+                weights[mask],
+                dense_size=d,
+                round=server_round,
+                mask_seed=seed,
+                encoding=wire_encoding(self.codec, sparse=True),
+                compression=self.compression,
+            ), held
+        union = torch.zeros(d, dtype=torch.bool)
+        for v in range(held + 1, version + 1):
+            union |= self.touched[v]
+        support = torch.nonzero(union).flatten()
+        sparse = encode_update(
+            weights[support],
+            dense_size=d,
+            round=server_round,
+            indices=support,
+            encoding="auto",  # a data-dependent union: no seed, smallest explicit support
+            compression=self.compression,
+        )
+        return (sparse, held) if len(sparse) < len(dense) else (dense, -1)

@@ -1,0 +1,116 @@
+"""The ServerApp's round loop: the ``SparseFedAvg`` strategy plus evaluation and records.
+
+Each round: ``strategy.configure_train`` (rate, mask seed, client sampling, downlinks),
+``grid.send_and_receive`` with the round timeout, ``strategy.aggregate_train`` (validation and
+sparse FedAvg), centralized evaluation of the new global model on the held-out test set, and
+one ``RoundLog`` line plus a checkpoint (``RunRecorder``).
+"""
+
+from __future__ import annotations
+
+import time
+from logging import INFO
+from pathlib import Path
+
+import torch
+from flwr.app import ConfigRecord
+from flwr.common.logger import log
+from flwr.serverapp import Grid
+
+from fedsparse.common.config import FederatedConfig
+from fedsparse.common.data import load_dataset
+from fedsparse.common.layout import ParamLayout
+from fedsparse.common.models import build_model
+from fedsparse.common.records import RoundLog, RunSummary
+from fedsparse.common.training import evaluate
+from fedsparse.server.run_records import RunRecorder
+from fedsparse.server.strategy import SparseFedAvg, flat_array, flat_tensor
+
+__all__ = ["run_federated", "wait_for_nodes"]
+
+
+def wait_for_nodes(grid: Grid, minimum: int, timeout: float) -> list[int]:
+    """The connected node ids once at least ``minimum`` are connected.
+
+    Raises:
+        TimeoutError: fewer than ``minimum`` nodes after ``timeout`` seconds.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        nodes = sorted(grid.get_node_ids())
+        if len(nodes) >= minimum:
+            return nodes
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"min-clients={minimum}: only {len(nodes)} nodes connected after {timeout:.0f} s"
+            )
+        time.sleep(1.0)
+
+
+def run_federated(grid: Grid, cfg: FederatedConfig) -> RunSummary:
+    """Runs every round; returns the run summary (also written to ``summary.json``)."""
+    torch.set_num_threads(1)
+    model = build_model(cfg.model_name, seed=cfg.seed)
+    layout = ParamLayout.from_module(model)
+    d = layout.numel
+    _, test = load_dataset(cfg.dataset, data_dir=cfg.data_dir or None, seed=cfg.seed)
+    strategy = SparseFedAvg(cfg, num_parameters=d)
+    recorder = RunRecorder(Path(cfg.out_dir or "runs/latest"), cfg, layout)
+    arrays = flat_array(layout.flatten_module(model))
+    log(
+        INFO,
+        "fedsparse: %s, model %s (d=%d), %d rounds",
+        cfg.dataset,
+        cfg.model_name,
+        d,
+        cfg.num_rounds,
+    )
+    strategy.summary()
+    wait_for_nodes(grid, cfg.min_clients, cfg.round_timeout)
+    for server_round in range(1, cfg.num_rounds + 1):
+        messages = strategy.configure_train(server_round, arrays, ConfigRecord(), grid)
+        replies = grid.send_and_receive(messages, timeout=cfg.round_timeout)
+        new_arrays, _ = strategy.aggregate_train(server_round, replies)
+        arrays = new_arrays if new_arrays is not None else arrays
+        stats = strategy.last_round
+        assert stats is not None
+        weights = flat_tensor(arrays)
+        layout.load_flat_(model, weights)
+        test_loss, test_acc = evaluate(model, test.x, test.y)
+        entry = RoundLog(
+            round=server_round,
+            num_clients=len(stats.selected),
+            num_replies=stats.num_replies,
+            num_rejected=len(stats.rejected),
+            rate=stats.rate,
+            keep=stats.keep,
+            keep_fraction=stats.keep / d,
+            test_accuracy=test_acc,
+            test_loss=test_loss,
+            epsilon_max=stats.epsilon_max,
+            epsilon_median=stats.epsilon_median,
+            train_loss=stats.train_loss,
+            uplink_payload_bytes=stats.uplink_payload_bytes,
+            uplink_message_bytes=stats.uplink_message_bytes,
+            downlink_payload_bytes=stats.downlink_payload_bytes,
+            downlink_message_bytes=stats.downlink_message_bytes,
+            dense_uplink_bytes=stats.answered * d * 4,
+            dense_downlink_bytes=len(stats.selected) * d * 4,
+            wall_seconds=time.perf_counter() - stats.started,
+            started_at=stats.started_at,
+            ended_at=time.time(),
+            rejected=stats.rejected,
+        )
+        recorder.round_done(entry, weights)
+        log(
+            INFO,
+            "round %d: r=%.3f acc=%.4f eps_max=%.3f up=%d B (dense %d B) rejected=%d",
+            server_round,
+            stats.rate,
+            test_acc,
+            entry.epsilon_max,
+            entry.uplink_payload_bytes,
+            entry.dense_uplink_bytes,
+            entry.num_rejected,
+        )
+    return recorder.finish()

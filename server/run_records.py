@@ -1,0 +1,59 @@
+"""The run's files: ``rounds.jsonl`` (a ``RoundLog`` a round), ``summary.json``, ``checkpoint.pt``.
+
+Each round's line is appended and flushed as soon as the round ends, and the checkpoint is
+replaced atomically (written to a temporary file, then renamed), so a killed run leaves valid
+records of every round it finished.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from fedsparse.common.config import FederatedConfig
+from fedsparse.common.layout import ParamLayout
+from fedsparse.common.records import RoundLog, RunSummary
+
+__all__ = ["RunRecorder"]
+
+
+class RunRecorder:
+    """Writes one run's records into ``out`` (created; previous records are replaced)."""
+
+    def __init__(self, out: Path, cfg: FederatedConfig, layout: ParamLayout) -> None:
+        self.out = Path(out)
+        self.cfg = cfg
+        self.layout = layout
+        self.logs: list[RoundLog] = []
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "rounds.jsonl").write_text("")
+
+    def round_done(self, entry: RoundLog, weights: torch.Tensor) -> None:
+        """Appends the round's line and checkpoints the model it ended with."""
+        self.logs.append(entry)
+        with (self.out / "rounds.jsonl").open("a") as fh:
+            fh.write(entry.to_json() + "\n")
+        tmp = self.out / "checkpoint.pt.tmp"
+        torch.save(
+            {
+                "round": entry.round,
+                "weights": weights.clone(),
+                "names": self.layout.names,
+                "shapes": self.layout.shapes,
+                "config": self.cfg.to_run_config(),
+            },
+            tmp,
+        )
+        tmp.replace(self.out / "checkpoint.pt")
+
+    def finish(self) -> RunSummary:
+        """Writes and returns the run's summary."""
+        summary = RunSummary.from_rounds(
+            self.logs,
+            parameters=self.layout.numel,
+            delta=self.cfg.delta,
+            config=self.cfg.to_run_config(),
+        )
+        (self.out / "summary.json").write_text(summary.to_json())
+        return summary

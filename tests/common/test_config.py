@@ -1,0 +1,178 @@
+"""Tests for the federated run config (fedsparse.common.config): defaults, names, model rule."""
+
+import tomllib
+import types
+import typing
+from pathlib import Path
+
+import pytest
+import torch
+from opacus.accountants import create_accountant
+
+from fedsparse.common.config import CODECS, MASK_SCOPES, FederatedConfig
+from fedsparse.common.data import DATASET_INPUT_SHAPES, DATASET_NAMES, load_dataset
+from fedsparse.common.dp import MECHANISMS
+from fedsparse.common.models import DEFAULT_MODELS, MODEL_INPUT_SHAPES, MODEL_NAMES, build_model
+from fedsparse.common.partition import PARTITIONER_NAMES
+from fedsparse.common.payload import COMPRESSIONS, VALUE_DTYPES
+from fedsparse.common.privacy import ACCOUNTANTS
+from fedsparse.common.schedules import SCHEDULES
+
+PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
+
+# Every run-config key whose value is a name, with the names it accepts (the owners' tuples).
+NAMED_KEYS = {
+    "mechanism": MECHANISMS,
+    "accountant": ACCOUNTANTS,
+    "schedule": SCHEDULES,
+    "mask-scope": MASK_SCOPES,
+    "codec": CODECS,
+    "value-dtype": VALUE_DTYPES,
+    "compression": COMPRESSIONS,
+    "dataset": DATASET_NAMES,
+    "partitioner": PARTITIONER_NAMES,
+    "model": MODEL_NAMES,
+}
+
+
+def literal_names(hint: object) -> tuple[object, ...]:
+    """The values of a ``Literal`` type, or of a union of them (``()`` for anything else)."""
+    if typing.get_origin(hint) is typing.Literal:
+        return typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        parts = [literal_names(arg) for arg in typing.get_args(hint)]
+        return tuple(v for part in parts for v in part) if all(parts) else ()
+    return ()
+
+
+def config_for(key: str, name: str) -> dict[str, object]:
+    """A run config setting ``key`` to ``name``, plus what that name needs to be valid."""
+    overrides: dict[str, object] = {key: name}
+    if key == "model":  # a dataset whose images the model takes
+        overrides["dataset"] = next(
+            d for d in DATASET_NAMES if DATASET_INPUT_SHAPES[d] == MODEL_INPUT_SHAPES[name]
+        )
+    if key == "schedule" and name == "steps":
+        overrides["rate-steps"] = "0,0.5"
+    if key == "mechanism" and name != "dpsgd":  # the ablations take a fixed sigma
+        overrides.update({"target-epsilon": 0.0, "noise-multiplier": 0.0})
+    return overrides
+
+
+def test_pyproject_run_config_equals_the_dataclass_defaults() -> None:
+    declared = tomllib.loads(PYPROJECT.read_text())["tool"]["flwr"]["app"]["config"]
+    defaults = FederatedConfig().to_run_config()
+    assert list(declared) == list(defaults)  # same keys, same order
+    for key, value in defaults.items():
+        assert (declared[key], type(declared[key])) == (value, type(value)), key
+    assert FederatedConfig.from_run_config(declared) == FederatedConfig()
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("dataset", "imagenet"),
+        ("model", "resnet"),
+        ("partitioner", "zipf"),
+        ("schedule", "zigzag"),
+        ("accountant", "moments"),
+        ("mechanism", "laplace"),
+        ("mask-scope", "global"),
+        ("codec", "zip"),
+        ("value-dtype", "fp64"),
+        ("compression", "gzip"),
+        ("dataset", "Digits"),  # names are case-sensitive
+        ("partitioner", ""),
+    ],
+)
+def test_an_unknown_name_fails_at_parse_time_in_one_line(key: str, value: str) -> None:
+    with pytest.raises(ValueError) as info:
+        FederatedConfig.from_run_config({key: value})
+    message = str(info.value)
+    names = ", ".join(NAMED_KEYS[key])
+    expected = f"{key}={value!r}: expected one of {names}"
+    if key == "model":
+        expected += " ('' for the dataset's default)"
+    assert message == expected
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize(
+    ("key", "name"), [(key, name) for key, names in NAMED_KEYS.items() for name in names]
+)
+def test_every_listed_name_is_accepted(key: str, name: str) -> None:
+    cfg = FederatedConfig.from_run_config(config_for(key, name))
+    assert getattr(cfg, key.replace("-", "_")) == name
+    assert cfg.to_run_config()[key] == name
+
+
+def test_field_types_list_exactly_the_accepted_names() -> None:
+    """Each name field's Literal type is the owner's tuple, so mypy and the parser agree."""
+    hints = typing.get_type_hints(FederatedConfig)
+    literal_fields = {f: literal_names(h) for f, h in hints.items() if literal_names(h)}
+    assert set(literal_fields) == {k.replace("-", "_") for k in NAMED_KEYS}
+    for field, names in literal_fields.items():
+        key = field.replace("_", "-")
+        assert names == NAMED_KEYS[key] + (("",) if key == "model" else ()), key
+
+
+@pytest.mark.filterwarnings("ignore:GDP accounting is experimental:UserWarning")
+def test_the_names_are_what_their_implementations_accept() -> None:
+    for accountant in ACCOUNTANTS:
+        assert create_accountant(mechanism=accountant).mechanism() == accountant
+    assert set(DEFAULT_MODELS) == set(DATASET_NAMES)
+    assert set(MODEL_INPUT_SHAPES) == set(MODEL_NAMES)
+    assert set(DATASET_INPUT_SHAPES) == set(DATASET_NAMES)
+    train, _ = load_dataset("digits")  # the one dataset available without files
+    assert tuple(train.x.shape[1:]) == DATASET_INPUT_SHAPES["digits"]
+
+
+@pytest.mark.parametrize("model", MODEL_NAMES)
+def test_model_input_shapes_are_the_ones_the_models_take(model: str) -> None:
+    net = build_model(model).eval()
+    with torch.no_grad():
+        assert net(torch.zeros(2, *MODEL_INPUT_SHAPES[model])).shape == (2, 10)
+        for shape in set(DATASET_INPUT_SHAPES.values()) - {MODEL_INPUT_SHAPES[model]}:
+            with pytest.raises(RuntimeError):
+                net(torch.zeros(2, *shape))
+
+
+@pytest.mark.parametrize("dataset", DATASET_NAMES)
+def test_model_name_defaults_to_the_datasets_model(dataset: str) -> None:
+    cfg = FederatedConfig.from_run_config({"dataset": dataset})
+    assert cfg.model == ""
+    assert cfg.model_name == DEFAULT_MODELS[dataset]
+    assert MODEL_INPUT_SHAPES[cfg.model_name] == DATASET_INPUT_SHAPES[dataset]
+
+
+def test_an_explicit_model_wins_over_the_default() -> None:
+    cfg = FederatedConfig.from_run_config({"dataset": "svhn", "model": "dpcnn"})
+    assert cfg.model_name == "dpcnn"
+    assert FederatedConfig().model_name == "digits-cnn"
+
+
+@pytest.mark.parametrize(
+    ("dataset", "model"),
+    [(d, m) for d in DATASET_NAMES for m in MODEL_NAMES],
+)
+def test_a_model_that_does_not_fit_the_dataset_fails_at_parse_time(
+    dataset: str, model: str
+) -> None:
+    run_config = {"dataset": dataset, "model": model}
+    if MODEL_INPUT_SHAPES[model] == DATASET_INPUT_SHAPES[dataset]:
+        assert FederatedConfig.from_run_config(run_config).model_name == model
+        return
+    with pytest.raises(ValueError) as info:
+        FederatedConfig.from_run_config(run_config)
+    message = str(info.value)
+    assert message.startswith(f"model={model!r}: expected a model for dataset={dataset!r} (")
+    assert "\n" not in message
+    fits = [m for m in MODEL_NAMES if MODEL_INPUT_SHAPES[m] == DATASET_INPUT_SHAPES[dataset]]
+    assert message.endswith(f": one of {', '.join(fits)} or ''")
+
+
+def test_other_errors_keep_their_format() -> None:
+    with pytest.raises(ValueError, match=r"^final-rate=1\.2: expected 0 <= r < 1$"):
+        FederatedConfig.from_run_config({"final-rate": 1.2})
+    with pytest.raises(ValueError, match=r"^run config key 'datasets' is unknown"):
+        FederatedConfig.from_run_config({"datasets": "digits"})
