@@ -176,9 +176,14 @@ class TrainReply:
     epsilon: float  # the client's sample-level epsilon so far (inf: not private)
     noise_multiplier: float
     keep: int
+    #: 1: the client's noise and sampling came from seeded streams (simulation), so anyone who
+    #: knows the run config can rebuild them; 0: fresh OS entropy, never sent anywhere.
+    seeded_noise: int = 0
 
     def __post_init__(self) -> None:
         msg = self.MESSAGE
+        if self.seeded_noise not in (0, 1):
+            _fail(msg, "seeded-noise", self.seeded_noise, "0 or 1")
         if self.num_examples < 0 or self.examples_seen < 0 or self.keep < 0:
             counts = (self.num_examples, self.examples_seen, self.keep)
             _fail(msg, "num-examples/examples-seen/keep", counts, "counts >= 0")
@@ -199,6 +204,7 @@ class TrainReply:
             "epsilon": self.epsilon if math.isfinite(self.epsilon) else -1.0,
             "noise-multiplier": self.noise_multiplier,
             "keep": self.keep,
+            "seeded-noise": self.seeded_noise,
         }
         return {"update": self.update}, metrics
 
@@ -218,6 +224,7 @@ class TrainReply:
             epsilon=math.inf if epsilon == -1.0 else epsilon,
             noise_multiplier=_read(msg, metrics, "noise-multiplier", float),
             keep=_read(msg, metrics, "keep", int),
+            seeded_noise=_read(msg, metrics, "seeded-noise", int),
         )
 
 

@@ -49,6 +49,7 @@ def replies(draw: st.DrawFn) -> TrainReply:
         epsilon=draw(st.one_of(st.floats(0.0, 1e6), st.just(math.inf))),
         noise_multiplier=draw(st.floats(0.0, 100.0)),
         keep=draw(st.integers(0, 10**9)),
+        seeded_noise=draw(st.sampled_from([0, 1])),
     )
 
 
@@ -127,6 +128,7 @@ def test_record_layout_is_the_wire_schema() -> None:
         "epsilon": -1.0,  # inf: not private
         "noise-multiplier": 1.1,
         "keep": 2,
+        "seeded-noise": 0,
     }
 
 
@@ -154,6 +156,7 @@ def _reply_records() -> tuple[dict, dict]:
         ("metrics", "epsilon", math.nan, r"epsilon=nan: expected >= 0"),
         ("metrics", "noise-multiplier", math.inf, r"noise-multiplier=inf: expected a finite"),
         ("metrics", "keep", [1, 2], r"keep=\[1, 2\]: expected int, got list"),
+        ("metrics", "seeded-noise", 2, r"seeded-noise=2: expected 0 or 1"),
     ],
 )
 def test_bad_reply_fields_are_named(record: str, key: str, value, match: str) -> None:
