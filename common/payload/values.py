@@ -60,11 +60,23 @@ def quantize_int8(values: np.ndarray) -> tuple[bytes, float]:
     subnormal below ``127 * 2**-149``, ``max|v| / 127`` underflows to 0 and the scale is the
     smallest subnormal ``2**-149`` instead: every such value is an exact multiple of it, so
     q = v / 2**-149 (|q| <= 126) and the round trip is exact.
+
+    Two roundings are corrected so that the error stays <= scale/2 and the decoder accepts
+    every payload: a subnormal scale that rounds down so far that ``max|v| / scale > 127.5``
+    is stepped up, and a scale whose ``127 * scale`` overflows float32 (``max|v|`` at the
+    float32 maximum) is stepped down.
     """
     max_abs = np.float32(np.abs(values).max()) if values.size else np.float32(0)
     scale = np.float32(max_abs / np.float32(127))
     if scale == 0 and max_abs > 0:  # max|v| below 127 * the smallest subnormal
         scale = np.nextafter(np.float32(0), np.float32(1))
+    if scale == 0:
+        return np.zeros(values.size, dtype=np.int8).tobytes(), 0.0
+    while float(max_abs) / float(scale) > 127.5:  # coarse subnormal scales: a few steps
+        scale = np.nextafter(scale, np.float32(np.inf))
+    with np.errstate(over="ignore"):
+        while not np.isfinite(np.float32(127) * scale):
+            scale = np.nextafter(scale, np.float32(0))
     if scale == 0:
         return np.zeros(values.size, dtype=np.int8).tobytes(), 0.0
     with np.errstate(over="ignore"):
