@@ -12,6 +12,7 @@ coordinates as one ``SparseUpdate`` with no indices.
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 
 import numpy as np
@@ -19,12 +20,15 @@ import torch
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from fedsparse.client.data import local_data
+from fedsparse.client.data import local_data, public_test_data
+from fedsparse.client.guard import authorize, node_ledger, node_policy, released_error
 from fedsparse.client.state import NodeState, apply_downlink
 from fedsparse.common.config import FederatedConfig, wire_encoding
+from fedsparse.common.data import Split
 from fedsparse.common.layout import ParamLayout
 from fedsparse.common.masks import sample_mask
 from fedsparse.common.models import build_model
+from fedsparse.common.node_policy import NodePolicy, TrainingRequest
 from fedsparse.common.payload import decode_update, encode_update
 from fedsparse.common.privacy import calibrate_noise_multiplier, sample_rate, steps_per_epoch
 from fedsparse.common.protocol import (
@@ -77,54 +81,109 @@ def _calibrated(privacy: PrivacyConfig, cfg: FederatedConfig, num_examples: int)
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
-    """One round of local DP-SGD + RS; replies with a values-only sparse update."""
+    """One round of local DP-SGD + RS; replies with a values-only sparse update.
+
+    Order: parse the request and the node's policy, authorize and charge the round (nothing
+    private is touched before), then train and reply. Errors before training name what the
+    server sent; errors during training are reported by type only (``released_error``).
+    """
     torch.set_num_threads(1)
     cfg = FederatedConfig.from_run_config(context.run_config)
     task = TrainInstruction.from_record(msg.content.config_records[CONFIG_RECORD])
-    data = local_data(cfg, *_node_partition(context))
-
+    policy = node_policy(context)
+    partition = _node_partition(context)
+    try:
+        data = local_data(cfg, *partition)
+    except Exception as err:
+        raise released_error(err) from None
     model = build_model(cfg.model_name, seed=cfg.seed)
     layout = ParamLayout.from_module(model)
-    numel = layout.numel
-    state = NodeState.load(context, numel)
+    state = NodeState.load(context, layout.numel)
     global_flat = apply_downlink(
         state.model,
         state.version,
         task.model,
         base_version=task.base_version,
-        numel=numel,
+        numel=layout.numel,
         server_round=task.server_round,
-    )
-    layout.load_flat_(model, global_flat)
-
-    # The round's public mask: from the broadcast seed (and node id for per-client masks).
-    mask_seed = task.mask_seed
-    if task.mask_scope == "client":
-        mask_seed = client_mask_seed(mask_seed, context.node_id)
-    mask = None if task.keep == numel else sample_mask(numel, keep=task.keep, seed=mask_seed)
-
-    train_cfg = TrainConfig(
-        epochs=task.local_epochs,
-        batch_size=task.batch_size,
-        lr=task.lr,
-        momentum=task.momentum,
-        seed=client_train_seed(cfg.seed, task.server_round, _node_partition(context)[0]),
     )
     with warnings.catch_warnings():
         for text in _QUIET:
             warnings.filterwarnings("ignore", message=text)
         privacy = _calibrated(cfg.privacy(), cfg, len(data))
-        engine, module, optimizer, loader = make_private(
-            model, data.x, data.y, privacy=privacy, train=train_cfg, epochs_for_target=1
+        steps = task.local_epochs * steps_per_epoch(len(data), task.batch_size)
+        request = TrainingRequest(
+            run_id=context.run_id,
+            server_round=task.server_round,
+            mechanism=privacy.mechanism,
+            noise_multiplier=float(privacy.noise_multiplier or 0.0),
+            sample_rate=sample_rate(len(data), task.batch_size),
+            steps=steps,
+            local_epochs=task.local_epochs,
         )
-        engine.accountant.history = list(state.history)
-        engine.set_mask(mask)
-        losses, examples = [], 0
-        for _ in range(train_cfg.epochs):
-            loss, n = train_one_epoch(module, optimizer, loader)
-            losses.append(loss)
-            examples += n
-        epsilon = engine.get_epsilon(privacy.delta)
+        authorize(
+            policy,
+            node_ledger(policy, cfg, partition),
+            request,
+            history=state.history,
+            last_round=state.last_round,
+        )
+        try:
+            reply, history = _train_round(
+                cfg, task, policy, privacy, context, data, global_flat, state.history
+            )
+        except Exception as err:
+            raise released_error(err) from None
+    NodeState(global_flat, task.model_version, history, task.server_round).save(context)
+    config, metrics = reply.to_records()
+    content = RecordDict(
+        {CONFIG_RECORD: ConfigRecord(config), METRICS_RECORD: MetricRecord(metrics)}
+    )
+    return Message(content=content, reply_to=msg)
+
+
+def _train_round(
+    cfg: FederatedConfig,
+    task: TrainInstruction,
+    policy: NodePolicy,
+    privacy: PrivacyConfig,
+    context: Context,
+    data: Split,
+    global_flat: torch.Tensor,
+    history: list[tuple[float, float, int]],
+) -> tuple[TrainReply, list[tuple[float, float, int]]]:
+    """Local DP-SGD + RS from ``global_flat``; (the reply, the run's accountant history)."""
+    model = build_model(cfg.model_name, seed=cfg.seed)
+    layout = ParamLayout.from_module(model)
+    numel = layout.numel
+    layout.load_flat_(model, global_flat)
+    # The round's public mask: from the broadcast seed (and node id for per-client masks).
+    mask_seed = task.mask_seed
+    if task.mask_scope == "client":
+        mask_seed = client_mask_seed(mask_seed, context.node_id)
+    mask = None if task.keep == numel else sample_mask(numel, keep=task.keep, seed=mask_seed)
+    seeded = policy.noise == "seeded"
+    train_cfg = TrainConfig(
+        epochs=task.local_epochs,
+        batch_size=task.batch_size,
+        lr=task.lr,
+        momentum=task.momentum,
+        # Seeded streams only when the node asks (simulation); else fresh OS entropy.
+        seed=client_train_seed(cfg.seed, task.server_round, _node_partition(context)[0])
+        if seeded
+        else None,
+    )
+    engine, module, optimizer, loader = make_private(
+        model, data.x, data.y, privacy=privacy, train=train_cfg, epochs_for_target=1
+    )
+    engine.accountant.history = list(history)
+    engine.set_mask(mask)
+    losses, examples = [], 0
+    for _ in range(train_cfg.epochs):
+        loss, n = train_one_epoch(module, optimizer, loader)
+        losses.append(loss)
+        examples += n
+    epsilon = engine.get_epsilon(privacy.delta)
 
     delta = layout.flatten_module(model) - global_flat
     values = delta if mask is None else delta[mask]
@@ -137,30 +196,35 @@ def train(msg: Message, context: Context) -> Message:
         value_dtype=cfg.value_dtype,
         compression=cfg.compression,
     )
-    NodeState(global_flat, task.model_version, list(engine.accountant.history)).save(context)
+    counts = policy.release_example_count
     reply = TrainReply(
         update=payload,
-        num_examples=len(data),
-        examples_seen=examples,
-        train_loss=float(np.nanmean(losses)) if examples else 0.0,
+        # Not released by default: 1 and 0 (the server weights updates uniformly).
+        num_examples=len(data) if counts else 1,
+        examples_seen=examples if counts else 0,
+        train_loss=(float(np.nanmean(losses)) if examples else 0.0)
+        if policy.release_train_loss
+        else math.nan,
         epsilon=float(epsilon),
         noise_multiplier=float(privacy.noise_multiplier or 0.0),
         keep=int(values.numel()),
+        seeded_noise=int(seeded and not privacy.secure_mode),
     )
-    config, metrics = reply.to_records()
-    content = RecordDict(
-        {CONFIG_RECORD: ConfigRecord(config), METRICS_RECORD: MetricRecord(metrics)}
-    )
-    return Message(content=content, reply_to=msg)
+    return reply, list(engine.accountant.history)
 
 
 @app.evaluate()
 def evaluate_global(msg: Message, context: Context) -> Message:
-    """Evaluates the dense global model in the message on this node's partition."""
+    """Evaluates the dense global model in the message on the dataset's public test split.
+
+    Never on the node's training partition: exact loss and accuracy of models the server
+    chooses would release that data outside the accountant (10 queries recover a label
+    histogram).
+    """
     torch.set_num_threads(1)
     cfg = FederatedConfig.from_run_config(context.run_config)
     task = EvaluateInstruction.from_record(msg.content.config_records[CONFIG_RECORD])
-    data = local_data(cfg, *_node_partition(context))
+    data = public_test_data(cfg)
     model = build_model(cfg.model_name, seed=cfg.seed)
     layout = ParamLayout.from_module(model)
     update = decode_update(task.model, expected_dense_size=layout.numel)

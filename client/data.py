@@ -11,7 +11,7 @@ from fedsparse.common.config import FederatedConfig
 from fedsparse.common.data import DatasetName, Split, load_dataset
 from fedsparse.common.partition import PartitionerName, partition_indices
 
-__all__ = ["local_data"]
+__all__ = ["local_data", "public_test_data"]
 
 
 @functools.lru_cache(maxsize=4)
@@ -52,3 +52,8 @@ def local_data(cfg: FederatedConfig, partition_id: int, num_partitions: int) -> 
     )
     idx = torch.from_numpy(parts[partition_id])
     return Split(x=train.x[idx], y=train.y[idx])
+
+
+def public_test_data(cfg: FederatedConfig) -> Split:
+    """The dataset's public test split (the server's evaluation set), not private data."""
+    return _dataset(cfg.dataset, cfg.data_dir, cfg.seed)[1]

@@ -27,6 +27,7 @@ class NodeState:
     model: torch.Tensor | None = None
     version: int = -1
     history: AccountantHistory = field(default_factory=list)
+    last_round: int = 0  # the last round this node trained in the run (0: none)
 
     @classmethod
     def load(cls, context: Context, numel: int) -> NodeState:
@@ -35,18 +36,24 @@ class NodeState:
             return cls()
         record = context.state.config_records[STATE_RECORD]
         history = history_from_record(record)
-        version = record["version"]
+        version, last_round = record["version"], record["last-round"]
+        if not isinstance(last_round, int):
+            raise TypeError(f"last-round={last_round!r}: expected int")
         flat = context.state.array_records[STATE_MODEL]["flat"].numpy()
         if flat.size != numel or not isinstance(version, int):
-            return cls(history=history)
-        return cls(torch.from_numpy(flat.copy()), version, history)
+            return cls(history=history, last_round=last_round)
+        return cls(torch.from_numpy(flat.copy()), version, history, last_round)
 
     def save(self, context: Context) -> None:
         """Stores the state in ``context`` (needs a model)."""
         if self.model is None:
             raise ValueError("model=None: nothing to store")
         context.state.config_records[STATE_RECORD] = ConfigRecord(
-            {"version": self.version, **history_to_record(self.history)}
+            {
+                "version": self.version,
+                "last-round": self.last_round,
+                **history_to_record(self.history),
+            }
         )
         context.state.array_records[STATE_MODEL] = ArrayRecord({"flat": Array(self.model.numpy())})
 

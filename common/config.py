@@ -15,10 +15,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Literal, get_args
 
+from fedsparse.common.aggregate import AGGREGATORS, WEIGHTINGS, AggregatorName, Weighting
 from fedsparse.common.data import DATASET_INPUT_SHAPES, DATASET_NAMES, DatasetName
 from fedsparse.common.dp import MECHANISMS, MechanismName
 from fedsparse.common.models import DEFAULT_MODELS, MODEL_INPUT_SHAPES, MODEL_NAMES, ModelName
@@ -31,6 +32,7 @@ from fedsparse.common.payload import (
     ValueDType,
 )
 from fedsparse.common.privacy import ACCOUNTANTS, AccountantName
+from fedsparse.common.robust import NORM_ACTIONS, NormAction, NormBound
 from fedsparse.common.schedules import SCHEDULES, ScheduleName
 from fedsparse.common.training import PrivacyConfig, SparsityConfig
 
@@ -114,6 +116,14 @@ class FederatedConfig:
     model: ModelName | Literal[""] = ""  # "": the dataset's default (``model_name``)
     seed: int = 0
     out_dir: str = ""
+    # the server against its clients (server/strategy.py, common/robust.py)
+    weighting: Weighting = "uniform"  # "examples": trust num-examples (trusted/simulated)
+    aggregator: AggregatorName = "mean"
+    trim_fraction: float = 0.2  # aggregator=trimmed-mean: dropped at each end, per coordinate
+    max_norm_ratio: float = 3.0  # x the round's median update norm, from 3 updates on; 0: off
+    max_update_norm: float = 0.0  # absolute L2 bound; 0: off
+    norm_action: NormAction = "reject"  # or "clip": scale down to the bound
+    max_failed_rounds: int = 3  # this many rounds in a row with no accepted update end the run
 
     def __post_init__(self) -> None:
         def fail(field: str, expected: str) -> None:
@@ -153,12 +163,33 @@ class FederatedConfig:
             fail("seed", "0 <= seed < 2**63")
         if self.dirichlet_alpha <= 0:
             fail("dirichlet_alpha", "> 0")
+        self._check_robustness(fail)
         try:
             self.privacy()
             self.sparsity().rate_schedule(self.num_rounds)
         except ValueError as err:
             message = re.sub(r"(?<![\w-])steps=", "rate-steps=", str(err).replace("_", "-"))
             raise ValueError(message) from err
+
+    def _check_robustness(self, fail: Callable[[str, str], None]) -> None:
+        if not 0.0 <= self.trim_fraction < 0.5:
+            fail("trim_fraction", "0 <= f < 0.5")
+        if self.max_failed_rounds < 0:
+            fail("max_failed_rounds", ">= 0 (0: never end the run)")
+        if self.aggregator != "mean" and self.weighting != "uniform":
+            fail(
+                "weighting",
+                f"'uniform' with aggregator={self.aggregator!r} (robust aggregators weigh "
+                "every update equally)",
+            )
+        try:
+            self.norm_bound()
+        except ValueError as err:
+            raise ValueError(str(err).replace("_", "-")) from err
+
+    def norm_bound(self) -> NormBound:
+        """The per-round bound on update norms (``max-norm-ratio``, ``max-update-norm``)."""
+        return NormBound(max_norm_ratio=self.max_norm_ratio, max_update_norm=self.max_update_norm)
 
     @classmethod
     def from_run_config(cls, run_config: Mapping[str, Any]) -> FederatedConfig:
@@ -229,6 +260,9 @@ _NAMED_FIELDS: Final[dict[str, tuple[str, ...]]] = {
     "compression": COMPRESSIONS,
     "dataset": DATASET_NAMES,
     "partitioner": PARTITIONER_NAMES,
+    "weighting": WEIGHTINGS,
+    "aggregator": AGGREGATORS,
+    "norm_action": NORM_ACTIONS,
 }
 
 

@@ -39,6 +39,7 @@ Ablations (RS paper, Appendix E), selected with ``mechanism``:
 from __future__ import annotations
 
 import math
+import secrets
 from typing import Any, Final, Literal, get_args
 
 import torch
@@ -54,7 +55,13 @@ from torch import nn
 from fedsparse.common.layout import ParamLayout, unwrap_name
 from fedsparse.common.privacy import AccountantName
 
-__all__ = ["MECHANISMS", "MechanismName", "SparseDPEngine", "SparseDPOptimizer"]
+__all__ = [
+    "MECHANISMS",
+    "MechanismName",
+    "SparseDPEngine",
+    "SparseDPOptimizer",
+    "os_entropy_generator",
+]
 
 MechanismName = Literal["dpsgd", "clipped", "noisy"]
 """Algorithm 1 (private) and the non-private ablations (module docstring)."""
@@ -157,6 +164,17 @@ class SparseDPOptimizer(DPOptimizer):
             _mark_as_processed(p.summed_grad)
 
 
+def os_entropy_generator() -> torch.Generator:
+    """A CPU ``torch.Generator`` seeded from 63 bits of OS entropy (``secrets``).
+
+    The seed is never stored or sent, so no other party can regenerate its stream. torch's CPU
+    generator is MT19937, not a cryptographic generator: recovering its state from the
+    (hardened, rounded, clipped-gradient-masked) noise of a released update is the remaining
+    attack surface, as with Opacus's ``secure_mode`` before ``torchcsprng``.
+    """
+    return torch.Generator().manual_seed(secrets.randbits(63))
+
+
 class SparseDPEngine(PrivacyEngine):
     """Opacus's ``PrivacyEngine`` with random sparsification.
 
@@ -189,7 +207,14 @@ class SparseDPEngine(PrivacyEngine):
     ) -> None:
         if mechanism not in MECHANISMS:
             raise ValueError(f"mechanism={mechanism!r}: expected one of {', '.join(MECHANISMS)}")
-        super().__init__(accountant=accountant, secure_mode=secure_mode)
+        # Opacus's own secure mode needs torchcsprng (no wheel for Python 3.11 / torch 2.13).
+        # Its hardened noise (``_generate_noise(secure_mode=True)``: 2n Gaussian draws against
+        # floating-point attacks) works with any generator, so the engine supplies one seeded
+        # from 63 bits of OS entropy, used for the noise and the Poisson sampling alike.
+        super().__init__(accountant=accountant, secure_mode=False)
+        if secure_mode:
+            self.secure_mode = True
+            self.secure_rng = os_entropy_generator()
         self.mechanism = mechanism
         self._layout: ParamLayout | None = None
         self._params: dict[str, nn.Parameter] = {}

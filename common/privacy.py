@@ -43,6 +43,7 @@ __all__ = [
     "AccountantName",
     "calibrate_noise_multiplier",
     "compute_epsilon",
+    "compute_epsilon_of_history",
     "history_from_record",
     "history_to_record",
     "sample_rate",
@@ -119,6 +120,27 @@ def compute_epsilon(
         if not delta_eps_mu(eps=high, mu=mu) <= delta:
             return math.inf
         raise
+
+
+def compute_epsilon_of_history(
+    history: Sequence[tuple[float, float, int]], *, delta: float, accountant: AccountantName
+) -> float:
+    """``ε`` at ``delta`` of a composed history of ``(σ, q, steps)`` entries (0 if empty).
+
+    The node ledger's sum over rounds and runs. RDP and PRV compose heterogeneous entries;
+    a history of one entry equals ``compute_epsilon`` of it.
+    """
+    entries = [(float(s), float(q), int(n)) for s, q, n in history if int(n) > 0]
+    if not entries:
+        return 0.0
+    if len(entries) == 1:
+        sigma, q, steps = entries[0]
+        return compute_epsilon(
+            noise_multiplier=sigma, sample_rate=q, steps=steps, delta=delta, accountant=accountant
+        )
+    acc = create_accountant(mechanism=accountant)
+    acc.history = entries
+    return float(acc.get_epsilon(delta=delta))
 
 
 def calibrate_noise_multiplier(

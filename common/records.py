@@ -9,6 +9,9 @@ says which fields a consumer uses, so no consumer spells the schema again:
 * ``RoundLog`` fields tagged ``per_round`` are the per-round curves a sweep keeps
   (``rounds.csv``) and plots.
 
+Fields added after the first release come last and have defaults, so records written before
+them still parse (``from_json`` fills a missing field that has a default).
+
 Pure Python (no Flower): a record is plain data.
 """
 
@@ -25,11 +28,16 @@ from typing import Any, Literal, Self
 
 __all__ = [
     "LINKS",
+    "NOISE_ORIGINS",
+    "NoiseOrigin",
     "RoundLog",
     "RunSummary",
+    "SEEDED_RUN",
     "epsilon_stats",
     "per_round_fields",
     "read_rounds",
+    "round_noise",
+    "run_noise",
     "summary_metrics",
 ]
 
@@ -37,17 +45,30 @@ Link = Literal["uplink", "downlink"]
 #: The two directions, as they appear in field names (``uplink_payload_bytes``, ...).
 LINKS: tuple[Link, ...] = ("uplink", "downlink")
 
+NoiseOrigin = Literal["seeded", "fresh", "mixed", "none", "unknown"]
+"""Where a round's accepted updates got their DP noise (the replies' ``seeded-noise``): all
+from seeded streams (anyone knowing the run config can rebuild it: simulation), all from OS
+entropy, both, no accepted update, or not recorded (a line older than the field)."""
+
+NOISE_ORIGINS: tuple[NoiseOrigin, ...] = ("seeded", "fresh", "mixed", "none", "unknown")
+
+#: ``RunSummary.noise`` of a run in which any accepted update had seeded noise.
+SEEDED_RUN = "seeded: not private against the server"
+
 _PER_ROUND = {"per_round": True}
 _METRIC = {"metric": True}
 
 
 def _from_mapping(cls: type[Any], data: Mapping[str, Any], what: str) -> Any:
     """``cls(**data)`` restricted to ``cls``'s fields; a missing field is a named error."""
-    names = [f.name for f in dataclasses.fields(cls)]
-    missing = [n for n in names if n not in data]
+    fields = dataclasses.fields(cls)
+    required = (dataclasses.MISSING, dataclasses.MISSING)
+    missing = [
+        f.name for f in fields if f.name not in data and (f.default, f.default_factory) == required
+    ]
     if missing:
         raise ValueError(f"{what}: missing field(s) {', '.join(missing)}")
-    return cls(**{n: data[n] for n in names})
+    return cls(**{f.name: data[f.name] for f in fields if f.name in data})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,6 +97,18 @@ class RoundLog:
     started_at: float  # unix time the round began (to match wire captures by time)
     ended_at: float  # unix time the round's line was written
     rejected: list[str]  # one reason per rejected reply
+    num_missing: int = 0  # selected clients with no reply by the round timeout
+    num_accepted: int = -1  # updates aggregated (-1 when built: num_replies - num_rejected)
+    failed: bool = False  # no update accepted, or the aggregate was refused: model unchanged
+    failure: str = ""  # why the round failed ("" if it did not)
+    noise: NoiseOrigin = "unknown"  # the accepted updates' noise origin
+    clipped: list[str] = field(default_factory=list)  # one reason per update scaled down
+
+    def __post_init__(self) -> None:
+        if self.num_accepted == -1:
+            object.__setattr__(self, "num_accepted", self.num_replies - self.num_rejected)
+        if self.noise not in NOISE_ORIGINS:
+            raise ValueError(f"noise={self.noise!r}: expected one of {', '.join(NOISE_ORIGINS)}")
 
     def to_json(self) -> str:
         """One ``rounds.jsonl`` line (no newline)."""
@@ -133,6 +166,10 @@ class RunSummary:
     rejected_updates: int
     wall_seconds: float
     config: dict[str, Any]
+    failed_rounds: int = 0  # rounds that left the model unchanged (``RoundLog.failed``)
+    #: the accepted updates' noise: ``SEEDED_RUN`` if any was seeded, else "fresh" ("none": no
+    #: update was accepted; "unknown": rounds older than the field)
+    noise: str = "unknown"
 
     @classmethod
     def from_rounds(
@@ -161,6 +198,8 @@ class RunSummary:
             rejected_updates=int(sum(entry.num_rejected for entry in logs)),
             wall_seconds=sum(entry.wall_seconds for entry in logs),
             config=config,
+            failed_rounds=sum(entry.failed for entry in logs),
+            noise=run_noise([entry.noise for entry in logs]),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -182,6 +221,24 @@ def epsilon_stats(epsilons: Sequence[float]) -> tuple[float, float]:
     """(max, median) of the clients' epsilons so far; (0, 0) before any client reported."""
     values = list(epsilons) or [0.0]
     return max(values), float(statistics.median(values))
+
+
+def round_noise(seeded: Sequence[int]) -> NoiseOrigin:
+    """A round's ``noise`` from its accepted replies' ``seeded-noise`` flags (0/1)."""
+    if not seeded:
+        return "none"
+    if all(seeded):
+        return "seeded"
+    return "mixed" if any(seeded) else "fresh"
+
+
+def run_noise(rounds: Sequence[NoiseOrigin]) -> str:
+    """A run's ``noise`` from its rounds' (see ``RunSummary.noise``)."""
+    if any(r in ("seeded", "mixed") for r in rounds):
+        return SEEDED_RUN
+    if "unknown" in rounds:
+        return "unknown"
+    return "fresh" if "fresh" in rounds else "none"
 
 
 def summary_metrics() -> tuple[str, ...]:

@@ -18,6 +18,7 @@ A ``target_epsilon`` is met on the exact number of steps that run
 from __future__ import annotations
 
 import math
+import secrets
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -137,7 +138,10 @@ class TrainConfig:
     momentum: float = 0.0
     max_physical_batch_size: int = 0
     poisson_sampling: bool = True
-    seed: int = 0
+    #: Base seed of the private streams (Poisson sampling, DP noise): reproducible runs for
+    #: simulation, where anyone who knows it can rebuild the noise. None: fresh OS entropy
+    #: on every ``make_private`` call, never stored or sent (a deployed client).
+    seed: int | None = 0
 
     def __post_init__(self) -> None:
         for field in ("epochs", "batch_size"):
@@ -196,9 +200,10 @@ def make_private(
             loader's ``q``; where those agree, σ is unchanged).
     """
     data_gen, noise_gen = None, None
-    if not privacy.secure_mode:
-        data_gen = torch.Generator().manual_seed(stream_seed(train.seed, Stream.POISSON_SAMPLING))
-        noise_gen = torch.Generator().manual_seed(stream_seed(train.seed, Stream.DP_NOISE))
+    if not privacy.secure_mode:  # secure mode: the engine's own OS-entropy generator
+        seed = train.seed if train.seed is not None else secrets.randbits(63)
+        data_gen = torch.Generator().manual_seed(stream_seed(seed, Stream.POISSON_SAMPLING))
+        noise_gen = torch.Generator().manual_seed(stream_seed(seed, Stream.DP_NOISE))
     noise_multiplier = privacy.noise_multiplier
     if privacy.target_epsilon is not None:
         steps = epochs_for_target * steps_per_epoch(

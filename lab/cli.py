@@ -71,13 +71,10 @@ def run_train(
     """Runs centralized training, printing a table per epoch; returns the summary dict."""
     torch.set_num_threads(max(1, torch.get_num_threads()))
     out.mkdir(parents=True, exist_ok=True)
-    train_split, test_split = load_dataset(dataset, data_dir=data_dir, seed=train.seed)
+    seed = 0 if train.seed is None else train.seed
+    train_split, test_split = load_dataset(dataset, data_dir=data_dir, seed=seed)
     model_name = model_name or DEFAULT_MODELS[dataset]
-    with torch.random.fork_rng():
-        # NOTE: build_model re-seeds under its own fork_rng (default seed=0), so this seed
-        # does not reach the weights: every --seed starts from the same initialisation.
-        torch.manual_seed(stream_seed(train.seed, Stream.MODEL_INIT) % 2**31)
-        model = build_model(model_name)
+    model = build_model(model_name, seed=stream_seed(seed, Stream.MODEL_INIT) % 2**31)
     console.print(
         f"[bold]{dataset}[/]: {len(train_split)} train / {len(test_split)} test examples; "
         f"model {model_name} with {count_parameters(model):,} trainable parameters"

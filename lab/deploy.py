@@ -55,6 +55,7 @@ def deployment_args(
     node_ports: Sequence[int],
     superlink_ports: Sequence[int] | None = None,
     tls: TlsFiles | None = None,
+    ledger_dirs: Sequence[str] | None = None,
 ) -> tuple[list[str], list[list[str]]]:
     """``flower-superlink`` and ``flower-supernode`` argument lists for a loopback deployment.
 
@@ -67,6 +68,8 @@ def deployment_args(
         superlink_ports: port SuperNode ``i`` dials for the Fleet API (a relay in front of
             ``fleet_port``); default ``fleet_port`` for all.
         tls: serve TLS with these files (SuperNodes trust its CA); default ``--insecure``.
+        ledger_dirs: SuperNode ``i``'s privacy-ledger directory (node config ``ledger-dir``);
+            default: the node policy's own default.
     """
     targets = list(superlink_ports) if superlink_ports is not None else [fleet_port] * num_nodes
     if len(targets) != num_nodes:
@@ -85,7 +88,8 @@ def deployment_args(
             "--port",
             str(node_ports[i]),
             "--node-config",
-            f"partition-id={i} num-partitions={num_nodes}",
+            f"partition-id={i} num-partitions={num_nodes}"
+            + (f" ledger-dir='{ledger_dirs[i]}'" if ledger_dirs is not None else ""),
         ]
         for i in range(num_nodes)
     ]
@@ -212,6 +216,8 @@ def run_deployment(
                 node_ports=node_ports,
                 superlink_ports=[r.port for r in relays] if relays else None,
                 tls=tls_files,
+                # Each node's own ledger, kept with the run: the nodes' budgets span this run.
+                ledger_dirs=[str(run.out / "ledgers" / f"node-{i}") for i in range(num_nodes)],
             )
             superlink = stack.enter_context(
                 start_process(

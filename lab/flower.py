@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import sys
@@ -11,13 +12,17 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from fedsparse.common.node_policy import POLICY_ENV
+
 __all__ = [
     "APP_DIR",
+    "SIMULATION_NODE_POLICY",
     "app_bundle_dir",
     "fab_size",
     "flwr_env",
     "format_run_config",
     "tool",
+    "simulation_policy_env",
     "write_flwr_config",
 ]
 
@@ -51,6 +56,38 @@ def write_flwr_config(
     (flwr_home / "config.toml").write_text("\n".join(lines) + "\n")
 
 
+#: The node policy of simulated nodes (``common/node_policy.py``), played by the experimenter:
+#: seeded noise for reproducible runs (so NOT private against the server: the run summary
+#: says so), no persistent ledger, every mechanism and σ allowed, losses and counts released.
+SIMULATION_NODE_POLICY: dict[str, Any] = {
+    "noise": "seeded",
+    "ledger-dir": "",
+    "epsilon-budget": math.inf,
+    "min-noise-multiplier": 0.0,
+    "allowed-mechanisms": "dpsgd,clipped,noisy",
+    "max-local-epochs": 1000,
+    "release-train-loss": True,
+    "release-example-count": True,
+}
+
+
+def simulation_policy_env() -> dict[str, str]:
+    """``FEDSPARSE_NODE_POLICY`` for processes whose simulated ClientApps it configures."""
+    entries = " ".join(f"{k}={_toml(v)}" for k, v in SIMULATION_NODE_POLICY.items())
+    return {POLICY_ENV: entries}
+
+
+def _toml(value: Any) -> str:
+    """``value`` in TOML syntax (Flower's ``--run-config``/``--node-config`` values)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, float) and math.isinf(value):
+        return "inf"
+    return repr(value)
+
+
 def flwr_env(flwr_home: Path) -> dict[str, str]:
     """Environment for Flower processes: private FLWR_HOME, no update checks, no telemetry."""
     env = dict(os.environ)
@@ -69,13 +106,7 @@ def format_run_config(values: Mapping[str, Any]) -> list[str]:
     """``--run-config`` arguments, one ``key=value`` each, values in TOML syntax."""
     args = []
     for key, value in values.items():
-        if isinstance(value, bool):
-            text = "true" if value else "false"
-        elif isinstance(value, str):
-            text = json.dumps(value)
-        else:
-            text = repr(value)
-        args += ["--run-config", f"{key}={text}"]
+        args += ["--run-config", f"{key}={_toml(value)}"]
     return args
 
 

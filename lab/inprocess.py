@@ -19,6 +19,8 @@ from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
 from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
 
+from fedsparse.lab.flower import SIMULATION_NODE_POLICY
+
 __all__ = ["InProcessGrid"]
 
 ClientFn = Callable[[Message, Context], Message]
@@ -33,6 +35,10 @@ class InProcessGrid(Grid):
         run_config: the run config every node's Context carries.
         node_ids: optional explicit node ids (default 1001, 1002, ...).
         overrides: per-node replacement callables (e.g. a faulty client), by node id.
+        node_config: every node's policy entries (``common/node_policy.py``); default
+            ``SIMULATION_NODE_POLICY`` (seeded noise, no ledger, everything allowed and
+            released); ``{"ledger-dir": ...}`` gives a deployed node's defaults.
+        run_id: the run id every node's Context carries.
     """
 
     def __init__(
@@ -43,15 +49,21 @@ class InProcessGrid(Grid):
         run_config: Mapping[str, Any],
         node_ids: Iterable[int] | None = None,
         overrides: Mapping[int, ClientFn] | None = None,
+        node_config: Mapping[str, Any] | None = None,
+        run_id: int = 1,
     ) -> None:
         ids = list(node_ids) if node_ids is not None else [1001 + i for i in range(num_nodes)]
         self._client_app = client_app
         self._overrides = dict(overrides or {})
         self._contexts = {
             node: Context(
-                run_id=1,
+                run_id=run_id,
                 node_id=node,
-                node_config={"partition-id": i, "num-partitions": num_nodes},
+                node_config={
+                    "partition-id": i,
+                    "num-partitions": num_nodes,
+                    **(SIMULATION_NODE_POLICY if node_config is None else node_config),
+                },
                 state=RecordDict(),
                 run_config=dict(run_config),
             )

@@ -17,6 +17,7 @@ from rich.live import Live
 from rich.table import Table
 
 from fedsparse.common.records import RoundLog, RunSummary, read_rounds
+from fedsparse.lab.flower import simulation_policy_env
 from fedsparse.lab.launch import (
     connect,
     flwr_run,
@@ -111,7 +112,14 @@ def run_simulation(
         table.add_column(column, justify="right")
     live_rounds = _LiveRounds(table, run.out / "rounds.jsonl")
     with (
-        start_process(superlink, env=link.env, log=run.superlink_log, ports=[link.http_port]),
+        start_process(
+            superlink,
+            # The simulated ClientApps run in this SuperLink's Ray workers and inherit its
+            # environment: that is where the experimenter, as node owner, sets their policy.
+            env={**link.env, **simulation_policy_env()},
+            log=run.superlink_log,
+            ports=[link.http_port],
+        ),
         flwr_run(run, link, *federation) as flwr,
         Live(table, console=console, refresh_per_second=2, transient=False),
     ):

@@ -1,9 +1,16 @@
 """The ServerApp's round loop: the ``SparseFedAvg`` strategy plus evaluation and records.
 
 Each round: ``strategy.configure_train`` (rate, mask seed, client sampling, downlinks),
-``grid.send_and_receive`` with the round timeout, ``strategy.aggregate_train`` (validation and
-sparse FedAvg), centralized evaluation of the new global model on the held-out test set, and
-one ``RoundLog`` line plus a checkpoint (``RunRecorder``).
+``grid.send_and_receive`` with the round timeout, ``strategy.aggregate_train`` (validation,
+norm bounds and aggregation), centralized evaluation of the new global model on the held-out
+test set, and one ``RoundLog`` line plus a checkpoint (``RunRecorder``).
+
+A round that accepts no update leaves the model unchanged and is recorded as failed
+(``RoundLog.failed``, ``failure``). When ``max-failed-rounds`` rounds in a row fail, the
+strategy raises ``FederationFailed``: the loop records that round and re-raises without
+writing ``summary.json``, so the ServerApp ends with an error naming the reasons (Flower marks
+the run failed; the simulation engine exits with code 700) and the launchers, which read
+``summary.json``, report the run as failed with the log's tail.
 """
 
 from __future__ import annotations
@@ -24,7 +31,13 @@ from fedsparse.common.models import build_model
 from fedsparse.common.records import RoundLog, RunSummary
 from fedsparse.common.training import evaluate
 from fedsparse.server.run_records import RunRecorder
-from fedsparse.server.strategy import SparseFedAvg, flat_array, flat_tensor
+from fedsparse.server.strategy import (
+    FederationFailed,
+    RoundStats,
+    SparseFedAvg,
+    flat_array,
+    flat_tensor,
+)
 
 __all__ = ["run_federated", "wait_for_nodes"]
 
@@ -70,41 +83,22 @@ def run_federated(grid: Grid, cfg: FederatedConfig) -> RunSummary:
     for server_round in range(1, cfg.num_rounds + 1):
         messages = strategy.configure_train(server_round, arrays, ConfigRecord(), grid)
         replies = grid.send_and_receive(messages, timeout=cfg.round_timeout)
-        new_arrays, _ = strategy.aggregate_train(server_round, replies)
+        failed: FederationFailed | None = None
+        try:
+            new_arrays, _ = strategy.aggregate_train(server_round, replies)
+        except FederationFailed as err:  # the model is unchanged; record the round first
+            failed, new_arrays = err, None
         arrays = new_arrays if new_arrays is not None else arrays
         stats = strategy.last_round
         assert stats is not None
         weights = flat_tensor(arrays)
         layout.load_flat_(model, weights)
         test_loss, test_acc = evaluate(model, test.x, test.y)
-        entry = RoundLog(
-            round=server_round,
-            num_clients=len(stats.selected),
-            num_replies=stats.num_replies,
-            num_rejected=len(stats.rejected),
-            rate=stats.rate,
-            keep=stats.keep,
-            keep_fraction=stats.keep / d,
-            test_accuracy=test_acc,
-            test_loss=test_loss,
-            epsilon_max=stats.epsilon_max,
-            epsilon_median=stats.epsilon_median,
-            train_loss=stats.train_loss,
-            uplink_payload_bytes=stats.uplink_payload_bytes,
-            uplink_message_bytes=stats.uplink_message_bytes,
-            downlink_payload_bytes=stats.downlink_payload_bytes,
-            downlink_message_bytes=stats.downlink_message_bytes,
-            dense_uplink_bytes=stats.answered * d * 4,
-            dense_downlink_bytes=len(stats.selected) * d * 4,
-            wall_seconds=time.perf_counter() - stats.started,
-            started_at=stats.started_at,
-            ended_at=time.time(),
-            rejected=stats.rejected,
-        )
+        entry = _round_log(stats, d=d, test_accuracy=test_acc, test_loss=test_loss)
         recorder.round_done(entry, weights)
         log(
             INFO,
-            "round %d: r=%.3f acc=%.4f eps_max=%.3f up=%d B (dense %d B) rejected=%d",
+            "round %d: r=%.3f acc=%.4f eps_max=%.3f up=%d B (dense %d B) rejected=%d missing=%d%s",
             server_round,
             stats.rate,
             test_acc,
@@ -112,5 +106,43 @@ def run_federated(grid: Grid, cfg: FederatedConfig) -> RunSummary:
             entry.uplink_payload_bytes,
             entry.dense_uplink_bytes,
             entry.num_rejected,
+            entry.num_missing,
+            " FAILED" if entry.failed else "",
         )
+        if failed is not None:
+            raise failed
     return recorder.finish()
+
+
+def _round_log(stats: RoundStats, *, d: int, test_accuracy: float, test_loss: float) -> RoundLog:
+    """The round's ``rounds.jsonl`` line."""
+    return RoundLog(
+        round=stats.server_round,
+        num_clients=len(stats.selected),
+        num_replies=stats.num_replies,
+        num_rejected=len(stats.rejected),
+        rate=stats.rate,
+        keep=stats.keep,
+        keep_fraction=stats.keep / d,
+        test_accuracy=test_accuracy,
+        test_loss=test_loss,
+        epsilon_max=stats.epsilon_max,
+        epsilon_median=stats.epsilon_median,
+        train_loss=stats.train_loss,
+        uplink_payload_bytes=stats.uplink_payload_bytes,
+        uplink_message_bytes=stats.uplink_message_bytes,
+        downlink_payload_bytes=stats.downlink_payload_bytes,
+        downlink_message_bytes=stats.downlink_message_bytes,
+        dense_uplink_bytes=stats.answered * d * 4,
+        dense_downlink_bytes=len(stats.selected) * d * 4,
+        wall_seconds=time.perf_counter() - stats.started,
+        started_at=stats.started_at,
+        ended_at=time.time(),
+        rejected=stats.rejected,
+        num_missing=stats.missing,
+        num_accepted=stats.accepted,
+        failed=stats.failed,
+        failure=stats.failure,
+        noise=stats.noise,
+        clipped=stats.clipped,
+    )

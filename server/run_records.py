@@ -2,7 +2,10 @@
 
 Each round's line is appended and flushed as soon as the round ends, and the checkpoint is
 replaced atomically (written to a temporary file, then renamed), so a killed run leaves valid
-records of every round it finished.
+records of every round it finished. ``summary.json`` is written only when the run completes:
+its presence is how the launchers tell a finished run (``flwr run`` exits 0 whatever happens
+to the ServerApp), so a run that ends on failed rounds leaves only ``rounds.jsonl`` (the
+failed rounds with their reasons) and the checkpoint of the last good model.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ class RunRecorder:
         self.logs: list[RoundLog] = []
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "rounds.jsonl").write_text("")
+        (self.out / "summary.json").unlink(missing_ok=True)  # a stale one would read as success
 
     def round_done(self, entry: RoundLog, weights: torch.Tensor) -> None:
         """Appends the round's line and checkpoints the model it ended with."""
@@ -48,7 +52,7 @@ class RunRecorder:
         tmp.replace(self.out / "checkpoint.pt")
 
     def finish(self) -> RunSummary:
-        """Writes and returns the run's summary."""
+        """Writes and returns the summary of the completed run."""
         summary = RunSummary.from_rounds(
             self.logs,
             parameters=self.layout.numel,

@@ -10,11 +10,19 @@ add centralized evaluation, run records and checkpoints.
   builds one ``TrainInstruction`` per client whose ``model`` is what that node is missing of
   the global model (``DownlinkCache``). The global model travels as an ``ArrayRecord`` with
   one flat float32 array ``"flat"`` between the strategy and its caller.
-* ``aggregate_train`` validates every reply (``server/validation.py``; a bad reply is dropped
-  with its reason, never aggregated), applies ``SparseAggregator`` (per-coordinate weighted
-  mean over the clients covering it; equal to FedAvg under one shared mask), and returns the
-  new global model and the round's numbers as a ``MetricRecord``. ``last_round`` keeps the
-  same numbers typed, plus the rejection reasons (strings do not fit a ``MetricRecord``).
+* ``aggregate_train`` survives its clients, in this order: (1) every reply is validated
+  (``server/validation.py``; a bad reply, a reply from a node not selected and a second reply
+  are dropped with their reason; selected nodes without a reply are counted missing); (2) the
+  round's norm bound (``max-norm-ratio`` x the median norm of the valid updates, from 3 on;
+  ``max-update-norm``) rejects or clips each update above it (``norm-action``); (3) the rest
+  are aggregated with weight 1 each (``weighting="uniform"``) or their claimed example counts,
+  by ``SparseAggregator`` (per-coordinate weighted mean over the clients covering it; equal to
+  FedAvg under one shared mask) or a coordinate-wise trimmed mean / median (``aggregator``);
+  (4) a new model with a non-finite value is refused. A round that changes nothing is failed
+  (``RoundStats.failure``) and ``max-failed-rounds`` of them in a row raise
+  ``FederationFailed``. It returns the new global model and the round's numbers as a
+  ``MetricRecord``; ``last_round`` keeps them typed, with the reasons (strings do not fit a
+  ``MetricRecord``).
 
 Where Flower's interface does not reach: the strategy needs the previous global model to
 apply a sparse mean (coordinates no client covered stay as they were), so it keeps the model
@@ -25,10 +33,9 @@ nothing): clients hold only private training data, and the server evaluates cent
 from __future__ import annotations
 
 import math
-import statistics
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from logging import INFO, WARNING
 
 import numpy as np
@@ -38,19 +45,35 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from fedsparse.common.aggregate import SparseAggregator
+from fedsparse.common.aggregate import make_aggregator
 from fedsparse.common.config import FederatedConfig
 from fedsparse.common.masks import keep_count
 from fedsparse.common.protocol import TrainInstruction, client_mask_seed, round_seed
+from fedsparse.common.records import NoiseOrigin, epsilon_stats, round_noise
+from fedsparse.common.robust import clip_to_norm, l2_norm
 from fedsparse.common.seeds import Stream, stream_seed
 from fedsparse.server.downlink import DownlinkCache
 from fedsparse.server.messages import message_bytes, train_message
-from fedsparse.server.validation import RejectedReply, check_reply
+from fedsparse.server.validation import RejectedReply, ValidUpdate, check_reply
 
-__all__ = ["ARRAY_KEY", "RoundStats", "SparseFedAvg", "flat_array", "flat_tensor"]
+__all__ = [
+    "ARRAY_KEY",
+    "FederationFailed",
+    "RoundStats",
+    "SparseFedAvg",
+    "flat_array",
+    "flat_tensor",
+]
 
 #: The key of the flat global model in the strategy's ``ArrayRecord``.
 ARRAY_KEY = "flat"
+
+#: Rejection reasons quoted in ``FederationFailed``'s message.
+_REASONS_SHOWN = 5
+
+
+class FederationFailed(RuntimeError):
+    """``max-failed-rounds`` rounds in a row accepted no update: the run cannot go on."""
 
 
 def flat_array(weights: torch.Tensor) -> ArrayRecord:
@@ -76,7 +99,7 @@ class RoundStats:
     started_at: float  # unix time at configure_train
     downlink_payload_bytes: int = 0
     downlink_message_bytes: int = 0
-    uplink_payload_bytes: int = 0
+    uplink_payload_bytes: int = 0  # of the replies that passed validation
     uplink_message_bytes: int = 0
     num_replies: int = 0
     answered: int = 0  # replies that were not client errors
@@ -85,6 +108,15 @@ class RoundStats:
     train_loss: float = math.nan  # weighted mean over accepted replies
     epsilon_max: float = 0.0
     epsilon_median: float = 0.0
+    missing: int = 0  # selected nodes without a reply
+    clipped: list[str] = field(default_factory=list)  # updates scaled down to the norm bound
+    failure: str = ""  # why the model was left unchanged ("" if it was not)
+    noise: NoiseOrigin = "none"  # the accepted updates' noise origin
+
+    @property
+    def failed(self) -> bool:
+        """No update accepted, or the aggregate refused: the model did not change."""
+        return bool(self.failure)
 
     def metrics(self) -> MetricRecord:
         """The numeric part, as Flower's ``Strategy.aggregate_train`` returns it."""
@@ -95,6 +127,10 @@ class RoundStats:
                 "num-clients": len(self.selected),
                 "num-replies": self.num_replies,
                 "num-rejected": len(self.rejected),
+                "num-missing": self.missing,
+                "num-accepted": self.accepted,
+                "num-clipped": len(self.clipped),
+                "failed": int(self.failed),
                 "train-loss": self.train_loss,
                 "epsilon-max": self.epsilon_max,
                 "epsilon-median": self.epsilon_median,
@@ -104,6 +140,16 @@ class RoundStats:
                 "downlink-message-bytes": self.downlink_message_bytes,
             }
         )
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    """A reply that passed validation, before the norm bound."""
+
+    node: int
+    valid: ValidUpdate
+    values: torch.Tensor  # the update's values (clipped, if the bound scaled it down)
+    norm: float  # L2 norm of the values as received
 
 
 class SparseFedAvg(Strategy):
@@ -120,8 +166,10 @@ class SparseFedAvg(Strategy):
         self.schedule = cfg.sparsity().rate_schedule(cfg.num_rounds)
         self.downlink = DownlinkCache(codec=cfg.codec, compression=cfg.compression)
         self._rng = np.random.default_rng(stream_seed(cfg.seed, Stream.CLIENT_SELECTION))
+        self.norm_bound = cfg.norm_bound()
         self._epsilons: dict[int, float] = {}
         self._weights: torch.Tensor | None = None
+        self._failed_in_a_row: list[int] = []  # rounds
         self.last_round: RoundStats | None = None
 
     def summary(self) -> None:
@@ -136,6 +184,17 @@ class SparseFedAvg(Strategy):
             cfg.num_rounds,
             cfg.mask_scope,
             cfg.codec,
+        )
+        log(
+            INFO,
+            "SparseFedAvg: weighting=%s, aggregator=%s (trim-fraction %g), %s (%s), "
+            "max-failed-rounds=%d",
+            cfg.weighting,
+            cfg.aggregator,
+            cfg.trim_fraction,
+            self.norm_bound,
+            cfg.norm_action,
+            cfg.max_failed_rounds,
         )
 
     def _sample(self, grid: Grid) -> list[int]:
@@ -199,17 +258,43 @@ class SparseFedAvg(Strategy):
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Validates the replies, aggregates the valid ones; returns (model, round numbers)."""
+        """Validates the replies, bounds their norms, aggregates; returns (model, numbers).
+
+        Raises:
+            FederationFailed: this is the ``max-failed-rounds``-th failed round in a row
+                (``last_round`` holds the round's numbers; the model is unchanged).
+        """
         stats, weights = self.last_round, self._weights
         if stats is None or weights is None or stats.server_round != server_round:
             raise RuntimeError(f"aggregate_train({server_round}) without configure_train")
+        accepted = self._bound_norms(stats, self._validate(stats, replies))
+        self._round_numbers(stats, accepted)
+        new_weights, touched = self._aggregate(stats, weights, accepted)
+        for reason in stats.rejected:
+            log(WARNING, "round %d: dropped %s", server_round, reason)
+        for reason in stats.clipped:
+            log(WARNING, "round %d: clipped %s", server_round, reason)
+        seeded = self.cfg.mask_scope == "round" and stats.keep < self.d and not stats.failed
+        self.downlink.record_version(
+            server_round, touched, seeded=(stats.mask_seed, stats.keep) if seeded else None
+        )
+        self._count_failures(stats)
+        return flat_array(new_weights), stats.metrics()
+
+    def _validate(self, stats: RoundStats, replies: Iterable[Message]) -> list[_Candidate]:
+        """The replies that pass ``check_reply``; counts replies, errors and missing nodes."""
         cfg, d, keep = self.cfg, self.d, stats.keep
-        aggregator = SparseAggregator(d)
-        losses: list[tuple[float, float]] = []
-        version = server_round - 1
+        version = stats.server_round - 1
+        selected, seen = set(stats.selected), set()
+        candidates = []
         for reply in replies:
             stats.num_replies += 1
             node = int(reply.metadata.src_node_id)
+            if node not in selected or node in seen:
+                why = "a second reply" if node in seen else "a reply from an unselected node"
+                stats.rejected.append(f"node {node}: {why} this round")
+                continue
+            seen.add(node)
             if reply.has_error():
                 self.downlink.forget(node)  # unknown state: dense next time
                 stats.rejected.append(f"node {node}: client error: {reply.error.reason}")
@@ -226,36 +311,96 @@ class SparseFedAvg(Strategy):
                 valid = check_reply(
                     reply,
                     d=d,
-                    server_round=server_round,
+                    server_round=stats.server_round,
                     expected_seed=None if keep == d else scope_seed,
                     keep=keep,
                     codec=cfg.codec,
+                    value_dtype=cfg.value_dtype,
+                    compression=cfg.compression,
+                    weighting=cfg.weighting,
                 )
-                aggregator.add(valid.values, support=valid.support, weight=valid.weight)
-            except (RejectedReply, ValueError) as err:
+            except RejectedReply as err:
                 stats.rejected.append(f"node {node}: {err}")
                 continue
-            stats.accepted += 1
+            # A valid reply counts (payload bytes, epsilon) even if the norm bound drops it.
             stats.uplink_payload_bytes += valid.payload_bytes
-            losses.append((valid.reply.train_loss, valid.weight))
             self._epsilons[node] = valid.reply.epsilon
-        for reason in stats.rejected:
-            log(WARNING, "round %d: dropped %s", server_round, reason)
+            candidates.append(_Candidate(node, valid, valid.values, l2_norm(valid.values)))
+        stats.missing = len(selected - seen)
+        return candidates
 
-        total = sum(w for _, w in losses)
-        stats.train_loss = sum(loss * w for loss, w in losses) / total if total else math.nan
-        epsilons = list(self._epsilons.values()) or [0.0]
-        stats.epsilon_max = max(epsilons)
-        stats.epsilon_median = float(statistics.median(epsilons))
-        if aggregator.num_updates:
-            touched = aggregator.apply_(weights)
-        else:
-            touched = torch.zeros(d, dtype=torch.bool)
-        seeded = cfg.mask_scope == "round" and keep < d and aggregator.num_updates > 0
-        self.downlink.record_version(
-            server_round, touched, seeded=(stats.mask_seed, keep) if seeded else None
-        )
-        return flat_array(weights), stats.metrics()
+    def _bound_norms(self, stats: RoundStats, candidates: list[_Candidate]) -> list[_Candidate]:
+        """The candidates within the round's norm bound; the others rejected or clipped."""
+        bound, how = self.norm_bound.bound([c.norm for c in candidates])
+        kept = []
+        for candidate in candidates:
+            if candidate.norm <= bound:
+                kept.append(candidate)
+                continue
+            reason = f"node {candidate.node}: update norm={candidate.norm:.4g}: expected <= "
+            reason += f"{bound:.4g} ({how})"
+            if self.cfg.norm_action == "reject":
+                stats.rejected.append(reason)
+                continue
+            stats.clipped.append(reason)
+            kept.append(replace(candidate, values=clip_to_norm(candidate.values, bound=bound)))
+        return kept
+
+    def _round_numbers(self, stats: RoundStats, accepted: list[_Candidate]) -> None:
+        """Train loss and noise origin of the accepted updates; epsilons of the valid replies."""
+        weighted = [(c.valid.reply.train_loss, c.valid.weight) for c in accepted]
+        total = sum(w for _, w in weighted)
+        stats.train_loss = sum(loss * w for loss, w in weighted) / total if total else math.nan
+        stats.epsilon_max, stats.epsilon_median = epsilon_stats(list(self._epsilons.values()))
+        stats.noise = round_noise([c.valid.reply.seeded_noise for c in accepted])
+
+    def _aggregate(
+        self, stats: RoundStats, weights: torch.Tensor, accepted: list[_Candidate]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the new global model, the coordinates that changed); the old one if it failed."""
+        cfg, d = self.cfg, self.d
+        unchanged = torch.zeros(d, dtype=torch.bool)
+        aggregator = make_aggregator(cfg.aggregator, d, trim_fraction=cfg.trim_fraction)
+        for candidate in accepted:
+            try:
+                aggregator.add(
+                    candidate.values, support=candidate.valid.support, weight=candidate.valid.weight
+                )
+            except ValueError as err:  # checked already: only a bug lands here
+                stats.rejected.append(f"node {candidate.node}: {err}")
+        stats.accepted = aggregator.num_updates
+        if not stats.accepted:
+            stats.failure = (
+                f"no update accepted ({len(stats.selected)} selected: "
+                f"{len(stats.rejected)} rejected, {stats.missing} missing)"
+            )
+            return weights, unchanged
+        new_weights = weights.clone()
+        touched = aggregator.apply_(new_weights)
+        bad = int((~torch.isfinite(new_weights)).sum())
+        if bad:
+            stats.failure = f"aggregate: {bad} non-finite model values (update refused)"
+            return weights, unchanged
+        return new_weights, touched
+
+    def _count_failures(self, stats: RoundStats) -> None:
+        """Counts failed rounds in a row; raises ``FederationFailed`` at ``max-failed-rounds``."""
+        if not stats.failed:
+            self._failed_in_a_row = []
+            return
+        log(WARNING, "round %d failed: %s", stats.server_round, stats.failure)
+        self._failed_in_a_row.append(stats.server_round)
+        limit = self.cfg.max_failed_rounds
+        if limit and len(self._failed_in_a_row) >= limit:
+            first, last = self._failed_in_a_row[0], self._failed_in_a_row[-1]
+            reasons = "; ".join(stats.rejected[:_REASONS_SHOWN]) or "none"
+            if len(stats.rejected) > _REASONS_SHOWN:
+                reasons += f"; ... ({len(stats.rejected) - _REASONS_SHOWN} more)"
+            raise FederationFailed(
+                f"max-failed-rounds={limit}: rounds {first} to {last} failed in a row, the model "
+                f"is unchanged since round {first - 1}; round {last}: {stats.failure}; "
+                f"its rejections: {reasons}"
+            )
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid

@@ -1,11 +1,18 @@
 """Reply validation at the server's trust boundary: every reply is checked before it is used.
 
 A reply passes only if its records parse as a ``TrainReply`` (types and ranges, see
-``common/protocol.py``), its payload decodes with the round's expected size, round, seed,
-encoding and ``keep`` (``decode_update``), an explicit support equals the round's public mask
-(the server never aggregates values on coordinates a client chose itself), and its weight is
-in range. Anything else raises ``RejectedReply`` with one line naming the field; the round
-drops that reply and aggregates the rest.
+``common/protocol.py``), its payload is no longer than the largest valid payload for the round
+(``max_payload_bytes``, checked before the payload is parsed) and decodes with the round's
+expected size, round, seed, encoding, ``keep``, value dtype and compression
+(``decode_update``), an explicit support equals the round's public mask (the server never
+aggregates values on coordinates a client chose itself), and its ``num-examples`` is in range.
+Anything else raises ``RejectedReply`` with one line naming the field; the round drops that
+reply and aggregates the rest.
+
+The aggregation weight is the run's ``weighting``: 1 for every update (``"uniform"``: a client
+cannot inflate its influence, and need not release its example count, so 0 is accepted) or
+the claimed ``num-examples`` (``"examples"``: at least 1, at most ``MAX_WEIGHT``).
+Norm bounds need the whole round and are the strategy's (``common/robust.py``).
 """
 
 from __future__ import annotations
@@ -15,18 +22,31 @@ from dataclasses import dataclass
 import torch
 from flwr.app import Message
 
+from fedsparse.common.aggregate import Weighting
 from fedsparse.common.config import CodecName, wire_encoding
 from fedsparse.common.masks import sample_mask
 from fedsparse.common.payload import (
     ENCODINGS,
     EXPLICIT_ENCODINGS,
+    Compression,
     Encoding,
     PayloadError,
+    ValueDType,
     decode_update,
+    payload_size,
 )
+from fedsparse.common.payload.sizing import index_section_bounds
+from fedsparse.common.payload.values import DTYPE_BYTES
 from fedsparse.common.protocol import CONFIG_RECORD, METRICS_RECORD, ProtocolError, TrainReply
 
-__all__ = ["MAX_WEIGHT", "RejectedReply", "ValidUpdate", "accepted_encodings", "check_reply"]
+__all__ = [
+    "MAX_WEIGHT",
+    "RejectedReply",
+    "ValidUpdate",
+    "accepted_encodings",
+    "check_reply",
+    "max_payload_bytes",
+]
 
 #: Largest aggregation weight (``num-examples``) a reply may claim.
 MAX_WEIGHT = 10**9
@@ -43,7 +63,7 @@ class ValidUpdate:
     reply: TrainReply
     values: torch.Tensor  # float32, on ``support``
     support: torch.Tensor | None  # int64 indices; None: dense
-    weight: float
+    weight: float  # the aggregation weight under the run's weighting
     payload_bytes: int
 
 
@@ -55,6 +75,51 @@ def accepted_encodings(codec: CodecName, *, sparse: bool) -> tuple[Encoding, ...
     return (encoding,)
 
 
+def _zstd_bound(size: int) -> int:
+    """zstd's worst-case frame size for ``size`` input bytes (``ZSTD_COMPRESSBOUND``)."""
+    if size == 0:
+        return 0
+    small = ((128 << 10) - size) >> 11 if size < (128 << 10) else 0
+    return size + (size >> 8) + small
+
+
+def max_payload_bytes(
+    *,
+    d: int,
+    server_round: int,
+    keep: int,
+    expected_seed: int | None,
+    encodings: tuple[Encoding, ...],
+    value_dtype: ValueDType,
+    compression: Compression,
+) -> int:
+    """The size of the largest valid payload for the round (an upper bound within 2 bytes).
+
+    Each encoding's sections at their largest (varint gaps at 9 bytes each, zstd frames at
+    their worst case), sized as a zstd payload, whose only extra field is the compression enum.
+    """
+    sizes = []
+    seed = expected_seed if expected_seed is not None else 0
+    for encoding in encodings:
+        index_bytes = index_section_bounds(encoding, keep, d)[1]
+        value_bytes = keep * DTYPE_BYTES[value_dtype]
+        if compression == "zstd":
+            index_bytes, value_bytes = _zstd_bound(index_bytes), _zstd_bound(value_bytes)
+        sizes.append(
+            payload_size(
+                keep=keep,
+                dense_size=d,
+                round=server_round,
+                encoding=encoding,
+                value_dtype=value_dtype,
+                mask_seed=seed if encoding == "seeded" else 0,
+                compression="zstd",
+                compressed_sizes=(index_bytes, value_bytes),
+            )
+        )
+    return max(sizes)
+
+
 def check_reply(
     message: Message,
     *,
@@ -63,6 +128,9 @@ def check_reply(
     expected_seed: int | None,
     keep: int,
     codec: CodecName = "values",
+    value_dtype: ValueDType = "fp32",
+    compression: Compression = "none",
+    weighting: Weighting = "uniform",
 ) -> ValidUpdate:
     """Validates one reply to a train instruction.
 
@@ -70,11 +138,22 @@ def check_reply(
         d: model size (dense coordinates).
         expected_seed: the mask seed the reply must carry (None: a dense round, ``keep = d``).
         keep: coordinates the round's mask keeps.
-        codec: the run's codec (which encodings are accepted).
+        codec, value_dtype, compression: the run's (which payloads are accepted).
+        weighting: the run's aggregation weights.
 
     Raises:
         RejectedReply: the reply is malformed, inconsistent with the round, or out of range.
     """
+    encodings = accepted_encodings(codec, sparse=keep < d)
+    limit = max_payload_bytes(
+        d=d,
+        server_round=server_round,
+        keep=keep,
+        expected_seed=expected_seed,
+        encodings=encodings,
+        value_dtype=value_dtype,
+        compression=compression,
+    )
     try:
         content = message.content
         reply = TrainReply.from_records(
@@ -85,27 +164,35 @@ def check_reply(
             expected_dense_size=d,
             expected_round=server_round,
             expected_mask_seed=expected_seed,
-            expected_encoding=accepted_encodings(codec, sparse=keep < d),
+            expected_encoding=encodings,
             expected_keep=keep,
+            max_bytes=limit,
         )
     except KeyError as err:
         raise RejectedReply(f"reply content: missing record {err}") from None
     except (ProtocolError, PayloadError) as err:
         raise RejectedReply(str(err)) from None
+    for name, got, wanted in (
+        ("value_dtype", update.value_dtype, value_dtype),
+        ("compression", update.compression, compression),
+    ):
+        if got != wanted:
+            raise RejectedReply(f"{name}: {got!r}, expected {wanted!r} (the run's)")
     support = update.support()
     if update.encoding in EXPLICIT_ENCODINGS:
         assert expected_seed is not None and support is not None  # keep < d
         mask = sample_mask(d, keep=keep, seed=expected_seed)
         if not torch.equal(support, torch.nonzero(mask).flatten()):
             raise RejectedReply(f"indices: the {update.encoding} support is not the round's mask")
-    if not 0 < reply.num_examples <= MAX_WEIGHT:
+    low = 1 if weighting == "examples" else 0
+    if not low <= reply.num_examples <= MAX_WEIGHT:
         raise RejectedReply(
-            f"num-examples={reply.num_examples!r}: expected an integer in [1, {MAX_WEIGHT:.0e}]"
+            f"num-examples={reply.num_examples!r}: expected an integer in [{low}, {MAX_WEIGHT:.0e}]"
         )
     return ValidUpdate(
         reply=reply,
         values=update.values,
         support=support,
-        weight=float(reply.num_examples),
+        weight=float(reply.num_examples) if weighting == "examples" else 1.0,
         payload_bytes=len(reply.update),
     )

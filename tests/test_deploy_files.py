@@ -34,6 +34,10 @@ def _services(*files: Path) -> dict[str, dict]:
     return merged
 
 
+#: Where the compose SuperNodes keep their privacy ledgers (a named volume each).
+LEDGER_DIR = "/var/lib/fedsparse/ledger"
+
+
 def _options(command: list[str]) -> dict[str, str | None]:
     """``--flag value`` pairs (``None`` for bare flags) of a command line."""
     options: dict[str, str | None] = {}
@@ -46,7 +50,11 @@ def _options(command: list[str]) -> dict[str, str | None]:
 
 def _reference() -> tuple[dict[str, str | None], list[dict[str, str | None]]]:
     superlink, supernodes = deployment_args(
-        http_port=HTTP_PORT, fleet_port=FLEET_PORT, num_nodes=2, node_ports=[NODE_PORT] * 2
+        http_port=HTTP_PORT,
+        fleet_port=FLEET_PORT,
+        num_nodes=2,
+        node_ports=[NODE_PORT] * 2,
+        ledger_dirs=[LEDGER_DIR] * 2,
     )
     assert Path(superlink[0]).name == "flower-superlink"
     assert all(Path(node[0]).name == "flower-supernode" for node in supernodes)
@@ -99,7 +107,11 @@ def test_plain_compose_runs_the_run_deployment_commands() -> None:
         assert opts["--host"] == ref["--host"] == "127.0.0.1"  # ClientAppIo stays local
         assert opts["--port"] == ref["--port"]
     partitions = [_options(services[n]["command"])["--node-config"] for n in NODES]
-    assert partitions == ["partition-id=0 num-partitions=2", "partition-id=1 num-partitions=2"]
+    assert partitions == [
+        f"partition-id={i} num-partitions=2 ledger-dir='{LEDGER_DIR}'" for i in range(2)
+    ]
+    for i, name in enumerate(NODES):  # each node's ledger in its own named volume
+        assert services[name]["volumes"] == [f"ledger-{i}:{LEDGER_DIR}"]
 
 
 def test_tls_overlay_swaps_insecure_for_certificates() -> None:

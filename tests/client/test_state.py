@@ -18,11 +18,13 @@ def test_state_round_trips_through_the_context() -> None:
     assert NodeState.load(ctx, 10) == NodeState()
     model = torch.randn(10)
     history = [(1.1, 0.25, 4), (0.9, 0.25, 8)]
-    NodeState(model, 3, history).save(ctx)
+    NodeState(model, 3, history, last_round=4).save(ctx)
     back = NodeState.load(ctx, 10)
     assert torch.equal(back.model, model) and back.version == 3 and back.history == history
+    assert back.last_round == 4
     assert list(ctx.state.config_records[STATE_RECORD]) == [
         "version",
+        "last-round",
         "acc-sigma",
         "acc-q",
         "acc-steps",

@@ -15,7 +15,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fedsparse.common.aggregate import SparseAggregator
+from fedsparse.common.aggregate import (
+    RobustAggregator,
+    SparseAggregator,
+    make_aggregator,
+)
 
 _EPS32 = 2.0**-23  # float32 rounding of the float64 mean: <= 2**-24 relative; doubled margin
 _EPS64 = 2.0**-52
@@ -410,3 +414,88 @@ def test_invalid_support_indices_are_rejected(support: list[int]) -> None:
     agg = SparseAggregator(4)
     with pytest.raises(ValueError, match="support"):
         agg.add(torch.ones(len(support)), support=torch.tensor(support), weight=1.0)
+
+
+# --- robust aggregators: the same round, a coordinate-wise rule over the covering clients ----
+
+
+def robust_oracle(dense_size: int, clients: list[Update], rule) -> tuple[np.ndarray, np.ndarray]:
+    """(rule over the covering clients' float64 values, covered mask), coordinate by coordinate."""
+    out = np.zeros(dense_size, dtype=np.float64)
+    covered = np.zeros(dense_size, dtype=bool)
+    for i in range(dense_size):
+        column = [
+            float(u.values[i] if u.support is None else u.values[list(u.support).index(i)])
+            for u in clients
+            if u.support is None or i in u.support
+        ]
+        if column:
+            covered[i] = True
+            out[i] = rule(np.array(column))
+    return out, covered
+
+
+def trimmed(fraction: float):
+    def rule(column: np.ndarray) -> float:
+        t = int(fraction * column.size)
+        return float(np.mean(np.sort(column)[t : column.size - t]))
+
+    return rule
+
+
+@settings(derandomize=True, max_examples=120, deadline=None)
+@given(rounds(max_clients=7), st.sampled_from(["median", "trimmed-mean"]))
+def test_robust_aggregators_match_the_per_coordinate_oracle(round_, rule: str) -> None:
+    dense_size, clients = round_
+    agg = RobustAggregator(dense_size, rule=rule, trim_fraction=0.2)  # type: ignore[arg-type]
+    for u in clients:
+        support = None if u.support is None else torch.from_numpy(u.support)
+        agg.add(torch.from_numpy(u.values), support=support, weight=u.weight)
+    expected, covered = robust_oracle(
+        dense_size, clients, np.median if rule == "median" else trimmed(0.2)
+    )
+    w = torch.zeros(dense_size)
+    touched = agg.apply_(w)
+    assert np.array_equal(touched.numpy(), covered)
+    scale = np.array([max((abs(float(v)) for u in clients for v in u.values), default=0.0)])
+    bound = _EPS32 * np.abs(expected) + 8 * len(clients) * _EPS64 * scale + _TINY32
+    assert (np.abs(w.numpy().astype(np.float64) - expected) <= bound).all()
+    assert not w[~touched].any()
+
+
+def test_robust_aggregator_on_a_shared_mask_ignores_one_huge_update_and_the_weights() -> None:
+    support = torch.tensor([1, 3, 4])
+    agg = RobustAggregator(6, rule="trimmed-mean", trim_fraction=0.2)
+    for i, value in enumerate([1.0, 2.0, 3.0, 4.0, 1e30]):
+        agg.add(torch.full((3,), value), support=support, weight=10.0**i)  # weights unused
+    union, update = agg.update()
+    assert torch.equal(union, support)
+    assert update.tolist() == [3.0, 3.0, 3.0]  # drops 1 and 1e30; mean of 2, 3, 4
+    w = torch.ones(6)
+    assert agg.apply_(w).tolist() == [False, True, False, True, True, False]
+    assert w.tolist() == [1.0, 4.0, 1.0, 4.0, 4.0, 1.0]
+
+
+def test_robust_aggregator_checks_like_the_mean_and_starts_empty() -> None:
+    agg = RobustAggregator(4, rule="median")
+    with pytest.raises(ValueError, match="weight=0"):
+        agg.add(torch.ones(4), support=None, weight=0.0)
+    with pytest.raises(ValueError, match="values: non-finite"):
+        agg.add(torch.tensor([1.0, math.nan]), support=torch.tensor([0, 1]), weight=1.0)
+    with pytest.raises(ValueError, match="support spans"):
+        agg.add(torch.ones(2), support=torch.tensor([1, 1]), weight=1.0)
+    assert agg.num_updates == 0
+    w = torch.ones(4)
+    assert not agg.apply_(w).any() and torch.equal(w, torch.ones(4))
+    with pytest.raises(ValueError, match="rule='mean'"):
+        RobustAggregator(4, rule="mean")
+    with pytest.raises(ValueError, match="trim_fraction=0.5"):
+        RobustAggregator(4, rule="trimmed-mean", trim_fraction=0.5)
+
+
+def test_make_aggregator_picks_the_rule() -> None:
+    assert isinstance(make_aggregator("mean", 3), SparseAggregator)
+    median = make_aggregator("median", 3)
+    assert isinstance(median, RobustAggregator) and median.rule == "median"
+    trimmed_agg = make_aggregator("trimmed-mean", 3, trim_fraction=0.1)
+    assert isinstance(trimmed_agg, RobustAggregator) and trimmed_agg.trim_fraction == 0.1

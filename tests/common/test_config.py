@@ -9,6 +9,7 @@ import pytest
 import torch
 from opacus.accountants import create_accountant
 
+from fedsparse.common.aggregate import AGGREGATORS, WEIGHTINGS
 from fedsparse.common.config import CODECS, MASK_SCOPES, FederatedConfig
 from fedsparse.common.data import DATASET_INPUT_SHAPES, DATASET_NAMES, load_dataset
 from fedsparse.common.dp import MECHANISMS
@@ -16,6 +17,7 @@ from fedsparse.common.models import DEFAULT_MODELS, MODEL_INPUT_SHAPES, MODEL_NA
 from fedsparse.common.partition import PARTITIONER_NAMES
 from fedsparse.common.payload import COMPRESSIONS, VALUE_DTYPES
 from fedsparse.common.privacy import ACCOUNTANTS
+from fedsparse.common.robust import NORM_ACTIONS
 from fedsparse.common.schedules import SCHEDULES
 
 PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
@@ -31,6 +33,9 @@ NAMED_KEYS = {
     "compression": COMPRESSIONS,
     "dataset": DATASET_NAMES,
     "partitioner": PARTITIONER_NAMES,
+    "weighting": WEIGHTINGS,
+    "aggregator": AGGREGATORS,
+    "norm-action": NORM_ACTIONS,
     "model": MODEL_NAMES,
 }
 
@@ -83,6 +88,9 @@ def test_pyproject_run_config_equals_the_dataclass_defaults() -> None:
         ("compression", "gzip"),
         ("dataset", "Digits"),  # names are case-sensitive
         ("partitioner", ""),
+        ("weighting", "claimed"),
+        ("aggregator", "krum"),
+        ("norm-action", "ignore"),
     ],
 )
 def test_an_unknown_name_fails_at_parse_time_in_one_line(key: str, value: str) -> None:
@@ -176,3 +184,37 @@ def test_other_errors_keep_their_format() -> None:
         FederatedConfig.from_run_config({"final-rate": 1.2})
     with pytest.raises(ValueError, match=r"^run config key 'datasets' is unknown"):
         FederatedConfig.from_run_config({"datasets": "digits"})
+
+
+@pytest.mark.parametrize(
+    ("run_config", "message"),
+    [
+        ({"trim-fraction": 0.5}, "trim-fraction=0.5: expected 0 <= f < 0.5"),
+        ({"trim-fraction": -0.1}, "trim-fraction=-0.1: expected 0 <= f < 0.5"),
+        ({"max-norm-ratio": 0.5}, "max-norm-ratio=0.5: expected >= 1 (0: off); below 1 it"),
+        ({"max-norm-ratio": -1}, "max-norm-ratio=-1.0: expected a finite value >= 0 (0: off)"),
+        ({"max-update-norm": "inf"}, "max-update-norm=inf: expected a finite value >= 0"),
+        ({"max-failed-rounds": -1}, "max-failed-rounds=-1: expected >= 0 (0: never end the run)"),
+        (
+            {"aggregator": "median", "weighting": "examples"},
+            "weighting='examples': expected 'uniform' with aggregator='median' (robust "
+            "aggregators weigh every update equally)",
+        ),
+    ],
+)
+def test_robustness_keys_are_checked_at_parse_time(run_config: dict, message: str) -> None:
+    with pytest.raises(ValueError) as info:
+        FederatedConfig.from_run_config(run_config)
+    assert str(info.value).startswith(message) and "\n" not in str(info.value)
+
+
+def test_robustness_defaults_protect_and_can_be_turned_off() -> None:
+    cfg = FederatedConfig()
+    assert (cfg.weighting, cfg.aggregator, cfg.norm_action) == ("uniform", "mean", "reject")
+    assert cfg.norm_bound().bound([1.0, 2.0, 4.0])[0] == 6.0  # 3 x the median
+    assert cfg.max_failed_rounds == 3
+    off = FederatedConfig.from_run_config({"max-norm-ratio": 0, "max-update-norm": 0})
+    assert off.norm_bound().bound([1.0, 2.0, 1e30])[0] == float("inf")
+    # per-client masks combine with a robust aggregator (per coordinate over the coverers)
+    both = FederatedConfig.from_run_config({"mask-scope": "client", "aggregator": "median"})
+    assert (both.mask_scope, both.aggregator) == ("client", "median")

@@ -76,7 +76,11 @@ def test_three_rounds_learn_within_budget_with_analytic_bytes(tmp_path: Path) ->
 
 
 def test_dense_noise_free_round_equals_fedavg_of_local_updates(tmp_path: Path) -> None:
-    """final-rate=0, sigma=0, full participation: the new model is dense FedAvg."""
+    """final-rate=0, sigma=0, full participation: the new model is dense FedAvg.
+
+    Weighted by the claimed example counts (``weighting="examples"``) and without the relative
+    norm bound (noise-free updates of unequal partitions differ in norm by more than 3x).
+    """
     seen: list[tuple[torch.Tensor, int]] = []
 
     def recording(msg: Message, ctx: Context) -> Message:
@@ -95,6 +99,8 @@ def test_dense_noise_free_round_equals_fedavg_of_local_updates(tmp_path: Path) -
         noise_multiplier=0.0,
         partitioner="dirichlet",
         dirichlet_alpha=1.0,
+        weighting="examples",
+        max_norm_ratio=0.0,
     )
     nodes = {1001 + i: recording for i in range(3)}
     run(tmp_path, nodes=3, overrides=nodes, **cfg_kwargs)

@@ -78,7 +78,7 @@ HOSTILE = {
     ),
     "inflated count": (
         lambda c, m: _records(c, {**m, "num-examples": 10**12}),
-        r"num-examples=1000000000000: expected an integer in \[1, 1e\+09\]",
+        r"num-examples=1000000000000: expected an integer in \[0, 1e\+09\]",
     ),
     "negative epsilon": (lambda c, m: _records(c, {**m, "epsilon": -7.0}), "epsilon=-7.0"),
 }

@@ -1,0 +1,131 @@
+"""The node's persistent privacy ledger: every noisy step its data ever took part in.
+
+One JSON file per data set a node holds (``<ledger-dir>/<key>.json``), kept across rounds,
+runs and SuperNode restarts. Each entry records one round of local training: the run, the
+round, the mechanism and the accountant's ``(σ, q, steps)``. The ε spent is the Opacus
+accountant's composition of every entry at the policy's δ, so runs compose as one long run.
+
+``charge`` is the only way in and is all-or-nothing: under an exclusive lock on the file, it
+refuses a round that is not strictly later than the run's last one (a replayed or reordered
+request: the server could otherwise average away fresh noise by asking twice) or that would
+take ε past the budget, and otherwise appends the entry and replaces the file atomically
+(written to a temporary file, flushed to disk, renamed). The charge happens *before* the
+data is touched: a crash after it spends budget that was not used, never the reverse.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import math
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from fedsparse.common.node_policy import PrivacyRefusal, TrainingRequest
+from fedsparse.common.privacy import AccountantName, compute_epsilon_of_history
+
+__all__ = ["LedgerEntry", "PrivacyLedger", "ledger_key"]
+
+_FORMAT = 1
+
+
+def ledger_key(dataset: str, partition_id: int, num_partitions: int) -> str:
+    """File stem naming the data a node holds (the unit the budget protects)."""
+    raw = f"{dataset}-partition-{partition_id}-of-{num_partitions}"
+    return re.sub(r"[^A-Za-z0-9._-]", "_", raw)
+
+
+@dataclass(frozen=True)
+class LedgerEntry:
+    """One round of local training on this data."""
+
+    run_id: int
+    server_round: int
+    mechanism: str
+    noise_multiplier: float
+    sample_rate: float
+    steps: int
+
+
+class PrivacyLedger:
+    """The ledger file at ``path`` (created on the first charge)."""
+
+    def __init__(self, path: Path, *, accountant: AccountantName = "rdp") -> None:
+        self.path = Path(path).expanduser()
+        self.accountant = accountant
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        with open(self.path.with_suffix(".lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+    def entries(self) -> list[LedgerEntry]:
+        """Every recorded round, oldest first."""
+        if not self.path.exists():
+            return []
+        try:
+            data = json.loads(self.path.read_text())
+            if data.get("format") != _FORMAT:
+                raise ValueError(f"format={data.get('format')!r}: expected {_FORMAT}")
+            return [LedgerEntry(**entry) for entry in data["entries"]]
+        except (ValueError, TypeError, KeyError) as err:
+            # A damaged ledger must not read as an empty one (a fresh budget).
+            raise PrivacyRefusal(f"ledger {self.path}: unreadable ({err}); refusing") from None
+
+    def epsilon(self, delta: float, extra: LedgerEntry | None = None) -> float:
+        """ε spent at ``delta`` (with ``extra`` added); inf once any non-DP round is in."""
+        entries = [*self.entries(), *([extra] if extra else [])]
+        if any(e.mechanism != "dpsgd" or e.noise_multiplier == 0 for e in entries):
+            return math.inf
+        history = [(e.noise_multiplier, e.sample_rate, e.steps) for e in entries]
+        return compute_epsilon_of_history(history, delta=delta, accountant=self.accountant)
+
+    def charge(self, request: TrainingRequest, *, budget: float, delta: float) -> float:
+        """Records ``request`` if it is a new round and fits the budget; returns ε after it.
+
+        Raises:
+            PrivacyRefusal: a round not after the run's last one, or ε past ``budget``.
+        """
+        entry = LedgerEntry(
+            run_id=request.run_id,
+            server_round=request.server_round,
+            mechanism=request.mechanism,
+            noise_multiplier=request.noise_multiplier,
+            sample_rate=request.sample_rate,
+            steps=request.steps,
+        )
+        with self._locked():
+            entries = self.entries()
+            done = [e.server_round for e in entries if e.run_id == request.run_id]
+            if done and request.server_round <= max(done):
+                raise PrivacyRefusal(
+                    f"round={request.server_round}: this node already trained round "
+                    f"{max(done)} of run {request.run_id}; rounds must strictly increase"
+                )
+            spent = self.epsilon(delta, extra=entry)
+            if spent > budget:
+                raise PrivacyRefusal(
+                    f"epsilon={spent:.4g} at delta={delta:g} after this round: over this "
+                    f"node's budget {budget:g} (spent so far {self.epsilon(delta):.4g})"
+                )
+            self._write([*entries, entry])
+        return spent
+
+    def _write(self, entries: list[LedgerEntry]) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        payload = {"format": _FORMAT, "entries": [asdict(e) for e in entries]}
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            json.dump(payload, fh, indent=1)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, self.path)

@@ -1,0 +1,152 @@
+"""The node's own policy and its persistent ledger (pure parts)."""
+
+import json
+import math
+import multiprocessing
+from pathlib import Path
+
+import pytest
+
+from fedsparse.common.ledger import PrivacyLedger, ledger_key
+from fedsparse.common.node_policy import (
+    NodePolicy,
+    PrivacyRefusal,
+    TrainingRequest,
+    parse_assignments,
+)
+from fedsparse.common.privacy import compute_epsilon
+
+
+def request(server_round: int = 1, *, run_id: int = 1, sigma: float = 1.0, **kw) -> TrainingRequest:
+    fields = dict(mechanism="dpsgd", sample_rate=0.01, steps=100, local_epochs=1)
+    return TrainingRequest(
+        run_id=run_id,
+        server_round=server_round,
+        noise_multiplier=sigma,
+        **{**fields, **kw},
+    )
+
+
+def test_defaults_are_the_strict_ones() -> None:
+    policy = NodePolicy()
+    assert policy.noise == "fresh" and policy.allowed_mechanisms == ("dpsgd",)
+    assert policy.epsilon_budget == 10.0 and policy.min_noise_multiplier == 0.5
+    assert not policy.release_train_loss and not policy.release_example_count
+    assert policy.ledger_dir  # persistent by default
+
+
+def test_sources_override_in_order_and_flower_keys_are_ignored(tmp_path: Path) -> None:
+    file = tmp_path / "policy.toml"
+    file.write_text('epsilon-budget = 4.0\nallowed-mechanisms = ["dpsgd", "clipped"]\n')
+    env = parse_assignments("epsilon-budget=2.0 noise='seeded' release-train-loss=true")
+    node = {"partition-id": 0, "num-partitions": 2, "policy-file": str(file)}
+    policy = NodePolicy.from_sources(env, node)
+    assert policy.epsilon_budget == 4.0  # the node config's file wins over the environment
+    assert policy.allowed_mechanisms == ("dpsgd", "clipped")
+    assert policy.noise == "seeded" and policy.release_train_loss
+    assert NodePolicy.from_sources({"epsilon-budget": "inf"}).epsilon_budget == math.inf
+    assert NodePolicy.from_sources({"ledger-dir": ""}).ledger_dir == ""
+
+
+@pytest.mark.parametrize(
+    ("entries", "match"),
+    [
+        ({"epsilon-budgte": 1.0}, "unknown key 'epsilon-budgte'"),
+        ({"epsilon-budget": "lots"}, "epsilon-budget='lots': expected float"),
+        ({"epsilon-budget": -1.0}, r"epsilon-budget=-1.0: expected a value >= 0"),
+        ({"noise": "random"}, "noise='random': expected one of fresh, seeded"),
+        ({"allowed-mechanisms": "dpsgd,magic"}, "allowed-mechanisms='magic'"),
+        ({"max-local-epochs": 0}, "max-local-epochs=0: expected >= 1"),
+        ({"release-train-loss": "yes"}, "release-train-loss='yes': expected true or false"),
+        ({"policy-file": "/nonexistent/p.toml"}, "policy-file='/nonexistent/p.toml'"),
+    ],
+)
+def test_bad_policy_entries_are_named(entries: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        NodePolicy.from_sources(entries)
+
+
+def test_assignments_parse_like_node_config() -> None:
+    assert parse_assignments("a=1 b='x' c=true d=inf e=bare f=") == {
+        "a": 1,
+        "b": "x",
+        "c": True,
+        "d": math.inf,
+        "e": "bare",
+        "f": "",
+    }
+    with pytest.raises(ValueError, match="'novalue': expected key=value"):
+        parse_assignments("novalue")
+
+
+def test_static_limits() -> None:
+    policy = NodePolicy(min_noise_multiplier=0.8, max_local_epochs=2)
+    policy.check(request(sigma=0.8))
+    with pytest.raises(PrivacyRefusal, match="noise-multiplier=0.79: this node requires >= 0.8"):
+        policy.check(request(sigma=0.79))
+    with pytest.raises(PrivacyRefusal, match="mechanism='noisy': this node allows only dpsgd"):
+        policy.check(request(mechanism="noisy"))
+    with pytest.raises(PrivacyRefusal, match="local-epochs=3: this node allows <= 2"):
+        policy.check(request(local_epochs=3))
+
+
+def test_the_ledger_composes_rounds_and_runs_like_one_accountant(tmp_path: Path) -> None:
+    ledger = PrivacyLedger(tmp_path / "l" / "digits.json")
+    assert ledger.epsilon(1e-5) == 0.0
+    for rnd in (1, 2):
+        ledger.charge(request(rnd), budget=math.inf, delta=1e-5)
+    ledger.charge(request(1, run_id=2), budget=math.inf, delta=1e-5)
+    expected = compute_epsilon(
+        noise_multiplier=1.0, sample_rate=0.01, steps=300, delta=1e-5, accountant="rdp"
+    )
+    assert ledger.epsilon(1e-5) == pytest.approx(expected, rel=1e-9)
+    # Survives a restart: a new object on the same file.
+    assert PrivacyLedger(ledger.path).epsilon(1e-5) == pytest.approx(expected, rel=1e-9)
+    assert oct(ledger.path.stat().st_mode & 0o777) == "0o600"
+
+
+def test_the_ledger_refuses_replays_and_overspending_without_recording(tmp_path: Path) -> None:
+    ledger = PrivacyLedger(tmp_path / "x.json")
+    spent = ledger.charge(request(3), budget=10, delta=1e-5)
+    with pytest.raises(PrivacyRefusal, match="round=3: this node already trained round 3 of run 1"):
+        ledger.charge(request(3), budget=10, delta=1e-5)
+    with pytest.raises(PrivacyRefusal, match="round=2"):
+        ledger.charge(request(2), budget=10, delta=1e-5)
+    with pytest.raises(PrivacyRefusal, match="over this node's budget"):
+        ledger.charge(request(4), budget=spent * 1.1, delta=1e-5)
+    assert len(ledger.entries()) == 1
+    with pytest.raises(PrivacyRefusal, match="over this node's budget"):
+        ledger.charge(request(4, mechanism="clipped"), budget=1e9, delta=1e-5)  # inf
+
+
+def test_a_damaged_ledger_is_never_read_as_empty(tmp_path: Path) -> None:
+    path = tmp_path / "d.json"
+    path.write_text("{not json")
+    with pytest.raises(PrivacyRefusal, match="unreadable"):
+        PrivacyLedger(path).charge(request(1), budget=10, delta=1e-5)
+    path.write_text(json.dumps({"format": 99, "entries": []}))
+    with pytest.raises(PrivacyRefusal, match="format=99"):
+        PrivacyLedger(path).epsilon(1e-5)
+
+
+def _charge_many(path: str, run_id: int) -> None:
+    ledger = PrivacyLedger(Path(path))
+    for rnd in range(1, 11):
+        ledger.charge(request(rnd, run_id=run_id), budget=math.inf, delta=1e-5)
+
+
+def test_concurrent_processes_lose_no_entry(tmp_path: Path) -> None:
+    path = str(tmp_path / "c.json")
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_charge_many, args=(path, run)) for run in (1, 2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    assert len(PrivacyLedger(Path(path)).entries()) == 20
+
+
+def test_ledger_keys_are_safe_file_names() -> None:
+    assert ledger_key("digits", 0, 10) == "digits-partition-0-of-10"
+    assert "/" not in ledger_key("../../etc", 1, 2)
