@@ -124,6 +124,8 @@ class FederatedConfig:
     max_update_norm: float = 0.0  # absolute L2 bound; 0: off
     norm_action: NormAction = "reject"  # or "clip": scale down to the bound
     max_failed_rounds: int = 3  # this many rounds in a row with no accepted update end the run
+    # research: keep every valid reply's payload in <out-dir>/updates/ (what the server sees)
+    save_updates: bool = False
 
     def __post_init__(self) -> None:
         def fail(field: str, expected: str) -> None:

@@ -109,6 +109,8 @@ def run_federated(grid: Grid, cfg: FederatedConfig) -> RunSummary:
             entry.num_missing,
             " FAILED" if entry.failed else "",
         )
+        if cfg.save_updates:
+            recorder.save_updates(server_round, stats.updates)
         if failed is not None:
             raise failed
     return recorder.finish()

@@ -33,6 +33,17 @@ class RunRecorder:
         (self.out / "rounds.jsonl").write_text("")
         (self.out / "summary.json").unlink(missing_ok=True)  # a stale one would read as success
 
+    def save_updates(self, server_round: int, updates: dict[int, bytes]) -> None:
+        """Writes each payload as ``updates/round-<r>-node-<id>.bin`` (``save-updates``).
+
+        What the server holds of each client: the material of reconstruction-attack studies
+        (``lab/attacks.py``).
+        """
+        folder = self.out / "updates"
+        folder.mkdir(exist_ok=True)
+        for node, payload in updates.items():
+            (folder / f"round-{server_round}-node-{node}.bin").write_bytes(payload)
+
     def round_done(self, entry: RoundLog, weights: torch.Tensor) -> None:
         """Appends the round's line and checkpoints the model it ended with."""
         self.logs.append(entry)

@@ -112,6 +112,7 @@ class RoundStats:
     clipped: list[str] = field(default_factory=list)  # updates scaled down to the norm bound
     failure: str = ""  # why the model was left unchanged ("" if it was not)
     noise: NoiseOrigin = "none"  # the accepted updates' noise origin
+    updates: dict[int, bytes] = field(default_factory=dict)  # save-updates: node -> payload
 
     @property
     def failed(self) -> bool:
@@ -325,6 +326,8 @@ class SparseFedAvg(Strategy):
             # A valid reply counts (payload bytes, epsilon) even if the norm bound drops it.
             stats.uplink_payload_bytes += valid.payload_bytes
             self._epsilons[node] = valid.reply.epsilon
+            if cfg.save_updates:
+                stats.updates[node] = valid.reply.update
             candidates.append(_Candidate(node, valid, valid.values, l2_norm(valid.values)))
         stats.missing = len(selected - seen)
         return candidates
