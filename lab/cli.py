@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import signal
 import time
 import warnings
 from collections.abc import Sequence
@@ -52,7 +53,12 @@ QUIET_WARNINGS = (
 
 Choice = TypeVar("Choice", bound=str)
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help=__doc__,
+    pretty_exceptions_show_locals=False,  # locals can hold keys and data; --debug shows frames
+)
 console = Console()
 if not console.is_terminal:  # logs and CI: do not squeeze the round table into 80 columns
     console = Console(width=140)
@@ -231,8 +237,6 @@ def simulate(
     """Federated DP-SGD + RS on Flower's simulation engine (Ray backend)."""
     from fedsparse.lab.simulate import run_simulation
 
-    if clients < 1:
-        raise typer.BadParameter(f"clients={clients}: expected >= 1")
     overrides = _parse_sets(set_ or [])
     try:
         summary = run_simulation(
@@ -281,7 +285,14 @@ def sweep(
     import shlex
 
     from fedsparse.lab.report import write_outputs
-    from fedsparse.lab.sweep import BACKENDS, RunSettings, parse_grid, plan_sweep, run_sweep
+    from fedsparse.lab.sweep import (
+        BACKENDS,
+        RunSettings,
+        SweepInterrupted,
+        parse_grid,
+        plan_sweep,
+        run_sweep,
+    )
 
     try:
         settings = RunSettings(
@@ -306,7 +317,16 @@ def sweep(
         f"[bold]{len(plan.runs)} runs[/] ({len(plan.runs) // seeds} configs x {seeds} seeds, "
         f"{clients} clients, {backend}); run directories under {runs_dir}"
     )
-    rows = run_sweep(plan, runs_dir=runs_dir, settings=settings, jobs=jobs, console=console)
+    try:
+        rows = run_sweep(plan, runs_dir=runs_dir, settings=settings, jobs=jobs, console=console)
+    except SweepInterrupted as stop:  # the CSVs and report of what finished, then the exit
+        paths = write_outputs(out, plan, settings, stop.rows, command=shlex.join(args))
+        done = sum(r["status"] == "ok" for r in stop.rows)
+        console.print(
+            f"[bold red]sweep interrupted[/]: {done} of {len(stop.rows)} runs finished; "
+            f"wrote {paths['results.csv']} and {paths['report.md']}"
+        )
+        raise
     paths = write_outputs(out, plan, settings, rows, command=shlex.join(args))
     failed = sum(r["status"] != "ok" for r in rows)
     reused = sum(bool(r["reused"]) for r in rows)
@@ -339,11 +359,20 @@ def deploy(
     out: Annotated[Path, Opt(help="output directory")] = Path("runs/deploy"),
     nodes: Annotated[int, Opt(help="flower-supernode processes")] = 2,
     set_: Annotated[list[str] | None, Opt("--set", help="run-config override key=value")] = None,
-    tls: Annotated[bool, Opt(help="TLS with a throwaway CA in OUT/certs")] = False,
+    insecure: Annotated[
+        bool, Opt(help="no TLS and no SuperNode authentication (explicit opt-in)")
+    ] = False,
+    node_auth: Annotated[
+        bool, Opt(help="SuperNode authentication: registered keys only (needs TLS)")
+    ] = True,
     idle_seconds: Annotated[float, Opt(help="idle polling measurement before the run")] = 6.0,
     timeout: Annotated[float, Opt(help="seconds before the run is stopped")] = 3600.0,
 ) -> None:
-    """Loopback deployment (SuperLink + SuperNodes over gRPC) with on-the-wire byte counts."""
+    """Loopback deployment (SuperLink + SuperNodes over gRPC) with on-the-wire byte counts.
+
+    Secure by default: TLS with a throwaway CA and SuperNode authentication (a registered key
+    per node). A SuperNode that dies costs its replies, not the run.
+    """
     from fedsparse.lab.deploy import run_deployment
 
     overrides = _parse_sets(set_ or [])
@@ -353,8 +382,10 @@ def deploy(
             overrides=overrides,
             num_nodes=nodes,
             timeout=timeout,
-            tls=tls,
+            tls=not insecure,
+            node_auth=node_auth and not insecure,
             idle_seconds=idle_seconds,
+            on_event=lambda line: console.print(f"[yellow]{line}[/]"),
         )
     except ValueError as err:
         raise typer.BadParameter(str(err)) from err
@@ -374,12 +405,77 @@ def wire_report_command(
     _print_wire_report(run_dir)
 
 
+@app.callback()
+def _options(
+    debug: Annotated[bool, Opt(help="show full tracebacks of errors")] = False,
+) -> None:
+    """Options of every command."""
+    _STATE["debug"] = debug
+
+
+#: What ``main`` needs to know of the command's run: ``--debug``, the stopping signal.
+_STATE: dict[str, Any] = {"debug": False, "signal": None}
+
+
+def _on_signal(signum: int, frame: object) -> None:
+    """SIGINT, SIGTERM and SIGHUP alike: stop the command and every process it started.
+
+    The first signal interrupts the main thread and asks every wait loop (worker threads
+    included) to stop (``processes.request_stop``); each launcher then stops its processes
+    by PID (SIGTERM, SIGKILL after a grace period) and the command exits with 128 + the
+    signal's number, its results up to then written. Later signals are ignored, so that they
+    cannot cut that clean-up short.
+    """
+    from fedsparse.lab.processes import request_stop, stopping_processes
+
+    if _STATE["signal"] is not None:
+        return
+    _STATE["signal"] = signum
+    request_stop()
+    console.print(
+        f"[bold red]{signal.Signals(signum).name}[/]: stopping every process of this command"
+    )
+    if not stopping_processes():  # else the next wait loop raises, after that clean-up
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def _one_line(err: BaseException) -> str:
+    text = " | ".join(line.strip() for line in str(err).splitlines() if line.strip())
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
+
+
 def main() -> None:
-    """Console-script entry point: the command line, without ``QUIET_WARNINGS``."""
-    with warnings.catch_warnings():
-        for message in QUIET_WARNINGS:
-            warnings.filterwarnings("ignore", message=message)
-        app()
+    """Console-script entry point: the command line, without ``QUIET_WARNINGS``.
+
+    SIGINT, SIGTERM and SIGHUP stop the command cleanly (``_on_signal``: no process left,
+    partial results valid, exit code 128 + signal number). An unexpected error is one line
+    (``--debug`` for the traceback).
+    """
+    handled = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {sig: signal.signal(sig, _on_signal) for sig in handled}
+    code: int | str | None = 0
+    try:
+        with warnings.catch_warnings():
+            for message in QUIET_WARNINGS:
+                warnings.filterwarnings("ignore", message=message)
+            try:
+                app()
+            except SystemExit as exit_:  # click's own exit: usage errors, Abort (our signals)
+                code = exit_.code
+            except KeyboardInterrupt:
+                code = 130
+            except Exception as err:
+                if _STATE["debug"]:
+                    raise
+                hint = "[dim](--debug: traceback)[/]"
+                console.print(f"[bold red]error:[/] {_one_line(err)} {hint}")
+                code = 1
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if _STATE["signal"] is not None:
+        code = 128 + int(_STATE["signal"])
+    raise SystemExit(code)
 
 
 if __name__ == "__main__":

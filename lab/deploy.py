@@ -17,8 +17,9 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import subprocess
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +27,9 @@ from fedsparse.common.records import RunSummary, read_rounds
 from fedsparse.lab.flower import fab_size, tool
 from fedsparse.lab.launch import (
     PORT_TIMEOUT,
-    RUN_OUTPUTS,
+    SuperLinkConnection,
     connect,
+    describe_exit,
     flwr_run,
     log_tails,
     prepare_run,
@@ -38,7 +40,7 @@ from fedsparse.lab.launch import (
 )
 from fedsparse.lab.processes import Process, check_running, free_port, wait_for_port
 from fedsparse.lab.relay import ByteRelay
-from fedsparse.lab.tls import TlsFiles, generate_tls_files, security_args
+from fedsparse.lab.tls import TlsFiles, generate_node_keys, generate_tls_files, security_args
 from fedsparse.lab.wire import capture_summary
 
 __all__ = ["deployment_args", "run_deployment"]
@@ -55,7 +57,9 @@ def deployment_args(
     node_ports: Sequence[int],
     superlink_ports: Sequence[int] | None = None,
     tls: TlsFiles | None = None,
+    auth_keys: Sequence[Path] | None = None,
     ledger_dirs: Sequence[str] | None = None,
+    superlink_host: str = "127.0.0.1",
 ) -> tuple[list[str], list[list[str]]]:
     """``flower-superlink`` and ``flower-supernode`` argument lists for a loopback deployment.
 
@@ -68,21 +72,32 @@ def deployment_args(
         superlink_ports: port SuperNode ``i`` dials for the Fleet API (a relay in front of
             ``fleet_port``); default ``fleet_port`` for all.
         tls: serve TLS with these files (SuperNodes trust its CA); default ``--insecure``.
+        auth_keys: SuperNode authentication: the SuperLink admits only registered keys
+            (``--enable-supernode-auth``) and node ``i`` signs with private key
+            ``auth_keys[i]``; needs ``tls``. Default: no node authentication.
+        superlink_host: the address the SuperNodes dial (a shaped link's host side).
         ledger_dirs: SuperNode ``i``'s privacy-ledger directory (node config ``ledger-dir``);
             default: the node policy's own default.
     """
     targets = list(superlink_ports) if superlink_ports is not None else [fleet_port] * num_nodes
     if len(targets) != num_nodes:
         raise ValueError(f"superlink_ports has {len(targets)} ports: expected {num_nodes}")
+    if auth_keys is not None and (tls is None or len(auth_keys) != num_nodes):
+        raise ValueError(
+            f"auth_keys: {len(auth_keys)} keys with tls={tls is not None}: expected "
+            f"{num_nodes} keys and TLS (Flower refuses SuperNode authentication without TLS)"
+        )
+    auth = ["--enable-supernode-auth"] if auth_keys is not None else []
     superlink = superlink_args(
-        security_args(tls, server=True), http_port=http_port, fleet_port=fleet_port
+        [*security_args(tls, server=True), *auth], http_port=http_port, fleet_port=fleet_port
     )
     supernodes = [
         [
             tool("flower-supernode"),
             *security_args(tls, server=False),
+            *(["--auth-supernode-private-key", str(auth_keys[i])] if auth_keys else []),
             "--superlink",
-            f"127.0.0.1:{targets[i]}",
+            f"{superlink_host}:{targets[i]}",
             "--host",
             "127.0.0.1",
             "--port",
@@ -145,6 +160,60 @@ def _write_wire(
     (out / "wire.json").write_text(json.dumps(capture, indent=2) + "\n")
 
 
+def _register_nodes(link: SuperLinkConnection, keys: Sequence[Path], *, log: Path) -> None:
+    """``flwr supernode register <key>.pub`` for each key, through the Control API.
+
+    Raises:
+        RuntimeError: a registration failed (with ``flwr``'s output).
+    """
+    with log.open("a") as sink:
+        for key in keys:
+            result = subprocess.run(
+                [tool("flwr"), "supernode", "register", f"{key}.pub", link.name],
+                env=link.env,
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=False,
+            )
+            sink.write(result.stdout + result.stderr)
+            if result.returncode != 0:
+                raise RuntimeError(
+                    f"flwr supernode register {key.name}.pub failed "
+                    f"(code {result.returncode}):\n{result.stdout}{result.stderr}"
+                )
+
+
+class _NodeWatch:
+    """Which SuperNodes the run lost, when: ``<out>/nodes.json``, and a note per loss."""
+
+    def __init__(self, out: Path, nodes: Sequence[Process], on_event: Callable[[str], None]):
+        self._path, self._nodes, self._on_event = out / "nodes.json", list(nodes), on_event
+        self._lost: dict[int, float] = {}
+        self._write()
+
+    def lost(self, process: Process) -> None:
+        index = self._nodes.index(process)
+        self._lost[index] = time.time()
+        self._on_event(
+            f"SuperNode {index} lost: {describe_exit(process)}; the run goes on without it "
+            "(its missing replies are counted per round in rounds.jsonl, num_missing)"
+        )
+        self._write()
+
+    def _write(self) -> None:
+        nodes = [
+            {
+                "partition": i,
+                "pid": node.pid,
+                "lost_at": self._lost.get(i),
+                "returncode": node.returncode if i in self._lost else None,
+            }
+            for i, node in enumerate(self._nodes)
+        ]
+        self._path.write_text(json.dumps({"nodes": nodes}, indent=2) + "\n")
+
+
 def run_deployment(
     *,
     out: Path,
@@ -154,7 +223,9 @@ def run_deployment(
     pids: list[int] | None = None,
     relay: bool = True,
     idle_seconds: float = 6.0,
-    tls: bool = False,
+    tls: bool = True,
+    node_auth: bool = True,
+    on_event: Callable[[str], None] | None = None,
 ) -> RunSummary:
     """Runs the app on a loopback deployment; returns its ``summary.json``.
 
@@ -164,12 +235,24 @@ def run_deployment(
     every process by PID, descendants included, however the run ends. Logs go to
     ``<out>/superlink.log``, ``<out>/supernode-<i>.log`` and ``<out>/flwr.log``.
 
+    Secure by default: TLS with a throwaway CA (``<out>/certs``, keys 0600; the CA key is
+    given to no process) and SuperNode authentication (a key pair per node in
+    ``<out>/keys``, each public key registered with ``flwr supernode register`` before its
+    node starts; the SuperLink admits no other node). ``tls=False`` (which needs
+    ``node_auth=False``) is the explicit insecure opt-in.
+
+    A SuperNode that dies costs its replies, not the run: the ServerApp closes each round
+    when the SuperLink reports the node gone or at ``round-timeout``, counts the missing
+    replies (``num_missing``), and goes on; ``<out>/nodes.json`` records which node was
+    lost when, and ``on_event`` hears of it. Only the SuperLink's death ends the run.
+
     With ``relay`` (default), SuperNode ``i`` dials its own ``ByteRelay`` in front of the
     Fleet API; once every SuperNode is connected and before ``flwr run``, the idle polling
     traffic is measured for ``idle_seconds``; all relays are stopped with the processes and
     ``<out>/wire.json`` is written (``lab/wire.py:capture_summary`` documents it). Only
     Fleet API traffic (SuperNode <-> SuperLink) goes through the relays; ``flwr`` and the
-    ServerApp talk to the SuperLink directly.
+    ServerApp talk to the SuperLink directly. With TLS the relays count ciphertext, TLS
+    framing included.
 
     Args:
         out: run directory (created); the ServerApp writes ``rounds.jsonl`` and
@@ -181,20 +264,33 @@ def run_deployment(
         relay: put a byte-counting relay between each SuperNode and the SuperLink.
         idle_seconds: length of the idle measurement (0: none); only with ``relay``. The
             SuperNodes poll every 3 s, so use a multiple of 3 for a fair rate.
-        tls: serve TLS (Fleet, Control and Runtime APIs) with a throwaway CA written to
-            ``<out>/certs``, instead of ``--insecure``.
+        tls: serve TLS (Fleet, Control and Runtime APIs); False: ``--insecure``.
+        node_auth: SuperNode authentication (needs ``tls``).
+        on_event: told (one line) of events the run survives, e.g. a lost SuperNode.
 
     Raises:
-        ValueError: a bad run-config override, ``num_nodes`` or ``idle_seconds``.
+        ValueError: a bad run-config override, ``num_nodes``, ``idle_seconds`` or security
+            combination, ``num_nodes`` below ``min-clients``, missing dataset files.
         RuntimeError: a process failed, the run timed out or left no ``summary.json``
             (with the tails of the logs).
     """
     if num_nodes < 1:
-        raise ValueError(f"num_nodes={num_nodes}: expected >= 1")
+        raise ValueError(f"nodes={num_nodes}: expected >= 1")
     if not 0 <= idle_seconds < math.inf:
         raise ValueError(f"idle_seconds={idle_seconds}: expected a finite value >= 0")
-    run = prepare_run(out, overrides, stale=(*RUN_OUTPUTS, "wire.json"))
+    if node_auth and not tls:
+        raise ValueError(
+            "node_auth=True with tls=False: Flower authenticates SuperNodes only over TLS "
+            "(use --insecure for neither)"
+        )
+    run = prepare_run(out, overrides)
+    if run.config.min_clients > num_nodes:
+        raise ValueError(
+            f"nodes={num_nodes}: below min-clients={run.config.min_clients}, the run could "
+            "never start (lower --set min-clients or add nodes)"
+        )
     tls_files = generate_tls_files(run.out / "certs") if tls else None
+    keys = generate_node_keys(run.out / "keys", num_nodes) if node_auth else None
     fab_bytes = fab_size(run.app) if relay else None  # the bundle `flwr run` builds from it
     link = connect(run, name="deploy", root_certificates=tls_files.ca_cert if tls_files else None)
     node_ports = [free_port() for _ in range(num_nodes)]
@@ -216,6 +312,7 @@ def run_deployment(
                 node_ports=node_ports,
                 superlink_ports=[r.port for r in relays] if relays else None,
                 tls=tls_files,
+                auth_keys=keys,
                 # Each node's own ledger, kept with the run: the nodes' budgets span this run.
                 ledger_dirs=[str(run.out / "ledgers" / f"node-{i}") for i in range(num_nodes)],
             )
@@ -228,6 +325,8 @@ def run_deployment(
                     pids=recorded,
                 )
             )
+            if keys is not None:
+                _register_nodes(link, keys, log=run.out / "register.log")
             nodes = [
                 stack.enter_context(start_process(args, env=link.env, log=log, pids=recorded))
                 for args, log in zip(supernode_commands, node_logs, strict=True)
@@ -235,8 +334,11 @@ def run_deployment(
             for node, port in zip(nodes, node_ports, strict=True):
                 wait_for_port(port, timeout=PORT_TIMEOUT, process=node)
             idle = _measure_idle(relays, nodes, seconds=idle_seconds)
+            watch = _NodeWatch(run.out, nodes, on_event or (lambda line: None))
             flwr = stack.enter_context(flwr_run(run, link, pids=recorded))
-            returncode = wait_for_exit(flwr, timeout=timeout, watch=[superlink, *nodes])
+            returncode = wait_for_exit(
+                flwr, timeout=timeout, watch=[superlink], expendable=nodes, on_lost=watch.lost
+            )
     except RuntimeError as error:
         if relays:  # what was captured up to the failure, best effort
             with contextlib.suppress(OSError, ValueError, KeyError):

@@ -4,19 +4,24 @@
 the same steps; the steps live here, and each launcher keeps only what differs (the SuperLink's
 flags, the SuperNodes and relays or the simulation's federation config, the live table):
 
-1. ``prepare_run``: validate the run config before anything starts, create ``out``, remove
-   an earlier run's outputs and ``FLWR_HOME``, write the app bundle ``flwr run`` packs;
+1. ``prepare_run``: validate the run config (and that its dataset's files are there) before
+   anything starts, create ``out``, replace ``FLWR_HOME``, write the app bundle ``flwr run``
+   packs. An earlier run's results in ``out`` are left alone: the ServerApp replaces them when
+   the new run really starts, so a start that fails keeps them; ``read_summary`` takes only a
+   ``summary.json`` written after ``PreparedRun.started``;
 2. ``connect``: free loopback ports for the SuperLink, a private ``FLWR_HOME`` whose
    ``config.toml`` names the one SuperLink connection, the Flower processes' environment;
 3. ``start_process``: the SuperLink (``superlink_args``) and any SuperNodes, each logging to a
    file in ``out``, waited on until it listens, stopped by PID however the run ends;
 4. ``flwr_run``: ``flwr run <bundle> <connection> --run-config ... --stream``, polled by
-   ``wait_for_exit`` against a deadline;
+   ``wait_for_exit`` against a deadline (and ``processes.request_stop``, a signal's stop);
 5. ``read_summary``: ``summary.json`` as a ``RunSummary``, or an error with the logs' tails.
 """
 
 from __future__ import annotations
 
+import math
+import os
 import shutil
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -26,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from fedsparse.common.config import FederatedConfig
+from fedsparse.common.data import DatasetFormatError, load_dataset
 from fedsparse.common.records import RunSummary
 from fedsparse.lab.flower import (
     app_bundle_dir,
@@ -39,6 +45,8 @@ from fedsparse.lab.processes import (
     check_running,
     free_port,
     managed_process,
+    program,
+    raise_if_stopping,
     wait_for_port,
 )
 
@@ -48,6 +56,7 @@ __all__ = [
     "PreparedRun",
     "SuperLinkConnection",
     "connect",
+    "describe_exit",
     "flwr_run",
     "log_tail",
     "log_tails",
@@ -58,9 +67,8 @@ __all__ = [
     "wait_for_exit",
 ]
 
-#: What the ServerApp writes into ``out``; removed first, so that an earlier run's file is
-#: never taken for this run's.
-RUN_OUTPUTS = ("rounds.jsonl", "summary.json")
+#: What the ServerApp writes into ``out`` (and replaces when a new run starts).
+RUN_OUTPUTS = ("rounds.jsonl", "summary.json", "checkpoint.pt")
 #: The run's private ``FLWR_HOME``, inside ``out``.
 _FLWR_HOME = ".flwr"
 #: Seconds a started Flower process gets to listen on its ports.
@@ -77,6 +85,7 @@ class PreparedRun:
     config: FederatedConfig
     run_config: dict[str, Any]  # the overrides, typed, and ``out-dir``: ``flwr run``'s values
     app: Path  # the directory ``flwr run`` bundles (``flower.app_bundle_dir``)
+    started: float  # ``time.time()`` when prepared: older files in ``out`` are an earlier run's
 
     @property
     def flwr_home(self) -> Path:
@@ -94,30 +103,43 @@ class PreparedRun:
         return self.out / "flwr.log"
 
 
-def prepare_run(
-    out: Path, overrides: Mapping[str, Any], *, stale: Iterable[str] = RUN_OUTPUTS
-) -> PreparedRun:
-    """Validates ``overrides`` (plus ``out-dir=<out>``), then cleans ``out`` for a new run.
+def prepare_run(out: Path, overrides: Mapping[str, Any], *, check_data: bool = True) -> PreparedRun:
+    """Validates ``overrides`` (plus ``out-dir=<out>``), then readies ``out`` for a new run.
 
-    Nothing is created or removed when the run config is invalid.
+    Nothing is created or removed when the run config is invalid. An earlier run's results in
+    ``out`` (``RUN_OUTPUTS``, ``wire.json``) are kept: the new run replaces them once it
+    starts, so a start that fails leaves them as they were.
 
     Args:
         out: the run directory (created; made absolute).
         overrides: run-config values (keys as in ``[tool.flwr.app.config]``).
-        stale: files in ``out`` an earlier run left that this run writes anew.
+        check_data: load the dataset once here, so that missing or corrupt files are a
+            config error before any process starts (the ServerApp and every client load it).
 
     Raises:
-        ValueError: a bad run-config override (named key and value).
+        ValueError: a bad run-config override (named key and value), a dataset whose files
+            are missing or corrupt, or an ``out`` that is not a directory.
     """
     out = Path(out).resolve()
     requested = {**overrides, "out-dir": str(out)}
     config = FederatedConfig.from_run_config(requested)  # validate before starting anything
     typed = {k: v for k, v in config.to_run_config().items() if k in requested}
+    if check_data:
+        try:
+            load_dataset(config.dataset, data_dir=config.data_dir or None, seed=config.seed)
+        except (OSError, DatasetFormatError, ValueError) as err:
+            where = f"dataset={config.dataset!r} data-dir={config.data_dir!r}"
+            raise ValueError(f"{where}: {err}") from None
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"out={out}: exists and is not a directory")
+    started = time.time()
     out.mkdir(parents=True, exist_ok=True)
-    for name in stale:
-        (out / name).unlink(missing_ok=True)
+    if not os.access(out, os.W_OK):
+        raise ValueError(f"out={out}: not writable")
     shutil.rmtree(out / _FLWR_HOME, ignore_errors=True)
-    return PreparedRun(out=out, config=config, run_config=typed, app=app_bundle_dir(out))
+    return PreparedRun(
+        out=out, config=config, run_config=typed, app=app_bundle_dir(out), started=started
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -217,6 +239,8 @@ def wait_for_exit(
     *,
     timeout: float,
     watch: Iterable[Process] = (),
+    expendable: Iterable[Process] = (),
+    on_lost: Callable[[Process], None] | None = None,
     on_poll: Callable[[], None] | None = None,
     timeout_hint: str = "",
 ) -> int:
@@ -224,14 +248,18 @@ def wait_for_exit(
 
     Args:
         timeout: seconds allowed.
-        watch: processes that must keep running meanwhile (the SuperLink, the SuperNodes).
+        watch: processes the run cannot go on without (the SuperLink).
+        expendable: processes the run survives losing (the SuperNodes: the ServerApp counts
+            their missing replies); ``on_lost`` is called once for each that exits.
         on_poll: called at every poll, and once more after the exit (e.g. to show new rounds).
         timeout_hint: appended to the timeout's message.
 
     Raises:
         RuntimeError: a ``watch`` process exited first, or the timeout passed.
+        KeyboardInterrupt: a stop was requested (``processes.request_stop``: a signal).
     """
-    watched = list(watch)
+    watched, spare = list(watch), list(expendable)
+    lost: set[int] = set()
     deadline = time.monotonic() + timeout
     while True:
         returncode = process.poll()
@@ -239,10 +267,21 @@ def wait_for_exit(
             on_poll()
         if returncode is not None:
             return returncode
+        raise_if_stopping()
         check_running(watched)
+        for node in spare:
+            if node.pid not in lost and node.poll() is not None:
+                lost.add(node.pid)
+                if on_lost is not None:
+                    on_lost(node)
         if time.monotonic() > deadline:
             raise RuntimeError(f"timeout={timeout:.0f} s reached{timeout_hint}")
         time.sleep(POLL_SECONDS)
+
+
+def describe_exit(process: Process) -> str:
+    """``"<program> (pid N) exited with code C"``, for logs of a lost process."""
+    return f"{program(process)} (pid {process.pid}) exited with code {process.returncode}"
 
 
 def read_summary(run: PreparedRun, returncode: int, *, logs: Callable[[], str]) -> RunSummary:
@@ -256,10 +295,11 @@ def read_summary(run: PreparedRun, returncode: int, *, logs: Callable[[], str]) 
         RuntimeError: ``flwr run`` failed, or left no (or an unreadable) ``summary.json``.
     """
     path = run.out / "summary.json"
-    if returncode != 0 or not path.exists():
+    fresh = path.exists() and path.stat().st_mtime >= math.floor(run.started)  # coarse mtimes
+    if returncode != 0 or not fresh:
         raise RuntimeError(
             f"flwr run exited with code {returncode} and "
-            f"{'no' if not path.exists() else 'a'} summary.json:\n{logs()}"
+            f"{'a' if fresh else 'no'} summary.json of this run:\n{logs()}"
         )
     try:
         return RunSummary.from_json(path.read_text())

@@ -2,6 +2,12 @@
 
 Flower starts some helpers (``flower-superexec``) in new sessions, so a process-group kill
 does not reach them; every process started here is stopped by walking its tree in ``/proc``.
+
+Every child starts in its own session, so a signal sent to the command line (SIGINT from a
+terminal, SIGTERM from ``timeout``/CI/systemd, SIGHUP from a closed terminal) reaches only the
+command line itself: ``request_stop`` (called by its signal handler) makes every wait loop
+here raise ``KeyboardInterrupt`` in whichever thread runs it, so each launcher unwinds
+through its ``managed_process`` blocks and stops its children, also from worker threads.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ import os
 import signal
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -20,17 +27,52 @@ from typing import IO, TypeAlias
 __all__ = [
     "Process",
     "check_running",
+    "clear_stop",
     "descendants",
     "free_port",
     "is_zombie",
     "managed_process",
     "program",
+    "raise_if_stopping",
+    "request_stop",
     "stop_process",
+    "stop_requested",
+    "stopping_processes",
     "wait_for_port",
 ]
 
 #: A child process started here (binary output, to a log file).
 Process: TypeAlias = subprocess.Popen[bytes]
+
+
+_STOP = threading.Event()
+_STOPPING = [0]  # stop_process calls under way in this process (signal handlers must wait)
+
+
+def stopping_processes() -> bool:
+    """Whether a ``stop_process`` is under way: a signal must not interrupt that clean-up."""
+    return _STOPPING[0] > 0
+
+
+def request_stop() -> None:
+    """Asks every wait loop in this process, in every thread, to raise ``KeyboardInterrupt``."""
+    _STOP.set()
+
+
+def stop_requested() -> bool:
+    """Whether ``request_stop`` was called (and not ``clear_stop``-ed since)."""
+    return _STOP.is_set()
+
+
+def clear_stop() -> None:
+    """Forgets an earlier ``request_stop`` (tests; a command line starts cleared)."""
+    _STOP.clear()
+
+
+def raise_if_stopping() -> None:
+    """Raises ``KeyboardInterrupt`` if a stop was requested (called by the wait loops)."""
+    if _STOP.is_set():
+        raise KeyboardInterrupt("stop requested")
 
 
 def free_port() -> int:
@@ -61,6 +103,7 @@ def wait_for_port(port: int, *, timeout: float, process: Process | None = None) 
     """
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        raise_if_stopping()
         if process is not None:
             check_running([process])
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -100,6 +143,14 @@ def _signal_all(pids: Sequence[int], sig: signal.Signals) -> None:
 
 def stop_process(process: Process, *, grace: float = 10.0) -> None:
     """Stops ``process`` and all its descendants by PID: SIGTERM, then SIGKILL after ``grace``."""
+    _STOPPING[0] += 1
+    try:
+        _stop_tree(process, grace=grace)
+    finally:
+        _STOPPING[0] -= 1
+
+
+def _stop_tree(process: Process, *, grace: float) -> None:
     tree = descendants(process.pid)
     if process.poll() is None:
         _signal_all([process.pid], signal.SIGTERM)

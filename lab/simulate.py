@@ -8,6 +8,7 @@ The steps it shares with ``fedsparse deploy`` are in ``lab/launch.py``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -63,10 +64,15 @@ def _row(entry: RoundLog) -> list[str]:
 class _LiveRounds:
     """Adds the rounds ``rounds.jsonl`` gained since the last look to ``table``."""
 
-    def __init__(self, table: Table, path: Path) -> None:
-        self._table, self._path, self._seen = table, path, 0
+    def __init__(self, table: Table, path: Path, *, since: float) -> None:
+        self._table, self._path, self._seen, self._since = table, path, 0, since
 
     def refresh(self) -> None:
+        try:
+            if self._path.stat().st_mtime < self._since:  # an earlier run's, until replaced
+                return
+        except FileNotFoundError:
+            return
         rounds = read_rounds(self._path)
         for entry in rounds[self._seen :]:
             self._table.add_row(*_row(entry))
@@ -90,11 +96,20 @@ def run_simulation(
     """Runs one simulated federation; returns its ``summary.json``.
 
     Raises:
-        ValueError: a bad run-config override (named key and value).
+        ValueError: a bad run-config override (named key and value), ``clients`` below
+            ``min-clients``, missing dataset files, an unusable ``out``.
         RuntimeError: the run failed or timed out (with the log's tail).
+        KeyboardInterrupt: a stop was requested (a signal); every process is stopped first.
     """
     console = console or Console()
+    if clients < 1:
+        raise ValueError(f"clients={clients}: expected >= 1")
     run = prepare_run(out, overrides)
+    if run.config.min_clients > clients:
+        raise ValueError(
+            f"clients={clients}: below min-clients={run.config.min_clients}, the run could "
+            "never start (lower --set min-clients or add clients)"
+        )
     link = connect(run, name="sim")
     superlink = superlink_args(
         ["--insecure", "--simulation", "--isolation", "subprocess"],
@@ -110,7 +125,7 @@ def run_simulation(
     table = Table(title=f"fedsparse simulate: {clients} clients, {run.config.num_rounds} rounds")
     for column in COLUMNS:
         table.add_column(column, justify="right")
-    live_rounds = _LiveRounds(table, run.out / "rounds.jsonl")
+    live_rounds = _LiveRounds(table, run.out / "rounds.jsonl", since=math.floor(run.started))
     with (
         start_process(
             superlink,

@@ -11,16 +11,23 @@ writes into its own directory ``<runs_dir>/<slug>/`` on one of two backends:
 A run that fails is recorded (``status=failed`` and the error) and the others go on. A run
 directory holding ``summary.json`` whose config, client count and backend match is reused,
 not rerun. ``fedsparse.lab.report`` turns the rows into CSVs, plots and ``report.md``.
+
+A stop (SIGINT, SIGTERM, SIGHUP) stops every run in flight, its processes included, and
+raises ``SweepInterrupted`` with the finished rows (the others ``interrupted``), so the
+command line still writes the CSVs and report of what finished.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import itertools
 import json
 import logging
+import os
 import re
+import signal
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor, as_completed
@@ -34,6 +41,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from fedsparse.common.config import FederatedConfig
 from fedsparse.common.records import RunSummary, summary_metrics
+from fedsparse.lab.processes import request_stop
 
 __all__ = [
     "BACKENDS",
@@ -41,6 +49,7 @@ __all__ = [
     "Backend",
     "RunSettings",
     "SweepPlan",
+    "SweepInterrupted",
     "SweepRun",
     "execute_run",
     "parse_grid",
@@ -316,6 +325,31 @@ def _executor(settings: RunSettings, jobs: int) -> Executor:
     return ThreadPoolExecutor(max_workers=jobs)  # each run already lives in subprocesses
 
 
+class SweepInterrupted(KeyboardInterrupt):
+    """A stop (SIGINT/SIGTERM/SIGHUP) ended the sweep; ``rows`` has every run it finished.
+
+    The unfinished runs are rows with status ``interrupted``; their directories hold what
+    the run wrote until it was stopped (a valid, partial ``rounds.jsonl``).
+    """
+
+    def __init__(self, rows: list[dict[str, Any]]) -> None:
+        super().__init__("sweep interrupted")
+        self.rows = rows
+
+
+def _stop_pool(pool: Executor) -> None:
+    """Cancels what has not started and stops what runs: worker threads see ``request_stop``
+    (their launchers stop every process they started); worker processes are stopped by PID.
+    """
+    request_stop()
+    workers = list(getattr(pool, "_processes", None) or {})  # ProcessPoolExecutor's PIDs
+    pool.shutdown(wait=False, cancel_futures=True)
+    for pid in workers:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    pool.shutdown(wait=True)
+
+
 def _describe(row: Mapping[str, Any]) -> str:
     if row["status"] != "ok":
         return f"[red]failed[/] {row['slug']}: {row['error'][:160]}"
@@ -357,13 +391,28 @@ def run_sweep(
             progress.console.print(_describe(row))
             progress.update(task, advance=1, description=row["slug"])
 
-        if jobs == 1:
-            for run in plan.runs:
-                progress.update(task, description=f"running {run.slug}")
-                done(execute(run, runs_dir / run.slug, settings))
-        else:
-            with _executor(settings, jobs) as pool:
-                futures = [pool.submit(execute, r, runs_dir / r.slug, settings) for r in plan.runs]
-                for future in as_completed(futures):
-                    done(future.result())
+        try:
+            if jobs == 1:
+                for run in plan.runs:
+                    progress.update(task, description=f"running {run.slug}")
+                    done(execute(run, runs_dir / run.slug, settings))
+            else:
+                pool = _executor(settings, jobs)
+                try:
+                    futures = [
+                        pool.submit(execute, r, runs_dir / r.slug, settings) for r in plan.runs
+                    ]
+                    for future in as_completed(futures):
+                        done(future.result())
+                except BaseException:
+                    _stop_pool(pool)
+                    raise
+                pool.shutdown()
+        except KeyboardInterrupt:
+            interrupted = [
+                rows.get(run.slug)
+                or _row(run, runs_dir / run.slug, status="interrupted", error="interrupted")
+                for run in plan.runs
+            ]
+            raise SweepInterrupted(interrupted) from None
     return [rows[run.slug] for run in plan.runs]

@@ -102,6 +102,8 @@ def test_main_ignores_the_chatter_only_while_it_runs(monkeypatch: pytest.MonkeyP
 
     monkeypatch.setattr("fedsparse.lab.cli.app", command)
     before = list(warnings.filters)
-    main()
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    assert exit_.value.code == 0
     assert all(message in seen[0] for message in QUIET_WARNINGS)
     assert warnings.filters == before

@@ -55,6 +55,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     sim_s = time.monotonic() - start
     print(f"\ndeployment {deploy_s:.1f} s, simulation {sim_s:.1f} s")
     return {
+        "out": base,
         "deploy": deploy,
         "sim": sim,
         "deploy_rounds": _rounds(base / "deploy"),
@@ -111,3 +112,15 @@ def test_no_process_left_alive(runs: dict) -> None:
     while any(_alive(pid) for pid in runs["pids"]) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert [pid for pid in runs["pids"] if _alive(pid)] == []
+
+
+def test_the_deployment_is_tls_with_registered_node_keys(runs: dict) -> None:
+    out = runs["out"]
+    for i in range(2):
+        key = out / "deploy" / "keys" / f"node-{i}"
+        assert key.stat().st_mode & 0o777 == 0o600
+        assert (key.parent / f"node-{i}.pub").read_text().startswith("ecdsa-sha2-nistp384 ")
+    assert (out / "deploy" / "certs" / "server.key").stat().st_mode & 0o777 == 0o600
+    assert (out / "deploy" / "certs" / "ca.key").stat().st_mode & 0o777 == 0o600
+    registered = (out / "deploy" / "register.log").read_text()
+    assert registered.count("registered successfully") == 2, registered

@@ -59,17 +59,19 @@ def test_a_bad_run_config_touches_nothing(tmp_path: Path) -> None:
     assert not out.exists()
 
 
-def test_prepare_cleans_the_last_run_and_types_the_overrides(tmp_path: Path) -> None:
+def test_prepare_replaces_flwr_home_keeps_results_and_types_the_overrides(
+    tmp_path: Path,
+) -> None:
     out = tmp_path / "run"
     (out / ".flwr").mkdir(parents=True)
     (out / ".flwr" / "config.toml").write_text("old")
     for name in ("rounds.jsonl", "summary.json", "wire.json", "keep.txt"):
         (out / name).write_text("old")
-    run = prepare_run(out, {"num-rounds": "2", "codec": "coo"}, stale=("rounds.jsonl", "wire.json"))
+    run = prepare_run(out, {"num-rounds": "2", "codec": "coo"})
     assert run.out == out.resolve() and run.config.num_rounds == 2
     assert run.run_config == {"num-rounds": 2, "codec": "coo", "out-dir": str(out.resolve())}
-    assert not (out / "rounds.jsonl").exists() and not (out / "wire.json").exists()
-    assert (out / "summary.json").exists() and (out / "keep.txt").exists()  # not listed: kept
+    for name in ("rounds.jsonl", "summary.json", "wire.json", "keep.txt"):
+        assert (out / name).read_text() == "old"  # the new run replaces them once it starts
     assert not (out / ".flwr").exists()
     assert [p.name for p in run.app.iterdir()] == ["pyproject.toml"]
     assert (run.superlink_log.name, run.flwr_log.name) == ("superlink.log", "flwr.log")
@@ -142,11 +144,13 @@ def test_wait_for_exit_times_out_with_the_hint(tmp_path: Path) -> None:
 def test_read_summary(tmp_path: Path) -> None:
     run = prepare_run(tmp_path, {})
     with pytest.raises(
-        RuntimeError, match="^flwr run exited with code 0 and no summary.json:\nLOGS$"
+        RuntimeError, match="^flwr run exited with code 0 and no summary.json of this run:\nLOGS$"
     ):
         read_summary(run, 0, logs=lambda: "LOGS")
     (run.out / "summary.json").write_text(_summary_json())
-    with pytest.raises(RuntimeError, match="^flwr run exited with code 2 and a summary.json:\n"):
+    with pytest.raises(
+        RuntimeError, match="^flwr run exited with code 2 and a summary.json of this run:\n"
+    ):
         read_summary(run, 2, logs=lambda: "LOGS")
     summary = read_summary(run, 0, logs=lambda: "LOGS")
     assert summary.rounds == 2 and summary.total_uplink_payload_bytes == 100

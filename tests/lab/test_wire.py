@@ -233,6 +233,8 @@ def relayed(tmp_path_factory: pytest.TempPathFactory) -> dict:
         timeout=300,
         pids=pids,
         idle_seconds=IDLE_SECONDS,
+        tls=False,  # plaintext: the overhead bounds below are gRPC's, not TLS's
+        node_auth=False,
     )
     print(f"\nrelayed deployment {time.monotonic() - started:.1f} s")
     return {
