@@ -216,6 +216,13 @@ def train(
     )
 
 
+def _rate(field: str, text: str | None) -> float | None:
+    """A link rate option in bit/s (``lab/netns.py:parse_rate``), or None if not given."""
+    from fedsparse.lab.netns import parse_rate
+
+    return None if text is None else parse_rate(text, field=field)
+
+
 def _parse_sets(items: list[str]) -> dict[str, str]:
     overrides = {}
     for item in items:
@@ -271,11 +278,17 @@ def sweep(
     set_: Annotated[list[str] | None, Opt("--set", help="fixed override key=value")] = None,
     seeds: Annotated[int, Opt(help="seeds per config: base+0..N-1 (base: --set seed)")] = 1,
     clients: Annotated[int, Opt(help="clients (SuperNodes) per run")] = 10,
-    backend: Annotated[str, Opt(help="simulation | inprocess")] = "simulation",
+    backend: Annotated[str, Opt(help="simulation | inprocess | deploy")] = "simulation",
     jobs: Annotated[int, Opt(help="runs at a time")] = 1,
     timeout: Annotated[float, Opt(help="seconds per simulation run")] = 3600.0,
     cpus_per_client: Annotated[float, Opt(help="Ray CPUs per virtual client")] = 1.0,
     runs_dir: Annotated[Path | None, Opt(help="per-run directories (default OUT/runs)")] = None,
+    uplink_rate: Annotated[
+        str | None, Opt(help="deploy: shape each node's uplink, e.g. 1mbit")
+    ] = None,
+    downlink_rate: Annotated[
+        str | None, Opt(help="deploy: shape each node's downlink, e.g. 8mbit")
+    ] = None,
 ) -> None:
     """Bandwidth vs accuracy: a grid of runs x seeds; results/summary CSVs, plots, report.md.
 
@@ -300,6 +313,8 @@ def sweep(
             clients=clients,
             cpus_per_client=cpus_per_client,
             timeout=timeout,
+            uplink_bps=_rate("uplink-rate", uplink_rate),
+            downlink_bps=_rate("downlink-rate", downlink_rate),
         )
         if jobs < 1:
             raise ValueError(f"jobs={jobs}: expected >= 1")
@@ -312,6 +327,8 @@ def sweep(
     args += [a for s in set_ or [] for a in ("--set", s)]
     args += ["--seeds", str(seeds), "--clients", str(clients), "--backend", backend]
     args += ["--jobs", str(jobs)] + (["--runs-dir", str(runs_dir)] if runs_dir else [])
+    args += ["--uplink-rate", uplink_rate] if uplink_rate else []
+    args += ["--downlink-rate", downlink_rate] if downlink_rate else []
     runs_dir = runs_dir or out / "runs"
     console.print(
         f"[bold]{len(plan.runs)} runs[/] ({len(plan.runs) // seeds} configs x {seeds} seeds, "
@@ -365,18 +382,25 @@ def deploy(
     node_auth: Annotated[
         bool, Opt(help="SuperNode authentication: registered keys only (needs TLS)")
     ] = True,
+    uplink_rate: Annotated[
+        str | None, Opt(help="shape each node's uplink, e.g. 1mbit, 500kbit, 2000000 (bit/s)")
+    ] = None,
+    downlink_rate: Annotated[str | None, Opt(help="shape each node's downlink, e.g. 8mbit")] = None,
     idle_seconds: Annotated[float, Opt(help="idle polling measurement before the run")] = 6.0,
     timeout: Annotated[float, Opt(help="seconds before the run is stopped")] = 3600.0,
 ) -> None:
     """Loopback deployment (SuperLink + SuperNodes over gRPC) with on-the-wire byte counts.
 
     Secure by default: TLS with a throwaway CA and SuperNode authentication (a registered key
-    per node). A SuperNode that dies costs its replies, not the run.
+    per node). A SuperNode that dies costs its replies, not the run. With --uplink-rate or
+    --downlink-rate each node sits in its own network namespace behind a tbf-shaped veth pair
+    (root; else the byte relays shape, labelled) and the time to each accuracy is reported.
     """
     from fedsparse.lab.deploy import run_deployment
 
     overrides = _parse_sets(set_ or [])
     try:
+        up, down = _rate("uplink-rate", uplink_rate), _rate("downlink-rate", downlink_rate)
         run_deployment(
             out=out,
             overrides=overrides,
@@ -385,6 +409,8 @@ def deploy(
             tls=not insecure,
             node_auth=node_auth and not insecure,
             idle_seconds=idle_seconds,
+            uplink_bps=up,
+            downlink_bps=down,
             on_event=lambda line: console.print(f"[yellow]{line}[/]"),
         )
     except ValueError as err:
@@ -393,6 +419,38 @@ def deploy(
         console.print(f"[bold red]deployment failed:[/] {err}")
         raise typer.Exit(1) from err
     _print_wire_report(out)
+    _print_time_to_accuracy(out)
+
+
+#: Accuracies whose time-to-accuracy ``deploy`` prints (those the run reached).
+ACCURACY_TARGETS = (0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
+
+
+def _print_time_to_accuracy(run_dir: Path) -> None:
+    from fedsparse.common.records import read_rounds
+    from fedsparse.lab.timing import time_to_accuracy
+
+    rounds = read_rounds(run_dir / "rounds.jsonl")
+    wire = run_dir / "wire.json"
+    shaping = json.loads(wire.read_text()).get("shaping") if wire.exists() else None
+    link = "unshaped loopback"
+    if shaping:
+        rates = [
+            f"{name} {shaping[f'{name}_bps'] / 1e6:g} Mbit/s"
+            for name in ("uplink", "downlink")
+            if shaping.get(f"{name}_bps")
+        ]
+        link = f"{', '.join(rates)} per node ({shaping['mode']})"
+    reached = [
+        f"{target:.2f} in {seconds:.1f} s"
+        for target in ACCURACY_TARGETS
+        if (seconds := time_to_accuracy(rounds, target)) is not None
+    ]
+    per_round = ", ".join(f"{r.wall_seconds:.1f}" for r in rounds)
+    console.print(
+        f"time to accuracy ({link}; round wall-clock, rounds.jsonl wall_seconds): "
+        f"{'; '.join(reached) or 'no target reached'}; seconds per round: {per_round}"
+    )
 
 
 @app.command("wire-report")

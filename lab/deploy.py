@@ -38,6 +38,7 @@ from fedsparse.lab.launch import (
     superlink_args,
     wait_for_exit,
 )
+from fedsparse.lab.netns import NodeLink, shaped_links, shaping_unavailable, wait_for_port_in
 from fedsparse.lab.processes import Process, check_running, free_port, wait_for_port
 from fedsparse.lab.relay import ByteRelay
 from fedsparse.lab.tls import TlsFiles, generate_node_keys, generate_tls_files, security_args
@@ -59,7 +60,7 @@ def deployment_args(
     tls: TlsFiles | None = None,
     auth_keys: Sequence[Path] | None = None,
     ledger_dirs: Sequence[str] | None = None,
-    superlink_host: str = "127.0.0.1",
+    superlink_hosts: Sequence[str] | None = None,
 ) -> tuple[list[str], list[list[str]]]:
     """``flower-superlink`` and ``flower-supernode`` argument lists for a loopback deployment.
 
@@ -75,7 +76,8 @@ def deployment_args(
         auth_keys: SuperNode authentication: the SuperLink admits only registered keys
             (``--enable-supernode-auth``) and node ``i`` signs with private key
             ``auth_keys[i]``; needs ``tls``. Default: no node authentication.
-        superlink_host: the address the SuperNodes dial (a shaped link's host side).
+        superlink_hosts: the address SuperNode ``i`` dials (the host side of its shaped
+            link); default 127.0.0.1 for all.
         ledger_dirs: SuperNode ``i``'s privacy-ledger directory (node config ``ledger-dir``);
             default: the node policy's own default.
     """
@@ -87,6 +89,9 @@ def deployment_args(
             f"auth_keys: {len(auth_keys)} keys with tls={tls is not None}: expected "
             f"{num_nodes} keys and TLS (Flower refuses SuperNode authentication without TLS)"
         )
+    hosts = list(superlink_hosts) if superlink_hosts is not None else ["127.0.0.1"] * num_nodes
+    if len(hosts) != num_nodes:
+        raise ValueError(f"superlink_hosts has {len(hosts)} addresses: expected {num_nodes}")
     auth = ["--enable-supernode-auth"] if auth_keys is not None else []
     superlink = superlink_args(
         [*security_args(tls, server=True), *auth], http_port=http_port, fleet_port=fleet_port
@@ -97,7 +102,7 @@ def deployment_args(
             *security_args(tls, server=False),
             *(["--auth-supernode-private-key", str(auth_keys[i])] if auth_keys else []),
             "--superlink",
-            f"{superlink_host}:{targets[i]}",
+            f"{hosts[i]}:{targets[i]}",
             "--host",
             "127.0.0.1",
             "--port",
@@ -143,6 +148,7 @@ def _write_wire(
     *,
     tls: bool,
     fab_bytes: int | None,
+    shaping: Mapping[str, Any] | None,
 ) -> None:
     capture = capture_summary(
         [relay.records() for relay in relays],
@@ -157,6 +163,7 @@ def _write_wire(
         connections=[relay.connection_count() for relay in relays],
         fab_bytes=fab_bytes,
     )
+    capture["shaping"] = dict(shaping) if shaping is not None else None
     (out / "wire.json").write_text(json.dumps(capture, indent=2) + "\n")
 
 
@@ -225,6 +232,8 @@ def run_deployment(
     idle_seconds: float = 6.0,
     tls: bool = True,
     node_auth: bool = True,
+    uplink_bps: float | None = None,
+    downlink_bps: float | None = None,
     on_event: Callable[[str], None] | None = None,
 ) -> RunSummary:
     """Runs the app on a loopback deployment; returns its ``summary.json``.
@@ -246,6 +255,15 @@ def run_deployment(
     replies (``num_missing``), and goes on; ``<out>/nodes.json`` records which node was
     lost when, and ``on_event`` hears of it. Only the SuperLink's death ends the run.
 
+    Shaped links (``uplink_bps``/``downlink_bps``, bit/s): each SuperNode runs in its own
+    network namespace on a veth pair whose two ends are shaped with ``tbf`` (``lab/netns.py``:
+    uplink on the node's end, downlink on the host's), and its relay listens on the host end;
+    the SuperLink's certificate covers those addresses. Where namespaces are unavailable (not
+    root, not Linux), the relays shape the bytes instead (a token bucket per direction and
+    node) and ``wire.json``'s ``shaping.mode`` says ``relay-fallback`` with the reason; it is
+    ``tbf`` otherwise. ``rounds.jsonl`` has each round's wall-clock time (``wall_seconds``),
+    so time-to-accuracy under the limit is ``lab/timing.py:time_to_accuracy``.
+
     With ``relay`` (default), SuperNode ``i`` dials its own ``ByteRelay`` in front of the
     Fleet API; once every SuperNode is connected and before ``flwr run``, the idle polling
     traffic is measured for ``idle_seconds``; all relays are stopped with the processes and
@@ -266,6 +284,8 @@ def run_deployment(
             SuperNodes poll every 3 s, so use a multiple of 3 for a fair rate.
         tls: serve TLS (Fleet, Control and Runtime APIs); False: ``--insecure``.
         node_auth: SuperNode authentication (needs ``tls``).
+        uplink_bps: shape each node's uplink (node -> SuperLink) to this rate (bit/s).
+        downlink_bps: shape each node's downlink to this rate (bit/s).
         on_event: told (one line) of events the run survives, e.g. a lost SuperNode.
 
     Raises:
@@ -283,16 +303,27 @@ def run_deployment(
             "node_auth=True with tls=False: Flower authenticates SuperNodes only over TLS "
             "(use --insecure for neither)"
         )
+    shaped = uplink_bps is not None or downlink_bps is not None
+    if shaped and not relay:
+        raise ValueError("uplink/downlink rates need relay=True (each node's link is its relay's)")
     run = prepare_run(out, overrides)
     if run.config.min_clients > num_nodes:
         raise ValueError(
             f"nodes={num_nodes}: below min-clients={run.config.min_clients}, the run could "
             "never start (lower --set min-clients or add nodes)"
         )
-    tls_files = generate_tls_files(run.out / "certs") if tls else None
-    keys = generate_node_keys(run.out / "keys", num_nodes) if node_auth else None
+    shaping: dict[str, Any] | None = None
+    if shaped:
+        reason = shaping_unavailable()
+        shaping = {
+            "mode": "tbf" if reason is None else "relay-fallback",
+            "uplink_bps": uplink_bps,
+            "downlink_bps": downlink_bps,
+            "reason": reason or "",
+        }
+        if reason is not None and on_event is not None:
+            on_event(f"kernel shaping unavailable ({reason}): the relays shape the bytes instead")
     fab_bytes = fab_size(run.app) if relay else None  # the bundle `flwr run` builds from it
-    link = connect(run, name="deploy", root_certificates=tls_files.ca_cert if tls_files else None)
     node_ports = [free_port() for _ in range(num_nodes)]
     node_logs = [run.out / f"supernode-{i}.log" for i in range(num_nodes)]
     logs = [run.superlink_log, *node_logs, run.flwr_log]
@@ -301,9 +332,28 @@ def run_deployment(
     idle = None
     try:
         with contextlib.ExitStack() as stack:
+            links: list[NodeLink] = []
+            if shaping is not None and shaping["mode"] == "tbf":  # entered first: exits last
+                links = stack.enter_context(
+                    shaped_links(num_nodes, uplink_bps=uplink_bps, downlink_bps=downlink_bps)
+                )
+            addresses = [link.host_address for link in links]
+            tls_files = generate_tls_files(run.out / "certs", addresses=addresses) if tls else None
+            keys = generate_node_keys(run.out / "keys", num_nodes) if node_auth else None
+            link = connect(
+                run, name="deploy", root_certificates=tls_files.ca_cert if tls_files else None
+            )
+            fallback = shaping is not None and shaping["mode"] == "relay-fallback"
             relays = [
-                stack.enter_context(ByteRelay(("127.0.0.1", link.fleet_port)))
-                for _ in range(num_nodes if relay else 0)
+                stack.enter_context(
+                    ByteRelay(
+                        ("127.0.0.1", link.fleet_port),
+                        listen_host=links[i].host_address if links else "127.0.0.1",
+                        uplink_bps=uplink_bps if fallback else None,
+                        downlink_bps=downlink_bps if fallback else None,
+                    )
+                )
+                for i in range(num_nodes if relay else 0)
             ]
             superlink_command, supernode_commands = deployment_args(
                 http_port=link.http_port,
@@ -311,11 +361,17 @@ def run_deployment(
                 num_nodes=num_nodes,
                 node_ports=node_ports,
                 superlink_ports=[r.port for r in relays] if relays else None,
+                superlink_hosts=addresses or None,
                 tls=tls_files,
                 auth_keys=keys,
                 # Each node's own ledger, kept with the run: the nodes' budgets span this run.
                 ledger_dirs=[str(run.out / "ledgers" / f"node-{i}") for i in range(num_nodes)],
             )
+            if links:
+                supernode_commands = [
+                    node_link.command(args)
+                    for node_link, args in zip(links, supernode_commands, strict=True)
+                ]
             superlink = stack.enter_context(
                 start_process(
                     superlink_command,
@@ -331,8 +387,11 @@ def run_deployment(
                 stack.enter_context(start_process(args, env=link.env, log=log, pids=recorded))
                 for args, log in zip(supernode_commands, node_logs, strict=True)
             ]
-            for node, port in zip(nodes, node_ports, strict=True):
-                wait_for_port(port, timeout=PORT_TIMEOUT, process=node)
+            for i, (node, port) in enumerate(zip(nodes, node_ports, strict=True)):
+                if links:
+                    wait_for_port_in(links[i], port, timeout=PORT_TIMEOUT, process=node)
+                else:
+                    wait_for_port(port, timeout=PORT_TIMEOUT, process=node)
             idle = _measure_idle(relays, nodes, seconds=idle_seconds)
             watch = _NodeWatch(run.out, nodes, on_event or (lambda line: None))
             flwr = stack.enter_context(flwr_run(run, link, pids=recorded))
@@ -342,8 +401,8 @@ def run_deployment(
     except RuntimeError as error:
         if relays:  # what was captured up to the failure, best effort
             with contextlib.suppress(OSError, ValueError, KeyError):
-                _write_wire(run.out, relays, idle, tls=tls, fab_bytes=fab_bytes)
+                _write_wire(run.out, relays, idle, tls=tls, fab_bytes=fab_bytes, shaping=shaping)
         raise RuntimeError(f"{error}\n{log_tails(logs)}") from error
     if relays:  # stopped by now (LIFO: the processes first, then the relays)
-        _write_wire(run.out, relays, idle, tls=tls, fab_bytes=fab_bytes)
+        _write_wire(run.out, relays, idle, tls=tls, fab_bytes=fab_bytes, shaping=shaping)
     return read_summary(run, returncode, logs=lambda: log_tails(logs))

@@ -1,12 +1,13 @@
 """A byte-counting TCP relay, to measure what really crosses the wire between two processes.
 
-``ByteRelay`` listens on 127.0.0.1 and, for every connection it accepts, opens one to a fixed
-target and copies bytes both ways, unchanged: it never parses them, so it works for gRPC's
-long-lived HTTP/2 streams and for TLS alike (it sees, and counts, the ciphertext). It counts
-application-level stream bytes per direction and per connection, client to target as ``"up"``
-and target to client as ``"down"``, and keeps a time series of ``(unix_time, connection,
-direction, nbytes)`` records so that bytes can be attributed to time windows. TCP/IP headers,
-ACKs and retransmissions are below what a socket sees and are not counted.
+``ByteRelay`` listens on 127.0.0.1 (or ``listen_host``) and, for every connection it accepts,
+opens one to a fixed target and copies bytes both ways, unchanged: it never parses them, so it
+works for gRPC's long-lived HTTP/2 streams and for TLS alike (it sees, and counts, the
+ciphertext). It counts application-level stream bytes per direction and per connection, client
+to target as ``"up"`` and target to client as ``"down"``, and keeps a time series of
+``(unix_time, connection, direction, nbytes)`` records so that bytes can be attributed to time
+windows. TCP/IP headers, ACKs and retransmissions are below what a socket sees and are not
+counted.
 
 Each record's time is when the chunk was read (``time.time()``, the system's wall clock), so it
 can be matched with timestamps written by other processes on the same machine.
@@ -14,11 +15,21 @@ can be matched with timestamps written by other processes on the same machine.
 Threads: one acceptor, and two pumps per connection (one per direction). A pump that reads EOF
 half-closes the other side (``shutdown(SHUT_WR)``) and the connection's sockets are closed once
 both directions are done; an error in either direction aborts both.
+
+Fallback shaping: with ``uplink_bps``/``downlink_bps`` the relay also rate-limits a direction
+with a token bucket shared by all its connections (one relay per node: the node's link). This
+is for machines where kernel shaping (``lab/netns.py``) is unavailable, and differs from it:
+the rate counts application bytes (no headers, so the goodput equals the rate, where a ``tbf``
+link's is ~0.956 of it), and the bucket delays a chunk after it was read and counted, so a
+record's time can be ahead of the chunk's delivery by up to one bucket (``relay_burst_bytes``,
+4 KiB or 10 ms of the rate, if larger) per connection sending in that direction at once. The
+byte counts are the same either way.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import selectors
 import socket
 import threading
@@ -27,11 +38,40 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Literal
 
-__all__ = ["DIRECTIONS", "ByteRelay", "ConnectionStats", "Record"]
+__all__ = ["DIRECTIONS", "ByteRelay", "ConnectionStats", "Record", "relay_burst_bytes"]
 
 Direction = Literal["up", "down"]
 #: ``up``: client to target (e.g. SuperNode to SuperLink); ``down``: target to client.
 DIRECTIONS: tuple[Direction, Direction] = ("up", "down")
+
+
+def relay_burst_bytes(bps: float) -> int:
+    """The fallback token bucket's size for ``bps``: 4 KiB or 10 ms of the rate, if larger."""
+    return max(4096, math.ceil(bps / 8 * 0.01))
+
+
+class _TokenBucket:
+    """Bytes may pass at ``bps / 8`` per second, ``burst`` at once; thread-safe.
+
+    ``take(n)`` spends ``n`` tokens at once, going into debt if need be, and returns how long
+    the caller must wait before sending (until the debt is paid): callers after it wait for
+    that debt too, so the rate holds across threads, first come first served.
+    """
+
+    def __init__(self, bps: float) -> None:
+        self.rate = bps / 8
+        self.burst = relay_burst_bytes(bps)
+        self._tokens = float(self.burst)
+        self._last = time.monotonic()
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> float:
+        with self._lock:
+            now = time.monotonic()
+            self._tokens = min(self.burst, self._tokens + (now - self._last) * self.rate)
+            self._last = now
+            self._tokens -= nbytes
+            return max(0.0, -self._tokens / self.rate)
 
 
 @dataclass(frozen=True)
@@ -65,7 +105,7 @@ class _Connection:
 
 
 class ByteRelay:
-    """Forwards TCP connections from ``127.0.0.1:<port>`` to ``target``, counting bytes.
+    """Forwards TCP connections from ``<listen_host>:<port>`` to ``target``, counting bytes.
 
     Use as a context manager (``with ByteRelay(("127.0.0.1", 9092)) as relay:``) or call
     ``start()`` and ``stop()``. All accessors are thread-safe and may be called while relaying.
@@ -73,9 +113,12 @@ class ByteRelay:
     Args:
         target: ``(host, port)`` every accepted connection is forwarded to.
         port: port to listen on; 0 (default) picks a free one (see ``port`` after ``start``).
+        listen_host: IPv4 address to listen on (e.g. a ``NodeLink.host_address``).
         bufsize: largest chunk read at once.
         connect_timeout: seconds allowed to connect to ``target``; if that fails, the accepted
             connection is closed (it still counts in ``connection_count``).
+        uplink_bps: fallback shaping of client-to-target bytes, in bit/s (None: none).
+        downlink_bps: fallback shaping of target-to-client bytes, in bit/s (None: none).
     """
 
     def __init__(
@@ -85,10 +128,23 @@ class ByteRelay:
         port: int = 0,
         bufsize: int = 65536,
         connect_timeout: float = 10.0,
+        listen_host: str = "127.0.0.1",
+        uplink_bps: float | None = None,
+        downlink_bps: float | None = None,
     ) -> None:
         if bufsize < 1:
             raise ValueError(f"bufsize={bufsize}: expected >= 1")
+        for name, bps in (("uplink_bps", uplink_bps), ("downlink_bps", downlink_bps)):
+            if bps is not None and not (math.isfinite(bps) and bps > 0):
+                raise ValueError(f"{name}={bps}: expected a rate > 0 in bit/s, or None")
         self.target = target
+        self.listen_host = listen_host
+        self.uplink_bps = uplink_bps
+        self.downlink_bps = downlink_bps
+        self._buckets: dict[Direction, _TokenBucket | None] = {
+            "up": None if uplink_bps is None else _TokenBucket(uplink_bps),
+            "down": None if downlink_bps is None else _TokenBucket(downlink_bps),
+        }
         self._requested_port = port
         self._bufsize = bufsize
         self._connect_timeout = connect_timeout
@@ -114,8 +170,8 @@ class ByteRelay:
 
     @property
     def address(self) -> str:
-        """``127.0.0.1:<port>``, for a client's server-address option."""
-        return f"127.0.0.1:{self.port}"
+        """``<listen_host>:<port>``, for a client's server-address option."""
+        return f"{self.listen_host}:{self.port}"
 
     def start(self) -> ByteRelay:
         """Binds the listener and starts accepting; returns ``self``."""
@@ -123,7 +179,7 @@ class ByteRelay:
             raise RuntimeError("ByteRelay already started")
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind(("127.0.0.1", self._requested_port))
+        listener.bind((self.listen_host, self._requested_port))
         listener.listen(128)
         listener.setblocking(False)
         self._listener = listener
@@ -263,10 +319,14 @@ class ByteRelay:
     def _pump(
         self, conn: _Connection, src: socket.socket, dst: socket.socket, direction: Direction
     ) -> None:
+        bucket = self._buckets[direction]
+        size = self._bufsize if bucket is None else min(self._bufsize, bucket.burst)
         try:
-            while chunk := src.recv(self._bufsize):
+            while chunk := src.recv(size):
                 # Counted before it is sent on, so a receiver never gets ahead of the count.
                 self._count(conn, direction, len(chunk))
+                if bucket is not None and (delay := bucket.take(len(chunk))) > 0:
+                    self._stopping.wait(delay)
                 dst.sendall(chunk)
             with contextlib.suppress(OSError):
                 dst.shutdown(socket.SHUT_WR)  # pass the EOF on (half-close)

@@ -43,6 +43,7 @@ PLOTS = {
     "accuracy_vs_uplink.png": "Test accuracy vs cumulative uplink payload",
     "final_accuracy.png": "Final test accuracy",
     "uplink_per_round.png": "Uplink bytes per round",
+    "accuracy_vs_time.png": "Test accuracy vs wall-clock time",
 }
 
 
@@ -139,6 +140,30 @@ def plot_accuracy_vs_uplink(groups: Sequence[ConfigRuns], path: Path) -> None:
     _finish(fig, ax, path)
 
 
+def plot_accuracy_vs_time(groups: Sequence[ConfigRuns], settings: RunSettings, path: Path) -> None:
+    """(d) Test accuracy vs wall-clock seconds (sum of the rounds' ``wall_seconds``), one curve
+    per grid point: on a shaped deployment, what a rate limit costs each config in time.
+    """
+    fig, ax = _figure()
+    for group in (g for g in groups if g.rounds):
+        seconds = _per_round(group, lambda r: np.cumsum([e.wall_seconds for e in r]))
+        acc = _per_round(group, lambda r: [e.test_accuracy for e in r])
+        _band(ax, seconds.mean(axis=0), acc, group.label)
+    ax.set(xlabel="wall-clock seconds (sum of rounds)", ylabel="test accuracy")
+    ax.set_title(f"{PLOTS[path.name]}: {link_label(settings)} (mean ± SE over seeds)")
+    _finish(fig, ax, path)
+
+
+def link_label(settings: RunSettings) -> str:
+    """How the runs' links were: the backend, and the shaped rates of a deployment."""
+    rates = [
+        f"{name} {bps / 1e6:g} Mbit/s"
+        for name, bps in (("up", settings.uplink_bps), ("down", settings.downlink_bps))
+        if bps is not None
+    ]
+    return f"{settings.backend}" + (f", {', '.join(rates)} per node" if rates else "")
+
+
 def plot_final_accuracy(plan: SweepPlan, summary: Sequence[Mapping[str, Any]], path: Path) -> None:
     """(b) Final accuracy vs final rate, a line per other grid point; else a bar per config."""
     fig, ax = _figure()
@@ -223,7 +248,7 @@ def render_report(
     """The markdown report: command, fixed settings, mean ± SE table, failures, plots."""
     lines = ["# fedsparse sweep", "", "Produced by:", "", "```", command, "```", ""]
     lines += ["## Fixed settings", "", "| setting | value |", "|---|---|"]
-    lines += [f"| backend | {settings.backend} |", f"| clients | {settings.clients} |"]
+    lines += [f"| backend | {link_label(settings)} |", f"| clients | {settings.clients} |"]
     lines += [f"| seeds | {', '.join(map(str, plan.seeds))} |"]
     lines += [f"| {k} | {v} |" for k, v in plan.fixed.items() if k != "seed"]
     lines += ["", "Every other run-config key has its `pyproject.toml` default.", ""]
@@ -277,6 +302,7 @@ def write_outputs(
     plot_accuracy_vs_uplink(groups, paths["accuracy_vs_uplink.png"])
     plot_final_accuracy(plan, summary, paths["final_accuracy.png"])
     plot_uplink_per_round(groups, paths["uplink_per_round.png"])
+    plot_accuracy_vs_time(groups, settings, paths["accuracy_vs_time.png"])
     paths["report.md"] = out / "report.md"
     paths["report.md"].write_text(render_report(plan, settings, summary, rows, command) + "\n")
     return paths

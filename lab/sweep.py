@@ -6,7 +6,10 @@ run config is validated with ``FederatedConfig.from_run_config`` before anything
 writes into its own directory ``<runs_dir>/<slug>/`` on one of two backends:
 
 - ``simulation``: Flower's simulation engine (``run_simulation``: SuperLink + ``flwr run``);
-- ``inprocess``: ``run_federated`` on ``InProcessGrid`` with the real ClientApp (fast).
+- ``inprocess``: ``run_federated`` on ``InProcessGrid`` with the real ClientApp (fast);
+- ``deploy``: a loopback deployment (``run_deployment``: TLS, authenticated SuperNodes),
+  optionally on shaped links (``uplink_bps``/``downlink_bps``), for accuracy against
+  wall-clock time under a rate limit (``accuracy_vs_time.png``).
 
 A run that fails is recorded (``status=failed`` and the error) and the others go on. A run
 directory holding ``summary.json`` whose config, client count and backend match is reused,
@@ -57,8 +60,8 @@ __all__ = [
     "run_sweep",
 ]
 
-Backend = Literal["simulation", "inprocess"]
-BACKENDS: tuple[Backend, ...] = ("simulation", "inprocess")
+Backend = Literal["simulation", "inprocess", "deploy"]
+BACKENDS: tuple[Backend, ...] = ("simulation", "inprocess", "deploy")
 #: Per-run numbers copied from ``summary.json`` into ``results.csv`` (and aggregated): the
 #: ``RunSummary`` fields tagged ``metric``.
 METRICS = summary_metrics()
@@ -99,10 +102,19 @@ class RunSettings:
     clients: int = 10
     cpus_per_client: float = 1.0
     timeout: float = 3600.0
+    uplink_bps: float | None = None  # deploy only: each node's shaped uplink (bit/s)
+    downlink_bps: float | None = None  # deploy only: each node's shaped downlink (bit/s)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(f"backend={self.backend!r}: expected one of {', '.join(BACKENDS)}")
+        for name in ("uplink_bps", "downlink_bps"):
+            value = getattr(self, name)
+            if value is not None and self.backend != "deploy":
+                raise ValueError(
+                    f"{name.replace('_bps', '-rate')}: shaped links need --backend deploy "
+                    f"(backend={self.backend!r})"
+                )
         if self.clients < 1:
             raise ValueError(f"clients={self.clients}: expected >= 1")
         if not self.cpus_per_client > 0:
@@ -219,7 +231,10 @@ def _identity(run: SweepRun, settings: RunSettings) -> dict[str, Any]:
     """What must match for a finished run directory to be reused."""
     config = FederatedConfig.from_run_config(run.overrides).to_run_config()
     config.pop("out-dir")
-    return {"config": config, "clients": settings.clients, "backend": settings.backend}
+    identity = {"config": config, "clients": settings.clients, "backend": settings.backend}
+    if settings.backend == "deploy":  # the links are part of what a deployed run measured
+        identity |= {"uplink_bps": settings.uplink_bps, "downlink_bps": settings.downlink_bps}
+    return identity
 
 
 def _reusable(run_dir: Path, identity: dict[str, Any]) -> tuple[dict[str, Any], RunSummary] | None:
@@ -264,10 +279,28 @@ def _run_simulation(overrides: Mapping[str, str], out: Path, settings: RunSettin
     )
 
 
+def _run_deployment(overrides: Mapping[str, str], out: Path, settings: RunSettings) -> RunSummary:
+    from fedsparse.lab.deploy import run_deployment
+
+    return run_deployment(
+        out=out,
+        overrides=dict(overrides),
+        num_nodes=settings.clients,
+        timeout=settings.timeout,
+        idle_seconds=0,
+        uplink_bps=settings.uplink_bps,
+        downlink_bps=settings.downlink_bps,
+    )
+
+
 def run_backend(overrides: Mapping[str, str], out: Path, settings: RunSettings) -> RunSummary:
     """Runs one federation on ``settings.backend``; returns its summary (``summary.json``)."""
-    runner = _run_inprocess if settings.backend == "inprocess" else _run_simulation
-    return runner(overrides, out, settings)
+    runners = {
+        "inprocess": _run_inprocess,
+        "simulation": _run_simulation,
+        "deploy": _run_deployment,
+    }
+    return runners[settings.backend](overrides, out, settings)
 
 
 def _metrics(summary: RunSummary) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""ByteRelay: exact byte counts both ways, half-close, windows, and a clean stop."""
+"""ByteRelay: exact byte counts both ways, half-close, windows, a clean stop, fallback shaping."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from fedsparse.lab.relay import ByteRelay
+from fedsparse.lab.relay import ByteRelay, relay_burst_bytes
 
 Handler = Callable[[socket.socket], None]
 
@@ -215,3 +215,119 @@ def test_started_twice_and_not_started() -> None:
         relay.start()
     with pytest.raises(ValueError, match="bufsize=0"):
         ByteRelay(("127.0.0.1", 9), bufsize=0)
+
+
+# -- fallback shaping (token bucket) ----------------------------------------------------------
+# The bucket meters application bytes, so the ideal goodput is the rate itself. Its burst
+# (``relay_burst_bytes``: 4 KiB at these rates) passes at once, under 2% of a 1.5 s transfer,
+# and each sleep overshoots by well under 1 ms per 16 ms chunk. A busy 2-core machine can stall
+# a pump, hence the wide lower bound; the upper bound is 5% over the rate, far below unshaped
+# loopback (Gbit/s) and below the 4x that swapped directions would give.
+LOW, HIGH = 0.8, 1.05
+SECONDS = 1.5
+
+
+def send_bytes(nbytes: int) -> Handler:
+    payload = os.urandom(nbytes)
+
+    def handler(conn: socket.socket) -> None:
+        conn.sendall(payload)
+
+    return handler
+
+
+def test_relay_burst_covers_a_page_and_ten_milliseconds() -> None:
+    assert relay_burst_bytes(1e6) == 4096
+    assert relay_burst_bytes(1e9) == 1_250_000
+
+
+def test_fallback_shaping_limits_each_direction_to_its_rate() -> None:
+    up_bps, down_bps = 2e6, 8e6
+    up_bytes, down_bytes = int(up_bps / 8 * SECONDS), int(down_bps / 8 * SECONDS)
+    with (
+        tcp_server(count_then_answer) as target,
+        ByteRelay(target, uplink_bps=up_bps, downlink_bps=down_bps) as relay,
+    ):
+        payload = os.urandom(up_bytes)
+        with connect(relay) as sock:
+            start = time.perf_counter()
+            sock.sendall(payload)
+            sock.shutdown(socket.SHUT_WR)
+            answer = recv_all(sock)
+            up_seconds = time.perf_counter() - start
+        assert answer == f"received {up_bytes}".encode()
+        assert relay.totals() == {"up": up_bytes, "down": len(answer)}  # counts unchanged
+    with (
+        tcp_server(send_bytes(down_bytes)) as target,
+        ByteRelay(target, uplink_bps=up_bps, downlink_bps=down_bps) as relay,
+    ):
+        with connect(relay) as sock:
+            start = time.perf_counter()
+            got = len(recv_all(sock))
+            down_seconds = time.perf_counter() - start
+        assert got == down_bytes
+        assert relay.totals() == {"up": 0, "down": down_bytes}
+        assert sum(r.nbytes for r in relay.records()) == down_bytes
+    assert LOW <= up_bytes * 8 / up_seconds / up_bps <= HIGH, f"up: {up_seconds:.2f} s"
+    assert LOW <= down_bytes * 8 / down_seconds / down_bps <= HIGH, f"down: {down_seconds:.2f} s"
+
+
+def test_fallback_rate_is_shared_by_all_connections_of_a_relay() -> None:
+    rate, clients = 4e6, 3
+    per_client = int(rate / 8 * SECONDS / clients)
+    with tcp_server(count_then_answer) as target, ByteRelay(target, uplink_bps=rate) as relay:
+
+        def client() -> None:
+            with connect(relay) as sock:
+                sock.sendall(os.urandom(per_client))
+                sock.shutdown(socket.SHUT_WR)
+                assert recv_all(sock) == f"received {per_client}".encode()
+
+        threads = [threading.Thread(target=client) for _ in range(clients)]
+        start = time.perf_counter()
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        seconds = time.perf_counter() - start
+        assert relay.totals()["up"] == clients * per_client
+    # the burst is shared too: at most one bucket ahead of the rate in all
+    assert LOW <= clients * per_client * 8 / seconds / rate <= HIGH, f"{seconds:.2f} s"
+
+
+def test_stop_is_prompt_while_shaping_a_slow_transfer() -> None:
+    with tcp_server(count_then_answer) as target:
+        relay = ByteRelay(target, uplink_bps=64e3).start()  # 8 kB/s: 1 MB would take 2 min
+        sock = connect(relay)
+
+        def send() -> None:
+            with contextlib.suppress(OSError):  # the relay goes away mid-send
+                sock.sendall(os.urandom(1 << 20))
+
+        sender = threading.Thread(target=send, daemon=True)
+        sender.start()
+        wait_until(lambda: relay.totals()["up"] > 0)
+        start = time.monotonic()
+        relay.stop()
+        assert time.monotonic() - start < 2.0
+        assert [t.name for t in relay.threads() if t.is_alive()] == []
+        sock.close()
+        sender.join(5)
+
+
+def test_listen_host_is_where_the_relay_listens() -> None:
+    with tcp_server(echo) as target, ByteRelay(target, listen_host="127.0.0.2") as relay:
+        assert relay.address == f"127.0.0.2:{relay.port}"
+        with socket.create_connection(("127.0.0.2", relay.port), timeout=5) as sock:
+            sock.sendall(b"ping")
+            assert recv_exactly(sock, 4) == b"ping"
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", relay.port), timeout=2).close()
+
+
+@pytest.mark.parametrize("bps", [0.0, -1.0, float("inf"), float("nan")])
+def test_shaping_rates_must_be_positive(bps: float) -> None:
+    with pytest.raises(ValueError, match=r"uplink_bps=.*expected a rate > 0"):
+        ByteRelay(("127.0.0.1", 9), uplink_bps=bps)
+    with pytest.raises(ValueError, match=r"downlink_bps=.*expected a rate > 0"):
+        ByteRelay(("127.0.0.1", 9), downlink_bps=bps)

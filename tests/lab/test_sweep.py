@@ -348,3 +348,12 @@ def test_simulation_backend_sweep(tmp_path: Path) -> None:
     assert rows[0]["total_uplink_payload_bytes"] == summary["total_uplink_payload_bytes"] > 0
     assert (tmp_path / "runs" / rows[0]["slug"] / "flwr.log").exists()
     assert os.path.isdir(tmp_path / "runs" / rows[0]["slug"] / ".flwr")
+
+
+def test_shaped_links_only_on_deployments_and_part_of_a_runs_identity() -> None:
+    with pytest.raises(ValueError, match="uplink-rate: shaped links need --backend deploy"):
+        RunSettings(backend="simulation", uplink_bps=1e6)
+    run = plan_sweep({}, {"num-rounds": "2"}, seeds=1, clients=2).runs[0]
+    slow = sweep_mod._identity(run, RunSettings(backend="deploy", clients=2, uplink_bps=1e6))
+    fast = sweep_mod._identity(run, RunSettings(backend="deploy", clients=2, uplink_bps=8e6))
+    assert slow != fast and slow["uplink_bps"] == 1e6  # a finished run at 8 Mbit/s is not reused
