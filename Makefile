@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 DEMO_OUT ?= runs/demo
 
-.PHONY: demo test lint typecheck bench clean
+.PHONY: demo test lint typecheck bench clean test-containers
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -34,6 +34,10 @@ typecheck: $(STAMP)
 
 test: $(STAMP) lint typecheck
 	$(BIN)/python -m pytest -q
+
+# Real containers (podman, root): TLS + SuperNode auth, 3 nodes vs a simulation. Not in `test`.
+test-containers: $(STAMP)
+	VENV=$(VENV) scripts/test-containers.sh
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/masks.py

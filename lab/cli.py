@@ -453,6 +453,26 @@ def _print_time_to_accuracy(run_dir: Path) -> None:
     )
 
 
+@app.command()
+def compose(
+    out: Annotated[Path, Opt(help="compose file to write")] = Path("docker-compose.yml"),
+    nodes: Annotated[int, Opt(help="SuperNodes (partition i of N each)")] = 3,
+    overlay: Annotated[str | None, Opt(help="write an overlay instead: insecure | gpu")] = None,
+    certs: Annotated[str, Opt(help="folder of deploy/certs/generate.sh's files")] = (
+        "./deploy/certs"
+    ),
+) -> None:
+    """Writes the compose file for N SuperNodes (TLS + SuperNode auth), or an overlay."""
+    from fedsparse.lab.compose import write_compose
+
+    try:
+        kind = None if overlay is None else _choice("overlay", overlay, ("insecure", "gpu"))
+        path = write_compose(out, nodes, overlay=kind, certs=certs)
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from err
+    console.print(f"wrote {path} ({nodes} SuperNodes{f', {overlay} overlay' if overlay else ''})")
+
+
 @app.command("wire-report")
 def wire_report_command(
     run_dir: Annotated[Path, typer.Argument(help="run directory with rounds.jsonl")],

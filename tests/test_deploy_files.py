@@ -1,41 +1,55 @@
-"""The Docker/compose deployment runs the same Flower commands as ``run_deployment``.
+"""The container deployment runs the same Flower commands as ``run_deployment``.
 
-``docker-compose.yml`` (plain) and ``deploy/with-tls.yml`` (TLS overlay) are parsed with
-PyYAML and their commands compared, flag by flag, with
-``fedsparse.lab.deploy.deployment_args``; ``docker compose config -q`` validates both
-where a docker CLI with the compose plugin exists (no engine needed).
+``docker-compose.yml`` (TLS + SuperNode authentication) and the opt-in ``deploy/insecure.yml``
+overlay are parsed with PyYAML and their commands compared, flag by flag, with
+``fedsparse.lab.deploy.deployment_args`` given the containers' certificate and key paths;
+``docker compose config -q`` validates them where a docker CLI with the compose plugin exists
+(no engine needed). ``make test-containers`` runs them for real (``scripts/test-containers.sh``).
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import re
 import shutil
 import subprocess
+import tomllib
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
+from fedsparse.lab.compose import load_compose
 from fedsparse.lab.deploy import deployment_args
+from fedsparse.lab.tls import TlsFiles
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "docker-compose.yml"
-TLS = ROOT / "deploy" / "with-tls.yml"
+INSECURE = ROOT / "deploy" / "insecure.yml"
+GPU = ROOT / "deploy" / "gpu.yml"
+DOCKERFILE = ROOT / "deploy" / "docker" / "fedsparse" / "Dockerfile"
 HTTP_PORT, FLEET_PORT, NODE_PORT = 9093, 9092, 9094
-NODES = ("supernode-0", "supernode-1")
-
-
-def _services(*files: Path) -> dict[str, dict]:
-    """Services after compose's override rule for ``command``/scalars (later file wins)."""
-    merged: dict[str, dict] = {}
-    for path in files:
-        for name, service in yaml.safe_load(path.read_text())["services"].items():
-            merged.setdefault(name, {}).update(service)
-    return merged
-
-
+NUM_NODES = 3
+NODES = tuple(f"supernode-{i}" for i in range(NUM_NODES))
 #: Where the compose SuperNodes keep their privacy ledgers (a named volume each).
 LEDGER_DIR = "/var/lib/fedsparse/ledger"
+#: The certificate files as the SuperLink container sees them.
+TLS = TlsFiles(
+    ca_cert=Path("/app/certificates/ca.crt"),
+    server_cert=Path("/app/certificates/server.pem"),
+    server_key=Path("/app/certificates/server.key"),
+)
+KEYS = [Path(f"/app/keys/node-{i}") for i in range(NUM_NODES)]
+
+
+def _services(*files: Path) -> dict[str, dict[str, Any]]:
+    """Services after compose's override rule for ``command``/scalars/``!override``."""
+    merged: dict[str, dict[str, Any]] = {}
+    for path in files:
+        for name, service in load_compose(path)["services"].items():
+            merged.setdefault(name, {}).update(service)
+    return merged
 
 
 def _options(command: list[str]) -> dict[str, str | None]:
@@ -48,13 +62,15 @@ def _options(command: list[str]) -> dict[str, str | None]:
     return options
 
 
-def _reference() -> tuple[dict[str, str | None], list[dict[str, str | None]]]:
+def _reference(*, secure: bool) -> tuple[dict[str, str | None], list[dict[str, str | None]]]:
     superlink, supernodes = deployment_args(
         http_port=HTTP_PORT,
         fleet_port=FLEET_PORT,
-        num_nodes=2,
-        node_ports=[NODE_PORT] * 2,
-        ledger_dirs=[LEDGER_DIR] * 2,
+        num_nodes=NUM_NODES,
+        node_ports=[NODE_PORT] * NUM_NODES,
+        tls=TLS if secure else None,
+        auth_keys=KEYS if secure else None,
+        ledger_dirs=[LEDGER_DIR] * NUM_NODES,
     )
     assert Path(superlink[0]).name == "flower-superlink"
     assert all(Path(node[0]).name == "flower-supernode" for node in supernodes)
@@ -70,7 +86,9 @@ def _compose_available() -> bool:
 
 
 @pytest.mark.skipif(not _compose_available(), reason="no docker CLI with the compose plugin")
-@pytest.mark.parametrize("files", [[COMPOSE], [COMPOSE, TLS]], ids=["plain", "tls"])
+@pytest.mark.parametrize(
+    "files", [[COMPOSE], [COMPOSE, INSECURE], [COMPOSE, GPU]], ids=["secure", "insecure", "gpu"]
+)
 def test_compose_config_is_valid(files: list[Path]) -> None:
     args = ["docker", "compose", "--project-directory", str(ROOT)]
     for path in files:
@@ -79,72 +97,143 @@ def test_compose_config_is_valid(files: list[Path]) -> None:
     assert result.returncode == 0, result.stderr
 
 
-def test_plain_compose_runs_the_run_deployment_commands() -> None:
-    services = _services(COMPOSE)
+def _podman_compose() -> Path | None:
+    """``make test-containers``'s podman-compose, if it was installed here."""
+    tool = ROOT / "build" / "compose-venv" / "bin" / "podman-compose"
+    return tool if tool.exists() and shutil.which("podman") else None
+
+
+@pytest.mark.skipif(_podman_compose() is None, reason="no podman-compose (make test-containers)")
+@pytest.mark.parametrize(
+    "files", [[COMPOSE], [COMPOSE, INSECURE], [COMPOSE, GPU]], ids=["secure", "insecure", "gpu"]
+)
+def test_podman_compose_merges_the_files(files: list[Path]) -> None:
+    args = [str(_podman_compose())]
+    for path in files:
+        args += ["-f", str(path)]
+    result = subprocess.run(
+        [*args, "config"], capture_output=True, text=True, check=False, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    merged = yaml.safe_load(result.stdout)["services"]
+    insecure = INSECURE in files
+    for service in merged.values():
+        assert ("--insecure" in service["command"]) == insecure
+        assert any(v.startswith("./deploy/certs/") for v in service["volumes"]) != insecure
+
+
+def _check_mirrors(services: dict[str, dict[str, Any]], *, secure: bool) -> None:
+    """Every command has ``deployment_args``'s flags and values, container addresses aside."""
     assert set(services) == {"superlink", *NODES}
-    link_ref, node_refs = _reference()
+    link_ref, node_refs = _reference(secure=secure)
 
     link = services["superlink"]["command"]
     assert link[0] == "flower-superlink"
     link_opts = _options(link)
     assert link_opts.keys() == link_ref.keys()
-    # same ports; in a container the SuperLink binds all interfaces (published on 127.0.0.1)
-    assert link_opts["--port"] == link_ref["--port"] == str(HTTP_PORT)
-    assert link_opts["--host"] == "0.0.0.0"
-    assert link_opts["--fleet-api-address"] == f"0.0.0.0:{FLEET_PORT}"
-    assert set(services["superlink"]["ports"]) == {
-        f"127.0.0.1:{port}:{port}" for port in (HTTP_PORT, FLEET_PORT)
-    }
-    assert any(volume.endswith(":/runs") for volume in services["superlink"]["volumes"])
+    # in a container the SuperLink binds all interfaces (published on the host's 127.0.0.1)
+    assert link_opts.pop("--host") == "0.0.0.0"
+    assert link_opts.pop("--fleet-api-address") == f"0.0.0.0:{FLEET_PORT}"
+    assert link_opts == {k: v for k, v in link_ref.items() if k in link_opts}
+    assert link_opts["--port"] == str(HTTP_PORT)
 
     for name, ref in zip(NODES, node_refs, strict=True):
         command = services[name]["command"]
         assert command[0] == "flower-supernode"
-        opts = _options(command)
-        assert opts.keys() == ref.keys()
-        assert opts["--node-config"] == ref["--node-config"]
-        assert opts["--superlink"] == f"superlink:{FLEET_PORT}"
-        assert opts["--host"] == ref["--host"] == "127.0.0.1"  # ClientAppIo stays local
-        assert opts["--port"] == ref["--port"]
+        opts, ref = _options(command), dict(ref)
+        # the SuperLink's service name on the compose network instead of loopback
+        assert (opts.pop("--superlink"), ref.pop("--superlink")) == (
+            f"superlink:{FLEET_PORT}",
+            f"127.0.0.1:{FLEET_PORT}",
+        )
+        assert opts == ref  # same flags, values, partition, key; ClientAppIo local
+        assert ref["--host"] == "127.0.0.1"
     partitions = [_options(services[n]["command"])["--node-config"] for n in NODES]
     assert partitions == [
-        f"partition-id={i} num-partitions=2 ledger-dir='{LEDGER_DIR}'" for i in range(2)
+        f"partition-id={i} num-partitions={NUM_NODES} ledger-dir='{LEDGER_DIR}'"
+        for i in range(NUM_NODES)
     ]
-    for i, name in enumerate(NODES):  # each node's ledger in its own named volume
-        assert services[name]["volumes"] == [f"ledger-{i}:{LEDGER_DIR}"]
 
 
-def test_tls_overlay_swaps_insecure_for_certificates() -> None:
-    plain, tls = _services(COMPOSE), _services(COMPOSE, TLS)
-    ssl = {"--ssl-ca-certfile", "--ssl-certfile", "--ssl-keyfile"}
+def _mounts(service: dict[str, Any]) -> dict[str, str]:
+    """Container path -> source of a service's volumes."""
+    return {volume.split(":")[1]: volume.split(":")[0] for volume in service["volumes"]}
 
-    link_plain, link_tls = (
-        _options(plain["superlink"]["command"]),
-        _options(tls["superlink"]["command"]),
-    )
-    assert link_tls.keys() == (link_plain.keys() - {"--insecure"}) | ssl
-    assert {k: v for k, v in link_tls.items() if k not in ssl} == {
-        k: v for k, v in link_plain.items() if k != "--insecure"
+
+def test_default_compose_is_tls_with_supernode_auth() -> None:
+    services = _services(COMPOSE)
+    _check_mirrors(services, secure=True)
+    link = _options(services["superlink"]["command"])
+    assert "--insecure" not in link and "--enable-supernode-auth" in link
+    assert set(services["superlink"]["ports"]) == {
+        f"127.0.0.1:{HTTP_PORT}:{HTTP_PORT}",  # Control API: this host only
+        f"${{FLEET_API_BIND:-127.0.0.1}}:{FLEET_PORT}:{FLEET_PORT}",
     }
-    mounts = [volume.split(":")[1] for volume in tls["superlink"]["volumes"]]
-    for flag in ssl:
-        assert any(link_tls[flag].startswith(mount) for mount in mounts), flag
+    # every file a command names is mounted, one file at a time, read-only
+    mounts = _mounts(services["superlink"])
+    assert mounts["/runs"] == "runs"
+    for flag in ("--ssl-ca-certfile", "--ssl-certfile", "--ssl-keyfile"):
+        assert link[flag] in mounts, flag
+    for i, name in enumerate(NODES):
+        node, node_mounts = _options(services[name]["command"]), _mounts(services[name])
+        assert node_mounts[LEDGER_DIR] == f"ledger-{i}"  # each node's ledger in its own volume
+        assert node_mounts[str(KEYS[i])] == f"./deploy/certs/nodes/node-{i}"
+        assert node["--root-certificates"] in node_mounts
+    for service in services.values():
+        for volume in service["volumes"]:
+            source = volume.split(":")[0]
+            assert "ca.key" not in source and not source.endswith(("/ca", "/certs")), volume
+            if source.startswith("./"):
+                assert volume.endswith(":ro"), volume
 
+
+def test_insecure_overlay_is_the_explicit_opt_out() -> None:
+    services = _services(COMPOSE, INSECURE)
+    _check_mirrors(services, secure=False)
+    for service in services.values():
+        assert "--insecure" in service["command"]
+        assert not any(volume.startswith("./") for volume in service["volumes"])  # no certs
+    assert _mounts(services["superlink"]) == {"/runs": "runs"}
+
+
+def test_gpu_overlay_reserves_gpus_for_the_supernodes() -> None:
+    services = load_compose(GPU)["services"]
+    assert set(services) == {"superlink", *NODES}
+    want = [{"driver": "nvidia", "count": "all", "capabilities": ["gpu"]}]
     for name in NODES:
-        node_plain, node_tls = _options(plain[name]["command"]), _options(tls[name]["command"])
-        assert node_tls.keys() == (node_plain.keys() - {"--insecure"}) | {"--root-certificates"}
-        assert {k: v for k, v in node_tls.items() if k != "--root-certificates"} == {
-            k: v for k, v in node_plain.items() if k != "--insecure"
-        }
-        targets = [volume.split(":")[1] for volume in tls[name]["volumes"]]
-        assert node_tls["--root-certificates"] in targets
+        assert services[name]["deploy"]["resources"]["reservations"]["devices"] == want
+    assert "deploy" not in services["superlink"]
+    for service in services.values():  # a CUDA torch build, under its own tag
+        assert service["image"].endswith("-gpu")
+        assert "download.pytorch.org/whl/cu" in service["build"]["args"]["TORCH_INDEX_URL"]
 
 
-def test_dockerfile_installs_cpu_torch_and_runs_as_non_root() -> None:
-    text = (ROOT / "deploy" / "docker" / "fedsparse" / "Dockerfile").read_text()
-    pyproject = (ROOT / "pyproject.toml").read_text()
-    pin = re.search(r'"torch==([^"]+)"', pyproject)
-    assert pin is not None
-    assert f"ARG TORCH_VERSION={pin.group(1)}\n" in text  # the image tracks the project's pin
-    assert "--index-url" in text and "download.pytorch.org/whl/cpu" in text
-    assert "\nUSER app\n" in text
+def test_dockerfile_pins_the_projects_torch_and_flower_and_runs_as_non_root() -> None:
+    text = DOCKERFILE.read_text()
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    pin = next(d for d in pyproject["project"]["dependencies"] if d.startswith("torch=="))
+    assert f"ARG TORCH_VERSION={pin.removeprefix('torch==')}\n" in text
+    # users get the CPU build by default; any base (python:3.11-slim or a bare Debian)
+    assert "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu\n" in text
+    assert "ARG BASE_IMAGE=python:3.11-slim\nFROM ${BASE_IMAGE}\n" in text
+    flwr = re.search(r"\nARG FLWR_VERSION=(\S+)\n", text)
+    assert flwr is not None and flwr.group(1).startswith("1.39.")  # gRPC Fleet API (<1.40)
+    assert flwr.group(1) == importlib.metadata.version("flwr")  # what the tests run against
+    assert "\nUSER app\n" in text and "ARG APP_UID=49999\n" in text
+
+
+def test_image_installs_every_package_folder() -> None:
+    text = DOCKERFILE.read_text()
+    ignore = (DOCKERFILE.parent / "Dockerfile.dockerignore").read_text().splitlines()
+    package_dir = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "package-dir"
+    ]
+    for folder in {source.split("/")[0] for source in package_dir.values()}:
+        assert f"\nCOPY {folder} ./{folder}\n" in text, folder
+        assert f"!{folder}/" in ignore, folder
+
+
+def test_the_earlier_tls_overlay_still_works_and_changes_nothing() -> None:
+    # `-f docker-compose.yml -f deploy/with-tls.yml` was the TLS command; TLS is the default now.
+    overlay = yaml.safe_load((ROOT / "deploy" / "with-tls.yml").read_text())
+    assert overlay == {"services": {}}
