@@ -382,6 +382,9 @@ def deploy(
     node_auth: Annotated[
         bool, Opt(help="SuperNode authentication: registered keys only (needs TLS)")
     ] = True,
+    tls: Annotated[
+        bool, Opt("--tls", hidden=True, help="TLS (the default now; kept for old commands)")
+    ] = True,
     uplink_rate: Annotated[
         str | None, Opt(help="shape each node's uplink, e.g. 1mbit, 500kbit, 2000000 (bit/s)")
     ] = None,

@@ -18,7 +18,11 @@
 # Containers, networks and volumes are removed however it ends (`podman-compose down -v`).
 #
 # Environment: NODES (3), ROUNDS (3), KEEP_WORK=1 keeps the temporary directory,
-# REBUILD=1 rebuilds the image, STOP_AFTER=<phase> stops after that phase (e.g. image), BASE_IMAGE (localhost/debian-bookworm:min), IMAGE.
+# REBUILD=1 rebuilds the image, STOP_AFTER=<phase> stops after that phase (e.g. image),
+# BASE_IMAGE (localhost/debian-bookworm:min), IMAGE.
+# Exit status: 0 passed; 77 the machine cannot run containers (not root, or podman, runc,
+# debootstrap or podman-compose could not be installed: `.ci/run` reports it as skipped);
+# anything else failed.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -77,7 +81,7 @@ trap cleanup EXIT
 phase setup
 if [[ $(id -u) != 0 ]]; then
   echo "needs root: rootful podman, apt-get, /etc/containers/containers.conf" >&2
-  exit 1
+  exit 77
 fi
 missing=()
 for tool in podman runc debootstrap ssh-keygen openssl; do
@@ -85,12 +89,15 @@ for tool in podman runc debootstrap ssh-keygen openssl; do
 done
 if ((${#missing[@]})); then
   packages=("${missing[@]/ssh-keygen/openssh-client}")
-  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${packages[@]}"
+  { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${packages[@]}"; } ||
+    { echo "cannot install ${packages[*]}: no containers on this machine" >&2; exit 77; }
 fi
 if [[ ! -x $PODMAN_COMPOSE ]]; then
-  python3 -m venv "$COMPOSE_VENV"
-  "$COMPOSE_VENV/bin/pip" install -q "podman-compose==1.6.0"
+  { python3 -m venv "$COMPOSE_VENV" && "$COMPOSE_VENV/bin/pip" install -q "podman-compose==1.6.0"; } ||
+    { echo "cannot install podman-compose: no containers on this machine" >&2; exit 77; }
 fi
+podman info >"$WORK/podman-info.log" 2>&1 ||
+  { tail -5 "$WORK/podman-info.log"; echo "podman does not work here" >&2; exit 77; }
 # This sandbox's kernel: crun fails on cgroups v1 hybrid mode and podman's default rlimits are
 # refused. Written once; an existing containers.conf without them is left alone and a private
 # copy with them is used instead (CONTAINERS_CONF).
@@ -119,7 +126,7 @@ if [[ $BASE_IMAGE == localhost/debian-bookworm:min ]] && ! podman image exists "
   MIRROR=${MIRROR:-http://deb.debian.org/debian}
   ROOTFS=$(mktemp -d /var/tmp/fedsparse-rootfs.XXXXXX)
   debootstrap --variant=minbase bookworm "$ROOTFS" "$MIRROR" >"$WORK/debootstrap.log" 2>&1 ||
-    { tail -20 "$WORK/debootstrap.log"; exit 1; }
+    { tail -20 "$WORK/debootstrap.log"; echo "debootstrap failed: no base image" >&2; exit 77; }
   tar -C "$ROOTFS" -c . | podman import - "$BASE_IMAGE" >"$WORK/import.log" 2>&1 ||
     { cat "$WORK/import.log"; exit 1; }
   rm -rf "$ROOTFS"
