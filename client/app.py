@@ -5,7 +5,8 @@ copy of the global model with the downlink payload (dense on first participation
 values it is missing), (2) regenerates the round's public mask from the broadcast seed
 (``mask-scope=round``) or from the seed and its node id (``mask-scope=client``), (3) runs
 ``local-epochs`` of DP-SGD + RS with a fresh optimizer and the Opacus accountant restored
-from ``Context.state``, and (4) replies with a ``TrainReply``: the model delta on kept
+from ``Context.state`` (restored from the node's ``state-dir`` when a simulated run resumes,
+``client/state.py``), and (4) replies with a ``TrainReply``: the model delta on kept
 coordinates as one ``SparseUpdate`` with no indices.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -22,7 +24,7 @@ from flwr.clientapp import ClientApp
 
 from fedsparse.client.data import local_data, public_test_data
 from fedsparse.client.guard import authorize, node_ledger, node_policy, released_error
-from fedsparse.client.state import NodeState, apply_downlink
+from fedsparse.client.state import NodeState, StateFiles, apply_downlink, resumed_from
 from fedsparse.common.config import FederatedConfig, wire_encoding
 from fedsparse.common.data import Split
 from fedsparse.common.layout import ParamLayout
@@ -89,16 +91,18 @@ def train(msg: Message, context: Context) -> Message:
     """
     torch.set_num_threads(1)
     cfg = FederatedConfig.from_run_config(context.run_config)
-    task = TrainInstruction.from_record(msg.content.config_records[CONFIG_RECORD])
+    record = msg.content.config_records[CONFIG_RECORD]
+    task = TrainInstruction.from_record(record)
     policy = node_policy(context)
     partition = _node_partition(context)
+    files = StateFiles(Path(policy.state_dir), partition[0]) if policy.state_dir else None
     try:
         data = local_data(cfg, *partition)
     except Exception as err:
         raise released_error(err) from None
     model = build_model(cfg.model_name, seed=cfg.seed)
     layout = ParamLayout.from_module(model)
-    state = NodeState.load(context, layout.numel)
+    state = _node_state(context, files, resumed_from(record), numel=layout.numel)
     global_flat = apply_downlink(
         state.model,
         state.version,
@@ -134,12 +138,30 @@ def train(msg: Message, context: Context) -> Message:
             )
         except Exception as err:
             raise released_error(err) from None
-    NodeState(global_flat, task.model_version, history, task.server_round).save(context)
+    state = NodeState(global_flat, task.model_version, history, task.server_round)
+    state.save(context)
+    if files is not None:
+        files.save(state)
     config, metrics = reply.to_records()
     content = RecordDict(
         {CONFIG_RECORD: ConfigRecord(config), METRICS_RECORD: MetricRecord(metrics)}
     )
     return Message(content=content, reply_to=msg)
+
+
+def _node_state(
+    context: Context, files: StateFiles | None, resumed: int, *, numel: int
+) -> NodeState:
+    """The node's state in this run: ``Context.state``, or on first contact its files.
+
+    On a node's first train call of a Flower run (empty ``Context``) with a ``state-dir``, the
+    files of rounds after the resume point are dropped (all of them in a new run) and a
+    resumed run continues from the latest remaining one (``client/state.py``).
+    """
+    if files is None or NodeState.in_context(context):
+        return NodeState.load(context, numel)
+    files.discard_after(resumed)
+    return files.restore(up_to=resumed) if resumed else NodeState()
 
 
 def _train_round(

@@ -2,20 +2,43 @@
 
 The node keeps the global model version it last received (to patch sparse downlinks exactly)
 and its Opacus accountant history (to account every round it trained, across rounds).
+
+``Context.state`` lives as long as the Flower run; a resumed run (``resume=true``) is a new
+Flower run, and its nodes start empty. A simulated node (policy ``state-dir``, only with
+seeded noise) therefore also writes its accountant history and last round to
+``<state-dir>/node-<partition-id>/round-<r>.json`` after each round ``r`` it trains
+(``StateFiles``). When its ``Context`` is empty and the train message says the run resumed
+from checkpoint round ``R`` (``resumed-from``), it drops the files of rounds after ``R``
+(training the killed run did after its last checkpoint, which the resumed run repeats) and
+restores the latest remaining one; in a new run (no ``resumed-from``) it drops them all. The
+model copy is not restored: the server sends every node the dense model the first time it
+selects it in a resumed run (``server/checkpoint.py``). A deployed node keeps no such files:
+its persistent ledger, not the server's resume point, holds what it spent.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
 
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context
 
 from fedsparse.common.payload import decode_update
 from fedsparse.common.privacy import history_from_record, history_to_record
-from fedsparse.common.protocol import STATE_MODEL, STATE_RECORD
+from fedsparse.common.protocol import RESUMED_FROM, STATE_MODEL, STATE_RECORD, ProtocolError
 
-__all__ = ["NodeState", "apply_downlink"]
+__all__ = ["RESUMED_FROM", "NodeState", "StateFiles", "apply_downlink", "resumed_from"]
+
+
+#: Version of a state file's contents.
+_STATE_FORMAT: Final = 1
+_ROUND_FILE = re.compile(r"round-([0-9]+)\.json")
 
 AccountantHistory = list[tuple[float, float, int]]
 
@@ -28,6 +51,11 @@ class NodeState:
     version: int = -1
     history: AccountantHistory = field(default_factory=list)
     last_round: int = 0  # the last round this node trained in the run (0: none)
+
+    @staticmethod
+    def in_context(context: Context) -> bool:
+        """Whether ``context`` holds a state (this node trained before in this Flower run)."""
+        return STATE_RECORD in context.state.config_records
 
     @classmethod
     def load(cls, context: Context, numel: int) -> NodeState:
@@ -56,6 +84,80 @@ class NodeState:
             }
         )
         context.state.array_records[STATE_MODEL] = ArrayRecord({"flat": Array(self.model.numpy())})
+
+
+def resumed_from(record: Mapping[str, Any]) -> int:
+    """The train message's ``resumed-from`` (0 when absent: not a resumed run).
+
+    Raises:
+        ProtocolError: not an integer >= 0.
+    """
+    value = record.get(RESUMED_FROM, 0)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ProtocolError(f"train instruction: {RESUMED_FROM}={value!r}: expected an int >= 0")
+    return value
+
+
+@dataclass(frozen=True)
+class StateFiles:
+    """One simulated node's state files, ``<root>/node-<partition_id>/round-<r>.json``."""
+
+    root: Path
+    partition_id: int
+
+    @property
+    def folder(self) -> Path:
+        """The node's folder."""
+        return Path(self.root).expanduser() / f"node-{self.partition_id}"
+
+    def rounds(self) -> list[int]:
+        """The rounds with a state file, in order."""
+        if not self.folder.is_dir():
+            return []
+        found = (_ROUND_FILE.fullmatch(p.name) for p in self.folder.iterdir())
+        return sorted(int(m.group(1)) for m in found if m)
+
+    def save(self, state: NodeState) -> None:
+        """Writes ``state`` as the file of round ``state.last_round`` (atomically)."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        data: dict[str, Any] = {"format": _STATE_FORMAT, "last-round": state.last_round}
+        data.update(history_to_record(state.history))
+        path = self.folder / f"round-{state.last_round}.json"
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "w") as fh:
+            json.dump(data, fh)  # floats as repr: exact
+            fh.flush()
+            os.fsync(fh.fileno())
+        tmp.replace(path)
+
+    def discard_after(self, server_round: int) -> None:
+        """Deletes the files of rounds after ``server_round`` (0: every file)."""
+        for r in self.rounds():
+            if r > server_round:
+                (self.folder / f"round-{r}.json").unlink(missing_ok=True)
+
+    def restore(self, *, up_to: int) -> NodeState:
+        """The state of the latest file of a round <= ``up_to`` (empty if there is none).
+
+        Raises:
+            ValueError: that file is unreadable (a damaged file must not read as a fresh
+                accountant); the message names it.
+        """
+        rounds = [r for r in self.rounds() if r <= up_to]
+        if not rounds:
+            return NodeState()
+        path = self.folder / f"round-{rounds[-1]}.json"
+        try:
+            data = json.loads(path.read_text())
+            if data.get("format") != _STATE_FORMAT:
+                raise ValueError(f"format={data.get('format')!r}: expected {_STATE_FORMAT}")
+            last_round = data["last-round"]
+            if last_round != rounds[-1]:
+                raise ValueError(f"last-round={last_round!r}: expected {rounds[-1]}")
+            history = history_from_record(data)
+        except (OSError, ValueError, TypeError, KeyError, AttributeError) as err:
+            raise ValueError(f"node state {path}: unreadable ({err})") from None
+        return NodeState(history=history, last_round=last_round)
 
 
 def apply_downlink(

@@ -38,6 +38,7 @@ from fedsparse.common.training import PrivacyConfig, SparsityConfig
 
 __all__ = [
     "CODECS",
+    "RESUME_MAY_DIFFER",
     "MASK_SCOPES",
     "CodecName",
     "FederatedConfig",
@@ -57,6 +58,15 @@ explicitly (what a system without seed sharing pays); "auto" picks the smallest,
 "values" whenever a seed is known."""
 
 CODECS: Final[tuple[CodecName, ...]] = get_args(CodecName)
+
+
+#: Run-config keys a resumed run may set differently from the run it continues: none of them
+#: changes a number the run computes (where records go and how long the server waits). Every
+#: other key, ``num-rounds`` included (the rate schedule and a calibrated sigma depend on it),
+#: must equal the checkpoint's.
+RESUME_MAY_DIFFER: Final[frozenset[str]] = frozenset(
+    {"resume", "out-dir", "data-dir", "round-timeout", "min-clients", "save-updates"}
+)
 
 
 def wire_encoding(codec: CodecName, *, sparse: bool) -> IndexEncoding:
@@ -126,6 +136,8 @@ class FederatedConfig:
     max_failed_rounds: int = 3  # this many rounds in a row with no accepted update end the run
     # research: keep every valid reply's payload in <out-dir>/updates/ (what the server sees)
     save_updates: bool = False
+    # continue the run in out-dir from its checkpoint.pt (server/checkpoint.py)
+    resume: bool = False
 
     def __post_init__(self) -> None:
         def fail(field: str, expected: str) -> None:

@@ -23,6 +23,10 @@ key                        default        meaning
 ``ledger-dir``             "~/.local/     directory of the persistent privacy ledger
                            state/         (``common/ledger.py``); "" keeps no ledger (the
                            fedsparse"     budget then spans one run only)
+``state-dir``              ""             simulation only (``noise="seeded"``): directory
+                                          where the node keeps its run state after each
+                                          round it trains, so that a resumed run
+                                          (``resume``) continues it; "" keeps none
 ``release-train-loss``     false          reply with the exact mean training loss
 ``release-example-count``  false          reply with the exact example counts (else 1 and 0;
                                           the server weights updates uniformly by default)
@@ -90,6 +94,7 @@ class NodePolicy:
     max_local_epochs: int = 10
     noise: NoiseSource = "fresh"
     ledger_dir: str = "~/.local/state/fedsparse"
+    state_dir: str = ""
     release_train_loss: bool = False
     release_example_count: bool = False
 
@@ -110,6 +115,10 @@ class NodePolicy:
             fail("max-local-epochs", self.max_local_epochs, ">= 1")
         if self.noise not in NOISE_SOURCES:
             fail("noise", self.noise, f"one of {', '.join(NOISE_SOURCES)}")
+        if self.state_dir and self.noise != "seeded":
+            # Restoring run state follows the server's resume point: only an experimenter's
+            # own simulated nodes may take it; a deployed node's ledger is its history.
+            fail("state-dir", self.state_dir, "'' unless noise='seeded' (simulation only)")
 
     @classmethod
     def from_sources(cls, *sources: Mapping[str, Any]) -> NodePolicy:

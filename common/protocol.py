@@ -33,6 +33,7 @@ from fedsparse.common.seeds import Stream, stream_seed
 __all__ = [
     "CONFIG_RECORD",
     "METRICS_RECORD",
+    "RESUMED_FROM",
     "STATE_MODEL",
     "STATE_RECORD",
     "EvaluateInstruction",
@@ -48,6 +49,8 @@ CONFIG_RECORD = "fedsparse"
 METRICS_RECORD = "metrics"
 STATE_RECORD = "fedsparse-state"
 STATE_MODEL = "fedsparse-model"
+#: Train-message config key: the checkpoint round a resumed run continues (absent: 0).
+RESUMED_FROM = "resumed-from"
 
 MASK_SCOPES = ("round", "client")
 _INT64 = 2**63

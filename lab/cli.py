@@ -240,8 +240,16 @@ def simulate(
     set_: Annotated[list[str] | None, Opt("--set", help="run-config override key=value")] = None,
     cpus_per_client: Annotated[float, Opt(help="Ray CPUs per virtual client")] = 1.0,
     timeout: Annotated[float, Opt(help="seconds before the run is stopped")] = 3600.0,
+    resume: Annotated[
+        bool, Opt(help="continue the run in OUT from its checkpoint (same --set values)")
+    ] = False,
 ) -> None:
-    """Federated DP-SGD + RS on Flower's simulation engine (Ray backend)."""
+    """Federated DP-SGD + RS on Flower's simulation engine (Ray backend).
+
+    With --resume, a run that was stopped (signal, crash, timeout) continues from its last
+    checkpoint (OUT/checkpoint.pt, the nodes' states in OUT/node-state) and ends with the
+    same model as the run that was never stopped; give it the same --set values.
+    """
     from fedsparse.lab.simulate import run_simulation
 
     overrides = _parse_sets(set_ or [])
@@ -253,6 +261,7 @@ def simulate(
             cpus_per_client=cpus_per_client,
             timeout=timeout,
             console=console,
+            resume=resume,
         )
     except ValueError as err:
         raise typer.BadParameter(str(err)) from err
@@ -358,7 +367,7 @@ def sweep(
 @app.command()
 def demo(out: Annotated[Path, Opt(help="output directory")] = Path("runs/demo")) -> None:
     """10 clients on the embedded digits: epsilon=3, gradual cooling to r*=0.7, 10 rounds."""
-    simulate(out=out, clients=10, set_=None, cpus_per_client=1.0, timeout=3600.0)
+    simulate(out=out, clients=10, set_=None, cpus_per_client=1.0, timeout=3600.0, resume=False)
 
 
 def _print_wire_report(run_dir: Path) -> None:
@@ -466,10 +475,11 @@ def compose(
     ),
 ) -> None:
     """Writes the compose file for N SuperNodes (TLS + SuperNode auth), or an overlay."""
-    from fedsparse.lab.compose import write_compose
+    from fedsparse.lab.compose import Overlay, write_compose
 
+    overlays: tuple[Overlay, ...] = ("insecure", "gpu")
     try:
-        kind = None if overlay is None else _choice("overlay", overlay, ("insecure", "gpu"))
+        kind = None if overlay is None else _choice("overlay", overlay, overlays)
         path = write_compose(out, nodes, overlay=kind, certs=certs)
     except ValueError as err:
         raise typer.BadParameter(str(err)) from err

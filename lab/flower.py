@@ -71,9 +71,20 @@ SIMULATION_NODE_POLICY: dict[str, Any] = {
 }
 
 
-def simulation_policy_env() -> dict[str, str]:
-    """``FEDSPARSE_NODE_POLICY`` for processes whose simulated ClientApps it configures."""
-    entries = " ".join(f"{k}={_toml(v)}" for k, v in SIMULATION_NODE_POLICY.items())
+def simulation_policy_env(state_dir: Path | None = None) -> dict[str, str]:
+    """``FEDSPARSE_NODE_POLICY`` for processes whose simulated ClientApps it configures.
+
+    Args:
+        state_dir: where the simulated nodes keep their run state after each round they
+            train (``client/state.py``), so that ``resume=true`` continues the run exactly;
+            None keeps none (a resumed run then restarts the nodes' accountants).
+    """
+    policy = dict(SIMULATION_NODE_POLICY)
+    if state_dir is not None:
+        if any(c.isspace() for c in str(state_dir)):  # entries are separated by spaces
+            raise ValueError(f"state_dir={str(state_dir)!r}: expected a path without spaces")
+        policy["state-dir"] = str(state_dir)
+    entries = " ".join(f"{k}={_toml(v)}" for k, v in policy.items())
     return {POLICY_ENV: entries}
 
 

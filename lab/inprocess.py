@@ -112,7 +112,9 @@ class InProcessGrid(Grid):
         for msg in messages:
             if msg.metadata.dst_node_id not in self._contexts:
                 raise ValueError(f"dst_node_id={msg.metadata.dst_node_id}: no such node")
-            msg.metadata.__dict__["_message_id"] = f"{next(self._counter)}-{uuid4()}"
+            # Fixed-width ids: a reply carries its message's id, so its size must not depend
+            # on how many messages this grid has sent (a resumed run starts a fresh grid).
+            msg.metadata.__dict__["_message_id"] = f"{next(self._counter):012d}-{uuid4()}"
             msg.metadata.__dict__["_src_node_id"] = SUPERLINK_NODE_ID
             self._pending[msg.metadata.message_id] = msg
             ids.append(msg.metadata.message_id)

@@ -9,6 +9,7 @@ The steps it shares with ``fedsparse deploy`` are in ``lab/launch.py``.
 from __future__ import annotations
 
 import math
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -92,8 +93,15 @@ def run_simulation(
     cpus_per_client: float = 1.0,
     timeout: float = 3600.0,
     console: Console | None = None,
+    resume: bool = False,
 ) -> RunSummary:
     """Runs one simulated federation; returns its ``summary.json``.
+
+    The simulated nodes keep their state after every round they train in
+    ``<out>/node-state`` (``client/state.py``). With ``resume``, the run in ``out`` continues
+    from its ``checkpoint.pt`` (``server/checkpoint.py``: round, weights, sampling RNG,
+    strategy state) with those node states, and ends with the same model as an uninterrupted
+    run with the same overrides; a new run starts from a clean ``node-state``.
 
     Raises:
         ValueError: a bad run-config override (named key and value), ``clients`` below
@@ -104,12 +112,17 @@ def run_simulation(
     console = console or Console()
     if clients < 1:
         raise ValueError(f"clients={clients}: expected >= 1")
-    run = prepare_run(out, overrides)
+    if resume and not (Path(out) / "checkpoint.pt").exists():
+        raise ValueError(f"resume: no checkpoint.pt in out={out}: nothing to resume")
+    run = prepare_run(out, {**overrides, **({"resume": "true"} if resume else {})})
     if run.config.min_clients > clients:
         raise ValueError(
             f"clients={clients}: below min-clients={run.config.min_clients}, the run could "
             "never start (lower --set min-clients or add clients)"
         )
+    state_dir = run.out / "node-state"
+    if not resume:  # a new run's nodes start afresh (they would drop stale states anyway)
+        shutil.rmtree(state_dir, ignore_errors=True)
     link = connect(run, name="sim")
     superlink = superlink_args(
         ["--insecure", "--simulation", "--isolation", "subprocess"],
@@ -131,7 +144,7 @@ def run_simulation(
             superlink,
             # The simulated ClientApps run in this SuperLink's Ray workers and inherit its
             # environment: that is where the experimenter, as node owner, sets their policy.
-            env={**link.env, **simulation_policy_env()},
+            env={**link.env, **simulation_policy_env(state_dir=state_dir)},
             log=run.superlink_log,
             ports=[link.http_port],
         ),

@@ -230,7 +230,8 @@ def plan_sweep(
 def _identity(run: SweepRun, settings: RunSettings) -> dict[str, Any]:
     """What must match for a finished run directory to be reused."""
     config = FederatedConfig.from_run_config(run.overrides).to_run_config()
-    config.pop("out-dir")
+    for key in ("out-dir", "resume"):  # where it ran and whether it was resumed: not its result
+        config.pop(key, None)
     identity = {"config": config, "clients": settings.clients, "backend": settings.backend}
     if settings.backend == "deploy":  # the links are part of what a deployed run measured
         identity |= {"uplink_bps": settings.uplink_bps, "downlink_bps": settings.downlink_bps}
@@ -245,7 +246,8 @@ def _reusable(run_dir: Path, identity: dict[str, Any]) -> tuple[dict[str, Any], 
     except (OSError, ValueError, TypeError):  # missing, unreadable or of another schema
         return None
     config = dict(summary.config)
-    config.pop("out-dir", None)
+    for key in ("out-dir", "resume"):
+        config.pop(key, None)
     same = all(record.get(k) == v for k, v in identity.items()) and config == identity["config"]
     return (record, summary) if same and record.get("status") == "ok" else None
 

@@ -5,6 +5,10 @@ Each round: ``strategy.configure_train`` (rate, mask seed, client sampling, down
 norm bounds and aggregation), centralized evaluation of the new global model on the held-out
 test set, and one ``RoundLog`` line plus a checkpoint (``RunRecorder``).
 
+``resume=true`` continues a killed run from its checkpoint (``server/checkpoint.py``): the
+checkpoint's model, client-sampling state and failure count, the records of the rounds it
+covers, and every later round as the uninterrupted run would have played it.
+
 A round that accepts no update leaves the model unchanged and is recorded as failed
 (``RoundLog.failed``, ``failure``). When ``max-failed-rounds`` rounds in a row fail, the
 strategy raises ``FederationFailed``: the loop records that round and re-raises without
@@ -30,6 +34,12 @@ from fedsparse.common.layout import ParamLayout
 from fedsparse.common.models import build_model
 from fedsparse.common.records import RoundLog, RunSummary
 from fedsparse.common.training import evaluate
+from fedsparse.server.checkpoint import (
+    CHECKPOINT,
+    Checkpoint,
+    CheckpointError,
+    load_checkpoint,
+)
 from fedsparse.server.run_records import RunRecorder
 from fedsparse.server.strategy import (
     FederationFailed,
@@ -61,26 +71,45 @@ def wait_for_nodes(grid: Grid, minimum: int, timeout: float) -> list[int]:
 
 
 def run_federated(grid: Grid, cfg: FederatedConfig) -> RunSummary:
-    """Runs every round; returns the run summary (also written to ``summary.json``)."""
+    """Runs every round; returns the run summary (also written to ``summary.json``).
+
+    With ``resume=true`` it continues the run in ``out-dir`` after the round of its
+    ``checkpoint.pt`` (``server/checkpoint.py``): with the same seeds and clients that keep
+    their state (``client/state.py``) it ends with the model the uninterrupted run ends with.
+
+    Raises:
+        CheckpointError: ``resume=true`` and no usable checkpoint (nothing is touched).
+        FederationFailed: ``max-failed-rounds`` failed rounds in a row.
+    """
     torch.set_num_threads(1)
     model = build_model(cfg.model_name, seed=cfg.seed)
     layout = ParamLayout.from_module(model)
     d = layout.numel
     _, test = load_dataset(cfg.dataset, data_dir=cfg.data_dir or None, seed=cfg.seed)
     strategy = SparseFedAvg(cfg, num_parameters=d)
-    recorder = RunRecorder(Path(cfg.out_dir or "runs/latest"), cfg, layout)
-    arrays = flat_array(layout.flatten_module(model))
+    out = Path(cfg.out_dir or "runs/latest")
+    # Nothing in out-dir is touched before the nodes are there (recorder.begin): a start that
+    # fails (a bad checkpoint, too few nodes) leaves the previous records as they were.
+    checkpoint = _resume(out, cfg, layout, strategy) if cfg.resume else None
+    done = checkpoint.round if checkpoint is not None else 0
+    recorder = RunRecorder(out, cfg, layout, resume_from=done, strategy_state=strategy.state_dict)
+    weights = checkpoint.weights if checkpoint is not None else layout.flatten_module(model)
+    arrays = flat_array(weights)
     log(
         INFO,
-        "fedsparse: %s, model %s (d=%d), %d rounds",
+        "fedsparse: %s, model %s (d=%d), %d rounds%s",
         cfg.dataset,
         cfg.model_name,
         d,
         cfg.num_rounds,
+        f", resumed after round {done}" if checkpoint is not None else "",
     )
     strategy.summary()
-    wait_for_nodes(grid, cfg.min_clients, cfg.round_timeout)
-    for server_round in range(1, cfg.num_rounds + 1):
+    nodes = wait_for_nodes(grid, cfg.min_clients, cfg.round_timeout)
+    if checkpoint is not None:
+        strategy.drop_absent_nodes(nodes)
+    recorder.begin()
+    for server_round in range(done + 1, cfg.num_rounds + 1):
         messages = strategy.configure_train(server_round, arrays, ConfigRecord(), grid)
         replies = grid.send_and_receive(messages, timeout=cfg.round_timeout)
         failed: FederationFailed | None = None
@@ -114,6 +143,23 @@ def run_federated(grid: Grid, cfg: FederatedConfig) -> RunSummary:
         if failed is not None:
             raise failed
     return recorder.finish()
+
+
+def _resume(
+    out: Path, cfg: FederatedConfig, layout: ParamLayout, strategy: SparseFedAvg
+) -> Checkpoint:
+    """The checkpoint in ``out``, checked, with the strategy's state restored from it.
+
+    Raises:
+        CheckpointError: no usable checkpoint (``load_checkpoint``) or strategy state.
+    """
+    path = out / CHECKPOINT
+    checkpoint = load_checkpoint(path, cfg=cfg, layout=layout)
+    try:
+        strategy.load_state_dict(checkpoint.strategy, resumed_from=checkpoint.round)
+    except ValueError as err:
+        raise CheckpointError(f"checkpoint {path}: {err}") from None
+    return checkpoint
 
 
 def _round_log(stats: RoundStats, *, d: int, test_accuracy: float, test_loss: float) -> RoundLog:

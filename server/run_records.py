@@ -6,31 +6,65 @@ records of every round it finished. ``summary.json`` is written only when the ru
 its presence is how the launchers tell a finished run (``flwr run`` exits 0 whatever happens
 to the ServerApp), so a run that ends on failed rounds leaves only ``rounds.jsonl`` (the
 failed rounds with their reasons) and the checkpoint of the last good model.
+
+A resumed run (``resume_from``: the round of the checkpoint it continues) keeps the lines of
+rounds ``1..resume_from`` and drops any later one (a round the killed run logged but did not
+checkpoint, or a line cut short by the kill), so ``summary.json`` covers the whole run.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from fedsparse.common.config import FederatedConfig
 from fedsparse.common.layout import ParamLayout
 from fedsparse.common.records import RoundLog, RunSummary
+from fedsparse.server.checkpoint import CHECKPOINT, Checkpoint, CheckpointError
 
 __all__ = ["RunRecorder"]
 
 
 class RunRecorder:
-    """Writes one run's records into ``out`` (created; previous records are replaced)."""
+    """Writes one run's records into ``out`` (created by ``begin``, which replaces old ones).
 
-    def __init__(self, out: Path, cfg: FederatedConfig, layout: ParamLayout) -> None:
+    Args:
+        resume_from: 0 starts a new run (previous records are replaced); ``r`` > 0 continues
+            the run whose checkpoint is at round ``r`` (its lines of rounds 1..r are kept).
+        strategy_state: called after each round for the strategy's part of the checkpoint.
+
+    Raises:
+        CheckpointError: ``resume_from`` > 0 and ``rounds.jsonl`` lacks one of its rounds
+            (nothing is written).
+    """
+
+    def __init__(
+        self,
+        out: Path,
+        cfg: FederatedConfig,
+        layout: ParamLayout,
+        *,
+        resume_from: int = 0,
+        strategy_state: Callable[[], dict[str, Any]] | None = None,
+    ) -> None:
         self.out = Path(out)
         self.cfg = cfg
         self.layout = layout
-        self.logs: list[RoundLog] = []
+        self._strategy_state = strategy_state or dict
+        self._kept = _kept_rounds(self.out / "rounds.jsonl", resume_from)
+        self.logs: list[RoundLog] = [entry for entry, _ in self._kept]
+
+    def begin(self) -> None:
+        """Replaces the previous records (a resumed run keeps its rounds): rounds start now.
+
+        Called once the nodes are there, so that a start that fails earlier (a bad
+        checkpoint, too few nodes) leaves the previous records as they were.
+        """
         self.out.mkdir(parents=True, exist_ok=True)
-        (self.out / "rounds.jsonl").write_text("")
+        _replace_text(self.out / "rounds.jsonl", "".join(line + "\n" for _, line in self._kept))
         (self.out / "summary.json").unlink(missing_ok=True)  # a stale one would read as success
 
     def save_updates(self, server_round: int, updates: dict[int, bytes]) -> None:
@@ -49,26 +83,54 @@ class RunRecorder:
         self.logs.append(entry)
         with (self.out / "rounds.jsonl").open("a") as fh:
             fh.write(entry.to_json() + "\n")
-        tmp = self.out / "checkpoint.pt.tmp"
-        torch.save(
-            {
-                "round": entry.round,
-                "weights": weights.clone(),
-                "names": self.layout.names,
-                "shapes": self.layout.shapes,
-                "config": self.cfg.to_run_config(),
-            },
-            tmp,
-        )
-        tmp.replace(self.out / "checkpoint.pt")
+        Checkpoint(
+            round=entry.round,
+            weights=weights,
+            names=list(self.layout.names),
+            shapes=list(self.layout.shapes),
+            config=self.cfg.to_run_config(),
+            strategy=self._strategy_state(),
+        ).save(self.out / CHECKPOINT)
 
     def finish(self) -> RunSummary:
-        """Writes and returns the summary of the completed run."""
+        """Writes and returns the summary of the completed run.
+
+        A resumed run's summary covers every round and records ``resume=false``: it is the
+        summary of the run it continued, which computed what an uninterrupted run computes.
+        """
         summary = RunSummary.from_rounds(
             self.logs,
             parameters=self.layout.numel,
             delta=self.cfg.delta,
-            config=self.cfg.to_run_config(),
+            config={**self.cfg.to_run_config(), "resume": False},
         )
         (self.out / "summary.json").write_text(summary.to_json())
         return summary
+
+
+def _kept_rounds(path: Path, resume_from: int) -> list[tuple[RoundLog, str]]:
+    """The logged rounds ``1..resume_from`` of ``path``, with their lines (none: a new run)."""
+    if resume_from == 0:
+        return []
+    kept: dict[int, tuple[RoundLog, str]] = {}
+    text = path.read_text() if path.exists() else ""
+    for line in text.splitlines():
+        try:
+            entry = RoundLog.from_json(line)
+        except (ValueError, TypeError):  # a line cut short by the kill: nothing follows it
+            break
+        if entry.round <= resume_from:
+            kept[entry.round] = (entry, line)  # logged twice: the later line is the record
+    missing = [r for r in range(1, resume_from + 1) if r not in kept]
+    if missing:
+        raise CheckpointError(
+            f"{path}: rounds {missing} missing: expected the lines of rounds 1..{resume_from} "
+            "that the checkpoint continues"
+        )
+    return [kept[r] for r in range(1, resume_from + 1)]
+
+
+def _replace_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)

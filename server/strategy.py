@@ -24,6 +24,11 @@ add centralized evaluation, run records and checkpoints.
   ``MetricRecord``; ``last_round`` keeps them typed, with the reasons (strings do not fit a
   ``MetricRecord``).
 
+``state_dict``/``load_state_dict`` carry what a resumed run needs of the strategy (the
+client-sampling generator, the clients' last epsilons, the failed rounds in a row) through
+the checkpoint (``server/checkpoint.py``); a resumed run's train messages also carry
+``resumed-from``, the checkpoint's round (``client/state.py``).
+
 Where Flower's interface does not reach: the strategy needs the previous global model to
 apply a sparse mean (coordinates no client covered stay as they were), so it keeps the model
 it was configured with; and client-side evaluation is not used (``configure_evaluate`` sends
@@ -32,15 +37,18 @@ nothing): clients hold only private training data, and the server evaluates cent
 
 from __future__ import annotations
 
+import hashlib
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from logging import INFO, WARNING
+from typing import Any
 
 import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
@@ -153,6 +161,11 @@ class _Candidate:
     norm: float  # L2 norm of the values as received
 
 
+def _canonical(candidate: _Candidate) -> bytes:
+    """A key that orders updates by content alone (not by node id or arrival)."""
+    return hashlib.sha256(candidate.values.numpy().tobytes()).digest()
+
+
 class SparseFedAvg(Strategy):
     """Sparse-aware FedAvg over values-only updates on seed-shared masks.
 
@@ -172,6 +185,47 @@ class SparseFedAvg(Strategy):
         self._weights: torch.Tensor | None = None
         self._failed_in_a_row: list[int] = []  # rounds
         self.last_round: RoundStats | None = None
+        self.resumed_from = 0  # the checkpoint round a resumed run continues (0: not resumed)
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs of this strategy to continue exactly (plain values).
+
+        The client-sampling generator runs through the rounds, so its state is kept; the
+        downlink cache is not (see ``server/checkpoint.py``).
+        """
+        return {
+            "sampling-rng": self._rng.bit_generator.state,
+            "epsilons": dict(self._epsilons),
+            "failed-in-a-row": list(self._failed_in_a_row),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any], *, resumed_from: int) -> None:
+        """Restores ``state_dict()`` of the run being resumed at checkpoint ``resumed_from``.
+
+        Raises:
+            ValueError: ``state`` is not what ``state_dict`` writes (the key is named).
+        """
+        try:
+            rng = np.random.default_rng()
+            rng.bit_generator.state = state["sampling-rng"]
+            epsilons = {int(k): float(v) for k, v in dict(state["epsilons"]).items()}
+            failed = [int(r) for r in state["failed-in-a-row"]]
+        except KeyError as err:
+            raise ValueError(f"strategy state: missing key {err}") from None
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"strategy state: {type(err).__name__}: {err}") from None
+        self._rng = rng
+        self._epsilons = epsilons
+        self._failed_in_a_row = failed
+        self.resumed_from = resumed_from
+
+    def drop_absent_nodes(self, nodes: Iterable[int]) -> None:
+        """Forgets the epsilons of nodes not in ``nodes`` (the ones connected now).
+
+        A restarted simulation names its nodes anew: a stale id would count twice.
+        """
+        connected = set(nodes)
+        self._epsilons = {n: eps for n, eps in self._epsilons.items() if n in connected}
 
     def summary(self) -> None:
         """Logs the strategy's configuration."""
@@ -250,7 +304,7 @@ class SparseFedAvg(Strategy):
                 model_version=version,
                 model=payload,
             )
-            message = train_message(instruction, node=node)
+            message = train_message(instruction, node=node, resumed_from=self.resumed_from)
             messages.append(message)
             stats.downlink_payload_bytes += len(payload)
             stats.downlink_message_bytes += message_bytes(message)
@@ -269,6 +323,9 @@ class SparseFedAvg(Strategy):
         if stats is None or weights is None or stats.server_round != server_round:
             raise RuntimeError(f"aggregate_train({server_round}) without configure_train")
         accepted = self._bound_norms(stats, self._validate(stats, replies))
+        # Replies arrive in any order and node ids differ between runs: a canonical order
+        # (by content) makes the float sums, and so the model, independent of both.
+        accepted.sort(key=_canonical)
         self._round_numbers(stats, accepted)
         new_weights, touched = self._aggregate(stats, weights, accepted)
         for reason in stats.rejected:
@@ -289,8 +346,13 @@ class SparseFedAvg(Strategy):
         selected, seen = set(stats.selected), set()
         candidates = []
         for reply in replies:
-            stats.num_replies += 1
             node = int(reply.metadata.src_node_id)
+            if node == SUPERLINK_NODE_ID and reply.has_error() and node not in selected:
+                # The SuperLink's word that a node went away (heartbeat lapsed): no client's
+                # reply; the node stays counted as missing.
+                log(INFO, "round %d: SuperLink: %s", stats.server_round, reply.error.reason)
+                continue
+            stats.num_replies += 1
             if node not in selected or node in seen:
                 why = "a second reply" if node in seen else "a reply from an unselected node"
                 stats.rejected.append(f"node {node}: {why} this round")

@@ -49,6 +49,7 @@ def test_server_holds_only_serverapp_code() -> None:
     assert modules == [
         "__init__",
         "app",
+        "checkpoint",
         "downlink",
         "loop",
         "messages",

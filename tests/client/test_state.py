@@ -1,12 +1,22 @@
-"""The node's state in Context.state and the downlink patch."""
+"""The node's state in Context.state, its state files, and the downlink patch."""
+
+from pathlib import Path
 
 import pytest
 import torch
 from flwr.app import Context, RecordDict
 
-from fedsparse.client.state import NodeState, apply_downlink
+from fedsparse.client.app import _node_state
+from fedsparse.client.state import (
+    RESUMED_FROM,
+    NodeState,
+    StateFiles,
+    apply_downlink,
+    resumed_from,
+)
+from fedsparse.common.node_policy import NodePolicy
 from fedsparse.common.payload import PayloadError, encode_update
-from fedsparse.common.protocol import STATE_RECORD
+from fedsparse.common.protocol import STATE_RECORD, ProtocolError
 
 
 def _context() -> Context:
@@ -70,3 +80,83 @@ def test_a_patch_for_another_version_or_round_is_refused() -> None:
         apply_downlink(torch.zeros(100), 1, patch, base_version=1, numel=100, server_round=3)
     with pytest.raises(PayloadError):
         apply_downlink(torch.zeros(99), 1, patch, base_version=1, numel=99, server_round=2)
+
+
+# --- state files: what a simulated node keeps on disk for a resumed run ---------------------
+
+
+def _files(tmp_path: Path) -> StateFiles:
+    return StateFiles(tmp_path / "state", 2)
+
+
+def test_state_files_round_trip_the_history_exactly(tmp_path: Path) -> None:
+    files = _files(tmp_path)
+    history = [(1.1000000000000001, 0.0123456789, 4), (0.9, 0.25, 8)]
+    files.save(NodeState(torch.zeros(3), 1, history[:1], last_round=1))
+    files.save(NodeState(torch.zeros(3), 3, history, last_round=4))
+    assert files.rounds() == [1, 4]
+    assert sorted(p.name for p in files.folder.iterdir()) == ["round-1.json", "round-4.json"]
+    back = files.restore(up_to=4)
+    assert back == NodeState(history=history, last_round=4)  # no model: the server sends it
+    assert files.restore(up_to=3) == NodeState(history=history[:1], last_round=1)
+    assert files.restore(up_to=0) == NodeState()
+
+
+def test_state_files_after_the_resume_point_are_discarded(tmp_path: Path) -> None:
+    files = _files(tmp_path)
+    for r in (1, 3, 4):
+        files.save(NodeState(torch.zeros(3), r - 1, [(1.0, 0.5, r)], last_round=r))
+    (files.folder / "notes.txt").write_text("not a state file")
+    files.discard_after(3)
+    assert files.rounds() == [1, 3]
+    files.discard_after(0)  # a new run: nothing of an earlier one is kept
+    assert files.rounds() == [] and (files.folder / "notes.txt").exists()
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("{", "unreadable"),
+        ('{"format": 2, "last-round": 3}', "format=2"),
+        ('{"format": 1, "last-round": 2}', "last-round=2: expected 3"),
+        ('{"format": 1, "last-round": 3, "acc-sigma": [0.0]}', "acc-q"),
+    ],
+)
+def test_a_damaged_state_file_is_an_error_not_a_fresh_accountant(
+    tmp_path: Path, text: str, match: str
+) -> None:
+    files = _files(tmp_path)
+    files.folder.mkdir(parents=True)
+    (files.folder / "round-3.json").write_text(text)
+    with pytest.raises(ValueError, match=match):
+        files.restore(up_to=5)
+
+
+def test_resumed_from_is_read_from_the_train_config() -> None:
+    assert resumed_from({}) == 0
+    assert resumed_from({RESUMED_FROM: 7}) == 7
+    for bad in (-1, True, "3", 2.0):
+        with pytest.raises(ProtocolError, match="resumed-from="):
+            resumed_from({RESUMED_FROM: bad})
+
+
+def test_a_node_restores_its_files_only_on_first_contact(tmp_path: Path) -> None:
+    files = _files(tmp_path)
+    for r in (1, 2, 3):  # round 3: trained in the killed run after its last checkpoint
+        files.save(NodeState(torch.zeros(3), r - 1, [(1.0, 0.5, r)], last_round=r))
+    ctx = _context()
+    state = _node_state(ctx, files, 2, numel=3)
+    assert state == NodeState(history=[(1.0, 0.5, 2)], last_round=2)
+    assert files.rounds() == [1, 2]
+    NodeState(torch.ones(3), 3, [(0.7, 0.5, 9)], last_round=3).save(ctx)
+    again = _node_state(ctx, files, 2, numel=3)  # the Context wins once it holds a state
+    assert again.last_round == 3 and again.history == [(0.7, 0.5, 9)]
+    fresh = _node_state(_context(), files, 0, numel=3)  # a new run: files of old runs go
+    assert fresh == NodeState() and files.rounds() == []
+
+
+def test_state_dir_is_a_simulation_only_policy() -> None:
+    policy = NodePolicy.from_sources({"noise": "seeded", "state-dir": "/tmp/x"})
+    assert policy.state_dir == "/tmp/x"
+    with pytest.raises(ValueError, match="state-dir='/tmp/x': expected '' unless noise='seeded'"):
+        NodePolicy.from_sources({"state-dir": "/tmp/x"})

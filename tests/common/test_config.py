@@ -10,7 +10,7 @@ import torch
 from opacus.accountants import create_accountant
 
 from fedsparse.common.aggregate import AGGREGATORS, WEIGHTINGS
-from fedsparse.common.config import CODECS, MASK_SCOPES, FederatedConfig
+from fedsparse.common.config import CODECS, MASK_SCOPES, RESUME_MAY_DIFFER, FederatedConfig
 from fedsparse.common.data import DATASET_INPUT_SHAPES, DATASET_NAMES, load_dataset
 from fedsparse.common.dp import MECHANISMS
 from fedsparse.common.models import DEFAULT_MODELS, MODEL_INPUT_SHAPES, MODEL_NAMES, build_model
@@ -218,3 +218,14 @@ def test_robustness_defaults_protect_and_can_be_turned_off() -> None:
     # per-client masks combine with a robust aggregator (per coordinate over the coverers)
     both = FederatedConfig.from_run_config({"mask-scope": "client", "aggregator": "median"})
     assert (both.mask_scope, both.aggregator) == ("client", "median")
+
+
+def test_resume_is_a_run_config_flag_and_its_free_keys_are_real_keys() -> None:
+    assert FederatedConfig().resume is False
+    assert FederatedConfig.from_run_config({"resume": "true"}).resume is True
+    with pytest.raises(ValueError, match="resume='yes': expected true or false"):
+        FederatedConfig.from_run_config({"resume": "yes"})
+    keys = set(FederatedConfig().to_run_config())
+    assert keys >= RESUME_MAY_DIFFER
+    # What the run computes may not change on resume.
+    assert not RESUME_MAY_DIFFER & {"num-rounds", "seed", "lr", "clients-per-round", "final-rate"}

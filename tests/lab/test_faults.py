@@ -257,3 +257,50 @@ def test_sigterm_stops_a_deployment_and_everything_it_started(tmp_path: Path) ->
             process.kill()
     _assert_nothing_left(marker)
     assert 1 <= len(read_rounds(out / "rounds.jsonl")) < 60
+
+
+# -- resume ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_simulation_stopped_by_sigterm_resumes_to_the_uninterrupted_model(
+    tmp_path: Path,
+) -> None:
+    import torch
+
+    sets = [*QUICK, "--set", "num-rounds=5", "--set", "clients-per-round=0", "--set", "seed=3"]
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    base = ["simulate", "--clients", "3", *sets]
+    process, _ = _start([*base, "--out", str(whole)], tmp_path / "whole.log")
+    assert process.wait(timeout=400) == 0, (tmp_path / "whole.log").read_text()[-2000:]
+    process, marker = _start([*base, "--out", str(cut)], tmp_path / "cut.log")
+    try:
+        _wait_rounds(cut / "rounds.jsonl", 2, process, timeout=300)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 128 + signal.SIGTERM
+    finally:
+        if process.poll() is None:
+            process.kill()
+    _assert_nothing_left(marker)
+    stopped_at = len(read_rounds(cut / "rounds.jsonl"))
+    assert 2 <= stopped_at < 5 and not (cut / "summary.json").exists()
+    process, _ = _start([*base, "--out", str(cut), "--resume"], tmp_path / "resume.log")
+    assert process.wait(timeout=400) == 0, (tmp_path / "resume.log").read_text()[-2000:]
+    a = torch.load(whole / "checkpoint.pt", weights_only=False)
+    b = torch.load(cut / "checkpoint.pt", weights_only=False)
+    assert a["round"] == b["round"] == 5
+    assert torch.equal(a["weights"], b["weights"])  # bit for bit
+    rounds_a, rounds_b = read_rounds(whole / "rounds.jsonl"), read_rounds(cut / "rounds.jsonl")
+    assert [r.round for r in rounds_b] == [1, 2, 3, 4, 5]
+    for x, y in zip(rounds_a, rounds_b, strict=True):
+        assert (x.test_accuracy, x.epsilon_max, x.uplink_payload_bytes) == (
+            y.test_accuracy,
+            y.epsilon_max,
+            y.uplink_payload_bytes,
+        )
+    summary = json.loads((cut / "summary.json").read_text())
+    assert summary["rounds"] == 5
+    assert (
+        summary["final_test_accuracy"]
+        == json.loads((whole / "summary.json").read_text())["final_test_accuracy"]
+    )
