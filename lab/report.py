@@ -150,7 +150,7 @@ def plot_accuracy_vs_time(groups: Sequence[ConfigRuns], settings: RunSettings, p
         acc = _per_round(group, lambda r: [e.test_accuracy for e in r])
         _band(ax, seconds.mean(axis=0), acc, group.label)
     ax.set(xlabel="wall-clock seconds (sum of rounds)", ylabel="test accuracy")
-    ax.set_title(f"{PLOTS[path.name]}: {link_label(settings)} (mean ± SE over seeds)")
+    ax.set_title(f"{PLOTS[path.name]} (mean ± SE over seeds)\n{link_label(settings)}")
     _finish(fig, ax, path)
 
 
