@@ -32,7 +32,12 @@ from fedsparse.common.masks import sample_mask
 from fedsparse.common.models import build_model
 from fedsparse.common.node_policy import NodePolicy, TrainingRequest
 from fedsparse.common.payload import decode_update, encode_update
-from fedsparse.common.privacy import calibrate_noise_multiplier, sample_rate, steps_per_epoch
+from fedsparse.common.privacy import (
+    accountant_epsilon,
+    calibrate_noise_multiplier,
+    sample_rate,
+    steps_per_epoch,
+)
 from fedsparse.common.protocol import (
     CONFIG_RECORD,
     METRICS_RECORD,
@@ -66,7 +71,9 @@ def _node_partition(context: Context) -> tuple[int, int]:
 def _calibrated(privacy: PrivacyConfig, cfg: FederatedConfig, num_examples: int) -> PrivacyConfig:
     """``privacy`` with sigma calibrated for the whole run's steps, if it has a target epsilon.
 
-    Calibrated once for the worst case: this client trains in every round.
+    Calibrated for the worst case: this client trains in every round. The search depends
+    only on the run config and the partition size, so every round after a node's first (and
+    every node with the same ``q``) gets it from ``calibrate_noise_multiplier``'s memo.
     """
     if privacy.target_epsilon is None:
         return privacy
@@ -205,7 +212,14 @@ def _train_round(
         loss, n = train_one_epoch(module, optimizer, loader)
         losses.append(loss)
         examples += n
-    epsilon = engine.get_epsilon(privacy.delta)
+    # engine.get_epsilon's value, from the memoized accountant (ε of the whole history).
+    epsilon = (
+        accountant_epsilon(
+            engine.accountant.history, delta=privacy.delta, accountant=privacy.accountant
+        )
+        if privacy.mechanism == "dpsgd"
+        else math.inf
+    )
 
     delta = layout.flatten_module(model) - global_flat
     values = delta if mask is None else delta[mask]

@@ -21,6 +21,21 @@ the centralized trainer need, as plain functions:
 * ``history_to_record`` / ``history_from_record``: the accountant history as the lists a
   Flower ``ConfigRecord`` holds between rounds (``Context.state``).
 
+Memos. Every client calibrates ``σ`` and computes ``ε`` of its history in every round; done
+afresh, that is most of a round's time (one calibration evaluates ``ε`` some 20 times, and
+one RDP evaluation sums a series per order). So, process-wide and bounded:
+
+* ``calibrate_noise_multiplier`` is memoized on all its arguments (the search depends on
+  nothing else: one ``(σ, q, steps)`` entry, no prior history, Opacus's fixed orders);
+* the RDP accountant's per-step curve ``RDP_α(q, σ)`` over Opacus's orders is memoized on
+  ``(q, σ)``, and the composed RDP of a history on the history itself, extended by one
+  entry in ``O(orders)`` (Opacus's sum, same terms in the same order);
+* PRV and GDP ``ε`` are memoized on ``(history, δ, accountant)``.
+
+Each memo returns the value computed by the same floating-point operations as Opacus's
+accountant would, bit for bit (tests pin it); ``accounting_cache(enabled=False)`` switches
+them off, leaving the plain Opacus calls (for tests and ``benchmarks/client_round.py``).
+
 References:
     M. Abadi et al. "Deep Learning with Differential Privacy". CCS 2016. arXiv:1607.00133.
     I. Mironov, K. Talwar, L. Zhang. "Rényi Differential Privacy of the Sampled Gaussian
@@ -29,19 +44,28 @@ References:
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 import numbers
-from collections.abc import Mapping, Sequence
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Final, Literal, get_args
 
-from opacus.accountants import create_accountant
+import numpy as np
+from opacus.accountants import RDPAccountant, create_accountant
+from opacus.accountants.analysis import rdp as rdp_analysis
 from opacus.accountants.analysis.gdp import compute_mu_poisson, delta_eps_mu
 
 __all__ = [
     "ACCOUNTANTS",
     "HISTORY_KEYS",
     "AccountantName",
+    "accountant_epsilon",
+    "accounting_cache",
     "calibrate_noise_multiplier",
+    "clear_accounting_caches",
     "compute_epsilon",
     "compute_epsilon_of_history",
     "history_from_record",
@@ -61,6 +85,17 @@ HISTORY_KEYS: Final = ("acc-sigma", "acc-q", "acc-steps")
 _MAX_SIGMA: Final = 1e6  # Opacus's bound (accountants.utils.MAX_SIGMA)
 # The GDP accountant solves for ε in [0, 500] and fails outside; these bound the answer.
 _GDP_EPS_RANGE: Final = (0.0, 500.0)
+
+Entry = tuple[float, float, int]
+"""One accountant history entry: ``(σ, q, steps)``."""
+
+# Memo bounds: entries kept, least recently used dropped first. A calibration adds ~20
+# per-step curves (one per σ it tries); a history memo holds one key per node and round.
+_CALIBRATIONS: Final = 256
+_CURVES: Final = 4096
+_HISTORIES: Final = 1024
+_RDP_ORDERS: Final = tuple(RDPAccountant.DEFAULT_ALPHAS)
+_memo_enabled = True
 
 
 def steps_per_epoch(num_examples: int, batch_size: int, *, poisson_sampling: bool = True) -> int:
@@ -104,10 +139,10 @@ def compute_epsilon(
     ``"gdp"``, where Opacus's root search fails outside ``ε`` in [0, 500], returns 0 when ``ε =
     0`` already meets ``delta`` and ``inf`` when no ``ε <= 500`` does.
     """
-    acc = create_accountant(mechanism=accountant)
-    acc.history = [(noise_multiplier, sample_rate, steps)]
     try:
-        return float(acc.get_epsilon(delta=delta))
+        return accountant_epsilon(
+            [(noise_multiplier, sample_rate, steps)], delta=delta, accountant=accountant
+        )
     except ValueError:
         if accountant != "gdp":
             raise
@@ -138,9 +173,128 @@ def compute_epsilon_of_history(
         return compute_epsilon(
             noise_multiplier=sigma, sample_rate=q, steps=steps, delta=delta, accountant=accountant
         )
+    return accountant_epsilon(entries, delta=delta, accountant=accountant)
+
+
+def accountant_epsilon(
+    history: Sequence[tuple[float, float, int]], *, delta: float, accountant: AccountantName
+) -> float:
+    """Opacus's ``accountant.get_epsilon(delta)`` with ``accountant.history = history``, memoized.
+
+    What ``SparseDPEngine.get_epsilon`` returns for DP-SGD: 0 for an empty history, else the
+    accountant's value as it computes it (no GDP range fallback: its errors propagate). The
+    RDP value is Opacus's sum over entries of ``steps * RDP_α(q, σ)``, with the per-step
+    curves and the history's prefix sums memoized; PRV and GDP values are memoized on
+    ``(history, delta, accountant)``. Equal to the unmemoized call bit for bit.
+    """
+    if not history:
+        return 0.0
+    entries = tuple((float(s), float(q), int(n)) for s, q, n in history)
+    if not _memo_enabled:
+        return _opacus_epsilon(entries, delta, accountant)
+    if accountant == "rdp":
+        eps, _ = rdp_analysis.get_privacy_spent(
+            orders=list(_RDP_ORDERS), rdp=_rdp_of_history(entries), delta=delta
+        )
+        return float(eps)
+    return _memo_epsilon(entries, float(delta), accountant)
+
+
+def _opacus_epsilon(entries: tuple[Entry, ...], delta: float, accountant: AccountantName) -> float:
     acc = create_accountant(mechanism=accountant)
-    acc.history = entries
+    acc.history = list(entries)
     return float(acc.get_epsilon(delta=delta))
+
+
+_memo_epsilon = functools.lru_cache(maxsize=_HISTORIES)(_opacus_epsilon)
+
+
+@functools.lru_cache(maxsize=_CURVES)
+def _rdp_curve(sample_rate: float, noise_multiplier: float) -> np.ndarray:
+    """``RDP_α`` of one step at Opacus's orders (``compute_rdp``'s array; ``* 1`` is exact)."""
+    curve = np.asarray(
+        rdp_analysis.compute_rdp(
+            q=sample_rate, noise_multiplier=noise_multiplier, steps=1, orders=list(_RDP_ORDERS)
+        )
+    )
+    curve.flags.writeable = False
+    return curve
+
+
+class _PrefixSums:
+    """Composed RDP of histories, least recently used first out; thread-safe."""
+
+    def __init__(self, maxsize: int) -> None:
+        self._sums: OrderedDict[tuple[Entry, ...], np.ndarray] = OrderedDict()
+        self._maxsize = maxsize
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple[Entry, ...]) -> np.ndarray | None:
+        with self._lock:
+            value = self._sums.get(key)
+            if value is not None:
+                self._sums.move_to_end(key)
+            return value
+
+    def put(self, key: tuple[Entry, ...], value: np.ndarray) -> None:
+        value.flags.writeable = False
+        with self._lock:
+            self._sums[key] = value
+            self._sums.move_to_end(key)
+            while len(self._sums) > self._maxsize:
+                self._sums.popitem(last=False)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._sums.clear()
+
+
+_rdp_sums = _PrefixSums(_HISTORIES)
+
+
+def _rdp_of_history(entries: tuple[Entry, ...]) -> np.ndarray:
+    """Opacus's ``sum([compute_rdp(q, σ, steps, orders) for each entry])``, bit for bit.
+
+    ``compute_rdp`` is ``steps * curve``; Python's ``sum`` adds the terms left to right from
+    0, so the sum of a history is the sum of its prefix plus the last term: one step when the
+    prefix (last round's history) is memoized, otherwise every term from 0.
+    """
+    cached = _rdp_sums.get(entries)
+    if cached is not None:
+        return cached
+    prefix = _rdp_sums.get(entries[:-1]) if len(entries) > 1 else None
+    if prefix is None:
+        total: Any = 0
+        for sigma, q, steps in entries:
+            total = total + _rdp_curve(q, sigma) * steps
+    else:
+        sigma, q, steps = entries[-1]
+        total = prefix + _rdp_curve(q, sigma) * steps
+    _rdp_sums.put(entries, total)
+    return total
+
+
+@contextlib.contextmanager
+def accounting_cache(*, enabled: bool) -> Iterator[None]:
+    """Within the block, the memos are used (``True``) or bypassed (``False``: plain Opacus).
+
+    Process-wide (not per thread); restores the previous setting on exit. For equality
+    tests and benchmarks: the results are the same either way, only slower without.
+    """
+    global _memo_enabled
+    previous, _memo_enabled = _memo_enabled, enabled
+    try:
+        yield
+    finally:
+        _memo_enabled = previous
+
+
+def clear_accounting_caches() -> None:
+    """Empties every memo of this module (the next calls compute afresh)."""
+    _calibrate.cache_clear()
+    _rdp_curve.cache_clear()
+    _memo_epsilon.cache_clear()
+    _rdp_sums.clear()
 
 
 def calibrate_noise_multiplier(
@@ -177,12 +331,26 @@ def calibrate_noise_multiplier(
         raise ValueError(f"steps={steps!r}: expected an integer >= 1")
     if accountant not in ACCOUNTANTS:
         raise ValueError(f"accountant={accountant!r}: expected one of {', '.join(ACCOUNTANTS)}")
+    # The key is every input of the search, as the exact types it computes with.
+    args = (float(target_epsilon), float(delta), float(sample_rate), int(steps), accountant)
+    search = _calibrate if _memo_enabled else _calibrate.__wrapped__
+    return search(*args, float(epsilon_tolerance))
 
+
+@functools.lru_cache(maxsize=_CALIBRATIONS)
+def _calibrate(
+    target_epsilon: float,
+    delta: float,
+    sample_rate: float,
+    steps: int,
+    accountant: AccountantName,
+    epsilon_tolerance: float,
+) -> float:
     def epsilon(sigma: float) -> float:
         return compute_epsilon(
             noise_multiplier=sigma,
             sample_rate=sample_rate,
-            steps=int(steps),
+            steps=steps,
             delta=delta,
             accountant=accountant,
         )

@@ -3,7 +3,8 @@
 For fast, deterministic runs of the real ServerApp loop (``run_federated``) without a
 SuperLink or Ray: tests use it to compare an in-process round with the simulated and the
 deployed ones, and to inject faulty clients. Messages are handed over as objects; the byte
-accounting (``message_bytes``) serializes them exactly as Flower would.
+accounting (``message_bytes``) counts them exactly as Flower would serialize them (computed
+from the payload and the known framing; a test keeps it equal to the serialized size).
 """
 
 from __future__ import annotations

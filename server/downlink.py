@@ -7,10 +7,16 @@ of the changed coordinates with an explicit support (``auto`` encoding), or dens
 smaller. Applying the payload on the node is exact, so the node's copy equals the server's.
 Downloads carry global-model VALUES in fp32 (never quantized: the global model is not a noisy
 update) with the run's codec and compression for the support.
+
+A round's payload depends only on the version a node holds (its base), so ``payloads``
+encodes each base once, lazily, and the nodes with the same base share one ``bytes`` object:
+one dense encoding, one seeded mask and at most one union per base a round. ``payload`` is the
+per-node reference it equals byte for byte (``tests/server/test_downlink_cache.py``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -54,12 +60,24 @@ class DownlinkCache:
         """The node's state is unknown (it failed): it gets the dense model next time."""
         self.versions.pop(node, None)
 
+    def payloads(
+        self, nodes: Iterable[int], weights: torch.Tensor, *, version: int, server_round: int
+    ) -> dict[int, tuple[bytes, int]]:
+        """``payload`` for each of ``nodes``, each distinct base encoded once.
+
+        Equal to ``{node: payload(node, ...)}`` byte for byte; nodes that need the same bytes
+        get the same object.
+        """
+        round_cache = _RoundPayloads(self, weights, version=version, server_round=server_round)
+        return {node: round_cache.get(self.versions.get(node)) for node in nodes}
+
     def payload(
         self, node: int, weights: torch.Tensor, *, version: int, server_round: int
     ) -> tuple[bytes, int]:
         """(payload of global-model VALUES the node is missing, base version it patches).
 
-        The base version is -1 when the payload is the dense model.
+        The base version is -1 when the payload is the dense model. Encodes per call (the
+        reference for ``payloads``).
         """
         d = weights.numel()
         dense = encode_update(
@@ -91,4 +109,64 @@ class DownlinkCache:
             encoding="auto",  # a data-dependent union: no seed, smallest explicit support
             compression=self.compression,
         )
+        return (sparse, held) if len(sparse) < len(dense) else (dense, -1)
+
+
+class _RoundPayloads:
+    """One round's downlink payloads by the version a node holds, encoded on first use."""
+
+    def __init__(
+        self, cache: DownlinkCache, weights: torch.Tensor, *, version: int, server_round: int
+    ) -> None:
+        self.cache, self.weights = cache, weights
+        self.version, self.server_round = version, server_round
+        self._dense: bytes | None = None
+        self._by_base: dict[int | None, tuple[bytes, int]] = {}
+
+    def dense(self) -> bytes:
+        """The dense model, encoded once a round."""
+        if self._dense is None:
+            self._dense = encode_update(
+                self.weights,
+                dense_size=self.weights.numel(),
+                round=self.server_round,
+                compression=self.cache.compression,
+            )
+        return self._dense
+
+    def get(self, held: int | None) -> tuple[bytes, int]:
+        """(payload, base version) for a node holding version ``held`` (None: unknown)."""
+        if held not in self._by_base:
+            self._by_base[held] = self._encode(held)
+        return self._by_base[held]
+
+    def _encode(self, held: int | None) -> tuple[bytes, int]:
+        cache, weights, version = self.cache, self.weights, self.version
+        d = weights.numel()
+        if held is None or any(v not in cache.touched for v in range(held + 1, version + 1)):
+            return self.dense(), -1
+        if held + 1 == version and version in cache.seeded:
+            seed, keep = cache.seeded[version]
+            mask = sample_mask(d, keep=keep, seed=seed)  # once a round: one base needs it
+            return encode_update(
+                weights[mask],
+                dense_size=d,
+                round=self.server_round,
+                mask_seed=seed,
+                encoding=wire_encoding(cache.codec, sparse=True),
+                compression=cache.compression,
+            ), held
+        union = torch.zeros(d, dtype=torch.bool)
+        for v in range(held + 1, version + 1):
+            union |= cache.touched[v]
+        support = torch.nonzero(union).flatten()
+        sparse = encode_update(
+            weights[support],
+            dense_size=d,
+            round=self.server_round,
+            indices=support,
+            encoding="auto",  # a data-dependent union: no seed, smallest explicit support
+            compression=cache.compression,
+        )
+        dense = self.dense()
         return (sparse, held) if len(sparse) < len(dense) else (dense, -1)

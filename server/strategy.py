@@ -8,7 +8,8 @@ add centralized evaluation, run records and checkpoints.
 * ``configure_train`` computes the round's rate from the schedule and ``keep``, the round's
   mask seed (``protocol.round_seed``), samples clients (``Stream.CLIENT_SELECTION``), and
   builds one ``TrainInstruction`` per client whose ``model`` is what that node is missing of
-  the global model (``DownlinkCache``). The global model travels as an ``ArrayRecord`` with
+  the global model (``DownlinkCache``; each distinct payload is encoded once a round and
+  shared by the nodes that need it). The global model travels as an ``ArrayRecord`` with
   one flat float32 array ``"flat"`` between the strategy and its caller.
 * ``aggregate_train`` survives its clients, in this order: (1) every reply is validated
   (``server/validation.py``; a bad reply, a reply from a node not selected and a second reply
@@ -55,7 +56,7 @@ from flwr.serverapp.strategy import Strategy
 
 from fedsparse.common.aggregate import make_aggregator
 from fedsparse.common.config import FederatedConfig
-from fedsparse.common.masks import keep_count
+from fedsparse.common.masks import keep_count, sample_mask
 from fedsparse.common.protocol import TrainInstruction, client_mask_seed, round_seed
 from fedsparse.common.records import NoiseOrigin, epsilon_stats, round_noise
 from fedsparse.common.robust import clip_to_norm, l2_norm
@@ -286,10 +287,11 @@ class SparseFedAvg(Strategy):
         self.last_round = stats
         version = server_round - 1
         messages = []
+        payloads = self.downlink.payloads(
+            stats.selected, weights, version=version, server_round=server_round
+        )
         for node in stats.selected:
-            payload, base = self.downlink.payload(
-                node, weights, version=version, server_round=server_round
-            )
+            payload, base = payloads[node]
             instruction = TrainInstruction(
                 server_round=server_round,
                 num_rounds=cfg.num_rounds,
@@ -345,6 +347,7 @@ class SparseFedAvg(Strategy):
         version = stats.server_round - 1
         selected, seen = set(stats.selected), set()
         candidates = []
+        round_support = None  # the round's shared mask (mask-scope=round), sampled once
         for reply in replies:
             node = int(reply.metadata.src_node_id)
             if node == SUPERLINK_NODE_ID and reply.has_error() and node not in selected:
@@ -370,6 +373,8 @@ class SparseFedAvg(Strategy):
                 if cfg.mask_scope == "round"
                 else client_mask_seed(stats.mask_seed, node)
             )
+            if round_support is None and cfg.mask_scope == "round" and keep < d:
+                round_support = torch.nonzero(sample_mask(d, keep=keep, seed=scope_seed)).flatten()
             try:
                 valid = check_reply(
                     reply,
@@ -381,6 +386,7 @@ class SparseFedAvg(Strategy):
                     value_dtype=cfg.value_dtype,
                     compression=cfg.compression,
                     weighting=cfg.weighting,
+                    mask_support=round_support if cfg.mask_scope == "round" else None,
                 )
             except RejectedReply as err:
                 stats.rejected.append(f"node {node}: {err}")

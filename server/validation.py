@@ -131,6 +131,7 @@ def check_reply(
     value_dtype: ValueDType = "fp32",
     compression: Compression = "none",
     weighting: Weighting = "uniform",
+    mask_support: torch.Tensor | None = None,
 ) -> ValidUpdate:
     """Validates one reply to a train instruction.
 
@@ -140,6 +141,10 @@ def check_reply(
         keep: coordinates the round's mask keeps.
         codec, value_dtype, compression: the run's (which payloads are accepted).
         weighting: the run's aggregation weights.
+        mask_support: ``torch.nonzero(sample_mask(d, keep=keep, seed=expected_seed))``, the
+            mask's int64 support, when the caller has it (a round's replies share one mask:
+            sampled once a round, not per reply); None: sampled here when needed. A seeded
+            reply's support is this one (its seed and ``keep`` were checked), shared as is.
 
     Raises:
         RejectedReply: the reply is malformed, inconsistent with the round, or out of range.
@@ -178,11 +183,13 @@ def check_reply(
     ):
         if got != wanted:
             raise RejectedReply(f"{name}: {got!r}, expected {wanted!r} (the run's)")
-    support = update.support()
+    if update.encoding in ("seeded", *EXPLICIT_ENCODINGS) and mask_support is None:
+        assert expected_seed is not None  # keep < d
+        mask_support = torch.nonzero(sample_mask(d, keep=keep, seed=expected_seed)).flatten()
+    support = mask_support if update.encoding == "seeded" else update.support()
     if update.encoding in EXPLICIT_ENCODINGS:
-        assert expected_seed is not None and support is not None  # keep < d
-        mask = sample_mask(d, keep=keep, seed=expected_seed)
-        if not torch.equal(support, torch.nonzero(mask).flatten()):
+        assert support is not None and mask_support is not None  # keep < d
+        if not torch.equal(support, mask_support):
             raise RejectedReply(f"indices: the {update.encoding} support is not the round's mask")
     low = 1 if weighting == "examples" else 0
     if not low <= reply.num_examples <= MAX_WEIGHT:
