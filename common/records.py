@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Literal, Self
 
 __all__ = [
+    "BITS_PER_PARAM_REFERENCES",
     "LINKS",
     "NOISE_ORIGINS",
     "NoiseOrigin",
@@ -39,6 +40,7 @@ __all__ = [
     "round_noise",
     "run_noise",
     "summary_metrics",
+    "uplink_bits_per_param",
 ]
 
 Link = Literal["uplink", "downlink"]
@@ -55,8 +57,28 @@ NOISE_ORIGINS: tuple[NoiseOrigin, ...] = ("seeded", "fresh", "mixed", "none", "u
 #: ``RunSummary.noise`` of a run in which any accepted update had seeded noise.
 SEEDED_RUN = "seeded: not private against the server"
 
+#: Published uplink costs, in bits per model parameter per client and round, that reports place
+#: runs against (issue 13): dense fp32; the distributed discrete Gaussian with SecAgg
+#: (Kairouz, Liu & Steinke, ICML 2021, about 16 bits at no accuracy loss); SecAgg + central DP
+#: with compression (Chen, Choquette-Choo, Kairouz & Suresh, ICML 2022, about 1.2 bits at no
+#: accuracy loss).
+BITS_PER_PARAM_REFERENCES: dict[str, float] = {
+    "dense fp32": 32.0,
+    "distributed discrete Gaussian (Kairouz et al. 2021)": 16.0,
+    "SecAgg + central DP (Chen et al. 2022)": 1.2,
+}
+
 _PER_ROUND = {"per_round": True}
 _METRIC = {"metric": True}
+
+
+def uplink_bits_per_param(payload_bytes: float, dense_bytes: float) -> float:
+    """Uplink bits per model parameter per answering client: ``32 * payload / dense``.
+
+    ``dense`` is ``4 d`` bytes per answering client, so this is the payload's bits over the
+    parameters those clients could have sent (32 for dense fp32); NaN when no client answered.
+    """
+    return 32.0 * payload_bytes / dense_bytes if dense_bytes else math.nan
 
 
 def _from_mapping(cls: type[Any], data: Mapping[str, Any], what: str) -> Any:
@@ -103,8 +125,12 @@ class RoundLog:
     failure: str = ""  # why the round failed ("" if it did not)
     noise: NoiseOrigin = "unknown"  # the accepted updates' noise origin
     clipped: list[str] = field(default_factory=list)  # one reason per update scaled down
+    #: uplink payload bits per parameter per answering client (derived: ``32 * up / dense``)
+    uplink_bits_per_param: float = field(default=math.nan, metadata=_PER_ROUND)
 
     def __post_init__(self) -> None:
+        bits = uplink_bits_per_param(self.uplink_payload_bytes, self.dense_uplink_bytes)
+        object.__setattr__(self, "uplink_bits_per_param", bits)
         if self.num_accepted == -1:
             object.__setattr__(self, "num_accepted", self.num_replies - self.num_rejected)
         if self.noise not in NOISE_ORIGINS:
@@ -170,6 +196,12 @@ class RunSummary:
     #: the accepted updates' noise: ``SEEDED_RUN`` if any was seeded, else "fresh" ("none": no
     #: update was accepted; "unknown": rounds older than the field)
     noise: str = "unknown"
+    #: uplink payload bits per parameter per client-round over the run (derived)
+    uplink_bits_per_param: float = field(default=math.nan, metadata=_METRIC)
+
+    def __post_init__(self) -> None:
+        bits = uplink_bits_per_param(self.total_uplink_payload_bytes, self.total_dense_uplink_bytes)
+        object.__setattr__(self, "uplink_bits_per_param", bits)
 
     @classmethod
     def from_rounds(

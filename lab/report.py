@@ -22,7 +22,12 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from fedsparse.common.records import RoundLog, per_round_fields, read_rounds
+from fedsparse.common.records import (
+    BITS_PER_PARAM_REFERENCES,
+    RoundLog,
+    per_round_fields,
+    read_rounds,
+)
 from fedsparse.lab.sweep import METRICS, RunSettings, SweepPlan, point_label
 
 __all__ = [
@@ -234,6 +239,7 @@ TABLE = (  # (header, metric, digits, scale)
     ("downlink payload MB", "total_downlink_payload_bytes", 3, 1e6),
     ("dense uplink MB", "total_dense_uplink_bytes", 3, 1e6),
     ("uplink savings ×", "uplink_savings", 2, 1.0),
+    ("uplink bits/param", "uplink_bits_per_param", 3, 1.0),
     ("wall s", "wall_seconds", 1, 1.0),
 )
 
@@ -258,6 +264,7 @@ def render_report(
     for row in summary:
         cells = [_pm(row[f"{m}_mean"], row[f"{m}_se"], d, s) for _, m, d, s in TABLE]
         lines.append(f"| {row['config']} | {row['n']} | " + " | ".join(cells) + " |")
+    lines += ["", *bits_per_param_section(summary)]
     failed = [r for r in rows if r["status"] != "ok"]
     if failed:
         lines += ["", "## Failed runs", ""]
@@ -265,6 +272,28 @@ def render_report(
     lines += ["", "## Plots", ""]
     lines += [f"![{title}]({name})\n" for name, title in PLOTS.items()]
     return "\n".join(lines)
+
+
+def bits_per_param_section(summary: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Each config's uplink bits per parameter per client-round beside the published points.
+
+    The references (``BITS_PER_PARAM_REFERENCES``) are schemes reported at no accuracy loss;
+    a config below one of them is cheaper on the wire, at the accuracy the table above shows
+    (compare tuned runs before calling it a gain).
+    """
+    refs = sorted(BITS_PER_PARAM_REFERENCES.items(), key=lambda kv: -kv[1])
+    lines = ["## Uplink bits per parameter", ""]
+    lines += ["Payload bits per model parameter per client and round; references: "]
+    lines[-1] += "; ".join(f"{name} = {bits:g}" for name, bits in refs) + "."
+    lines += ["", "| config | bits/param | final test acc | vs references |", "|---|---:|---:|---|"]
+    for row in summary:
+        bits = row["uplink_bits_per_param_mean"]
+        if math.isnan(bits):
+            continue
+        place = ", ".join(f"{bits / ref:.2f}× {name.split(' (')[0]}" for name, ref in refs)
+        acc = _pm(row["final_test_accuracy_mean"], row["final_test_accuracy_se"], 4)
+        lines.append(f"| {row['config']} | {bits:.3f} | {acc} | {place} |")
+    return lines
 
 
 def _round_rows(groups: Sequence[ConfigRuns]) -> list[dict[str, Any]]:

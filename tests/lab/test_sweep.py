@@ -45,6 +45,7 @@ def test_csv_columns_are_the_published_ones() -> None:
         "total_dense_uplink_bytes",
         "total_dense_downlink_bytes",
         "uplink_savings",
+        "uplink_bits_per_param",
     )
     assert ROUND_KEYS == (
         "round",
@@ -61,6 +62,7 @@ def test_csv_columns_are_the_published_ones() -> None:
         "dense_uplink_bytes",
         "dense_downlink_bytes",
         "wall_seconds",
+        "uplink_bits_per_param",
     )
 
 
@@ -219,8 +221,15 @@ def test_plots_and_report(swept: Path) -> None:
         data = (swept / name).read_bytes()
         assert data.startswith(PNG) and len(data) > 1000, name
         assert f"]({name})" in report
-    table = [line for line in report.splitlines() if line.startswith("| final-rate=")]
+    results, bits = report.split("## Uplink bits per parameter")
+    table = [line for line in results.splitlines() if line.startswith("| final-rate=")]
     assert len(table) == 2
+    # Each config against the references: fp32 values, so 32 bits/param at r = 0 and about
+    # 32 * 0.1 at r = 0.9 late in the run (plus a header of a few bytes per client).
+    per_config = [line.split(" | ") for line in bits.splitlines() if line.startswith("| final")]
+    assert [row[0] for row in per_config] == ["| final-rate=0", "| final-rate=0.9"]
+    assert 32 <= float(per_config[0][1]) < 32.1 and 3.2 < float(per_config[1][1]) < 32
+    assert "(Chen et al. 2022) = 1.2" in bits
     assert table[0].startswith("| final-rate=0 | 2 | ") and " ± " in table[0]
     assert "--grid final-rate=0,0.9 --set num-rounds=2 --seeds 2 --clients 3" in report
     assert "| num-rounds | 2 |" in report and "| clients | 3 |" in report
