@@ -1,14 +1,18 @@
-"""Benchmark: DP-SGD + random sparsification step time against plain Opacus.
+"""Benchmark: DP-SGD + random sparsification step time, Opacus hooks and torch.func engines.
 
 DP-CNN (550,570 parameters) on random 3x32x32 inputs, batch 256, 2 threads. Measures examples/s
-for non-private SGD, plain Opacus DP-SGD, and DP-SGD+RS at r = 0 (no mask), 0.5 and 0.9, with the
-configurations interleaved round-robin so machine noise hits all alike, and prints medians and
-the ratio of each step time to the plain Opacus step time (target for RS: <= 1.03) and to the
-non-private one, each ratio with a 95% bootstrap interval over the paired repetitions (the
-ratio of two configurations' times within one round-robin pass).
+for non-private SGD; plain Opacus DP-SGD and the Opacus-hooks RS engine (``SparseDPEngine``) at
+r = 0 (no mask), 0.5 and 0.9; and the torch.func engine (``FuncDPEngine``) with no mask, with
+the all-kept mask of r = 0 (keep = d: the no-mask code path), and at r = 0.5 and 0.9. The
+configurations run interleaved round-robin so machine noise hits all alike. Prints medians and
+each step time relative to plain Opacus and each throughput relative to non-private SGD
+(target for the func engine: >= 0.6), then the RS overheads (RS time / the same engine's time
+without a mask; target <= 1.03) and the func engine's speed-up over Opacus. Every ratio comes
+with a 95% bootstrap interval over the paired repetitions (the ratio of two configurations'
+times within one round-robin pass).
 
 Usage: python benchmarks/engine.py [--reps 5] [--steps 2] [--batch 256] [--mode hooks]
-           [--device cpu|cuda|auto]
+           [--device cpu|cuda|auto] [--only non-private,func,func-r0.9,...]
 """
 
 from __future__ import annotations
@@ -25,13 +29,37 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from fedsparse.common.dp import SparseDPEngine
+from fedsparse.common.func_dp import FuncDPEngine, FuncGradSampleModule
 from fedsparse.common.masks import keep_count, sample_mask
 from fedsparse.common.models import build_model
 
 warnings.filterwarnings("ignore")
 
+#: (label, engine kind, rate): rate None is "no mask ever set".
+CONFIGS = [
+    ("non-private", "non-private", None),
+    ("opacus", "opacus", None),
+    ("rs-r0", "rs", 0.0),
+    ("rs-r0.5", "rs", 0.5),
+    ("rs-r0.9", "rs", 0.9),
+    ("func", "func", None),
+    ("func-r0", "func", 0.0),
+    ("func-r0.5", "func", 0.5),
+    ("func-r0.9", "func", 0.9),
+]
+#: (numerator, denominator) time ratios reported as RS overheads and engine speed-ups.
+OVERHEADS = [
+    ("func-r0.9", "func"),
+    ("func-r0.5", "func"),
+    ("func-r0", "func"),
+    ("rs-r0.9", "opacus"),
+    ("rs-r0.5", "opacus"),
+    ("opacus", "func"),
+    ("rs-r0.9", "func-r0.9"),
+]
 
-def make_runner(kind: str, rate: float, batch: int, mode: str, device: torch.device):
+
+def make_runner(kind: str, rate: float | None, batch: int, mode: str, device: torch.device):
     torch.manual_seed(0)
     model = build_model("dpcnn").to(device)
     x = torch.randn(batch, 3, 32, 32, device=device)
@@ -39,7 +67,8 @@ def make_runner(kind: str, rate: float, batch: int, mode: str, device: torch.dev
     loader = DataLoader(TensorDataset(x, y), batch_size=batch)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     if kind != "non-private":
-        engine = PrivacyEngine() if kind == "opacus" else SparseDPEngine()
+        engines = {"opacus": PrivacyEngine, "rs": SparseDPEngine, "func": FuncDPEngine}
+        engine = engines[kind]()
         model, optimizer, loader = engine.make_private(
             module=model,
             optimizer=optimizer,
@@ -47,18 +76,25 @@ def make_runner(kind: str, rate: float, batch: int, mode: str, device: torch.dev
             noise_multiplier=1.0,
             max_grad_norm=1.0,
             poisson_sampling=False,
-            grad_sample_mode=mode,
+            grad_sample_mode=mode if kind != "func" else "hooks",
         )
-        if kind == "rs" and rate > 0:
+        # rs r=0: no mask (what training does at r = 0); func r=0: the all-kept mask.
+        if rate is not None and (rate > 0 or kind == "func"):
             numel = engine.layout.numel
             mask = sample_mask(numel, keep=keep_count(numel, rate=rate), seed=1)
             engine.set_mask(mask.to(device))
     xb, yb = next(iter(loader))
+    criterion = nn.CrossEntropyLoss()
 
     def step() -> None:
-        optimizer.zero_grad(set_to_none=True)
-        nn.functional.cross_entropy(model(xb), yb).backward()
+        if isinstance(model, FuncGradSampleModule):
+            model.backward_per_sample(xb, yb, criterion=criterion)
+        else:
+            criterion(model(xb), yb).backward()
         optimizer.step()
+        # Here rather than first: frees the B x d per-sample gradients before the next
+        # configuration runs (9 of them would hold 4.5 GB at batch 256).
+        optimizer.zero_grad(set_to_none=True)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
@@ -84,15 +120,25 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--mode", default="hooks", help="Opacus grad_sample_mode")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
+    parser.add_argument(
+        "--only",
+        default="",
+        help="comma-separated config labels (default: all); "
+        "non-private is always run, and a ratio is printed when both of its configs ran",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     name = args.device
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(name)
-    configs = [("non-private", 0.0), ("opacus", 0.0), ("rs", 0.0), ("rs", 0.5), ("rs", 0.9)]
-    runners = {c: make_runner(*c, args.batch, args.mode, device) for c in configs}
-    samples: dict[tuple[str, float], list[float]] = {c: [] for c in configs}
+    only = {label for label in args.only.split(",") if label} | {"non-private"}
+    unknown = only - {label for label, _, _ in CONFIGS}
+    if unknown:
+        parser.error(f"--only: unknown config(s) {', '.join(sorted(unknown))}")
+    configs = [c for c in CONFIGS if not args.only or c[0] in only]
+    runners = {label: make_runner(k, r, args.batch, args.mode, device) for label, k, r in configs}
+    samples: dict[str, list[float]] = {label: [] for label in runners}
     for _ in range(args.reps):
         for config, step in runners.items():
             start = time.perf_counter()
@@ -106,20 +152,28 @@ def main() -> None:
         f"DP-CNN, batch {args.batch}, {where}, torch {torch.__version__}, "
         f"grad_sample_mode={args.mode}, median of {args.reps} x {args.steps} steps"
     )
-    opacus, plain = samples[("opacus", 0.0)], samples[("non-private", 0.0)]
+    opacus, plain = samples.get("opacus"), samples["non-private"]
     print(
         f"{'config':<12} {'s/step':>8} {'ex/s':>9} "
         f"{'time / opacus [95% CI]':>26} {'throughput / non-private [95% CI]':>36}"
     )
-    for (kind, rate), times in samples.items():
+    for label, times in samples.items():
         med = statistics.median(times)
-        label = kind if kind != "rs" else f"rs r={rate}"
-        r, lo, hi = ratio_interval(times, opacus)
+        vs_opacus = " " * 26
+        if opacus is not None:
+            r, lo, hi = ratio_interval(times, opacus)
+            vs_opacus = f"{r:>10.3f} [{lo:.3f}, {hi:.3f}]"
         t, tlo, thi = ratio_interval(plain, times)  # throughput ratio = time ratio inverted
         print(
             f"{label:<12} {med:>8.4f} {args.batch / med:>9.1f} "
-            f"{r:>10.3f} [{lo:.3f}, {hi:.3f}] {t:>20.3f} [{tlo:.3f}, {thi:.3f}]"
+            f"{vs_opacus} {t:>20.3f} [{tlo:.3f}, {thi:.3f}]"
         )
+    pairs = [(a, b) for a, b in OVERHEADS if a in samples and b in samples]
+    if pairs:
+        print("time ratios (RS overhead: RS / the same engine without a mask) [95% CI]")
+    for num, den in pairs:
+        r, lo, hi = ratio_interval(samples[num], samples[den])
+        print(f"{num + ' / ' + den:<24} {r:>8.3f} [{lo:.3f}, {hi:.3f}]")
 
 
 if __name__ == "__main__":

@@ -53,6 +53,7 @@ from fedsparse.common.training import (
     TrainConfig,
     evaluate,
     make_private,
+    resolve_device,
     train_one_epoch,
 )
 
@@ -98,6 +99,7 @@ def train(msg: Message, context: Context) -> Message:
     """
     torch.set_num_threads(1)
     cfg = FederatedConfig.from_run_config(context.run_config)
+    resolve_device(cfg.device)  # device='cuda' without one: a config error, named in the reply
     record = msg.content.config_records[CONFIG_RECORD]
     task = TrainInstruction.from_record(record)
     policy = node_policy(context)
@@ -197,6 +199,8 @@ def _train_round(
         batch_size=task.batch_size,
         lr=task.lr,
         momentum=task.momentum,
+        engine=cfg.engine,
+        device=cfg.device,
         # Seeded streams only when the node asks (simulation); else fresh OS entropy.
         seed=client_train_seed(cfg.seed, task.server_round, _node_partition(context)[0])
         if seeded
@@ -221,7 +225,7 @@ def _train_round(
         else math.inf
     )
 
-    delta = layout.flatten_module(model) - global_flat
+    delta = layout.flatten_module(model).cpu() - global_flat  # the model trained on cfg.device
     values = delta if mask is None else delta[mask]
     payload = encode_update(
         values,

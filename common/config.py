@@ -22,6 +22,7 @@ from typing import Any, Final, Literal, get_args
 from fedsparse.common.aggregate import AGGREGATORS, WEIGHTINGS, AggregatorName, Weighting
 from fedsparse.common.data import DATASET_INPUT_SHAPES, DATASET_NAMES, DatasetName
 from fedsparse.common.dp import MECHANISMS, MechanismName
+from fedsparse.common.func_dp import ENGINES, EngineName
 from fedsparse.common.models import DEFAULT_MODELS, MODEL_INPUT_SHAPES, MODEL_NAMES, ModelName
 from fedsparse.common.partition import PARTITIONER_NAMES, PartitionerName
 from fedsparse.common.payload import (
@@ -34,12 +35,14 @@ from fedsparse.common.payload import (
 from fedsparse.common.privacy import ACCOUNTANTS, AccountantName
 from fedsparse.common.robust import NORM_ACTIONS, NormAction, NormBound
 from fedsparse.common.schedules import SCHEDULES, ScheduleName
-from fedsparse.common.training import PrivacyConfig, SparsityConfig
+from fedsparse.common.training import DEVICES, DeviceName, PrivacyConfig, SparsityConfig
 
 __all__ = [
+    "ADDED_KEYS",
     "CODECS",
     "RESUME_MAY_DIFFER",
     "MASK_SCOPES",
+    "with_added_keys",
     "CodecName",
     "FederatedConfig",
     "MaskScope",
@@ -67,6 +70,16 @@ CODECS: Final[tuple[CodecName, ...]] = get_args(CodecName)
 RESUME_MAY_DIFFER: Final[frozenset[str]] = frozenset(
     {"resume", "out-dir", "data-dir", "round-timeout", "min-clients", "save-updates"}
 )
+
+#: Run-config keys added after runs were recorded, with the value under which a run recorded
+#: before them ran: ``auto`` is the Opacus engine on the CPU, exactly what those runs used. A
+#: checkpoint or a finished sweep run written without them is read through ``with_added_keys``.
+ADDED_KEYS: Final[dict[str, Any]] = {"engine": "auto", "device": "auto"}
+
+
+def with_added_keys(config: Mapping[str, Any]) -> dict[str, Any]:
+    """``config`` (a saved run config) with the keys it predates at their ``ADDED_KEYS`` value."""
+    return {**ADDED_KEYS, **config}
 
 
 def wire_encoding(codec: CodecName, *, sparse: bool) -> IndexEncoding:
@@ -98,6 +111,11 @@ class FederatedConfig:
     batch_size: int = 32
     lr: float = 0.5
     momentum: float = 0.0
+    # local performance: the DP engine ("auto": func on CUDA, else opacus) and the device
+    # ("auto": CUDA if the client has one). Checked for availability where training runs, not
+    # here: the server parses this config too and needs no GPU.
+    engine: EngineName = "auto"
+    device: DeviceName = "auto"
     # privacy (target-epsilon > 0 calibrates sigma; else noise-multiplier is used)
     mechanism: MechanismName = "dpsgd"
     max_grad_norm: float = 1.0
@@ -265,6 +283,8 @@ class FederatedConfig:
 
 # Fields whose value is a name, and the names they accept (from the modules that implement them).
 _NAMED_FIELDS: Final[dict[str, tuple[str, ...]]] = {
+    "engine": ENGINES,
+    "device": DEVICES,
     "mechanism": MECHANISMS,
     "accountant": ACCOUNTANTS,
     "schedule": SCHEDULES,

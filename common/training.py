@@ -9,6 +9,12 @@ loader's generator) and DP noise (the optimizer's generator) from ``TrainConfig.
 from ``SparsityConfig.mask_seed``; in ``secure_mode`` Opacus draws noise and batches from OS
 entropy and seeds are refused.
 
+Two performance knobs choose how the same mechanism runs (``TrainConfig``): ``engine`` (Opacus
+hooks or ``torch.func``, ``func_dp``; equal to float rounding) and ``device`` (the model and
+each batch go to it; the data stay on the CPU, where the Poisson sampler draws). On a CUDA
+device the noise comes from a CUDA generator seeded from the same stream, so results differ
+from the CPU's: other generator, other kernels.
+
 A ``target_epsilon`` is met on the exact number of steps that run
 (``privacy.calibrate_noise_multiplier`` with ``privacy.steps_per_epoch``), not on the
 ``int(epochs / q)`` of Opacus's ``make_private_with_epsilon``, which can be one step short (see
@@ -22,6 +28,7 @@ import secrets
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Final, Literal, get_args
 
 import torch
 from opacus.utils.batch_memory_manager import BatchMemoryManager
@@ -29,6 +36,13 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from fedsparse.common.dp import MECHANISMS, MechanismName, SparseDPEngine
+from fedsparse.common.func_dp import (
+    ENGINES,
+    EngineName,
+    FuncDPEngine,
+    FuncGradSampleModule,
+    select_engine,
+)
 from fedsparse.common.masks import derive_seed, keep_count, sample_mask
 from fedsparse.common.privacy import (
     ACCOUNTANTS,
@@ -42,16 +56,45 @@ from fedsparse.common.seeds import Stream, stream_seed
 
 __all__ = [
     "ACCOUNTANTS",
+    "DEVICES",
+    "DeviceName",
     "EpochStats",
     "PrivacyConfig",
     "SparsityConfig",
     "TrainConfig",
     "evaluate",
     "make_private",
+    "resolve_device",
     "round_mask",
     "train_centralized",
     "train_one_epoch",
 ]
+
+
+DeviceName = Literal["auto", "cpu", "cuda"]
+"""Where local training runs; ``"auto"`` is CUDA when torch finds a device, else the CPU."""
+
+DEVICES: Final[tuple[DeviceName, ...]] = get_args(DeviceName)
+
+
+def resolve_device(name: DeviceName) -> torch.device:
+    """The torch device for a ``device`` setting (``"auto"``: CUDA if available, else CPU).
+
+    Raises:
+        ValueError: an unknown name, or ``"cuda"`` on a machine where torch finds no CUDA
+            device (the message names the setting: ``device='cuda': ...``).
+    """
+    if name not in DEVICES:
+        raise ValueError(f"device={name!r}: expected one of {', '.join(DEVICES)}")
+    cuda = torch.cuda.is_available()
+    if name == "cuda" and not cuda:
+        raise ValueError(
+            "device='cuda': expected 'auto' or 'cpu' on this machine: torch finds no CUDA "
+            "device (torch.cuda.is_available() is False)"
+        )
+    if name == "auto":
+        return torch.device("cuda" if cuda else "cpu")
+    return torch.device(name)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -142,6 +185,12 @@ class TrainConfig:
     #: simulation, where anyone who knows it can rebuild the noise. None: fresh OS entropy
     #: on every ``make_private`` call, never stored or sent (a deployed client).
     seed: int | None = 0
+    #: DP engine computing per-sample gradients (``func_dp.select_engine``): "opacus" hooks,
+    #: "func" (torch.func), or "auto" (func on CUDA, Opacus on the CPU).
+    engine: EngineName = "auto"
+    #: Where the model and batches go (``resolve_device``); checked here, so "cuda" on a
+    #: machine without one fails when the config is built.
+    device: DeviceName = "auto"
 
     def __post_init__(self) -> None:
         for field in ("epochs", "batch_size"):
@@ -155,6 +204,9 @@ class TrainConfig:
             raise ValueError(
                 f"max_physical_batch_size={self.max_physical_batch_size}: expected >= 0"
             )
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine={self.engine!r}: expected one of {', '.join(ENGINES)}")
+        resolve_device(self.device)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -191,6 +243,9 @@ def make_private(
 ) -> tuple[SparseDPEngine, nn.Module, torch.optim.Optimizer, DataLoader]:
     """Wraps ``model`` for DP-SGD + RS on the in-memory data ``(x, y)``.
 
+    Moves ``model`` to ``train.device`` (in place) and picks the engine for ``train.engine``
+    (``func_dp.select_engine``); the engine is a ``SparseDPEngine`` either way.
+
     Args:
         epochs_for_target: epochs that ``target_epsilon`` must cover (ignored with a fixed
             ``noise_multiplier``). σ is calibrated for exactly the steps they take,
@@ -199,11 +254,15 @@ def make_private(
             (Opacus's ``make_private_with_epsilon`` used ``int(epochs / q)`` steps at the
             loader's ``q``; where those agree, σ is unchanged).
     """
+    device = resolve_device(train.device)
+    model.to(device)
+    engine_name = select_engine(train.engine, module=model, device=device)
     data_gen, noise_gen = None, None
     if not privacy.secure_mode:  # secure mode: the engine's own OS-entropy generator
         seed = train.seed if train.seed is not None else secrets.randbits(63)
         data_gen = torch.Generator().manual_seed(stream_seed(seed, Stream.POISSON_SAMPLING))
-        noise_gen = torch.Generator().manual_seed(stream_seed(seed, Stream.DP_NOISE))
+        # Noise is drawn where the gradients are: a CUDA generator on a CUDA device.
+        noise_gen = torch.Generator(device).manual_seed(stream_seed(seed, Stream.DP_NOISE))
     noise_multiplier = privacy.noise_multiplier
     if privacy.target_epsilon is not None:
         steps = epochs_for_target * steps_per_epoch(
@@ -226,7 +285,8 @@ def make_private(
         shuffle=not train.poisson_sampling and data_gen is not None,
     )
     optimizer = torch.optim.SGD(model.parameters(), lr=train.lr, momentum=train.momentum)
-    engine = SparseDPEngine(
+    engine_cls = FuncDPEngine if engine_name == "func" else SparseDPEngine
+    engine = engine_cls(
         accountant=privacy.accountant, secure_mode=privacy.secure_mode, mechanism=privacy.mechanism
     )
     with warnings.catch_warnings():
@@ -241,6 +301,10 @@ def make_private(
             noise_generator=noise_gen,
         )
     module, dp_optimizer, dp_loader = private
+    if privacy.secure_mode and device.type != "cpu":
+        # The engine's OS-entropy generator is a CPU one (it also drives the Poisson sampler,
+        # which runs on the CPU); the noise needs one on the device, seeded the same way.
+        dp_optimizer.generator = torch.Generator(device).manual_seed(secrets.randbits(63))
     return engine, module, dp_optimizer, dp_loader
 
 
@@ -251,21 +315,27 @@ def train_one_epoch(
     *,
     max_physical_batch_size: int = 0,
 ) -> tuple[float, int]:
-    """One pass over ``loader``; returns (mean training loss, examples seen)."""
+    """One pass over ``loader``; returns (mean training loss, examples seen).
+
+    Batches go to the model's device. ``model`` is what ``make_private`` returned: Opacus's
+    ``GradSampleModule`` (per-sample gradients from hooks in ``backward``) or the func
+    engine's ``FuncGradSampleModule`` (``backward_per_sample``).
+    """
     model.train()
     criterion = nn.CrossEntropyLoss()
+    device = _device_of(model)
     total_loss, examples = 0.0, 0
 
     def run(batches: DataLoader) -> None:
         nonlocal total_loss, examples
         for xb, yb in batches:
+            xb, yb = xb.to(device), yb.to(device)
             # An empty Poisson batch still takes a step: Opacus adds noise to a zero sum.
             optimizer.zero_grad(set_to_none=True)
-            loss = criterion(model(xb), yb)
-            loss.backward()
+            loss = _backward(model, xb, yb, criterion)
             optimizer.step()
             if len(xb):
-                total_loss += float(loss.detach()) * len(xb)
+                total_loss += float(loss) * len(xb)
                 examples += len(xb)
 
     if max_physical_batch_size > 0:
@@ -280,16 +350,37 @@ def train_one_epoch(
     return (total_loss / examples if examples else math.nan), examples
 
 
+def _backward(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, criterion: nn.Module
+) -> torch.Tensor:
+    """Computes the batch's per-sample gradients for the DP optimizer; returns the mean loss."""
+    if isinstance(model, FuncGradSampleModule):
+        return model.backward_per_sample(x, y, criterion=criterion)
+    loss = criterion(model(x), y)
+    loss.backward()
+    return loss.detach()
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    """The device of ``model``'s parameters (the CPU for a model without any)."""
+    first = next(model.parameters(), None)
+    return torch.device("cpu") if first is None else first.device
+
+
 @torch.no_grad()
 def evaluate(
     model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, batch_size: int = 1024
 ) -> tuple[float, float]:
-    """Returns (mean cross-entropy loss, accuracy) of ``model`` on ``(x, y)``."""
+    """Returns (mean cross-entropy loss, accuracy) of ``model`` on ``(x, y)``.
+
+    Batches of ``(x, y)`` go to the model's device.
+    """
     model.eval()
+    device = _device_of(model)
     loss, correct = 0.0, 0
     for start in range(0, len(x), batch_size):
-        logits = model(x[start : start + batch_size])
-        target = y[start : start + batch_size]
+        logits = model(x[start : start + batch_size].to(device))
+        target = y[start : start + batch_size].to(device)
         loss += float(nn.functional.cross_entropy(logits, target, reduction="sum"))
         correct += int((logits.argmax(dim=1) == target).sum())
     n = max(len(x), 1)

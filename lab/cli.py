@@ -1,6 +1,7 @@
 """The ``fedsparse`` command line.
 
-``fedsparse simulate`` runs the federated app on Flower's simulation engine (Ray backend)
+``fedsparse simulate`` runs the federated app on Flower's simulation engine (Ray backend), or
+with ``--backend ray`` on Ray workers that each hold many virtual clients (``lab/raygrid.py``),
 and writes ``rounds.jsonl`` and ``summary.json``; ``fedsparse demo`` is ``simulate`` on the
 embedded digits; ``fedsparse train`` runs centralized DP-SGD with random sparsification (RS
 paper, Algorithm 1) and writes ``epochs.jsonl`` and ``summary.json``.
@@ -24,6 +25,7 @@ from rich.console import Console
 
 from fedsparse.common.data import DATASET_NAMES, DatasetName, load_dataset
 from fedsparse.common.dp import MECHANISMS
+from fedsparse.common.func_dp import ENGINES as DP_ENGINES
 from fedsparse.common.models import (
     DEFAULT_MODELS,
     MODEL_NAMES,
@@ -35,6 +37,7 @@ from fedsparse.common.privacy import ACCOUNTANTS
 from fedsparse.common.schedules import SCHEDULES
 from fedsparse.common.seeds import Stream, stream_seed
 from fedsparse.common.training import (
+    DEVICES,
     EpochStats,
     PrivacyConfig,
     SparsityConfig,
@@ -174,6 +177,10 @@ def train(
     accountant: Annotated[str, Opt(help="rdp | prv | gdp")] = "rdp",
     max_physical_batch_size: Annotated[int, Opt(help="BatchMemoryManager limit, 0 = off")] = 0,
     seed: Annotated[int, Opt(help="seed for init, sampling, noise and masks")] = 0,
+    engine: Annotated[
+        str, Opt(help="DP engine: auto (func on CUDA, else opacus) | opacus | func")
+    ] = "auto",
+    device: Annotated[str, Opt(help="auto (CUDA if available) | cpu | cuda")] = "auto",
 ) -> None:
     """Centralized DP-SGD with random sparsification (RS paper, Algorithm 1)."""
     if noise_multiplier is not None:
@@ -200,6 +207,8 @@ def train(
             momentum=momentum,
             max_physical_batch_size=max_physical_batch_size,
             seed=seed,
+            engine=_choice("engine", engine, DP_ENGINES),
+            device=_choice("device", device, DEVICES),
         )
         dataset_name = _choice("dataset", dataset, DATASET_NAMES)
         model_name = None if model is None else _choice("model", model, MODEL_NAMES)
@@ -239,18 +248,29 @@ def simulate(
     clients: Annotated[int, Opt(help="number of virtual clients (SuperNodes)")] = 10,
     set_: Annotated[list[str] | None, Opt("--set", help="run-config override key=value")] = None,
     cpus_per_client: Annotated[float, Opt(help="Ray CPUs per virtual client")] = 1.0,
+    gpus_per_client: Annotated[
+        float, Opt(help="Ray GPUs per virtual client, fractional (0.25: 4 share a GPU)")
+    ] = 0.0,
     timeout: Annotated[float, Opt(help="seconds before the run is stopped")] = 3600.0,
     resume: Annotated[
         bool, Opt(help="continue the run in OUT from its checkpoint (same --set values)")
     ] = False,
+    backend: Annotated[
+        str, Opt(help="flower (Flower's simulation engine) | ray (many clients per worker)")
+    ] = "flower",
 ) -> None:
     """Federated DP-SGD + RS on Flower's simulation engine (Ray backend).
+
+    --backend ray runs the same server loop and ClientApp on a local Ray cluster whose
+    workers (one per CPU, or per --gpus-per-client share of a GPU) each hold many virtual
+    clients and train a batch of them per Ray task: for 1000+ clients. With the same seeds
+    and full participation it ends with the same model as --backend flower, bit for bit.
 
     With --resume, a run that was stopped (signal, crash, timeout) continues from its last
     checkpoint (OUT/checkpoint.pt, the nodes' states in OUT/node-state) and ends with the
     same model as the run that was never stopped; give it the same --set values.
     """
-    from fedsparse.lab.simulate import run_simulation
+    from fedsparse.lab.simulate import ENGINES, run_simulation
 
     overrides = _parse_sets(set_ or [])
     try:
@@ -259,9 +279,11 @@ def simulate(
             overrides=overrides,
             clients=clients,
             cpus_per_client=cpus_per_client,
+            gpus_per_client=gpus_per_client,
             timeout=timeout,
             console=console,
             resume=resume,
+            backend=_choice("backend", backend, ENGINES),
         )
     except ValueError as err:
         raise typer.BadParameter(str(err)) from err
@@ -287,10 +309,13 @@ def sweep(
     set_: Annotated[list[str] | None, Opt("--set", help="fixed override key=value")] = None,
     seeds: Annotated[int, Opt(help="seeds per config: base+0..N-1 (base: --set seed)")] = 1,
     clients: Annotated[int, Opt(help="clients (SuperNodes) per run")] = 10,
-    backend: Annotated[str, Opt(help="simulation | inprocess | deploy")] = "simulation",
+    backend: Annotated[str, Opt(help="simulation | inprocess | deploy | ray")] = "simulation",
     jobs: Annotated[int, Opt(help="runs at a time")] = 1,
     timeout: Annotated[float, Opt(help="seconds per simulation run")] = 3600.0,
     cpus_per_client: Annotated[float, Opt(help="Ray CPUs per virtual client")] = 1.0,
+    gpus_per_client: Annotated[
+        float, Opt(help="Ray GPUs per virtual client (simulation, ray), e.g. 0.25")
+    ] = 0.0,
     runs_dir: Annotated[Path | None, Opt(help="per-run directories (default OUT/runs)")] = None,
     uplink_rate: Annotated[
         str | None, Opt(help="deploy: shape each node's uplink, e.g. 1mbit")
@@ -301,6 +326,8 @@ def sweep(
 ) -> None:
     """Bandwidth vs accuracy: a grid of runs x seeds; results/summary CSVs, plots, report.md.
 
+    --backend ray runs every run on one local Ray cluster and one set of workers
+    (lab/raygrid.py), one run at a time (--jobs 1): each run uses every worker.
     Finished runs (summary.json with the same config) are reused; failed runs are recorded and
     the sweep goes on (exit code 1 at the end if any failed).
     """
@@ -311,6 +338,7 @@ def sweep(
         BACKENDS,
         RunSettings,
         SweepInterrupted,
+        check_jobs,
         parse_grid,
         plan_sweep,
         run_sweep,
@@ -321,12 +349,12 @@ def sweep(
             backend=_choice("backend", backend, BACKENDS),
             clients=clients,
             cpus_per_client=cpus_per_client,
+            gpus_per_client=gpus_per_client,
             timeout=timeout,
             uplink_bps=_rate("uplink-rate", uplink_rate),
             downlink_bps=_rate("downlink-rate", downlink_rate),
         )
-        if jobs < 1:
-            raise ValueError(f"jobs={jobs}: expected >= 1")
+        check_jobs(settings, jobs)
         fixed = _parse_sets(set_ or [])
         plan = plan_sweep(parse_grid(grid or []), fixed, seeds=seeds, clients=clients)
     except ValueError as err:
@@ -336,6 +364,7 @@ def sweep(
     args += [a for s in set_ or [] for a in ("--set", s)]
     args += ["--seeds", str(seeds), "--clients", str(clients), "--backend", backend]
     args += ["--jobs", str(jobs)] + (["--runs-dir", str(runs_dir)] if runs_dir else [])
+    args += ["--gpus-per-client", str(gpus_per_client)] if gpus_per_client else []
     args += ["--uplink-rate", uplink_rate] if uplink_rate else []
     args += ["--downlink-rate", downlink_rate] if downlink_rate else []
     runs_dir = runs_dir or out / "runs"
@@ -367,7 +396,16 @@ def sweep(
 @app.command()
 def demo(out: Annotated[Path, Opt(help="output directory")] = Path("runs/demo")) -> None:
     """10 clients on the embedded digits: epsilon=3, gradual cooling to r*=0.7, 10 rounds."""
-    simulate(out=out, clients=10, set_=None, cpus_per_client=1.0, timeout=3600.0, resume=False)
+    simulate(
+        out=out,
+        clients=10,
+        set_=None,
+        cpus_per_client=1.0,
+        gpus_per_client=0.0,
+        timeout=3600.0,
+        resume=False,
+        backend="flower",
+    )
 
 
 def _print_wire_report(run_dir: Path) -> None:

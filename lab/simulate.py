@@ -4,23 +4,32 @@ Starts a simulation-mode SuperLink on free loopback ports (private ``FLWR_HOME``
 app with ``flwr run ... --stream`` (offline: runtime dependency installation disabled), shows
 ``<out>/rounds.jsonl`` as a live table while the run goes, and stops every process by PID.
 The steps it shares with ``fedsparse deploy`` are in ``lab/launch.py``.
+
+``backend="ray"`` runs the same ServerApp loop and ClientApp on ``RayGrid`` instead
+(``lab/raygrid.py``: a local Ray cluster whose workers each hold many virtual clients and
+train a batch of them per Ray task), for populations where Flower's engine is too slow; with
+full participation and the same seeds it ends with the same model, bit for bit.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 import shutil
+import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
 from fedsparse.common.records import RoundLog, RunSummary, read_rounds
-from fedsparse.lab.flower import simulation_policy_env
+from fedsparse.lab.flower import SIMULATION_NODE_POLICY, simulation_policy_env
 from fedsparse.lab.launch import (
+    PreparedRun,
     connect,
     flwr_run,
     log_tail,
@@ -31,7 +40,11 @@ from fedsparse.lab.launch import (
     wait_for_exit,
 )
 
-__all__ = ["run_simulation"]
+__all__ = ["ENGINES", "Engine", "run_simulation"]
+
+#: Where the simulated clients run: Flower's simulation engine, or ``RayGrid``.
+Engine = Literal["flower", "ray"]
+ENGINES: tuple[Engine, ...] = ("flower", "ray")
 
 COLUMNS = (
     "round",
@@ -91,11 +104,19 @@ def run_simulation(
     overrides: Mapping[str, Any],
     clients: int,
     cpus_per_client: float = 1.0,
+    gpus_per_client: float = 0.0,
     timeout: float = 3600.0,
     console: Console | None = None,
     resume: bool = False,
+    backend: Engine = "flower",
 ) -> RunSummary:
     """Runs one simulated federation; returns its ``summary.json``.
+
+    ``backend="flower"`` runs it on Flower's simulation engine; ``"ray"`` on ``RayGrid`` in
+    a local Ray cluster (or the one this process runs). ``cpus_per_client`` and
+    ``gpus_per_client`` are the Ray resources of a client being trained: Flower's
+    ``client-resources-num-cpus``/``-num-gpus``, and on ``ray`` those of each worker (a
+    worker trains one of its virtual clients at a time).
 
     The simulated nodes keep their state after every round they train in
     ``<out>/node-state`` (``client/state.py``). With ``resume``, the run in ``out`` continues
@@ -110,8 +131,12 @@ def run_simulation(
         KeyboardInterrupt: a stop was requested (a signal); every process is stopped first.
     """
     console = console or Console()
+    if backend not in ENGINES:
+        raise ValueError(f"backend={backend!r}: expected one of {', '.join(ENGINES)}")
     if clients < 1:
         raise ValueError(f"clients={clients}: expected >= 1")
+    if not (math.isfinite(gpus_per_client) and gpus_per_client >= 0):
+        raise ValueError(f"gpus_per_client={gpus_per_client}: expected a finite value >= 0")
     if resume and not (Path(out) / "checkpoint.pt").exists():
         raise ValueError(f"resume: no checkpoint.pt in out={out}: nothing to resume")
     run = prepare_run(out, {**overrides, **({"resume": "true"} if resume else {})})
@@ -123,6 +148,20 @@ def run_simulation(
     state_dir = run.out / "node-state"
     if not resume:  # a new run's nodes start afresh (they would drop stale states anyway)
         shutil.rmtree(state_dir, ignore_errors=True)
+    table = Table(title=f"fedsparse simulate: {clients} clients, {run.config.num_rounds} rounds")
+    for column in COLUMNS:
+        table.add_column(column, justify="right")
+    live_rounds = _LiveRounds(table, run.out / "rounds.jsonl", since=math.floor(run.started))
+    if backend == "ray":
+        with _live(table, live_rounds, console):
+            return _run_on_ray(
+                run,
+                clients=clients,
+                cpus_per_client=cpus_per_client,
+                gpus_per_client=gpus_per_client,
+                timeout=timeout,
+                state_dir=state_dir,
+            )
     link = connect(run, name="sim")
     superlink = superlink_args(
         ["--insecure", "--simulation", "--isolation", "subprocess"],
@@ -135,10 +174,8 @@ def run_simulation(
         "--federation-config",
         f"client-resources-num-cpus={_number(cpus_per_client)}",
     ]
-    table = Table(title=f"fedsparse simulate: {clients} clients, {run.config.num_rounds} rounds")
-    for column in COLUMNS:
-        table.add_column(column, justify="right")
-    live_rounds = _LiveRounds(table, run.out / "rounds.jsonl", since=math.floor(run.started))
+    if gpus_per_client > 0:
+        federation += ["--federation-config", f"client-resources-num-gpus={gpus_per_client}"]
     with (
         start_process(
             superlink,
@@ -155,3 +192,61 @@ def run_simulation(
             flwr, timeout=timeout, on_poll=live_rounds.refresh, timeout_hint=f"; see {run.flwr_log}"
         )
     return read_summary(run, returncode, logs=lambda: log_tail(run.flwr_log, lines=30))
+
+
+def _live(table: Table, live_rounds: _LiveRounds, console: Console) -> Live:
+    """A live ``table`` that takes in the new rounds each time it is drawn (rich's thread)."""
+
+    def render() -> Table:
+        with contextlib.suppress(ValueError):  # a line being written: taken in next time
+            live_rounds.refresh()
+        return table
+
+    return Live(console=console, refresh_per_second=2, transient=False, get_renderable=render)
+
+
+def _run_on_ray(
+    run: PreparedRun,
+    *,
+    clients: int,
+    cpus_per_client: float,
+    gpus_per_client: float,
+    timeout: float,
+    state_dir: Path,
+) -> RunSummary:
+    """``run`` on ``RayGrid``: the ServerApp loop here, the clients on Ray workers.
+
+    The virtual clients keep their state files in ``state_dir`` as Flower's simulated nodes
+    do, so ``resume`` continues a ray run as it continues a Flower one.
+
+    Raises:
+        RuntimeError: the run failed (``FederationFailed``) or timed out.
+    """
+    from fedsparse.client.app import app as client_app
+    from fedsparse.lab.raygrid import RayGrid, RayWorkers, ray_cluster
+    from fedsparse.server.loop import run_federated
+
+    stop_at = time.monotonic() + timeout
+    node_config = {**SIMULATION_NODE_POLICY, "state-dir": str(state_dir)}
+    flwr_logger = logging.getLogger("flwr")
+    level = flwr_logger.level
+    flwr_logger.setLevel(logging.WARNING)  # the live table replaces per-round INFO lines
+    try:
+        with (
+            ray_cluster(),
+            RayWorkers(
+                client_app, cpus_per_client=cpus_per_client, gpus_per_client=gpus_per_client
+            ) as workers,
+        ):
+            grid = RayGrid(
+                workers,
+                num_nodes=clients,
+                run_config=run.config.to_run_config(),
+                node_config=node_config,
+                stop_at=stop_at,
+            )
+            return run_federated(grid, run.config)
+    except TimeoutError as err:
+        raise RuntimeError(f"timeout={timeout:g} s: {err}") from err
+    finally:
+        flwr_logger.setLevel(level)

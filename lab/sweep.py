@@ -3,10 +3,13 @@
 A sweep is the cartesian product of ``--grid key=v1,v2,...`` lists on top of fixed ``--set``
 overrides, each point repeated over seeds ``base..base+N-1`` (run-config key ``seed``). Every
 run config is validated with ``FederatedConfig.from_run_config`` before anything runs. Each run
-writes into its own directory ``<runs_dir>/<slug>/`` on one of two backends:
+writes into its own directory ``<runs_dir>/<slug>/`` on one of these backends:
 
 - ``simulation``: Flower's simulation engine (``run_simulation``: SuperLink + ``flwr run``);
 - ``inprocess``: ``run_federated`` on ``InProcessGrid`` with the real ClientApp (fast);
+- ``ray``: ``run_federated`` on ``RayGrid`` (``lab/raygrid.py``): one local Ray cluster and
+  one set of workers, each holding many virtual clients, serve every run of the sweep, one
+  run at a time (each run uses every worker);
 - ``deploy``: a loopback deployment (``run_deployment``: TLS, authenticated SuperNodes),
   optionally on shaped links (``uplink_bps``/``downlink_bps``), for accuracy against
   wall-clock time under a rate limit (``accuracy_vs_time.png``).
@@ -28,23 +31,28 @@ import io
 import itertools
 import json
 import logging
+import math
 import os
 import re
 import signal
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor, as_completed
+from contextvars import ContextVar
 from dataclasses import dataclass
 from multiprocessing import get_context
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from fedsparse.common.config import FederatedConfig
+from fedsparse.common.config import FederatedConfig, with_added_keys
 from fedsparse.common.records import RunSummary, summary_metrics
 from fedsparse.lab.processes import request_stop
+
+if TYPE_CHECKING:
+    from fedsparse.lab.raygrid import RayWorkers
 
 __all__ = [
     "BACKENDS",
@@ -52,6 +60,7 @@ __all__ = [
     "Backend",
     "RunSettings",
     "SweepPlan",
+    "check_jobs",
     "SweepInterrupted",
     "SweepRun",
     "execute_run",
@@ -60,8 +69,8 @@ __all__ = [
     "run_sweep",
 ]
 
-Backend = Literal["simulation", "inprocess", "deploy"]
-BACKENDS: tuple[Backend, ...] = ("simulation", "inprocess", "deploy")
+Backend = Literal["simulation", "inprocess", "deploy", "ray"]
+BACKENDS: tuple[Backend, ...] = ("simulation", "inprocess", "deploy", "ray")
 #: Per-run numbers copied from ``summary.json`` into ``results.csv`` (and aggregated): the
 #: ``RunSummary`` fields tagged ``metric``.
 METRICS = summary_metrics()
@@ -101,6 +110,7 @@ class RunSettings:
     backend: Backend = "simulation"
     clients: int = 10
     cpus_per_client: float = 1.0
+    gpus_per_client: float = 0.0  # simulation and ray only: Ray GPUs per client trained
     timeout: float = 3600.0
     uplink_bps: float | None = None  # deploy only: each node's shaped uplink (bit/s)
     downlink_bps: float | None = None  # deploy only: each node's shaped downlink (bit/s)
@@ -119,6 +129,12 @@ class RunSettings:
             raise ValueError(f"clients={self.clients}: expected >= 1")
         if not self.cpus_per_client > 0:
             raise ValueError(f"cpus_per_client={self.cpus_per_client}: expected > 0")
+        if not (math.isfinite(self.gpus_per_client) and self.gpus_per_client >= 0):
+            raise ValueError(f"gpus_per_client={self.gpus_per_client}: expected >= 0")
+        if self.gpus_per_client > 0 and self.backend not in ("simulation", "ray"):
+            raise ValueError(
+                f"gpus-per-client: GPUs need --backend simulation or ray (backend={self.backend!r})"
+            )
         if not self.timeout > 0:
             raise ValueError(f"timeout={self.timeout}: expected > 0")
 
@@ -245,9 +261,11 @@ def _reusable(run_dir: Path, identity: dict[str, Any]) -> tuple[dict[str, Any], 
         summary = RunSummary.from_json((run_dir / "summary.json").read_text())
     except (OSError, ValueError, TypeError):  # missing, unreadable or of another schema
         return None
-    config = dict(summary.config)
+    config = with_added_keys(summary.config)  # a run older than a key ran at its old behaviour
     for key in ("out-dir", "resume"):
         config.pop(key, None)
+    if isinstance(record.get("config"), dict):
+        record["config"] = with_added_keys(record["config"])
     same = all(record.get(k) == v for k, v in identity.items()) and config == identity["config"]
     return (record, summary) if same and record.get("status") == "ok" else None
 
@@ -259,11 +277,81 @@ def _run_inprocess(overrides: Mapping[str, str], out: Path, settings: RunSetting
 
     cfg = FederatedConfig.from_run_config({**overrides, "out-dir": str(out)})
     grid = InProcessGrid(client_app, num_nodes=settings.clients, run_config=cfg.to_run_config())
+    with _quiet_flwr():
+        return run_federated(grid, cfg)
+
+
+@dataclass
+class _RaySession:
+    """The Ray cluster and workers of the runs inside ``ray_session``, started on first use."""
+
+    settings: RunSettings
+    stack: contextlib.ExitStack
+    workers: RayWorkers | None = None
+
+    def get_workers(self) -> RayWorkers:
+        if self.workers is None:
+            from fedsparse.client.app import app as client_app
+            from fedsparse.lab.raygrid import RayWorkers, ray_cluster
+
+            self.stack.enter_context(ray_cluster())
+            self.workers = self.stack.enter_context(
+                RayWorkers(
+                    client_app,
+                    cpus_per_client=self.settings.cpus_per_client,
+                    gpus_per_client=self.settings.gpus_per_client,
+                )
+            )
+        return self.workers
+
+
+#: The session of the sweep under way (``ray_session``); a run outside one starts its own.
+_RAY_SESSION: ContextVar[_RaySession | None] = ContextVar("ray_session", default=None)
+
+
+@contextlib.contextmanager
+def ray_session(settings: RunSettings) -> Iterator[None]:
+    """One Ray cluster and one set of workers for every ``ray`` run inside (nothing else).
+
+    Started by the first run that needs them (a sweep of reused runs starts nothing); the
+    cluster is this process's running one, else a new one that ends with the session, and
+    the workers end with it.
+    """
+    with contextlib.ExitStack() as stack:
+        token = _RAY_SESSION.set(_RaySession(settings, stack))
+        try:
+            yield
+        finally:
+            _RAY_SESSION.reset(token)
+
+
+def _run_ray(overrides: Mapping[str, str], out: Path, settings: RunSettings) -> RunSummary:
+    from fedsparse.lab.raygrid import RayGrid
+    from fedsparse.server.app import run_federated
+
+    session = _RAY_SESSION.get()
+    if session is None:  # a run outside a sweep's session: a cluster of its own
+        with ray_session(settings):
+            return _run_ray(overrides, out, settings)
+    cfg = FederatedConfig.from_run_config({**overrides, "out-dir": str(out)})
+    grid = RayGrid(
+        session.get_workers(),
+        num_nodes=settings.clients,
+        run_config=cfg.to_run_config(),
+        stop_at=time.monotonic() + settings.timeout,
+    )
+    with _quiet_flwr():
+        return run_federated(grid, cfg)
+
+
+@contextlib.contextmanager
+def _quiet_flwr() -> Iterator[None]:
+    """Flower's logger at WARNING: the progress bar replaces per-round INFO lines."""
     flwr_logger = logging.getLogger("flwr")
     level = flwr_logger.level
-    flwr_logger.setLevel(logging.WARNING)  # the progress bar replaces per-round INFO lines
+    flwr_logger.setLevel(logging.WARNING)
     try:
-        return run_federated(grid, cfg)
+        yield
     finally:
         flwr_logger.setLevel(level)
 
@@ -276,6 +364,7 @@ def _run_simulation(overrides: Mapping[str, str], out: Path, settings: RunSettin
         overrides=dict(overrides),
         clients=settings.clients,
         cpus_per_client=settings.cpus_per_client,
+        gpus_per_client=settings.gpus_per_client,
         timeout=settings.timeout,
         console=Console(file=io.StringIO(), width=140),  # no live table under the progress bar
     )
@@ -301,6 +390,7 @@ def run_backend(overrides: Mapping[str, str], out: Path, settings: RunSettings) 
         "inprocess": _run_inprocess,
         "simulation": _run_simulation,
         "deploy": _run_deployment,
+        "ray": _run_ray,
     }
     return runners[settings.backend](overrides, out, settings)
 
@@ -352,6 +442,20 @@ def execute_run(run: SweepRun, run_dir: Path, settings: RunSettings) -> dict[str
     record = {**identity, "status": "ok", "wall": wall}
     (run_dir / "sweep-run.json").write_text(json.dumps(record, indent=2) + "\n")
     return _row(run, run_dir, status="ok", **_metrics(summary), wall_seconds=wall)
+
+
+def check_jobs(settings: RunSettings, jobs: int) -> None:
+    """Checks ``jobs`` (runs at a time) for ``settings``' backend.
+
+    Raises:
+        ValueError: ``jobs`` < 1, or > 1 on the ray backend (a run uses every worker).
+    """
+    if jobs < 1:
+        raise ValueError(f"jobs={jobs}: expected >= 1")
+    if jobs > 1 and settings.backend == "ray":
+        raise ValueError(
+            f"jobs={jobs}: expected 1 with backend='ray' (each run trains on every Ray worker)"
+        )
 
 
 def _executor(settings: RunSettings, jobs: int) -> Executor:
@@ -407,8 +511,7 @@ def run_sweep(
     Returns:
         The ``results.csv`` rows, in plan order.
     """
-    if jobs < 1:
-        raise ValueError(f"jobs={jobs}: expected >= 1")
+    check_jobs(settings, jobs)
     console = console or Console()
     rows: dict[str, dict[str, Any]] = {}
     columns = (
@@ -428,9 +531,10 @@ def run_sweep(
 
         try:
             if jobs == 1:
-                for run in plan.runs:
-                    progress.update(task, description=f"running {run.slug}")
-                    done(execute(run, runs_dir / run.slug, settings))
+                with ray_session(settings):  # ray: one cluster and its workers for every run
+                    for run in plan.runs:
+                        progress.update(task, description=f"running {run.slug}")
+                        done(execute(run, runs_dir / run.slug, settings))
             else:
                 pool = _executor(settings, jobs)
                 try:

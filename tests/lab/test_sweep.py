@@ -342,8 +342,8 @@ def test_cli_validates_before_running(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, args, env=ENV)
     assert result.exit_code != 0 and "final-rate=1.5" in result.output
     assert not out.exists()
-    result = CliRunner().invoke(app, ["sweep", "--out", str(out), "--backend", "ray"], env=ENV)
-    assert result.exit_code != 0 and "backend='ray'" in result.output
+    result = CliRunner().invoke(app, ["sweep", "--out", str(out), "--backend", "dask"], env=ENV)
+    assert result.exit_code != 0 and "backend='dask'" in result.output
 
 
 @pytest.mark.slow

@@ -296,3 +296,17 @@ def test_a_start_without_enough_nodes_leaves_the_previous_records(tmp_path: Path
     with pytest.raises(TimeoutError, match="min-clients=4"):
         run_federated(_grid(cfg, _sim_policy(tmp_path)), cfg)
     assert {name: (tmp_path / name).read_text() for name in old} == old
+
+
+def test_a_checkpoint_older_than_the_engine_and_device_keys_still_resumes(tmp_path: Path) -> None:
+    """Keys added later (``ADDED_KEYS``) read as the behaviour the old run had; others don't."""
+    from fedsparse.common.config import ADDED_KEYS
+    from fedsparse.server.checkpoint import CheckpointError, _check_config
+
+    current = FederatedConfig(num_rounds=2).to_run_config()
+    old = {k: v for k, v in current.items() if k not in ADDED_KEYS}
+    _check_config(tmp_path / "checkpoint.pt", old, current)  # no error
+    with pytest.raises(CheckpointError, match="engine='func'"):
+        _check_config(tmp_path / "checkpoint.pt", old, {**current, "engine": "func"})
+    with pytest.raises(CheckpointError, match="lr="):
+        _check_config(tmp_path / "checkpoint.pt", {**old, "lr": 0.1}, current)

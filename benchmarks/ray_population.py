@@ -1,0 +1,235 @@
+"""Benchmark: N virtual clients on the ray backend (``RayGrid``): round time and memory.
+
+For each population size N (default 100 and 1000; digits, every client in every round), one
+federation runs in a fresh child process, so that each N's peak memory is its own, on the ray
+backend (``lab/raygrid.py``: one worker per CPU, each holding N / workers virtual clients) or,
+for comparison, on Flower's simulation engine (``--engines flower``). Printed per run:
+
+* start-up: seconds from the child's start (imports included) to round 1's start: the Ray
+  cluster, the workers and the clients' Contexts (Flower: SuperLink, ``flwr run``, Ray);
+* round 1 and the median of the later rounds (steady state: round 1 ships dense models to
+  every client and fills each worker's caches), from ``rounds.jsonl``'s ``wall_seconds``;
+* peak memory of the whole process tree (the driver and every Ray or Flower process under
+  it), sampled every 0.5 s (reading ``smaps_rollup`` takes CPU from the run): the sum of RSS
+  (shared pages counted in every process that maps them: an upper bound) and of PSS (shared
+  pages split between their processes);
+* per virtual client: the state a worker holds for it (its ``Context.state`` pickled: model
+  copy and accountant), and the tree's peak PSS growth from the smallest N to the largest,
+  divided by the difference in N.
+
+Usage: python benchmarks/ray_population.py [--clients 100 1000] [--rounds 3]
+           [--config default|fixed-noise] [--engines ray flower] [--cpus-per-client 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from fedsparse.lab.processes import descendants
+
+#: Run-config overrides of each ``--config`` (on top of ``num-rounds``).
+CONFIGS = {
+    "default": {},  # target-epsilon 3 (sigma calibrated per client), gradual to r* = 0.7
+    "fixed-noise": {"target-epsilon": "0", "noise-multiplier": "1.0"},
+}
+GIB = 2**30
+
+
+def _memory(pid: int) -> tuple[int, int]:
+    """(RSS, PSS) bytes of ``pid`` (0, 0 if it is gone)."""
+    rss = pss = 0
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as fh:
+            for line in fh:
+                if line.startswith("Rss:"):
+                    rss = int(line.split()[1]) * 1024
+                elif line.startswith("Pss:"):
+                    pss = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return rss, pss
+
+
+class TreeSampler(threading.Thread):
+    """Samples the summed RSS and PSS of ``pid`` and its descendants; keeps the peaks."""
+
+    def __init__(self, pid: int, *, every: float = 0.5) -> None:
+        super().__init__(daemon=True)
+        self.pid, self.every = pid, every
+        self.peak_rss = self.peak_pss = self.peak_processes = 0
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        while not self._halt.is_set():
+            pids = [self.pid, *descendants(self.pid)]
+            sizes = [_memory(p) for p in pids]
+            self.peak_rss = max(self.peak_rss, sum(r for r, _ in sizes))
+            self.peak_pss = max(self.peak_pss, sum(p for _, p in sizes))
+            self.peak_processes = max(self.peak_processes, len(pids))
+            self._halt.wait(self.every)
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join()
+
+
+def _rounds(out: Path) -> dict[str, Any]:
+    from fedsparse.common.records import read_rounds
+
+    rounds = read_rounds(out / "rounds.jsonl")
+    later = [r.wall_seconds for r in rounds[1:]]
+    return {
+        "rounds": len(rounds),
+        "round1_s": rounds[0].wall_seconds,
+        "steady_round_s": statistics.median(later) if later else float("nan"),
+        "first_round_started_at": rounds[0].started_at,
+        "final_accuracy": rounds[-1].test_accuracy,
+        "epsilon_max": rounds[-1].epsilon_max,
+    }
+
+
+def _child_ray(clients: int, overrides: dict[str, str], cpus: float, out: Path) -> dict[str, Any]:
+    from fedsparse.client.app import app as client_app
+    from fedsparse.common.config import FederatedConfig
+    from fedsparse.lab.raygrid import RayGrid, RayWorkers, ray_cluster
+    from fedsparse.server.app import run_federated
+
+    logging.getLogger("flwr").setLevel(logging.WARNING)  # after flwr set its own level
+    cfg = FederatedConfig.from_run_config({**overrides, "out-dir": str(out)})
+    with ray_cluster(), RayWorkers(client_app, cpus_per_client=cpus) as workers:
+        grid = RayGrid(workers, num_nodes=clients, run_config=cfg.to_run_config())
+        run_federated(grid, cfg)
+        stats = workers.stats()
+    held = sum(s.clients for s in stats)
+    return {
+        "workers": len(stats),
+        "calls_per_worker_round": statistics.mean(s.calls for s in stats) / cfg.num_rounds,
+        "state_bytes_per_client": sum(s.state_bytes for s in stats) / held,
+        "context_bytes_per_client": sum(s.context_bytes for s in stats) / held,
+        "worker_rss_bytes": [s.rss_bytes for s in stats],
+    }
+
+
+def _child_flower(
+    clients: int, overrides: dict[str, str], cpus: float, out: Path
+) -> dict[str, Any]:
+    from rich.console import Console
+
+    from fedsparse.lab.simulate import run_simulation
+
+    run_simulation(
+        out=out,
+        overrides=overrides,
+        clients=clients,
+        cpus_per_client=cpus,
+        console=Console(file=open(os.devnull, "w")),  # noqa: SIM115 - the child's lifetime
+    )
+    return {}
+
+
+def child(args: argparse.Namespace) -> None:
+    """One run (``--child``): prints its numbers as one JSON line."""
+    started = time.time()
+    overrides = {**CONFIGS[args.config], "num-rounds": str(args.rounds), "dataset": "digits"}
+    with tempfile.TemporaryDirectory(prefix="ray-population-") as tmp:
+        out = Path(tmp)
+        run = _child_ray if args.engine == "ray" else _child_flower
+        result = run(args.child, overrides, args.cpus_per_client, out)
+        result.update(_rounds(out))
+    result["startup_s"] = result.pop("first_round_started_at") - started
+    print(json.dumps(result))
+
+
+def measure(engine: str, clients: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Runs one child and samples its process tree."""
+    cmd = [sys.executable, __file__, "--child", str(clients), "--engine", engine]
+    cmd += ["--rounds", str(args.rounds), "--config", args.config]
+    cmd += ["--cpus-per-client", str(args.cpus_per_client)]
+    started = time.perf_counter()
+    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    sampler = TreeSampler(process.pid)
+    sampler.start()
+    stdout, _ = process.communicate()
+    sampler.stop()
+    if process.returncode != 0:
+        raise SystemExit(f"{engine} N={clients}: exit code {process.returncode}")
+    result = json.loads(stdout.strip().splitlines()[-1])
+    result.update(
+        engine=engine,
+        clients=clients,
+        total_s=time.perf_counter() - started,
+        peak_rss_bytes=sampler.peak_rss,
+        peak_pss_bytes=sampler.peak_pss,
+        peak_processes=sampler.peak_processes,
+    )
+    return result
+
+
+def _print(results: list[dict[str, Any]]) -> None:
+    print(
+        f"{'engine':>7} {'N':>5} {'start s':>8} {'round1 s':>9} {'steady s':>9} "
+        f"{'peak RSS GiB':>13} {'peak PSS GiB':>13} {'state KiB/cl':>13} {'acc':>6} {'eps':>6}"
+    )
+    for r in results:
+        state = r.get("state_bytes_per_client")
+        print(
+            f"{r['engine']:>7} {r['clients']:>5} {r['startup_s']:>8.1f} {r['round1_s']:>9.2f} "
+            f"{r['steady_round_s']:>9.2f} {r['peak_rss_bytes'] / GIB:>13.2f} "
+            f"{r['peak_pss_bytes'] / GIB:>13.2f} "
+            f"{(f'{state / 1024:.1f}' if state else '-'):>13} "
+            f"{r['final_accuracy']:>6.3f} {r['epsilon_max']:>6.2f}"
+        )
+    for engine in sorted({r["engine"] for r in results}):
+        runs = sorted((r for r in results if r["engine"] == engine), key=lambda r: r["clients"])
+        if len(runs) > 1 and runs[-1]["clients"] > runs[0]["clients"]:
+            small, large = runs[0], runs[-1]
+            grow = (large["peak_pss_bytes"] - small["peak_pss_bytes"]) / (
+                large["clients"] - small["clients"]
+            )
+            print(
+                f"{engine}: peak PSS per extra virtual client "
+                f"(N={small['clients']} -> {large['clients']}): {grow / 1024:.1f} KiB"
+            )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--clients", type=int, nargs="+", default=[100, 1000])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--config", choices=sorted(CONFIGS), default="default")
+    parser.add_argument("--engines", nargs="+", choices=["ray", "flower"], default=["ray"])
+    parser.add_argument("--cpus-per-client", type=float, default=1.0)
+    parser.add_argument("--json", type=Path, help="also write every result here")
+    parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--engine", choices=["ray", "flower"], help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child is not None:
+        child(args)
+        return
+    print(
+        f"digits, config {args.config}, {args.rounds} rounds, every client every round, "
+        f"{os.cpu_count()} CPUs, {args.cpus_per_client:g} CPU per client trained"
+    )
+    results = []
+    for engine in args.engines:
+        for clients in args.clients:
+            results.append(measure(engine, clients, args))
+            print(json.dumps(results[-1]), flush=True)
+    _print(results)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
