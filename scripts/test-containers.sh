@@ -18,7 +18,7 @@
 # Containers, networks and volumes are removed however it ends (`podman-compose down -v`).
 #
 # Environment: NODES (3), ROUNDS (3), KEEP_WORK=1 keeps the temporary directory,
-# REBUILD=1 rebuilds the image, STOP_AFTER=<phase> stops after that phase (e.g. image),
+# REBUILD=1 rebuilds the image without the layer cache, STOP_AFTER=<phase> stops after that phase (e.g. image),
 # BASE_IMAGE (localhost/debian-bookworm:min), IMAGE.
 # Exit status: 0 passed; 77 the machine cannot run containers (not root, or podman, runc,
 # debootstrap or podman-compose could not be installed: `.ci/run` reports it as skipped);
@@ -134,7 +134,8 @@ fi
 
 # --- 3. image ---------------------------------------------------------------------------
 phase image
-if [[ ${REBUILD:-0} == 1 ]] || ! podman image exists "$IMAGE"; then
+# Built every time: podman's layer cache keeps an unchanged tree fast, and a changed one (code,
+# pyproject.toml) must never be tested with an image left by an earlier run. REBUILD=1: no cache.
   # pip inside the build is configured like this machine's: its index/find-links settings
   # (directories mounted read-only at the same paths) and its CA bundle. Users building
   # elsewhere pass nothing of this and get the Dockerfile's defaults.
@@ -169,9 +170,9 @@ EOF
     --build-arg BASE_IMAGE="$BASE_IMAGE" \
     --build-arg TORCH_INDEX_URL= \
     --build-arg FLWR_VERSION="$FLWR_VERSION" \
+    $([[ ${REBUILD:-0} == 1 ]] && echo --no-cache) \
     -v "$WORK/pip.conf:/etc/pip.conf:ro" "${BUILD_MOUNTS[@]}" \
     -t "$IMAGE" . >"$WORK/build.log" 2>&1 || { tail -40 "$WORK/build.log"; exit 1; }
-fi
 podman run --rm "$IMAGE" python -c \
   'import flwr, torch, fedsparse.server.app; print("image: flwr", flwr.__version__, "torch", torch.__version__)'
 
