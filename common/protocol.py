@@ -32,6 +32,7 @@ from fedsparse.common.seeds import Stream, stream_seed
 
 __all__ = [
     "CONFIG_RECORD",
+    "EXPECTED_NODES_ENV",
     "METRICS_RECORD",
     "RESUMED_FROM",
     "STATE_MODEL",
@@ -51,6 +52,9 @@ STATE_RECORD = "fedsparse-state"
 STATE_MODEL = "fedsparse-model"
 #: Train-message config key: the checkpoint round a resumed run continues (absent: 0).
 RESUMED_FROM = "resumed-from"
+#: Launcher -> ServerApp (environment): how many nodes a simulation started; round 1 waits
+#: for all of them (``server/loop.py``, ``wait_for_nodes``).
+EXPECTED_NODES_ENV = "FEDSPARSE_EXPECTED_NODES"
 
 MASK_SCOPES = ("round", "client")
 _INT64 = 2**63

@@ -26,6 +26,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from fedsparse.common.protocol import EXPECTED_NODES_ENV
 from fedsparse.common.records import RoundLog, RunSummary, read_rounds
 from fedsparse.lab.flower import SIMULATION_NODE_POLICY, simulation_policy_env
 from fedsparse.lab.launch import (
@@ -181,7 +182,12 @@ def run_simulation(
             superlink,
             # The simulated ClientApps run in this SuperLink's Ray workers and inherit its
             # environment: that is where the experimenter, as node owner, sets their policy.
-            env={**link.env, **simulation_policy_env(state_dir=state_dir)},
+            # ... and the ServerApp too: it waits for all the simulated nodes before round 1.
+            env={
+                **link.env,
+                **simulation_policy_env(state_dir=state_dir),
+                EXPECTED_NODES_ENV: str(clients),
+            },
             log=run.superlink_log,
             ports=[link.http_port],
         ),

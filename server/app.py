@@ -9,11 +9,13 @@ writes ``rounds.jsonl``, ``summary.json`` and ``checkpoint.pt`` (``server/run_re
 
 from __future__ import annotations
 
+import os
+
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from fedsparse.common.config import FederatedConfig
-from fedsparse.server.loop import run_federated
+from fedsparse.server.loop import expected_nodes, run_federated
 
 __all__ = ["app", "run_federated"]
 
@@ -22,5 +24,10 @@ app = ServerApp()
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    """Entry point for ``flwr run``: parses the run config and runs the round loop."""
-    run_federated(grid, FederatedConfig.from_run_config(context.run_config))
+    """Entry point for ``flwr run``: parses the run config and runs the round loop.
+
+    ``$FEDSPARSE_EXPECTED_NODES`` (set by ``fedsparse simulate``) makes round 1 wait for every
+    simulated node (``server/loop.py``).
+    """
+    cfg = FederatedConfig.from_run_config(context.run_config)
+    run_federated(grid, cfg, expected_nodes=expected_nodes(os.environ))

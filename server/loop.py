@@ -20,6 +20,7 @@ the run failed; the simulation engine exits with code 700) and the launchers, wh
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from logging import INFO
 from pathlib import Path
 
@@ -32,6 +33,7 @@ from fedsparse.common.config import FederatedConfig
 from fedsparse.common.data import load_dataset
 from fedsparse.common.layout import ParamLayout
 from fedsparse.common.models import build_model
+from fedsparse.common.protocol import EXPECTED_NODES_ENV
 from fedsparse.common.records import RoundLog, RunSummary
 from fedsparse.common.training import evaluate
 from fedsparse.server.checkpoint import (
@@ -49,33 +51,65 @@ from fedsparse.server.strategy import (
     flat_tensor,
 )
 
-__all__ = ["run_federated", "wait_for_nodes"]
+__all__ = ["expected_nodes", "run_federated", "wait_for_nodes"]
 
 
-def wait_for_nodes(grid: Grid, minimum: int, timeout: float) -> list[int]:
-    """The connected node ids once at least ``minimum`` are connected.
+def wait_for_nodes(grid: Grid, minimum: int, timeout: float, *, expected: int = 0) -> list[int]:
+    """The connected node ids once at least ``minimum`` (and ``expected``) are connected.
+
+    Args:
+        expected: the number of nodes the launcher started (0: unknown). A simulation
+            registers its nodes while the ServerApp starts (Flower's ``run_simulation`` starts
+            the ServerApp thread before ``start_vce`` registers them), so round 1 could
+            otherwise sample from the first ``minimum`` registered: fewer clients, and a
+            model that depends on thread timing.
 
     Raises:
-        TimeoutError: fewer than ``minimum`` nodes after ``timeout`` seconds.
+        TimeoutError: fewer than ``max(minimum, expected)`` nodes after ``timeout`` seconds.
     """
+    wanted = max(minimum, expected)
     deadline = time.monotonic() + timeout
+    first = True
     while True:
         nodes = sorted(grid.get_node_ids())
-        if len(nodes) >= minimum:
+        if len(nodes) >= wanted:
             return nodes
+        if first:
+            log(INFO, "fedsparse: waiting for %d nodes (%d connected)", wanted, len(nodes))
+            first = False
         if time.monotonic() > deadline:
-            raise TimeoutError(
-                f"min-clients={minimum}: only {len(nodes)} nodes connected after {timeout:.0f} s"
-            )
-        time.sleep(1.0)
+            what = f"min-clients={minimum}" if wanted == minimum else f"{wanted} expected nodes"
+            raise TimeoutError(f"{what}: only {len(nodes)} nodes connected after {timeout:.0f} s")
+        time.sleep(0.05 if expected else 1.0)
 
 
-def run_federated(grid: Grid, cfg: FederatedConfig) -> RunSummary:
+def expected_nodes(environ: Mapping[str, str]) -> int:
+    """``$FEDSPARSE_EXPECTED_NODES``: how many nodes a launcher started (0 when unset).
+
+    Raises:
+        ValueError: not an integer >= 0 (the variable and value are named).
+    """
+    text = environ.get(EXPECTED_NODES_ENV, "").strip()
+    if not text:
+        return 0
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"{EXPECTED_NODES_ENV}={text!r}: expected an integer >= 0")
+    return value
+
+
+def run_federated(grid: Grid, cfg: FederatedConfig, *, expected_nodes: int = 0) -> RunSummary:
     """Runs every round; returns the run summary (also written to ``summary.json``).
 
     With ``resume=true`` it continues the run in ``out-dir`` after the round of its
     ``checkpoint.pt`` (``server/checkpoint.py``): with the same seeds and clients that keep
     their state (``client/state.py``) it ends with the model the uninterrupted run ends with.
+
+    ``expected_nodes`` (0: unknown) is how many nodes the launcher started: round 1 waits for
+    all of them (``wait_for_nodes``), not only for ``min-clients``.
 
     Raises:
         CheckpointError: ``resume=true`` and no usable checkpoint (nothing is touched).
@@ -105,7 +139,7 @@ def run_federated(grid: Grid, cfg: FederatedConfig) -> RunSummary:
         f", resumed after round {done}" if checkpoint is not None else "",
     )
     strategy.summary()
-    nodes = wait_for_nodes(grid, cfg.min_clients, cfg.round_timeout)
+    nodes = wait_for_nodes(grid, cfg.min_clients, cfg.round_timeout, expected=expected_nodes)
     if checkpoint is not None:
         strategy.drop_absent_nodes(nodes)
     recorder.begin()
