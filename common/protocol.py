@@ -33,6 +33,7 @@ from fedsparse.common.seeds import Stream, stream_seed
 __all__ = [
     "CONFIG_RECORD",
     "EXPECTED_NODES_ENV",
+    "STOP_FILE",
     "METRICS_RECORD",
     "RESUMED_FROM",
     "STATE_MODEL",
@@ -55,6 +56,10 @@ RESUMED_FROM = "resumed-from"
 #: Launcher -> ServerApp (environment): how many nodes a simulation started; round 1 waits
 #: for all of them (``server/loop.py``, ``wait_for_nodes``).
 EXPECTED_NODES_ENV = "FEDSPARSE_EXPECTED_NODES"
+#: Launcher -> ServerApp (file in the run's out-dir): the launcher is stopping the run. It is
+#: written before any process is signalled; the ServerApp records no round once it exists, so
+#: a round aggregated while the clients were being killed never reaches the checkpoint.
+STOP_FILE = "stop-requested"
 
 MASK_SCOPES = ("round", "client")
 _INT64 = 2**63

@@ -48,6 +48,7 @@ from fedsparse.lab.processes import (
     program,
     raise_if_stopping,
     wait_for_port,
+    watch_run_dir,
 )
 
 __all__ = [
@@ -137,6 +138,7 @@ def prepare_run(out: Path, overrides: Mapping[str, Any], *, check_data: bool = T
     if not os.access(out, os.W_OK):
         raise ValueError(f"out={out}: not writable")
     shutil.rmtree(out / _FLWR_HOME, ignore_errors=True)
+    watch_run_dir(out)  # a stop request now reaches this run's ServerApp first
     return PreparedRun(
         out=out, config=config, run_config=typed, app=app_bundle_dir(out), started=started
     )

@@ -24,6 +24,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, TypeAlias
 
+from fedsparse.common.protocol import STOP_FILE
+
 __all__ = [
     "Process",
     "check_running",
@@ -38,6 +40,7 @@ __all__ = [
     "stop_process",
     "stop_requested",
     "stopping_processes",
+    "watch_run_dir",
     "wait_for_port",
 ]
 
@@ -46,6 +49,8 @@ Process: TypeAlias = subprocess.Popen[bytes]
 
 
 _STOP = threading.Event()
+_RUN_DIRS: set[Path] = set()  # out-dirs of the runs this process launched (watch_run_dir)
+_RUN_DIRS_LOCK = threading.RLock()  # re-entrant: request_stop runs in signal handlers
 _STOPPING = [0]  # stop_process calls under way in this process (signal handlers must wait)
 
 
@@ -54,8 +59,31 @@ def stopping_processes() -> bool:
     return _STOPPING[0] > 0
 
 
+def watch_run_dir(out: Path) -> None:
+    """Registers a run's out-dir: ``request_stop`` writes its ``STOP_FILE`` (a stale one goes).
+
+    Called for every run this process launches (``launch.prepare_run``), before its ServerApp
+    starts.
+    """
+    out = Path(out)
+    (out / STOP_FILE).unlink(missing_ok=True)
+    with _RUN_DIRS_LOCK:
+        _RUN_DIRS.add(out)
+
+
 def request_stop() -> None:
-    """Asks every wait loop in this process, in every thread, to raise ``KeyboardInterrupt``."""
+    """Asks every wait loop in this process, in every thread, to raise ``KeyboardInterrupt``.
+
+    First it writes ``STOP_FILE`` into the out-dir of every run this process launched: their
+    ServerApps then record no further round (``server/run_records.py``). This happens before
+    any process is signalled, so a round whose clients die in the clean-up (a Ray actor killed
+    under its ClientApp replies with an error) cannot reach the checkpoint as a partial round.
+    """
+    with _RUN_DIRS_LOCK:
+        dirs = sorted(_RUN_DIRS)
+    for out in dirs:
+        with contextlib.suppress(OSError):  # a deleted run dir has no ServerApp to tell
+            (out / STOP_FILE).write_text("the launcher is stopping this run\n")
     _STOP.set()
 
 

@@ -22,10 +22,11 @@ import torch
 
 from fedsparse.common.config import FederatedConfig
 from fedsparse.common.layout import ParamLayout
+from fedsparse.common.protocol import STOP_FILE
 from fedsparse.common.records import RoundLog, RunSummary
 from fedsparse.server.checkpoint import CHECKPOINT, Checkpoint, CheckpointError
 
-__all__ = ["RunRecorder"]
+__all__ = ["RunRecorder", "RunStopped"]
 
 
 class RunRecorder:
@@ -79,7 +80,18 @@ class RunRecorder:
             (folder / f"round-{server_round}-node-{node}.bin").write_bytes(payload)
 
     def round_done(self, entry: RoundLog, weights: torch.Tensor) -> None:
-        """Appends the round's line and checkpoints the model it ended with."""
+        """Appends the round's line and checkpoints the model it ended with.
+
+        Raises:
+            RunStopped: the launcher is stopping the run (``STOP_FILE`` in out-dir): the
+                round is not recorded, since its clients may have been killed under it (a
+                resumed run plays it again).
+        """
+        stop = self.out / STOP_FILE
+        if stop.exists():
+            raise RunStopped(
+                f"round {entry.round}: not recorded: the launcher is stopping the run ({stop})"
+            )
         self.logs.append(entry)
         with (self.out / "rounds.jsonl").open("a") as fh:
             fh.write(entry.to_json() + "\n")
@@ -106,6 +118,10 @@ class RunRecorder:
         )
         (self.out / "summary.json").write_text(summary.to_json())
         return summary
+
+
+class RunStopped(RuntimeError):
+    """The launcher asked the run to stop; the round at hand was not recorded."""
 
 
 def _kept_rounds(path: Path, resume_from: int) -> list[tuple[RoundLog, str]]:
