@@ -29,6 +29,7 @@ from fedsparse.common.config import FederatedConfig, wire_encoding
 from fedsparse.common.data import Split
 from fedsparse.common.layout import ParamLayout
 from fedsparse.common.masks import sample_mask
+from fedsparse.common.methods import suffix_mask
 from fedsparse.common.models import build_model
 from fedsparse.common.node_policy import NodePolicy, TrainingRequest
 from fedsparse.common.payload import decode_update, encode_update
@@ -43,6 +44,7 @@ from fedsparse.common.protocol import (
     METRICS_RECORD,
     EvaluateInstruction,
     EvaluateReply,
+    ProtocolError,
     TrainInstruction,
     TrainReply,
     client_mask_seed,
@@ -111,6 +113,7 @@ def train(msg: Message, context: Context) -> Message:
         raise released_error(err) from None
     model = build_model(cfg.model_name, seed=cfg.seed)
     layout = ParamLayout.from_module(model)
+    frozen = _frozen_prefix(cfg, task, layout)
     state = _node_state(context, files, resumed_from(record), numel=layout.numel)
     global_flat = apply_downlink(
         state.model,
@@ -143,7 +146,7 @@ def train(msg: Message, context: Context) -> Message:
         )
         try:
             reply, history = _train_round(
-                cfg, task, policy, privacy, context, data, global_flat, state.history
+                cfg, task, policy, privacy, context, data, global_flat, state.history, frozen
             )
         except Exception as err:
             raise released_error(err) from None
@@ -156,6 +159,28 @@ def train(msg: Message, context: Context) -> Message:
         {CONFIG_RECORD: ConfigRecord(config), METRICS_RECORD: MetricRecord(metrics)}
     )
     return Message(content=content, reply_to=msg)
+
+
+def _frozen_prefix(cfg: FederatedConfig, task: TrainInstruction, layout: ParamLayout) -> int:
+    """method=lf: the frozen coordinate prefix this round (0 before freeze-after, or not lf).
+
+    Raises:
+        ProtocolError: the instruction's ``keep`` is not the ``d - s`` the public config gives
+            (checked before anything private is touched).
+    """
+    if cfg.method != "lf":
+        return 0
+    try:
+        frozen = cfg.method_config().frozen(layout, task.server_round - 1)
+    except ValueError as err:
+        raise ProtocolError(f"run config: {err}") from None
+    if task.keep != layout.numel - frozen:
+        raise ProtocolError(
+            f"train instruction: keep={task.keep}: expected {layout.numel - frozen} "
+            f"(method='lf', freeze-layers={cfg.freeze_layers}, freeze-after={cfg.freeze_after}, "
+            f"round {task.server_round})"
+        )
+    return frozen
 
 
 def _node_state(
@@ -182,8 +207,13 @@ def _train_round(
     data: Split,
     global_flat: torch.Tensor,
     history: list[tuple[float, float, int]],
+    frozen: int = 0,
 ) -> tuple[TrainReply, list[tuple[float, float, int]]]:
-    """Local DP-SGD + RS from ``global_flat``; (the reply, the run's accountant history)."""
+    """Local DP-SGD + RS from ``global_flat``; (the reply, the run's accountant history).
+
+    With ``frozen`` > 0 (method=lf) the mask keeps ``[frozen, d)`` and the reply carries those
+    values only, as a dense vector of ``d - frozen`` values.
+    """
     model = build_model(cfg.model_name, seed=cfg.seed)
     layout = ParamLayout.from_module(model)
     numel = layout.numel
@@ -192,7 +222,10 @@ def _train_round(
     mask_seed = task.mask_seed
     if task.mask_scope == "client":
         mask_seed = client_mask_seed(mask_seed, context.node_id)
-    mask = None if task.keep == numel else sample_mask(numel, keep=task.keep, seed=mask_seed)
+    if frozen:
+        mask = suffix_mask(numel, frozen)
+    else:
+        mask = None if task.keep == numel else sample_mask(numel, keep=task.keep, seed=mask_seed)
     seeded = policy.noise == "seeded"
     train_cfg = TrainConfig(
         epochs=task.local_epochs,
@@ -227,12 +260,13 @@ def _train_round(
 
     delta = layout.flatten_module(model).cpu() - global_flat  # the model trained on cfg.device
     values = delta if mask is None else delta[mask]
+    seeded_mask = mask is not None and not frozen
     payload = encode_update(
         values,
-        dense_size=numel,
+        dense_size=numel - frozen,
         round=task.server_round,
-        mask_seed=None if mask is None else mask_seed,
-        encoding=wire_encoding(cfg.codec, sparse=mask is not None),
+        mask_seed=mask_seed if seeded_mask else None,
+        encoding=wire_encoding(cfg.codec, sparse=seeded_mask),
         value_dtype=cfg.value_dtype,
         compression=cfg.compression,
     )

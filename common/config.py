@@ -23,6 +23,7 @@ from fedsparse.common.aggregate import AGGREGATORS, WEIGHTINGS, AggregatorName, 
 from fedsparse.common.data import DATASET_INPUT_SHAPES, DATASET_NAMES, DatasetName
 from fedsparse.common.dp import MECHANISMS, MechanismName
 from fedsparse.common.func_dp import ENGINES, EngineName
+from fedsparse.common.methods import METHODS, MethodConfig, MethodName, method_schedule
 from fedsparse.common.models import DEFAULT_MODELS, MODEL_INPUT_SHAPES, MODEL_NAMES, ModelName
 from fedsparse.common.partition import PARTITIONER_NAMES, PartitionerName
 from fedsparse.common.payload import (
@@ -72,9 +73,16 @@ RESUME_MAY_DIFFER: Final[frozenset[str]] = frozenset(
 )
 
 #: Run-config keys added after runs were recorded, with the value under which a run recorded
-#: before them ran: ``auto`` is the Opacus engine on the CPU, exactly what those runs used. A
+#: before them ran: ``auto`` is the Opacus engine on the CPU, exactly what those runs used,
+#: and ``method=rs`` (with its unused ``freeze-*`` defaults) is what every earlier run did. A
 #: checkpoint or a finished sweep run written without them is read through ``with_added_keys``.
-ADDED_KEYS: Final[dict[str, Any]] = {"engine": "auto", "device": "auto"}
+ADDED_KEYS: Final[dict[str, Any]] = {
+    "engine": "auto",
+    "device": "auto",
+    "method": "rs",
+    "freeze-layers": 1,
+    "freeze-after": 0,
+}
 
 
 def with_added_keys(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -132,6 +140,10 @@ class FederatedConfig:
     final_keep: float = 1.0
     rate_steps: str = ""  # schedule=steps: comma-separated rates, e.g. "0,0.5,0.7,0.9"
     mask_scope: MaskScope = "round"
+    # which coordinates train (common/methods.py): rs, random-freeze (schedule cooling), lf
+    method: MethodName = "rs"
+    freeze_layers: int = 1  # lf: m_f, the first layers frozen ...
+    freeze_after: int = 0  # lf: ... from this 0-based round on (round freeze-after + 1)
     # transport
     codec: CodecName = "values"
     value_dtype: ValueDType = "fp32"
@@ -197,6 +209,7 @@ class FederatedConfig:
             fail("dirichlet_alpha", "> 0")
         self._check_robustness(fail)
         try:
+            self.method_config()
             self.privacy()
             self.sparsity().rate_schedule(self.num_rounds)
         except ValueError as err:
@@ -218,6 +231,12 @@ class FederatedConfig:
             self.norm_bound()
         except ValueError as err:
             raise ValueError(str(err).replace("_", "-")) from err
+
+    def method_config(self) -> MethodConfig:
+        """The method and its parameters (``common/methods.py``)."""
+        return MethodConfig(
+            name=self.method, freeze_layers=self.freeze_layers, freeze_after=self.freeze_after
+        )
 
     def norm_bound(self) -> NormBound:
         """The per-round bound on update norms (``max-norm-ratio``, ``max-update-norm``)."""
@@ -263,7 +282,7 @@ class FederatedConfig:
     def sparsity(self) -> SparsityConfig:
         """The rate schedule over rounds (mask seeds come from the server each round)."""
         return SparsityConfig(
-            schedule=self.schedule,
+            schedule=method_schedule(self.method, self.schedule),
             final_rate=self.final_rate,
             cooling_steps=self.cooling_rounds,
             initial_keep=self.initial_keep,
@@ -288,6 +307,7 @@ _NAMED_FIELDS: Final[dict[str, tuple[str, ...]]] = {
     "mechanism": MECHANISMS,
     "accountant": ACCOUNTANTS,
     "schedule": SCHEDULES,
+    "method": METHODS,
     "mask_scope": MASK_SCOPES,
     "codec": CODECS,
     "value_dtype": VALUE_DTYPES,

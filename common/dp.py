@@ -305,6 +305,10 @@ class SparseDPEngine(PrivacyEngine):
             return 1.0
         return float(self._mask.sum()) / self._mask.numel()
 
+    def named_trainable_parameters(self) -> dict[str, nn.Parameter]:
+        """The parameters the mask covers, by unwrapped name, in layout order."""
+        return dict(self._params)
+
     def set_mask(self, mask: torch.Tensor | None) -> None:
         """Sets the RS mask for the following steps.
 

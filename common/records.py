@@ -198,6 +198,10 @@ class RunSummary:
     noise: str = "unknown"
     #: uplink payload bits per parameter per client-round over the run (derived)
     uplink_bits_per_param: float = field(default=math.nan, metadata=_METRIC)
+    #: random freeze's "total density": the trained (kept) coordinates over the dense count,
+    #: over every answering client-round (``RoundLog.keep_fraction`` weighted by the round's
+    #: answering clients); nan in summaries older than the field
+    total_density: float = field(default=math.nan, metadata=_METRIC)
 
     def __post_init__(self) -> None:
         bits = uplink_bits_per_param(self.total_uplink_payload_bytes, self.total_dense_uplink_bytes)
@@ -232,6 +236,7 @@ class RunSummary:
             config=config,
             failed_rounds=sum(entry.failed for entry in logs),
             noise=run_noise([entry.noise for entry in logs]),
+            total_density=_total_density(logs),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -247,6 +252,15 @@ class RunSummary:
         """Parses ``summary.json`` (text or decoded mapping); extra keys are ignored."""
         mapping = json.loads(data) if isinstance(data, str) else data
         return _from_mapping(cls, mapping, "summary.json")  # type: ignore[no-any-return]
+
+
+def _total_density(logs: Sequence[RoundLog]) -> float:
+    """Kept coordinates over dense ones per answering client-round (nan: nobody answered)."""
+    weights = [entry.dense_uplink_bytes for entry in logs]  # answering clients x d x 4
+    total = sum(weights)
+    if not total:
+        return math.nan
+    return sum(w * entry.keep_fraction for w, entry in zip(weights, logs, strict=True)) / total
 
 
 def epsilon_stats(epsilons: Sequence[float]) -> tuple[float, float]:

@@ -23,6 +23,7 @@ A ``target_epsilon`` is met on the exact number of steps that run
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import secrets
 import warnings
@@ -44,6 +45,7 @@ from fedsparse.common.func_dp import (
     select_engine,
 )
 from fedsparse.common.masks import derive_seed, keep_count, sample_mask
+from fedsparse.common.methods import MethodConfig, method_schedule, suffix_mask
 from fedsparse.common.privacy import (
     ACCOUNTANTS,
     AccountantName,
@@ -232,6 +234,21 @@ def round_mask(numel: int, *, rate: float, mask_seed: int, step: int) -> torch.T
     return sample_mask(numel, keep=keep, seed=derive_seed(mask_seed, step))
 
 
+def _clear_momentum(
+    optimizer: torch.optim.Optimizer, engine: SparseDPEngine, mask: torch.Tensor
+) -> None:
+    """Zeroes the momentum of the coordinates off ``mask``: frozen layers move by exactly 0.
+
+    (RS keeps the velocity, as its paper does; layer freezing does not update a frozen
+    layer at all.)
+    """
+    views = engine.layout.split(mask, field="mask")
+    for name, param in engine.named_trainable_parameters().items():
+        buffer = optimizer.state.get(param, {}).get("momentum_buffer")
+        if buffer is not None:
+            buffer.masked_fill_(~views[name].to(buffer.device), 0.0)
+
+
 def make_private(
     model: nn.Module,
     x: torch.Tensor,
@@ -396,20 +413,42 @@ def train_centralized(
     sparsity: SparsityConfig,
     train: TrainConfig,
     on_epoch: Callable[[EpochStats], None] | None = None,
+    method: MethodConfig | None = None,
 ) -> list[EpochStats]:
-    """Centralized DP-SGD with RS (RS paper, Algorithm 1): one public mask per epoch.
+    """Centralized DP-SGD with one public mask per epoch, chosen by ``method``.
+
+    ``rs`` (default): RS paper, Algorithm 1; ``random-freeze``: the same with the cooling
+    schedule; ``lf``: DP-SGD, then the first ``freeze_layers`` layers frozen from epoch
+    ``freeze_after`` on, their momentum cleared so that they move by exactly 0
+    (``common/methods.py``).
 
     Returns one ``EpochStats`` per epoch (rate, kept fraction, losses, accuracy, epsilon).
+
+    Raises:
+        ValueError: ``random-freeze`` with a schedule other than ``cooling``, or ``lf`` with
+            more layers to freeze than the model has.
     """
+    method = method or MethodConfig()
+    sparsity = dataclasses.replace(
+        sparsity, schedule=method_schedule(method.name, sparsity.schedule)
+    )
     engine, module, optimizer, loader = make_private(
         model, *train_xy, privacy=privacy, train=train, epochs_for_target=train.epochs
     )
+    method.check(engine.layout)
     schedule = sparsity.rate_schedule(train.epochs)
     numel = engine.layout.numel
     history = []
     for epoch in range(train.epochs):
-        rate = schedule.rate(epoch)
-        engine.set_mask(round_mask(numel, rate=rate, mask_seed=sparsity.mask_seed, step=epoch))
+        if method.uses_rate:
+            rate = schedule.rate(epoch)
+            mask = round_mask(numel, rate=rate, mask_seed=sparsity.mask_seed, step=epoch)
+        else:
+            frozen = method.frozen(engine.layout, epoch)
+            rate, mask = frozen / numel, suffix_mask(numel, frozen)
+            if mask is not None:
+                _clear_momentum(optimizer, engine, mask)
+        engine.set_mask(mask)
         train_loss, examples = train_one_epoch(
             module, optimizer, loader, max_physical_batch_size=train.max_physical_batch_size
         )

@@ -26,6 +26,7 @@ from rich.console import Console
 from fedsparse.common.data import DATASET_NAMES, DatasetName, load_dataset
 from fedsparse.common.dp import MECHANISMS
 from fedsparse.common.func_dp import ENGINES as DP_ENGINES
+from fedsparse.common.methods import METHODS, MethodConfig, method_schedule, total_density
 from fedsparse.common.models import (
     DEFAULT_MODELS,
     MODEL_NAMES,
@@ -76,8 +77,10 @@ def run_train(
     privacy: PrivacyConfig,
     sparsity: SparsityConfig,
     train: TrainConfig,
+    method: MethodConfig | None = None,
 ) -> dict[str, Any]:
     """Runs centralized training, printing a table per epoch; returns the summary dict."""
+    method = method or MethodConfig()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     out.mkdir(parents=True, exist_ok=True)
     seed = 0 if train.seed is None else train.seed
@@ -109,6 +112,7 @@ def run_train(
             sparsity=sparsity,
             train=train,
             on_epoch=on_epoch,
+            method=method,
         )
     finally:
         log.close()
@@ -122,6 +126,14 @@ def run_train(
         "epsilon": last.epsilon,
         "delta": privacy.delta,
         "mean_keep_fraction": sum(h.keep_fraction for h in history) / len(history),
+        # random freeze's total density: trained coordinates over dense ones, every step
+        # weighted alike (Poisson epochs have the same expected number of steps)
+        "total_density": total_density(
+            [round(h.keep_fraction * count_parameters(model)) for h in history],
+            [1.0] * len(history),
+            numel=count_parameters(model),
+        ),
+        "method": dataclasses.asdict(method),
         "wall_seconds": time.perf_counter() - started,
         "privacy": dataclasses.asdict(privacy),
         "sparsity": dataclasses.asdict(sparsity),
@@ -172,7 +184,14 @@ def train(
     schedule: Annotated[
         str, Opt(help="gradual | cooling | constant | linear-keep | exp-keep")
     ] = "gradual",
-    cooling_steps: Annotated[int, Opt(help="cooling time e* for --schedule cooling")] = 1,
+    cooling_steps: Annotated[
+        int, Opt(help="cooling time e* for --schedule cooling and --method random-freeze")
+    ] = 1,
+    method: Annotated[
+        str, Opt(help="rs | random-freeze (schedule cooling) | lf (layer freezing)")
+    ] = "rs",
+    freeze_layers: Annotated[int, Opt(help="--method lf: layers m_f frozen")] = 1,
+    freeze_after: Annotated[int, Opt(help="--method lf: first frozen epoch t_f (0-based)")] = 0,
     mechanism: Annotated[str, Opt(help="dpsgd | clipped | noisy")] = "dpsgd",
     accountant: Annotated[str, Opt(help="rdp | prv | gdp")] = "rdp",
     max_physical_batch_size: Annotated[int, Opt(help="BatchMemoryManager limit, 0 = off")] = 0,
@@ -182,7 +201,7 @@ def train(
     ] = "auto",
     device: Annotated[str, Opt(help="auto (CUDA if available) | cpu | cuda")] = "auto",
 ) -> None:
-    """Centralized DP-SGD with random sparsification (RS paper, Algorithm 1)."""
+    """Centralized DP-SGD with random sparsification (RS paper, Algorithm 1) or another method."""
     if noise_multiplier is not None:
         target_epsilon = None
     try:
@@ -194,8 +213,13 @@ def train(
             max_grad_norm=max_grad_norm,
             accountant=_choice("accountant", accountant, ACCOUNTANTS),
         )
+        method_config = MethodConfig(
+            name=_choice("method", method, METHODS),
+            freeze_layers=freeze_layers,
+            freeze_after=freeze_after,
+        )
         sparsity = SparsityConfig(
-            schedule=_choice("schedule", schedule, SCHEDULES),
+            schedule=method_schedule(method_config.name, _choice("schedule", schedule, SCHEDULES)),
             final_rate=final_rate,
             cooling_steps=cooling_steps,
             mask_seed=stream_seed(seed, Stream.EPOCH_MASKS),
@@ -222,6 +246,7 @@ def train(
         privacy=privacy,
         sparsity=sparsity,
         train=config,
+        method=method_config,
     )
 
 

@@ -32,6 +32,7 @@ from flwr.serverapp import Grid
 from fedsparse.common.config import FederatedConfig
 from fedsparse.common.data import load_dataset
 from fedsparse.common.layout import ParamLayout
+from fedsparse.common.methods import frozen_prefix
 from fedsparse.common.models import build_model
 from fedsparse.common.protocol import EXPECTED_NODES_ENV
 from fedsparse.common.records import RoundLog, RunSummary
@@ -120,7 +121,9 @@ def run_federated(grid: Grid, cfg: FederatedConfig, *, expected_nodes: int = 0) 
     layout = ParamLayout.from_module(model)
     d = layout.numel
     _, test = load_dataset(cfg.dataset, data_dir=cfg.data_dir or None, seed=cfg.seed)
-    strategy = SparseFedAvg(cfg, num_parameters=d)
+    # method=lf: the first freeze-layers layers' coordinates (a bad count fails here, first).
+    frozen = frozen_prefix(layout, cfg.freeze_layers) if cfg.method == "lf" else 0
+    strategy = SparseFedAvg(cfg, num_parameters=d, frozen_prefix=frozen)
     out = Path(cfg.out_dir or "runs/latest")
     # Nothing in out-dir is touched before the nodes are there (recorder.begin): a start that
     # fails (a bad checkpoint, too few nodes) leaves the previous records as they were.

@@ -122,6 +122,8 @@ class RoundStats:
     failure: str = ""  # why the model was left unchanged ("" if it was not)
     noise: NoiseOrigin = "none"  # the accepted updates' noise origin
     updates: dict[int, bytes] = field(default_factory=dict)  # save-updates: node -> payload
+    #: method=lf: the frozen coordinate prefix ``[0, frozen)``; replies carry ``[frozen, d)``
+    frozen: int = 0
 
     @property
     def failed(self) -> bool:
@@ -175,9 +177,19 @@ class SparseFedAvg(Strategy):
         num_parameters: ``d``, the flat model size.
     """
 
-    def __init__(self, cfg: FederatedConfig, *, num_parameters: int) -> None:
+    def __init__(
+        self, cfg: FederatedConfig, *, num_parameters: int, frozen_prefix: int = 0
+    ) -> None:
         self.cfg = cfg
         self.d = num_parameters
+        if cfg.method == "lf" and not 0 < frozen_prefix < num_parameters:
+            raise ValueError(
+                f"frozen_prefix={frozen_prefix}: method='lf' needs 0 < s < d={num_parameters} "
+                "(common/methods.py: frozen_prefix)"
+            )
+        # method=lf: the coordinates of the first freeze-layers layers (frozen from round
+        # freeze-after + 1 on); 0 for the other methods.
+        self.frozen_prefix = frozen_prefix if cfg.method == "lf" else 0
         self.schedule = cfg.sparsity().rate_schedule(cfg.num_rounds)
         self.downlink = DownlinkCache(codec=cfg.codec, compression=cfg.compression)
         self._rng = np.random.default_rng(stream_seed(cfg.seed, Stream.CLIENT_SELECTION))
@@ -253,6 +265,12 @@ class SparseFedAvg(Strategy):
             cfg.max_failed_rounds,
         )
 
+    def frozen_at(self, server_round: int) -> int:
+        """The frozen coordinate prefix of ``server_round`` (method=lf; else 0)."""
+        if server_round - 1 >= self.cfg.freeze_after:
+            return self.frozen_prefix
+        return 0
+
     def _sample(self, grid: Grid) -> list[int]:
         nodes = sorted(grid.get_node_ids())
         count = min(self.cfg.clients_per_round or len(nodes), len(nodes))
@@ -273,8 +291,12 @@ class SparseFedAvg(Strategy):
                 f"arrays[{ARRAY_KEY!r}] has {weights.numel()} values: expected {self.d}"
             )
         self._weights = weights
-        rate = self.schedule.rate(server_round - 1)
-        keep = keep_count(self.d, rate=rate)
+        frozen = self.frozen_at(server_round)
+        if cfg.method == "lf":  # no random mask: the frozen layers are dropped, nothing else
+            rate, keep = frozen / self.d, self.d - frozen
+        else:
+            rate = self.schedule.rate(server_round - 1)
+            keep = keep_count(self.d, rate=rate)
         stats = RoundStats(
             server_round=server_round,
             rate=rate,
@@ -283,6 +305,7 @@ class SparseFedAvg(Strategy):
             selected=self._sample(grid),
             started=started,
             started_at=started_at,
+            frozen=frozen,
         )
         self.last_round = stats
         version = server_round - 1
@@ -334,7 +357,12 @@ class SparseFedAvg(Strategy):
             log(WARNING, "round %d: dropped %s", server_round, reason)
         for reason in stats.clipped:
             log(WARNING, "round %d: clipped %s", server_round, reason)
-        seeded = self.cfg.mask_scope == "round" and stats.keep < self.d and not stats.failed
+        seeded = (
+            self.cfg.mask_scope == "round"
+            and stats.keep < self.d
+            and not stats.frozen
+            and not stats.failed
+        )
         self.downlink.record_version(
             server_round, touched, seeded=(stats.mask_seed, stats.keep) if seeded else None
         )
@@ -373,14 +401,16 @@ class SparseFedAvg(Strategy):
                 if cfg.mask_scope == "round"
                 else client_mask_seed(stats.mask_seed, node)
             )
-            if round_support is None and cfg.mask_scope == "round" and keep < d:
+            frozen = stats.frozen
+            if round_support is None and cfg.mask_scope == "round" and keep < d and not frozen:
                 round_support = torch.nonzero(sample_mask(d, keep=keep, seed=scope_seed)).flatten()
             try:
+                # method=lf: the values of the unfrozen coordinates [frozen, d), dense.
                 valid = check_reply(
                     reply,
-                    d=d,
+                    d=d - frozen,
                     server_round=stats.server_round,
-                    expected_seed=None if keep == d else scope_seed,
+                    expected_seed=None if keep == d or frozen else scope_seed,
                     keep=keep,
                     codec=cfg.codec,
                     value_dtype=cfg.value_dtype,
@@ -391,6 +421,8 @@ class SparseFedAvg(Strategy):
             except RejectedReply as err:
                 stats.rejected.append(f"node {node}: {err}")
                 continue
+            if frozen:
+                valid = replace(valid, support=torch.arange(frozen, d, dtype=torch.int64))
             # A valid reply counts (payload bytes, epsilon) even if the norm bound drops it.
             stats.uplink_payload_bytes += valid.payload_bytes
             self._epsilons[node] = valid.reply.epsilon

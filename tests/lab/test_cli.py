@@ -62,6 +62,34 @@ def test_train_checks_names_before_running(tmp_path: Path) -> None:
     assert not out.exists()
 
 
+def test_train_checks_the_method_before_running(tmp_path: Path) -> None:
+    out = tmp_path / "never"
+    cases = (
+        (["--method", "ranked-x"], "method='ranked-x': expected one of rs, random-freeze, lf"),
+        (
+            ["--method", "random-freeze", "--schedule", "constant"],
+            "schedule='constant': method='random-freeze' ramps the rate to r*",
+        ),
+        (["--method", "lf", "--freeze-layers", "0"], "freeze-layers=0: expected >= 1"),
+    )
+    for options, message in cases:
+        result = CliRunner().invoke(app, ["train", "--out", str(out), *options])
+        assert result.exit_code != 0
+        assert message in " ".join(result.output.replace("│", " ").split()), result.output
+    assert not out.exists()
+
+
+def test_train_runs_layer_freezing_and_reports_total_density(tmp_path: Path) -> None:
+    options = ["--epochs", "2", "--method", "lf", "--freeze-after", "1", "--target-epsilon", "2"]
+    result = CliRunner().invoke(app, ["train", "--out", str(tmp_path), *options])
+    assert result.exit_code == 0, result.output
+    epochs = [json.loads(line) for line in (tmp_path / "epochs.jsonl").read_text().splitlines()]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["method"] == {"name": "lf", "freeze_layers": 1, "freeze_after": 1}
+    assert epochs[0]["keep_fraction"] == 1.0 and epochs[1]["keep_fraction"] < 1.0
+    assert summary["total_density"] == pytest.approx((1.0 + epochs[1]["keep_fraction"]) / 2)
+
+
 # Imports every module-level import of the lab modules first (third-party packages and the
 # other fedsparse packages may set up what they like), then the lab modules themselves.
 _IMPORT_CHECK = """

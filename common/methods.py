@@ -1,0 +1,181 @@
+"""Which coordinates train in each epoch (centralized) or round (federated): the ``method``.
+
+Every method here chooses its coordinates from public information only (the config, the
+model's layout, the step and a public seed), never from data, so the privacy accounting of
+DP-SGD is unchanged (the mask is applied before per-sample clipping and the noise is added on
+the kept coordinates only: ``common/dp.py``).
+
+- ``rs``: random sparsification (RS paper, Algorithm 1): a uniformly random mask of ``keep``
+  coordinates per step, ``r(e)`` from the run's ``schedule`` (gradual cooling by default).
+- ``random-freeze``: random freeze (``random-freeze-dpsgd.txt``, Algorithm 1): the same random
+  mask, with the freeze rate ramped linearly to ``r*`` at the cooling time ``e*`` and constant
+  after, ``r(e) = r* min(e / e*, 1)`` (schedule ``cooling``, ``e*`` = ``cooling-rounds`` or
+  ``--cooling-steps``). Its *total density* (non-zero gradient coordinates over the dense
+  count, over the whole run) is reported for every method (``total_density``).
+- ``lf``: DP-SGD with layer freezing (``dpsgd-lf-layer-freezing.txt``, Algorithm 1): plain
+  DP-SGD until step ``t_f`` (``freeze-after``), then the first ``m_f`` layers
+  (``freeze-layers``, closest to the input) are frozen: their gradients are zeroed before
+  clipping and get no noise, so they move by exactly 0. The sparsification rate does not apply
+  (RS is off). A layer is a module that owns parameters (a convolution's weight and bias are
+  one layer), in ``named_parameters()`` order. The frozen layers are a prefix of the flat
+  coordinates, ``[0, s)``: in the federation a client sends the values of ``[s, d)`` only, as
+  a dense vector of ``d - s`` values, so the frozen layers cost no uplink byte.
+
+Steps are 0-based: epoch ``e`` in ``0..E-1``, or round ``r - 1``. ``lf`` freezes from step
+``t_f`` on (``t > t_f`` in the paper's 1-based count).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Final, Literal, get_args
+
+import torch
+
+from fedsparse.common.layout import ParamLayout
+from fedsparse.common.schedules import ScheduleName
+
+__all__ = [
+    "METHODS",
+    "METHOD_PAPERS",
+    "MethodConfig",
+    "MethodName",
+    "frozen_prefix",
+    "layer_ranges",
+    "method_schedule",
+    "suffix_mask",
+    "total_density",
+]
+
+MethodName = Literal["rs", "random-freeze", "lf"]
+"""The methods above (run-config ``method``, ``fedsparse train --method``)."""
+
+METHODS: Final[tuple[MethodName, ...]] = get_args(MethodName)
+
+#: The paper each method comes from (``../shared/papers``).
+METHOD_PAPERS: Final[dict[MethodName, str]] = {
+    "rs": "rs-random-sparsification-dpsgd.txt (Algorithm 1)",
+    "random-freeze": "random-freeze-dpsgd.txt (Algorithm 1)",
+    "lf": "dpsgd-lf-layer-freezing.txt (Algorithm 1)",
+}
+
+
+def layer_ranges(layout: ParamLayout) -> list[tuple[str, int, int]]:
+    """``(layer, start, end)``: each layer's flat coordinates, in order.
+
+    A layer is the module that owns the parameters: consecutive parameters whose names share
+    everything before the last dot (``conv1.weight`` and ``conv1.bias``) form one layer.
+    """
+    layers: list[tuple[str, int, int]] = []
+    offset = 0
+    for name, n in zip(layout.names, layout.numels, strict=True):
+        owner = name.rpartition(".")[0]
+        if layers and layers[-1][0] == owner:
+            layers[-1] = (owner, layers[-1][1], offset + n)
+        else:
+            layers.append((owner, offset, offset + n))
+        offset += n
+    return layers
+
+
+def frozen_prefix(layout: ParamLayout, freeze_layers: int) -> int:
+    """``s``: the number of flat coordinates in the first ``freeze_layers`` layers.
+
+    Raises:
+        ValueError: ``freeze_layers`` < 0, or so many that no layer would train.
+    """
+    layers = layer_ranges(layout)
+    if not 0 <= freeze_layers < len(layers):
+        raise ValueError(
+            f"freeze-layers={freeze_layers}: expected 0 <= m_f < {len(layers)} (the model has "
+            f"{len(layers)} layers: {', '.join(owner or '<root>' for owner, _, _ in layers)}; "
+            "at least one must train)"
+        )
+    return layers[freeze_layers - 1][2] if freeze_layers else 0
+
+
+def method_schedule(
+    method: MethodName, schedule: ScheduleName, field: str = "schedule"
+) -> ScheduleName:
+    """The rate schedule ``method`` runs: ``cooling`` for ``random-freeze``, else ``schedule``.
+
+    Raises:
+        ValueError: ``random-freeze`` with a schedule other than the default ``gradual`` or
+            ``cooling`` (random freeze *is* the cooling schedule).
+    """
+    if method != "random-freeze":
+        return schedule
+    if schedule not in ("gradual", "cooling"):
+        raise ValueError(
+            f"{field}={schedule!r}: method='random-freeze' ramps the rate to r* at the cooling "
+            "time e* (schedule 'cooling'); leave the schedule unset or set 'cooling'"
+        )
+    return "cooling"
+
+
+@dataclass(frozen=True, kw_only=True)
+class MethodConfig:
+    """The method and its own parameters (``freeze_*`` apply to ``lf`` only).
+
+    Attributes:
+        name: one of ``METHODS``.
+        freeze_layers: ``m_f``, layers frozen from ``freeze_after`` on (``lf``: >= 1).
+        freeze_after: ``t_f``, the first 0-based step (epoch, or round - 1) that freezes.
+    """
+
+    name: MethodName = "rs"
+    freeze_layers: int = 1
+    freeze_after: int = 0
+
+    def __post_init__(self) -> None:
+        if self.name not in METHODS:
+            raise ValueError(f"method={self.name!r}: expected one of {', '.join(METHODS)}")
+        if self.freeze_layers < 1:
+            raise ValueError(f"freeze-layers={self.freeze_layers}: expected >= 1")
+        if self.freeze_after < 0:
+            raise ValueError(f"freeze-after={self.freeze_after}: expected >= 0")
+
+    @property
+    def uses_rate(self) -> bool:
+        """Whether the rate schedule chooses a random mask (``rs``, ``random-freeze``)."""
+        return self.name != "lf"
+
+    def frozen(self, layout: ParamLayout, step: int) -> int:
+        """``s``: the frozen coordinate prefix at 0-based ``step`` (0: nothing frozen).
+
+        Raises:
+            ValueError: ``freeze_layers`` leaves no layer to train (``frozen_prefix``).
+        """
+        if self.name != "lf":
+            return 0
+        s = frozen_prefix(layout, self.freeze_layers)
+        return s if step >= self.freeze_after else 0
+
+    def check(self, layout: ParamLayout) -> None:
+        """Checks the method's parameters against the model (``lf``: enough layers)."""
+        if self.name == "lf":
+            frozen_prefix(layout, self.freeze_layers)
+
+
+def suffix_mask(numel: int, start: int) -> torch.Tensor | None:
+    """The mask of coordinates ``[start, numel)`` (None when ``start`` is 0: everything)."""
+    if not 0 <= start < numel:
+        raise ValueError(f"start={start}: expected 0 <= start < numel={numel}")
+    if start == 0:
+        return None
+    mask = torch.zeros(numel, dtype=torch.bool)
+    mask[start:] = True
+    return mask
+
+
+def total_density(kept: Sequence[int], weights: Sequence[float], *, numel: int) -> float:
+    """Kept coordinates over dense ones: ``sum(w * kept) / (numel * sum(w))`` (nan if no weight).
+
+    ``kept[i]`` coordinates train in step ``i``, which carries weight ``weights[i]`` (its
+    number of updates: gradient steps, or answering clients).
+    """
+    total = float(sum(weights))
+    if total <= 0 or numel <= 0:
+        return float("nan")
+    return float(sum(w * k for k, w in zip(kept, weights, strict=True))) / (numel * total)

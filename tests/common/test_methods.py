@@ -1,0 +1,159 @@
+"""``method``: random freeze's schedule and total density, layer freezing's exact zero update.
+
+Centralized runs on digits (1,437 training images, the ``digits-cnn`` model), a few epochs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fedsparse.common.config import FederatedConfig
+from fedsparse.common.data import load_dataset
+from fedsparse.common.layout import ParamLayout
+from fedsparse.common.masks import keep_count
+from fedsparse.common.methods import (
+    MethodConfig,
+    frozen_prefix,
+    layer_ranges,
+    method_schedule,
+    suffix_mask,
+    total_density,
+)
+from fedsparse.common.models import build_model
+from fedsparse.common.privacy import compute_epsilon, sample_rate, steps_per_epoch
+from fedsparse.common.schedules import RateSchedule
+from fedsparse.common.training import (
+    PrivacyConfig,
+    SparsityConfig,
+    TrainConfig,
+    train_centralized,
+)
+
+
+def _layout(name: str = "dpcnn-mnist") -> ParamLayout:
+    return ParamLayout.from_module(build_model(name, seed=0))
+
+
+def test_a_layer_is_a_module_with_its_weight_and_bias() -> None:
+    layout = _layout()
+    assert layer_ranges(layout) == [
+        ("features.0", 0, 16 * 1 * 8 * 8 + 16),
+        ("features.3", 1040, 1040 + 32 * 16 * 4 * 4 + 32),
+        ("classifier.1", 9264, 9264 + 32 * 512 + 32),
+        ("classifier.3", 25680, 25680 + 10 * 32 + 10),
+    ]
+    assert frozen_prefix(layout, 0) == 0
+    assert frozen_prefix(layout, 2) == 9264
+
+
+@pytest.mark.parametrize("m_f", [-1, 4, 9])
+def test_freezing_every_layer_is_refused_naming_the_layers(m_f: int) -> None:
+    with pytest.raises(ValueError, match=rf"freeze-layers={m_f}: expected 0 <= m_f < 4 .*"):
+        frozen_prefix(_layout(), m_f)
+
+
+def test_lf_freezes_from_step_t_f_on() -> None:
+    layout = _layout()
+    method = MethodConfig(name="lf", freeze_layers=2, freeze_after=3)
+    assert [method.frozen(layout, step) for step in range(6)] == [0, 0, 0, 9264, 9264, 9264]
+    assert MethodConfig(name="rs").frozen(layout, 10) == 0
+    mask = suffix_mask(layout.numel, 9264)
+    assert mask is not None and int(mask.sum()) == layout.numel - 9264 and not mask[:9264].any()
+    assert suffix_mask(layout.numel, 0) is None
+
+
+def test_random_freeze_is_the_cooling_schedule() -> None:
+    assert method_schedule("random-freeze", "gradual") == "cooling"
+    assert method_schedule("random-freeze", "cooling") == "cooling"
+    assert method_schedule("rs", "constant") == "constant"
+    with pytest.raises(ValueError, match="schedule='constant': method='random-freeze' ramps"):
+        method_schedule("random-freeze", "constant")
+    with pytest.raises(ValueError, match="schedule='exp-keep': method='random-freeze'"):
+        FederatedConfig(method="random-freeze", schedule="exp-keep")
+    cfg = FederatedConfig(method="random-freeze", final_rate=0.9, cooling_rounds=4, num_rounds=10)
+    schedule = cfg.sparsity().rate_schedule(cfg.num_rounds)
+    # r(e) = r* min(e / e*, 1): the random-freeze paper's Algorithm 1, line 2.
+    assert [schedule.rate(e) for e in range(10)] == pytest.approx(
+        [0.9 * min(e / 4, 1) for e in range(10)], abs=1e-12
+    )
+
+
+def test_total_density_is_kept_over_dense() -> None:
+    d, rates = 10_000, [0.9 * min(e / 4, 1) for e in range(10)]
+    kept = [keep_count(d, rate=r) for r in rates]
+    by_hand = sum(kept) / (10 * d)  # each epoch has the same number of steps
+    assert total_density(kept, [1.0] * 10, numel=d) == pytest.approx(by_hand, rel=1e-15)
+    assert by_hand == pytest.approx(1 - sum(rates) / 10, abs=1e-3)  # floor(r d) per epoch
+    assert total_density([5, 10], [3.0, 1.0], numel=10) == pytest.approx((15 + 10) / 40)
+    assert math.isnan(total_density([], [], numel=10))
+
+
+def _train(method: MethodConfig, *, epochs: int, final_rate: float = 0.0) -> list[torch.Tensor]:
+    """Centralized DP-SGD on digits; the flat model after each epoch."""
+    train, test = load_dataset("digits", seed=0)
+    model = build_model("digits-cnn", seed=0)
+    layout = ParamLayout.from_module(model)
+    snapshots = []
+    train_centralized(
+        model,
+        (train.x, train.y),
+        (test.x, test.y),
+        privacy=PrivacyConfig(noise_multiplier=1.0, target_epsilon=None, max_grad_norm=1.0),
+        sparsity=SparsityConfig(schedule="constant", final_rate=final_rate, mask_seed=3),
+        train=TrainConfig(epochs=epochs, batch_size=64, lr=0.5, momentum=0.9, seed=1),
+        on_epoch=lambda _: snapshots.append(layout.flatten_module(model).clone()),
+        method=method,
+    )
+    return snapshots
+
+
+def test_frozen_layers_move_by_exactly_zero_even_with_momentum() -> None:
+    layout = ParamLayout.from_module(build_model("digits-cnn", seed=0))
+    s = frozen_prefix(layout, 1)
+    w = _train(MethodConfig(name="lf", freeze_layers=1, freeze_after=2), epochs=4)
+    assert not torch.equal(w[0][:s], w[1][:s])  # before t_f the first layer trains
+    assert torch.equal(w[1][:s], w[2][:s]) and torch.equal(w[2][:s], w[3][:s])  # then never
+    assert not torch.equal(w[2][s:], w[3][s:])  # the other layers keep training
+
+
+def test_layer_freezing_costs_the_privacy_of_plain_dpsgd() -> None:
+    """The freeze is set by hyperparameters, not data: the accountant is unchanged (LF 3.1)."""
+    train, _ = load_dataset("digits", seed=0)
+    q, steps = sample_rate(len(train), 64), 2 * steps_per_epoch(len(train), 64)
+    model = build_model("digits-cnn", seed=0)
+    history = train_centralized(
+        model,
+        (train.x, train.y),
+        (train.x[:64], train.y[:64]),
+        privacy=PrivacyConfig(noise_multiplier=1.0, target_epsilon=None),
+        sparsity=SparsityConfig(),
+        train=TrainConfig(epochs=2, batch_size=64, seed=2),
+        method=MethodConfig(name="lf", freeze_layers=1, freeze_after=1),
+    )
+    plain = compute_epsilon(
+        noise_multiplier=1.0, sample_rate=q, steps=steps, delta=1e-5, accountant="rdp"
+    )
+    assert history[-1].epsilon == pytest.approx(plain, rel=1e-9)
+    assert history[0].rate == 0.0 and history[1].rate > 0.0
+
+
+def test_random_freeze_runs_the_cooling_schedule_centrally() -> None:
+    layout = ParamLayout.from_module(build_model("digits-cnn", seed=0))
+    train, test = load_dataset("digits", seed=0)
+    history = train_centralized(
+        build_model("digits-cnn", seed=0),
+        (train.x, train.y),
+        (test.x, test.y),
+        privacy=PrivacyConfig(noise_multiplier=1.0, target_epsilon=None),
+        sparsity=SparsityConfig(final_rate=0.8, cooling_steps=2),  # schedule left at gradual
+        train=TrainConfig(epochs=4, batch_size=64, seed=2),
+        method=MethodConfig(name="random-freeze"),
+    )
+    expected = RateSchedule(kind="cooling", final_rate=0.8, total_steps=4, cooling_steps=2)
+    assert [h.rate for h in history] == [expected.rate(e) for e in range(4)]
+    assert [h.keep_fraction for h in history] == [
+        keep_count(layout.numel, rate=expected.rate(e)) / layout.numel for e in range(4)
+    ]
