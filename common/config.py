@@ -23,7 +23,12 @@ from fedsparse.common.aggregate import AGGREGATORS, WEIGHTINGS, AggregatorName, 
 from fedsparse.common.data import DATASET_INPUT_SHAPES, DATASET_NAMES, DatasetName
 from fedsparse.common.dp import MECHANISMS, MechanismName
 from fedsparse.common.func_dp import ENGINES, EngineName
-from fedsparse.common.methods import METHODS, MethodConfig, MethodName, method_schedule
+from fedsparse.common.methods import (
+    FEDERATED_METHODS,
+    FederatedMethodName,
+    MethodConfig,
+    method_schedule,
+)
 from fedsparse.common.models import DEFAULT_MODELS, MODEL_INPUT_SHAPES, MODEL_NAMES, ModelName
 from fedsparse.common.partition import PARTITIONER_NAMES, PartitionerName
 from fedsparse.common.payload import (
@@ -141,7 +146,7 @@ class FederatedConfig:
     rate_steps: str = ""  # schedule=steps: comma-separated rates, e.g. "0,0.5,0.7,0.9"
     mask_scope: MaskScope = "round"
     # which coordinates train (common/methods.py): rs, random-freeze (schedule cooling), lf
-    method: MethodName = "rs"
+    method: FederatedMethodName = "rs"
     freeze_layers: int = 1  # lf: m_f, the first layers frozen ...
     freeze_after: int = 0  # lf: ... from this 0-based round on (round freeze-after + 1)
     # transport
@@ -307,7 +312,7 @@ _NAMED_FIELDS: Final[dict[str, tuple[str, ...]]] = {
     "mechanism": MECHANISMS,
     "accountant": ACCOUNTANTS,
     "schedule": SCHEDULES,
-    "method": METHODS,
+    "method": FEDERATED_METHODS,
     "mask_scope": MASK_SCOPES,
     "codec": CODECS,
     "value_dtype": VALUE_DTYPES,

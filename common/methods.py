@@ -21,6 +21,14 @@ the kept coordinates only: ``common/dp.py``).
   coordinates, ``[0, s)``: in the federation a client sends the values of ``[s, d)`` only, as
   a dense vector of ``d - s`` values, so the frozen layers cost no uplink byte.
 
+- ``ranked``: ranked sparsification (RS paper, Algorithm 4, App. I), centralized only: epoch 0
+  trains every coordinate; epoch ``e`` keeps the ``keep`` coordinates of largest ``|z^{e-1}|``,
+  where ``z`` sums the last epoch's perturbed (noisy) gradients plus fresh noise on the masked
+  coordinates (line 22: else a coordinate masked once would never be ranked up again). The
+  ranking is post-processing of DP outputs: no privacy cost. ``clean_ranking`` ranks the
+  clipped gradients before noise instead: NOT private (the reported ε does not cover it), only
+  the paper's Figure 12 reference.
+
 Steps are 0-based: epoch ``e`` in ``0..E-1``, or round ``r - 1``. ``lf`` freezes from step
 ``t_f`` on (``t > t_f`` in the paper's 1-based count).
 """
@@ -37,27 +45,36 @@ from fedsparse.common.layout import ParamLayout
 from fedsparse.common.schedules import ScheduleName
 
 __all__ = [
+    "FEDERATED_METHODS",
     "METHODS",
     "METHOD_PAPERS",
     "MethodConfig",
+    "FederatedMethodName",
     "MethodName",
     "frozen_prefix",
     "layer_ranges",
     "method_schedule",
+    "ranked_mask",
     "suffix_mask",
     "total_density",
 ]
 
-MethodName = Literal["rs", "random-freeze", "lf"]
+MethodName = Literal["rs", "random-freeze", "lf", "ranked"]
 """The methods above (run-config ``method``, ``fedsparse train --method``)."""
 
 METHODS: Final[tuple[MethodName, ...]] = get_args(MethodName)
+
+FederatedMethodName = Literal["rs", "random-freeze", "lf"]
+"""The methods a federation runs (run-config ``method``); ``ranked`` is centralized only."""
+
+FEDERATED_METHODS: Final[tuple[FederatedMethodName, ...]] = get_args(FederatedMethodName)
 
 #: The paper each method comes from (``../shared/papers``).
 METHOD_PAPERS: Final[dict[MethodName, str]] = {
     "rs": "rs-random-sparsification-dpsgd.txt (Algorithm 1)",
     "random-freeze": "random-freeze-dpsgd.txt (Algorithm 1)",
     "lf": "dpsgd-lf-layer-freezing.txt (Algorithm 1)",
+    "ranked": "rs-random-sparsification-dpsgd.txt (Algorithm 4, App. I)",
 }
 
 
@@ -127,6 +144,8 @@ class MethodConfig:
     name: MethodName = "rs"
     freeze_layers: int = 1
     freeze_after: int = 0
+    #: ``ranked`` only: rank without the noise (NOT private; Figure 12's reference).
+    clean_ranking: bool = False
 
     def __post_init__(self) -> None:
         if self.name not in METHODS:
@@ -135,6 +154,8 @@ class MethodConfig:
             raise ValueError(f"freeze-layers={self.freeze_layers}: expected >= 1")
         if self.freeze_after < 0:
             raise ValueError(f"freeze-after={self.freeze_after}: expected >= 0")
+        if self.clean_ranking and self.name != "ranked":
+            raise ValueError(f"clean_ranking=True: only with method='ranked' (got {self.name!r})")
 
     @property
     def uses_rate(self) -> bool:
@@ -156,6 +177,21 @@ class MethodConfig:
         """Checks the method's parameters against the model (``lf``: enough layers)."""
         if self.name == "lf":
             frozen_prefix(layout, self.freeze_layers)
+
+
+def ranked_mask(scores: torch.Tensor, keep: int) -> torch.Tensor:
+    """The mask of the ``keep`` largest ``|scores|`` (ties: the lower index first).
+
+    Raises:
+        ValueError: ``keep`` outside ``[0, len(scores)]``.
+    """
+    numel = scores.numel()
+    if not 0 <= keep <= numel:
+        raise ValueError(f"keep={keep}: expected 0 <= keep <= {numel}")
+    order = torch.argsort(scores.abs().flatten().cpu(), descending=True, stable=True)
+    mask = torch.zeros(numel, dtype=torch.bool)
+    mask[order[:keep]] = True
+    return mask
 
 
 def suffix_mask(numel: int, start: int) -> torch.Tensor | None:

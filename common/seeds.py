@@ -36,6 +36,9 @@ class Stream(enum.IntEnum):
     DP_NOISE = 2
     #: Public: the centralized trainer's per-epoch mask seed (``fedsparse train``).
     EPOCH_MASKS = 3
+    #: Ranked sparsification: the fresh noise on masked coordinates of the ranking estimate
+    #: (RS paper, Alg. 4, line 22); independent of data, used for nothing but the ranking.
+    RANKING_NOISE = 4
     #: Public: the mask seed the server broadcasts each round (path: round).
     ROUND_MASK = 0x5EED
     #: Public: a per-client mask seed under ``mask-scope=client`` (path: node id).

@@ -45,7 +45,7 @@ from fedsparse.common.func_dp import (
     select_engine,
 )
 from fedsparse.common.masks import derive_seed, keep_count, sample_mask
-from fedsparse.common.methods import MethodConfig, method_schedule, suffix_mask
+from fedsparse.common.methods import MethodConfig, method_schedule, ranked_mask, suffix_mask
 from fedsparse.common.privacy import (
     ACCOUNTANTS,
     AccountantName,
@@ -234,6 +234,51 @@ def round_mask(numel: int, *, rate: float, mask_seed: int, step: int) -> torch.T
     return sample_mask(numel, keep=keep, seed=derive_seed(mask_seed, step))
 
 
+class _RankingEstimate:
+    """``z`` of RS Algorithm 4: the sum of an epoch's perturbed gradients (lines 17 and 22).
+
+    After every real optimizer step it adds each parameter's gradient, which ``SparseDPOptimizer``
+    left as ``(sum of clipped masked gradients + m * noise) / B``, plus fresh noise
+    ``(1 - m) * N(0, (sigma C)^2) / B`` on the masked coordinates, from its own generator
+    (``Stream.RANKING_NOISE``: the DP noise stream is untouched). ``clean`` adds the clipped
+    sum alone (NOT private; Figure 12's reference).
+    """
+
+    def __init__(
+        self, engine: SparseDPEngine, optimizer: torch.optim.Optimizer, *, clean: bool, seed: int
+    ) -> None:
+        self.params = list(engine.named_trainable_parameters().values())
+        self.optimizer = optimizer
+        self.clean = clean
+        self.mask: torch.Tensor | None = None
+        self.z = torch.zeros(engine.layout.numel, dtype=torch.float64)
+        self.generator = torch.Generator().manual_seed(stream_seed(seed, Stream.RANKING_NOISE))
+        inner = getattr(optimizer, "original_optimizer", optimizer)
+        inner.register_step_post_hook(self._add)
+
+    def _add(self, *_: object) -> None:
+        opt = self.optimizer
+        batch = float(getattr(opt, "expected_batch_size", 1) or 1)
+        grads = [getattr(p, "summed_grad" if self.clean else "grad", None) for p in self.params]
+        if any(g is None for g in grads):  # every trainable parameter has one after a step
+            raise RuntimeError("ranked sparsification: a parameter without a gradient")
+        flat = torch.cat([g.detach().reshape(-1).cpu() for g in grads if g is not None])
+        if self.clean:
+            flat = flat / batch
+        else:
+            sigma = float(getattr(opt, "noise_multiplier", 0.0) or 0.0)
+            if self.mask is not None and sigma > 0:
+                std = sigma * float(opt.max_grad_norm) / batch  # type: ignore[attr-defined]
+                noise = torch.randn(flat.numel(), generator=self.generator) * std
+                flat = flat + noise * (~self.mask)
+        self.z += flat.to(torch.float64)
+
+    def take(self) -> torch.Tensor:
+        """The last epoch's ``z``; the sum starts again from 0 (Alg. 4, line 2)."""
+        z, self.z = self.z, torch.zeros_like(self.z)
+        return z
+
+
 def _clear_momentum(
     optimizer: torch.optim.Optimizer, engine: SparseDPEngine, mask: torch.Tensor
 ) -> None:
@@ -414,13 +459,15 @@ def train_centralized(
     train: TrainConfig,
     on_epoch: Callable[[EpochStats], None] | None = None,
     method: MethodConfig | None = None,
+    on_mask: Callable[[int, torch.Tensor | None], None] | None = None,
 ) -> list[EpochStats]:
     """Centralized DP-SGD with one public mask per epoch, chosen by ``method``.
 
     ``rs`` (default): RS paper, Algorithm 1; ``random-freeze``: the same with the cooling
     schedule; ``lf``: DP-SGD, then the first ``freeze_layers`` layers frozen from epoch
-    ``freeze_after`` on, their momentum cleared so that they move by exactly 0
-    (``common/methods.py``).
+    ``freeze_after`` on, their momentum cleared so that they move by exactly 0; ``ranked``:
+    RS paper, Algorithm 4, the mask of epoch ``e`` from the last epoch's perturbed gradients
+    (``common/methods.py``). ``on_mask(epoch, mask)`` sees each epoch's mask (None: all).
 
     Returns one ``EpochStats`` per epoch (rate, kept fraction, losses, accuracy, epsilon).
 
@@ -438,9 +485,20 @@ def train_centralized(
     method.check(engine.layout)
     schedule = sparsity.rate_schedule(train.epochs)
     numel = engine.layout.numel
+    ranking = None
+    if method.name == "ranked":
+        ranking = _RankingEstimate(
+            engine, optimizer, clean=method.clean_ranking, seed=train.seed or 0
+        )
     history = []
     for epoch in range(train.epochs):
-        if method.uses_rate:
+        if ranking is not None:
+            rate = schedule.rate(epoch)
+            keep = keep_count(numel, rate=rate)
+            # Epoch 0 trains everything (Alg. 4, line 6); then the top-|z| coordinates.
+            mask = None if epoch == 0 or keep == numel else ranked_mask(ranking.take(), keep)
+            ranking.mask = mask
+        elif method.uses_rate:
             rate = schedule.rate(epoch)
             mask = round_mask(numel, rate=rate, mask_seed=sparsity.mask_seed, step=epoch)
         else:
@@ -449,6 +507,8 @@ def train_centralized(
             if mask is not None:
                 _clear_momentum(optimizer, engine, mask)
         engine.set_mask(mask)
+        if on_mask is not None:
+            on_mask(epoch, mask)
         train_loss, examples = train_one_epoch(
             module, optimizer, loader, max_physical_batch_size=train.max_physical_batch_size
         )

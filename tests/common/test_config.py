@@ -14,7 +14,7 @@ from fedsparse.common.config import CODECS, MASK_SCOPES, RESUME_MAY_DIFFER, Fede
 from fedsparse.common.data import DATASET_INPUT_SHAPES, DATASET_NAMES, load_dataset
 from fedsparse.common.dp import MECHANISMS
 from fedsparse.common.func_dp import ENGINES
-from fedsparse.common.methods import METHODS
+from fedsparse.common.methods import FEDERATED_METHODS
 from fedsparse.common.models import DEFAULT_MODELS, MODEL_INPUT_SHAPES, MODEL_NAMES, build_model
 from fedsparse.common.partition import PARTITIONER_NAMES
 from fedsparse.common.payload import COMPRESSIONS, VALUE_DTYPES
@@ -32,7 +32,7 @@ NAMED_KEYS = {
     "mechanism": MECHANISMS,
     "accountant": ACCOUNTANTS,
     "schedule": SCHEDULES,
-    "method": METHODS,
+    "method": FEDERATED_METHODS,
     "mask-scope": MASK_SCOPES,
     "codec": CODECS,
     "value-dtype": VALUE_DTYPES,

@@ -19,6 +19,7 @@ from fedsparse.common.methods import (
     frozen_prefix,
     layer_ranges,
     method_schedule,
+    ranked_mask,
     suffix_mask,
     total_density,
 )
@@ -157,3 +158,60 @@ def test_random_freeze_runs_the_cooling_schedule_centrally() -> None:
     assert [h.keep_fraction for h in history] == [
         keep_count(layout.numel, rate=expected.rate(e)) / layout.numel for e in range(4)
     ]
+
+
+def test_ranked_mask_keeps_the_largest_magnitudes_lower_index_first() -> None:
+    scores = torch.tensor([0.5, -3.0, 2.0, -2.0, 0.0, 1.0])
+    assert ranked_mask(scores, 3).tolist() == [False, True, True, True, False, False]
+    assert ranked_mask(scores, 2).tolist() == [False, True, True, False, False, False]  # tie
+    assert not ranked_mask(scores, 0).any() and ranked_mask(scores, 6).all()
+    with pytest.raises(ValueError, match="keep=7: expected 0 <= keep <= 6"):
+        ranked_mask(scores, 7)
+
+
+def _mask_counts(method: MethodConfig, epochs: int) -> tuple[torch.Tensor, list[float]]:
+    """How often each coordinate is masked in epochs 1..E-1 (r = 0.5), and the epsilons."""
+    train, test = load_dataset("digits", seed=0)
+    counts = torch.zeros(38_282, dtype=torch.int64)
+
+    def on_mask(epoch: int, mask: torch.Tensor | None) -> None:
+        if epoch > 0:
+            assert mask is not None and int(mask.sum()) == keep_count(38_282, rate=0.5)
+            counts.add_((~mask).to(torch.int64))
+
+    history = train_centralized(
+        build_model("digits-cnn", seed=0),
+        (train.x, train.y),
+        (test.x[:10], test.y[:10]),
+        privacy=PrivacyConfig(noise_multiplier=1.0, target_epsilon=None),
+        sparsity=SparsityConfig(schedule="constant", final_rate=0.5, mask_seed=1),
+        train=TrainConfig(epochs=epochs, batch_size=64, lr=0.5, seed=3),
+        method=method,
+        on_mask=on_mask,
+    )
+    return counts, [h.epsilon for h in history]
+
+
+def test_ranked_and_random_masks_match_figure_12() -> None:
+    """RS paper, App. I, Fig. 12: under DP noise the ranking is as random as RS.
+
+    Over E - 1 = 7 epochs at r = 0.5 a random mask drops each coordinate Binomial(7, 1/2)
+    times (variance 1.75). Ranking the perturbed gradients gives the same spread; ranking the
+    clean (noise-free) gradients freezes the first choice: every coordinate is dropped 0 or
+    7 times (variance 12.25).
+    """
+    epochs, binomial_var = 8, 7 * 0.25
+    ranked, eps_ranked = _mask_counts(MethodConfig(name="ranked"), epochs)
+    random, eps_random = _mask_counts(MethodConfig(name="rs"), epochs)
+    clean, _ = _mask_counts(MethodConfig(name="ranked", clean_ranking=True), epochs)
+    for counts in (ranked, random, clean):  # every epoch drops exactly d - keep coordinates
+        assert counts.double().mean().item() == pytest.approx(3.5, abs=1e-4)
+    # The sample variance over 38,282 coordinates has a standard error of about 0.7 %
+    # (sqrt(2 / n) for a near-normal count); 5 % allows for the coordinates' dependence.
+    assert ranked.double().var().item() == pytest.approx(binomial_var, rel=0.05)
+    assert random.double().var().item() == pytest.approx(binomial_var, rel=0.05)
+    assert clean.double().var().item() > 5 * binomial_var
+    hist = [torch.bincount(c, minlength=epochs).double() / c.numel() for c in (ranked, random)]
+    assert 0.5 * (hist[0] - hist[1]).abs().sum().item() < 0.02  # total variation distance
+    # The ranking is post-processing: the same epsilon as random sparsification.
+    assert eps_ranked == eps_random

@@ -65,7 +65,10 @@ def test_train_checks_names_before_running(tmp_path: Path) -> None:
 def test_train_checks_the_method_before_running(tmp_path: Path) -> None:
     out = tmp_path / "never"
     cases = (
-        (["--method", "ranked-x"], "method='ranked-x': expected one of rs, random-freeze, lf"),
+        (
+            ["--method", "ranked-x"],
+            "method='ranked-x': expected one of rs, random-freeze, lf, ranked",
+        ),
         (
             ["--method", "random-freeze", "--schedule", "constant"],
             "schedule='constant': method='random-freeze' ramps the rate to r*",
@@ -85,7 +88,12 @@ def test_train_runs_layer_freezing_and_reports_total_density(tmp_path: Path) -> 
     assert result.exit_code == 0, result.output
     epochs = [json.loads(line) for line in (tmp_path / "epochs.jsonl").read_text().splitlines()]
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["method"] == {"name": "lf", "freeze_layers": 1, "freeze_after": 1}
+    assert summary["method"] == {
+        "name": "lf",
+        "freeze_layers": 1,
+        "freeze_after": 1,
+        "clean_ranking": False,
+    }
     assert epochs[0]["keep_fraction"] == 1.0 and epochs[1]["keep_fraction"] < 1.0
     assert summary["total_density"] == pytest.approx((1.0 + epochs[1]["keep_fraction"]) / 2)
 
