@@ -15,7 +15,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -28,11 +30,12 @@ from fedsparse.client.state import NodeState, StateFiles, apply_downlink, resume
 from fedsparse.common.config import FederatedConfig, wire_encoding
 from fedsparse.common.data import Split
 from fedsparse.common.layout import ParamLayout
-from fedsparse.common.masks import sample_mask
+from fedsparse.common.masks import keep_count, sample_mask
 from fedsparse.common.methods import suffix_mask
 from fedsparse.common.models import build_model
 from fedsparse.common.node_policy import NodePolicy, TrainingRequest
-from fedsparse.common.payload import decode_update, encode_update
+from fedsparse.common.payload import PayloadError, decode_update, encode_update
+from fedsparse.common.payload.indices import indices_from_bytes
 from fedsparse.common.privacy import (
     accountant_epsilon,
     calibrate_noise_multiplier,
@@ -42,6 +45,7 @@ from fedsparse.common.privacy import (
 from fedsparse.common.protocol import (
     CONFIG_RECORD,
     METRICS_RECORD,
+    RANKED_SUPPORT,
     EvaluateInstruction,
     EvaluateReply,
     ProtocolError,
@@ -114,6 +118,7 @@ def train(msg: Message, context: Context) -> Message:
     model = build_model(cfg.model_name, seed=cfg.seed)
     layout = ParamLayout.from_module(model)
     frozen = _frozen_prefix(cfg, task, layout)
+    explicit = _ranked_support(cfg, task, record, layout.numel)
     state = _node_state(context, files, resumed_from(record), numel=layout.numel)
     global_flat = apply_downlink(
         state.model,
@@ -146,7 +151,16 @@ def train(msg: Message, context: Context) -> Message:
         )
         try:
             reply, history = _train_round(
-                cfg, task, policy, privacy, context, data, global_flat, state.history, frozen
+                cfg,
+                task,
+                policy,
+                privacy,
+                context,
+                data,
+                global_flat,
+                state.history,
+                frozen,
+                explicit,
             )
         except Exception as err:
             raise released_error(err) from None
@@ -183,6 +197,42 @@ def _frozen_prefix(cfg: FederatedConfig, task: TrainInstruction, layout: ParamLa
     return frozen
 
 
+def _ranked_support(
+    cfg: FederatedConfig, task: TrainInstruction, record: Mapping[str, Any], numel: int
+) -> torch.Tensor | None:
+    """method=ranked: the server's support for this round (None: train every coordinate).
+
+    The server chooses which coordinates, never how many: ``keep`` must be the public
+    schedule's for the round (or ``d``, when the server has nothing to rank yet).
+
+    Raises:
+        ProtocolError: a support without method=ranked, an undecodable bitmap, or a ``keep``
+            other than the schedule's (checked before anything private is touched).
+    """
+    raw = record.get(RANKED_SUPPORT)
+    if cfg.method != "ranked":
+        if raw is not None:
+            raise ProtocolError(f"train instruction: {RANKED_SUPPORT}: only with method='ranked'")
+        return None
+    if raw is None:
+        if task.keep != numel:
+            raise ProtocolError(
+                f"train instruction: keep={task.keep} without {RANKED_SUPPORT}: expected {numel}"
+            )
+        return None
+    rate = cfg.sparsity().rate_schedule(cfg.num_rounds).rate(task.server_round - 1)
+    expected = keep_count(numel, rate=rate)
+    if task.keep != expected or not isinstance(raw, bytes):
+        raise ProtocolError(
+            f"train instruction: keep={task.keep}: expected {expected} (method='ranked', "
+            f"final-rate={cfg.final_rate}, round {task.server_round})"
+        )
+    try:
+        return indices_from_bytes(raw, "bitmap", keep=task.keep, dense_size=numel)
+    except PayloadError as err:
+        raise ProtocolError(f"train instruction: {RANKED_SUPPORT}: {err}") from None
+
+
 def _node_state(
     context: Context, files: StateFiles | None, resumed: int, *, numel: int
 ) -> NodeState:
@@ -208,11 +258,13 @@ def _train_round(
     global_flat: torch.Tensor,
     history: list[tuple[float, float, int]],
     frozen: int = 0,
+    explicit: torch.Tensor | None = None,
 ) -> tuple[TrainReply, list[tuple[float, float, int]]]:
     """Local DP-SGD + RS from ``global_flat``; (the reply, the run's accountant history).
 
     With ``frozen`` > 0 (method=lf) the mask keeps ``[frozen, d)`` and the reply carries those
-    values only, as a dense vector of ``d - frozen`` values.
+    values only, as a dense vector of ``d - frozen`` values; with an ``explicit`` support
+    (method=ranked) the mask is that support and the reply its values, in support order.
     """
     model = build_model(cfg.model_name, seed=cfg.seed)
     layout = ParamLayout.from_module(model)
@@ -224,6 +276,9 @@ def _train_round(
         mask_seed = client_mask_seed(mask_seed, context.node_id)
     if frozen:
         mask = suffix_mask(numel, frozen)
+    elif explicit is not None:
+        mask = torch.zeros(numel, dtype=torch.bool)
+        mask[explicit] = True
     else:
         mask = None if task.keep == numel else sample_mask(numel, keep=task.keep, seed=mask_seed)
     seeded = policy.noise == "seeded"
@@ -260,10 +315,10 @@ def _train_round(
 
     delta = layout.flatten_module(model).cpu() - global_flat  # the model trained on cfg.device
     values = delta if mask is None else delta[mask]
-    seeded_mask = mask is not None and not frozen
+    seeded_mask = mask is not None and not frozen and explicit is None
     payload = encode_update(
         values,
-        dense_size=numel - frozen,
+        dense_size=numel - frozen if explicit is None else int(explicit.numel()),
         round=task.server_round,
         mask_seed=mask_seed if seeded_mask else None,
         encoding=wire_encoding(cfg.codec, sparse=seeded_mask),

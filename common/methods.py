@@ -21,13 +21,19 @@ the kept coordinates only: ``common/dp.py``).
   coordinates, ``[0, s)``: in the federation a client sends the values of ``[s, d)`` only, as
   a dense vector of ``d - s`` values, so the frozen layers cost no uplink byte.
 
-- ``ranked``: ranked sparsification (RS paper, Algorithm 4, App. I), centralized only: epoch 0
-  trains every coordinate; epoch ``e`` keeps the ``keep`` coordinates of largest ``|z^{e-1}|``,
-  where ``z`` sums the last epoch's perturbed (noisy) gradients plus fresh noise on the masked
-  coordinates (line 22: else a coordinate masked once would never be ranked up again). The
-  ranking is post-processing of DP outputs: no privacy cost. ``clean_ranking`` ranks the
-  clipped gradients before noise instead: NOT private (the reported ε does not cover it), only
-  the paper's Figure 12 reference.
+- ``ranked``: ranked sparsification (RS paper, Algorithm 4, App. I): epoch 0 trains every
+  coordinate; epoch ``e`` keeps the ``keep`` coordinates of largest ``|z^{e-1}|``, where ``z``
+  sums the last epoch's perturbed (noisy) gradients plus fresh noise on the masked coordinates
+  (line 22: else a coordinate masked once would never be ranked up again). The ranking is
+  post-processing of DP outputs: no privacy cost. ``clean_ranking`` ranks the clipped
+  gradients before noise instead: NOT private (the reported ε does not cover it), only the
+  paper's Figure 12 reference. In the federation (``federated_ranking_scores``) ``z`` is the
+  last round's aggregated update ``w_{r-1} - w_{r-2}``, public to every participant, with
+  fresh noise off its support drawn from a public seed at the update's own spread (its
+  standard deviation on the support). The server always holds both models, a client only if
+  it trained the round before, so the server ranks and sends the support explicitly (a
+  bitmap, ``d / 8`` bytes, counted on the downlink); the client replies with the ``keep``
+  values in support order, values only.
 
 Steps are 0-based: epoch ``e`` in ``0..E-1``, or round ``r - 1``. ``lf`` freezes from step
 ``t_f`` on (``t > t_f`` in the paper's 1-based count).
@@ -51,6 +57,7 @@ __all__ = [
     "MethodConfig",
     "FederatedMethodName",
     "MethodName",
+    "federated_ranking_scores",
     "frozen_prefix",
     "layer_ranges",
     "method_schedule",
@@ -64,8 +71,8 @@ MethodName = Literal["rs", "random-freeze", "lf", "ranked"]
 
 METHODS: Final[tuple[MethodName, ...]] = get_args(MethodName)
 
-FederatedMethodName = Literal["rs", "random-freeze", "lf"]
-"""The methods a federation runs (run-config ``method``); ``ranked`` is centralized only."""
+FederatedMethodName = Literal["rs", "random-freeze", "lf", "ranked"]
+"""The methods a federation runs (run-config ``method``): all of them."""
 
 FEDERATED_METHODS: Final[tuple[FederatedMethodName, ...]] = get_args(FederatedMethodName)
 
@@ -192,6 +199,31 @@ def ranked_mask(scores: torch.Tensor, keep: int) -> torch.Tensor:
     mask = torch.zeros(numel, dtype=torch.bool)
     mask[order[:keep]] = True
     return mask
+
+
+def federated_ranking_scores(
+    delta: torch.Tensor, support: torch.Tensor, *, seed: int
+) -> torch.Tensor:
+    """Ranking scores of a round from the last round's aggregated update ``delta``.
+
+    ``|delta|`` on ``support`` (the coordinates the last aggregate covered); elsewhere the
+    magnitude of ``N(0, s^2)``, ``s`` the population standard deviation of ``delta`` on
+    ``support``, from a generator seeded with ``seed`` (public: every party computes the same
+    scores). Alg. 4, line 22 in the federation: a coordinate left out once can rank up again.
+    """
+    if delta.shape != support.shape or support.dtype != torch.bool:
+        raise ValueError(
+            f"delta {tuple(delta.shape)} and support {tuple(support.shape)} {support.dtype}: "
+            "expected equal shapes and a bool support"
+        )
+    scores = delta.detach().to(torch.float64).abs()
+    if bool(support.all()):
+        return scores
+    kept = delta.detach().to(torch.float64)[support]
+    spread = float(kept.std(unbiased=False)) if kept.numel() else 0.0
+    generator = torch.Generator().manual_seed(seed)
+    noise = torch.randn(delta.numel(), generator=generator, dtype=torch.float64) * spread
+    return torch.where(support, scores, noise.abs())
 
 
 def suffix_mask(numel: int, start: int) -> torch.Tensor | None:

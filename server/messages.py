@@ -29,7 +29,12 @@ from flwr.common.serde_utils import error_to_proto, metadata_to_proto
 from flwr.proto.message_pb2 import Message as ProtoMessage  # pylint: disable=E0611
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 
-from fedsparse.common.protocol import CONFIG_RECORD, RESUMED_FROM, TrainInstruction
+from fedsparse.common.protocol import (
+    CONFIG_RECORD,
+    RANKED_SUPPORT,
+    RESUMED_FROM,
+    TrainInstruction,
+)
 
 __all__ = ["framed_bytes", "message_bytes", "serialized_bytes", "train_message"]
 
@@ -140,7 +145,9 @@ def _record_body_bytes(record: Any) -> int | None:
     return total
 
 
-def train_message(instruction: TrainInstruction, *, node: int, resumed_from: int = 0) -> Message:
+def train_message(
+    instruction: TrainInstruction, *, node: int, resumed_from: int = 0, support: bytes = b""
+) -> Message:
     """The ``train`` message carrying ``instruction`` to ``node``.
 
     A resumed run adds ``resumed-from``, the round of the checkpoint it continues: the rounds
@@ -149,6 +156,8 @@ def train_message(instruction: TrainInstruction, *, node: int, resumed_from: int
     record = instruction.to_record()
     if resumed_from:
         record[RESUMED_FROM] = resumed_from
+    if support:  # method=ranked: the server's mask (common/methods.py)
+        record[RANKED_SUPPORT] = support
     return Message(
         content=RecordDict({CONFIG_RECORD: ConfigRecord(record)}),
         dst_node_id=node,

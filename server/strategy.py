@@ -57,6 +57,8 @@ from flwr.serverapp.strategy import Strategy
 from fedsparse.common.aggregate import make_aggregator
 from fedsparse.common.config import FederatedConfig
 from fedsparse.common.masks import keep_count, sample_mask
+from fedsparse.common.methods import federated_ranking_scores, ranked_mask
+from fedsparse.common.payload.indices import indices_to_bytes
 from fedsparse.common.protocol import TrainInstruction, client_mask_seed, round_seed
 from fedsparse.common.records import NoiseOrigin, epsilon_stats, round_noise
 from fedsparse.common.robust import clip_to_norm, l2_norm
@@ -124,6 +126,8 @@ class RoundStats:
     updates: dict[int, bytes] = field(default_factory=dict)  # save-updates: node -> payload
     #: method=lf: the frozen coordinate prefix ``[0, frozen)``; replies carry ``[frozen, d)``
     frozen: int = 0
+    #: method=ranked: the server-ranked support (int64, increasing); replies carry its values
+    ranked: torch.Tensor | None = None
 
     @property
     def failed(self) -> bool:
@@ -199,6 +203,9 @@ class SparseFedAvg(Strategy):
         self._failed_in_a_row: list[int] = []  # rounds
         self.last_round: RoundStats | None = None
         self.resumed_from = 0  # the checkpoint round a resumed run continues (0: not resumed)
+        # method=ranked: the last accepted aggregate w_r - w_{r-1} and the coordinates it
+        # covered (common/methods.py: federated_ranking_scores); None before the first.
+        self._ranking: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs of this strategy to continue exactly (plain values).
@@ -206,11 +213,14 @@ class SparseFedAvg(Strategy):
         The client-sampling generator runs through the rounds, so its state is kept; the
         downlink cache is not (see ``server/checkpoint.py``).
         """
-        return {
+        state: dict[str, Any] = {
             "sampling-rng": self._rng.bit_generator.state,
             "epsilons": dict(self._epsilons),
             "failed-in-a-row": list(self._failed_in_a_row),
         }
+        if self._ranking is not None:  # method=ranked: what the next round ranks
+            state["ranking-delta"], state["ranking-support"] = self._ranking
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any], *, resumed_from: int) -> None:
         """Restores ``state_dict()`` of the run being resumed at checkpoint ``resumed_from``.
@@ -223,13 +233,21 @@ class SparseFedAvg(Strategy):
             rng.bit_generator.state = state["sampling-rng"]
             epsilons = {int(k): float(v) for k, v in dict(state["epsilons"]).items()}
             failed = [int(r) for r in state["failed-in-a-row"]]
+            ranking = None
+            if "ranking-delta" in state:
+                delta, covered = state["ranking-delta"], state["ranking-support"]
+                shapes_ok = delta.shape == covered.shape == (self.d,)
+                if not (shapes_ok and delta.dtype == torch.float32 and covered.dtype == torch.bool):
+                    raise ValueError(f"ranking-delta/-support: expected float32/bool ({self.d},)")
+                ranking = (delta, covered)
         except KeyError as err:
             raise ValueError(f"strategy state: missing key {err}") from None
-        except (TypeError, ValueError) as err:
+        except (TypeError, ValueError, AttributeError) as err:
             raise ValueError(f"strategy state: {type(err).__name__}: {err}") from None
         self._rng = rng
         self._epsilons = epsilons
         self._failed_in_a_row = failed
+        self._ranking = ranking
         self.resumed_from = resumed_from
 
     def drop_absent_nodes(self, nodes: Iterable[int]) -> None:
@@ -292,11 +310,21 @@ class SparseFedAvg(Strategy):
             )
         self._weights = weights
         frozen = self.frozen_at(server_round)
+        ranked, support_bytes = None, b""
         if cfg.method == "lf":  # no random mask: the frozen layers are dropped, nothing else
             rate, keep = frozen / self.d, self.d - frozen
         else:
             rate = self.schedule.rate(server_round - 1)
             keep = keep_count(self.d, rate=rate)
+        if cfg.method == "ranked" and keep < self.d:
+            if self._ranking is None:  # nothing to rank yet (Alg. 4, line 6): everything
+                rate, keep = 0.0, self.d
+            else:
+                delta, covered = self._ranking
+                seed = stream_seed(cfg.seed, Stream.RANKING_NOISE, server_round)
+                scores = federated_ranking_scores(delta, covered, seed=seed)
+                ranked = torch.nonzero(ranked_mask(scores, keep)).flatten()
+                support_bytes = indices_to_bytes(ranked.numpy(), "bitmap", self.d)
         stats = RoundStats(
             server_round=server_round,
             rate=rate,
@@ -306,6 +334,7 @@ class SparseFedAvg(Strategy):
             started=started,
             started_at=started_at,
             frozen=frozen,
+            ranked=ranked,
         )
         self.last_round = stats
         version = server_round - 1
@@ -329,9 +358,11 @@ class SparseFedAvg(Strategy):
                 model_version=version,
                 model=payload,
             )
-            message = train_message(instruction, node=node, resumed_from=self.resumed_from)
+            message = train_message(
+                instruction, node=node, resumed_from=self.resumed_from, support=support_bytes
+            )
             messages.append(message)
-            stats.downlink_payload_bytes += len(payload)
+            stats.downlink_payload_bytes += len(payload) + len(support_bytes)
             stats.downlink_message_bytes += message_bytes(message)
         return messages
 
@@ -361,8 +392,11 @@ class SparseFedAvg(Strategy):
             self.cfg.mask_scope == "round"
             and stats.keep < self.d
             and not stats.frozen
+            and stats.ranked is None
             and not stats.failed
         )
+        if self.cfg.method == "ranked" and not stats.failed:
+            self._ranking = ((new_weights - weights).to(torch.float32), touched.clone())
         self.downlink.record_version(
             server_round, touched, seeded=(stats.mask_seed, stats.keep) if seeded else None
         )
@@ -402,15 +436,19 @@ class SparseFedAvg(Strategy):
                 else client_mask_seed(stats.mask_seed, node)
             )
             frozen = stats.frozen
-            if round_support is None and cfg.mask_scope == "round" and keep < d and not frozen:
+            # method=lf: [frozen, d) dense; method=ranked: the keep values of the sent support
+            explicit = stats.ranked is not None
+            sub = d - frozen if not explicit else keep
+            seeded = keep < d and not frozen and not explicit
+            if round_support is None and cfg.mask_scope == "round" and seeded:
                 round_support = torch.nonzero(sample_mask(d, keep=keep, seed=scope_seed)).flatten()
             try:
                 # method=lf: the values of the unfrozen coordinates [frozen, d), dense.
                 valid = check_reply(
                     reply,
-                    d=d - frozen,
+                    d=sub,
                     server_round=stats.server_round,
-                    expected_seed=None if keep == d or frozen else scope_seed,
+                    expected_seed=scope_seed if seeded else None,
                     keep=keep,
                     codec=cfg.codec,
                     value_dtype=cfg.value_dtype,
@@ -423,6 +461,8 @@ class SparseFedAvg(Strategy):
                 continue
             if frozen:
                 valid = replace(valid, support=torch.arange(frozen, d, dtype=torch.int64))
+            elif stats.ranked is not None:
+                valid = replace(valid, support=stats.ranked)
             # A valid reply counts (payload bytes, epsilon) even if the norm bound drops it.
             stats.uplink_payload_bytes += valid.payload_bytes
             self._epsilons[node] = valid.reply.epsilon

@@ -12,17 +12,27 @@ import re
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import pytest
 import torch
 from flwr.app import ConfigRecord, Context, Message
 
+from fedsparse.client.app import _ranked_support
 from fedsparse.client.app import app as client_app
 from fedsparse.common.config import FederatedConfig
 from fedsparse.common.layout import ParamLayout
 from fedsparse.common.masks import keep_count
-from fedsparse.common.methods import frozen_prefix
+from fedsparse.common.methods import federated_ranking_scores, frozen_prefix, ranked_mask
 from fedsparse.common.models import build_model
 from fedsparse.common.payload import decode_update, encode_update
-from fedsparse.common.protocol import CONFIG_RECORD
+from fedsparse.common.payload.indices import indices_from_bytes, indices_to_bytes
+from fedsparse.common.protocol import (
+    CONFIG_RECORD,
+    RANKED_SUPPORT,
+    ProtocolError,
+    TrainInstruction,
+)
+from fedsparse.common.seeds import Stream, stream_seed
 from fedsparse.lab.flower import SIMULATION_NODE_POLICY
 from fedsparse.lab.inprocess import InProcessGrid
 from fedsparse.server.app import run_federated
@@ -119,3 +129,128 @@ def test_random_freeze_runs_the_cooling_schedule_federated(tmp_path: Path) -> No
     rates = [0.8 * min(e / 2, 1) for e in range(4)]
     assert [r["rate"] for r in rounds] == rates
     assert [r["keep"] for r in rounds] == [keep_count(d, rate=r) for r in rates]
+
+
+# --- method=ranked ------------------------------------------------------------------------------
+
+RANKED: dict[str, Any] = dict(
+    method="ranked",
+    schedule="constant",  # the same rate every round: round r of any run is the same
+    final_rate=0.5,
+    target_epsilon=0.0,
+    noise_multiplier=1.0,
+    seed=6,
+)
+
+
+class SupportGrid(InProcessGrid):
+    """Records each round's ranked support (as sent) and can stop after round ``kill``."""
+
+    def __init__(self, *args: Any, kill: int = 0, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.kill, self.supports = kill, {}
+
+    def send_and_receive(self, messages: Any, *, timeout: float | None = None) -> Any:
+        messages = list(messages)
+        record = messages[0].content.config_records[CONFIG_RECORD]
+        server_round = int(record["round"])
+        sent = {
+            bytes(m.content.config_records[CONFIG_RECORD].get(RANKED_SUPPORT, b""))
+            for m in messages
+        }
+        assert len(sent) == 1  # one support per round, the same for every client
+        self.supports[server_round] = sent.pop()
+        replies = super().send_and_receive(messages, timeout=timeout)
+        if server_round == self.kill:
+            raise KeyboardInterrupt
+        return replies
+
+
+def _ranked_run(out: Path, rounds: int, **kwargs: Any) -> SupportGrid:
+    cfg = FederatedConfig(out_dir=str(out), num_rounds=rounds, **{**RANKED, **kwargs})
+    grid = SupportGrid(
+        client_app,
+        num_nodes=NODES,
+        run_config=cfg.to_run_config(),
+        node_config=SIMULATION_NODE_POLICY,
+    )
+    run_federated(grid, cfg)
+    return grid
+
+
+def test_ranked_masks_are_the_top_of_the_last_aggregate(tmp_path: Path) -> None:
+    model = build_model("digits-cnn", seed=6)
+    w0 = ParamLayout.from_module(model).flatten_module(model)
+    d = w0.numel()
+    keep = keep_count(d, rate=0.5)
+    weights = [w0]
+    for rounds in (1, 2, 3):
+        grid = _ranked_run(tmp_path / f"r{rounds}", rounds)
+        weights.append(_weights(tmp_path / f"r{rounds}"))
+    supports = grid.supports
+    assert supports[1] == b""  # round 1: nothing to rank yet, every coordinate trains
+    lines = [json.loads(x) for x in (tmp_path / "r3" / "rounds.jsonl").read_text().splitlines()]
+    assert [x["keep"] for x in lines] == [d, keep, keep]
+    covered = torch.ones(d, dtype=torch.bool)
+    for r in (2, 3):
+        seed = stream_seed(6, Stream.RANKING_NOISE, r)
+        scores = federated_ranking_scores(weights[r - 1] - weights[r - 2], covered, seed=seed)
+        expected = ranked_mask(scores, keep)
+        sent = indices_from_bytes(supports[r], "bitmap", keep=keep, dense_size=d)
+        assert torch.equal(torch.nonzero(expected).flatten(), sent)
+        moved = weights[r] != weights[r - 1]
+        assert not (moved & ~expected).any()  # round r moves its ranked coordinates only
+        covered = expected
+        # Values only on the uplink: each reply is keep float32 values plus a fixed header.
+        assert lines[r - 1]["uplink_payload_bytes"] < NODES * (4 * keep + 64)
+        assert lines[r - 1]["downlink_payload_bytes"] >= NODES * (d // 8)  # the bitmap
+
+
+def test_a_killed_ranked_run_resumes_to_the_uninterrupted_model(tmp_path: Path) -> None:
+    _ranked_run(tmp_path / "whole", 4)
+    cfg = FederatedConfig(out_dir=str(tmp_path / "cut"), num_rounds=4, **RANKED)
+    grid = SupportGrid(
+        client_app,
+        num_nodes=NODES,
+        run_config=cfg.to_run_config(),
+        node_config={**SIMULATION_NODE_POLICY, "state-dir": str(tmp_path / "cut" / "state")},
+        kill=3,
+    )
+    with pytest.raises(KeyboardInterrupt):
+        run_federated(grid, cfg)
+    resumed = FederatedConfig(out_dir=str(tmp_path / "cut"), num_rounds=4, resume=True, **RANKED)
+    run_federated(
+        InProcessGrid(
+            client_app,
+            num_nodes=NODES,
+            run_config=resumed.to_run_config(),
+            node_config={**SIMULATION_NODE_POLICY, "state-dir": str(tmp_path / "cut" / "state")},
+            run_id=2,
+        ),
+        resumed,
+    )
+    assert torch.equal(_weights(tmp_path / "whole"), _weights(tmp_path / "cut"))
+
+
+def test_a_client_refuses_a_ranked_keep_off_the_public_schedule() -> None:
+    cfg = FederatedConfig(num_rounds=3, **RANKED)
+    task = TrainInstruction(
+        server_round=2,
+        num_rounds=3,
+        mask_seed=1,
+        keep=10,
+        mask_scope="round",
+        local_epochs=1,
+        batch_size=32,
+        lr=0.5,
+        momentum=0.0,
+        base_version=-1,
+        model_version=1,
+        model=b"",
+    )
+    bitmap = indices_to_bytes(np.arange(10), "bitmap", 38_282)
+    with pytest.raises(ProtocolError, match="keep=10: expected 19141 \\(method='ranked'"):
+        _ranked_support(cfg, task, {RANKED_SUPPORT: bitmap}, 38_282)
+    rs = FederatedConfig(num_rounds=3, method="rs")
+    with pytest.raises(ProtocolError, match="ranked-support: only with method='ranked'"):
+        _ranked_support(rs, task, {RANKED_SUPPORT: bitmap}, 38_282)
