@@ -13,6 +13,7 @@ coordinates as one ``SparseUpdate`` with no indices.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import warnings
 from collections.abc import Mapping
@@ -23,6 +24,7 @@ import numpy as np
 import torch
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
+from torch import nn
 
 from fedsparse.client.data import local_data, public_test_data
 from fedsparse.client.guard import authorize, node_ledger, node_policy, released_error
@@ -161,6 +163,7 @@ def train(msg: Message, context: Context) -> Message:
                 state.history,
                 frozen,
                 explicit,
+                model=model,
             )
         except Exception as err:
             raise released_error(err) from None
@@ -233,6 +236,17 @@ def _ranked_support(
         raise ProtocolError(f"train instruction: {RANKED_SUPPORT}: {err}") from None
 
 
+@functools.lru_cache(maxsize=2)
+def _cached_mask(numel: int, keep: int, seed: int) -> torch.Tensor:
+    return sample_mask(numel, keep=keep, seed=seed)
+
+
+def _round_mask(numel: int, keep: int, seed: int) -> torch.Tensor:
+    """``sample_mask`` memoized per process: a worker serving many nodes samples a round's
+    mask once (a copy each call: the caller may not mutate the shared one)."""
+    return _cached_mask(numel, keep, seed).clone()
+
+
 def _node_state(
     context: Context, files: StateFiles | None, resumed: int, *, numel: int
 ) -> NodeState:
@@ -259,14 +273,16 @@ def _train_round(
     history: list[tuple[float, float, int]],
     frozen: int = 0,
     explicit: torch.Tensor | None = None,
+    *,
+    model: nn.Module,
 ) -> tuple[TrainReply, list[tuple[float, float, int]]]:
     """Local DP-SGD + RS from ``global_flat``; (the reply, the run's accountant history).
 
     With ``frozen`` > 0 (method=lf) the mask keeps ``[frozen, d)`` and the reply carries those
     values only, as a dense vector of ``d - frozen`` values; with an ``explicit`` support
     (method=ranked) the mask is that support and the reply its values, in support order.
+    ``model`` is the run's architecture (built once per call); its weights are replaced.
     """
-    model = build_model(cfg.model_name, seed=cfg.seed)
     layout = ParamLayout.from_module(model)
     numel = layout.numel
     layout.load_flat_(model, global_flat)
@@ -280,7 +296,7 @@ def _train_round(
         mask = torch.zeros(numel, dtype=torch.bool)
         mask[explicit] = True
     else:
-        mask = None if task.keep == numel else sample_mask(numel, keep=task.keep, seed=mask_seed)
+        mask = None if task.keep == numel else _round_mask(numel, task.keep, mask_seed)
     seeded = policy.noise == "seeded"
     train_cfg = TrainConfig(
         epochs=task.local_epochs,

@@ -19,7 +19,6 @@ its persistent ledger, not the server's resume point, holds what it spent.
 from __future__ import annotations
 
 import json
-import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -118,16 +117,16 @@ class StateFiles:
         return sorted(int(m.group(1)) for m in found if m)
 
     def save(self, state: NodeState) -> None:
-        """Writes ``state`` as the file of round ``state.last_round`` (atomically)."""
+        """Writes ``state`` as the file of round ``state.last_round`` (atomically: rename)."""
         self.folder.mkdir(parents=True, exist_ok=True)
         data: dict[str, Any] = {"format": _STATE_FORMAT, "last-round": state.last_round}
         data.update(history_to_record(state.history))
         path = self.folder / f"round-{state.last_round}.json"
         tmp = path.with_name(path.name + ".tmp")
+        # Atomic against a killed process (the rename), which is what resume guards against;
+        # not fsynced: a simulation's node state is not meant to survive a power cut.
         with open(tmp, "w") as fh:
             json.dump(data, fh)  # floats as repr: exact
-            fh.flush()
-            os.fsync(fh.fileno())
         tmp.replace(path)
 
     def discard_after(self, server_round: int) -> None:
