@@ -33,7 +33,7 @@ from fedsparse.common.config import FederatedConfig, wire_encoding
 from fedsparse.common.data import Split
 from fedsparse.common.layout import ParamLayout
 from fedsparse.common.masks import keep_count, sample_mask
-from fedsparse.common.methods import suffix_mask
+from fedsparse.common.methods import layer_ranges, layerwise_keep, suffix_mask
 from fedsparse.common.models import build_model
 from fedsparse.common.node_policy import NodePolicy, TrainingRequest
 from fedsparse.common.payload import PayloadError, decode_update, encode_update
@@ -47,7 +47,7 @@ from fedsparse.common.privacy import (
 from fedsparse.common.protocol import (
     CONFIG_RECORD,
     METRICS_RECORD,
-    RANKED_SUPPORT,
+    SERVER_SUPPORT,
     EvaluateInstruction,
     EvaluateReply,
     ProtocolError,
@@ -120,7 +120,7 @@ def train(msg: Message, context: Context) -> Message:
     model = build_model(cfg.model_name, seed=cfg.seed)
     layout = ParamLayout.from_module(model)
     frozen = _frozen_prefix(cfg, task, layout)
-    explicit = _ranked_support(cfg, task, record, layout.numel)
+    explicit = _server_support(cfg, task, record, layout)
     state = _node_state(context, files, resumed_from(record), numel=layout.numel)
     global_flat = apply_downlink(
         state.model,
@@ -200,40 +200,54 @@ def _frozen_prefix(cfg: FederatedConfig, task: TrainInstruction, layout: ParamLa
     return frozen
 
 
-def _ranked_support(
-    cfg: FederatedConfig, task: TrainInstruction, record: Mapping[str, Any], numel: int
+def _server_support(
+    cfg: FederatedConfig, task: TrainInstruction, record: Mapping[str, Any], layout: ParamLayout
 ) -> torch.Tensor | None:
-    """method=ranked: the server's support for this round (None: train every coordinate).
+    """method=ranked or dpssgd: the server's support this round (None: every coordinate).
 
     The server chooses which coordinates, never how many: ``keep`` must be the public
-    schedule's for the round (or ``d``, when the server has nothing to rank yet).
+    schedule's (ranked; or ``d`` when the server has nothing to rank yet), and under dpssgd
+    every layer must hold its own ``keep_count(n_layer, final-rate)``.
 
     Raises:
-        ProtocolError: a support without method=ranked, an undecodable bitmap, or a ``keep``
-            other than the schedule's (checked before anything private is touched).
+        ProtocolError: a support under another method, an undecodable bitmap, or counts
+            other than the public config's (checked before anything private is touched).
     """
-    raw = record.get(RANKED_SUPPORT)
-    if cfg.method != "ranked":
+    raw, numel = record.get(SERVER_SUPPORT), layout.numel
+    if cfg.method not in ("ranked", "dpssgd"):
         if raw is not None:
-            raise ProtocolError(f"train instruction: {RANKED_SUPPORT}: only with method='ranked'")
-        return None
-    if raw is None:
-        if task.keep != numel:
             raise ProtocolError(
-                f"train instruction: keep={task.keep} without {RANKED_SUPPORT}: expected {numel}"
+                f"train instruction: {SERVER_SUPPORT}: only with method='ranked' or 'dpssgd'"
             )
         return None
     rate = cfg.sparsity().rate_schedule(cfg.num_rounds).rate(task.server_round - 1)
     expected = keep_count(numel, rate=rate)
+    if cfg.method == "dpssgd":
+        expected = layerwise_keep(layout, rate)
+    if raw is None:
+        if task.keep != numel or (cfg.method == "dpssgd" and expected != numel):
+            raise ProtocolError(
+                f"train instruction: keep={task.keep} without {SERVER_SUPPORT}: expected {numel}"
+            )
+        return None
     if task.keep != expected or not isinstance(raw, bytes):
         raise ProtocolError(
-            f"train instruction: keep={task.keep}: expected {expected} (method='ranked', "
+            f"train instruction: keep={task.keep}: expected {expected} (method={cfg.method!r}, "
             f"final-rate={cfg.final_rate}, round {task.server_round})"
         )
     try:
-        return indices_from_bytes(raw, "bitmap", keep=task.keep, dense_size=numel)
+        support = indices_from_bytes(raw, "bitmap", keep=task.keep, dense_size=numel)
     except PayloadError as err:
-        raise ProtocolError(f"train instruction: {RANKED_SUPPORT}: {err}") from None
+        raise ProtocolError(f"train instruction: {SERVER_SUPPORT}: {err}") from None
+    if cfg.method == "dpssgd":
+        for name, start, end in layer_ranges(layout):
+            count = int(((support >= start) & (support < end)).sum())
+            if count != keep_count(end - start, rate=rate):
+                raise ProtocolError(
+                    f"train instruction: {SERVER_SUPPORT}: layer {name}: {count} coordinates: "
+                    f"expected {keep_count(end - start, rate=rate)} (method='dpssgd')"
+                )
+    return support
 
 
 @functools.lru_cache(maxsize=2)

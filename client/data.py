@@ -9,9 +9,10 @@ import torch
 
 from fedsparse.common.config import FederatedConfig
 from fedsparse.common.data import DatasetName, Split, load_dataset
+from fedsparse.common.methods import public_split
 from fedsparse.common.partition import PartitionerName, partition_indices
 
-__all__ = ["local_data", "public_test_data"]
+__all__ = ["local_data", "private_examples", "public_test_data"]
 
 
 @functools.lru_cache(maxsize=4)
@@ -27,17 +28,30 @@ def _partitions(
     num_partitions: int,
     partitioner: PartitionerName,
     alpha: float,
+    public_fraction: float = 0.0,
 ) -> tuple[np.ndarray, ...]:
+    """Each client's indices into the training set; with ``public_fraction`` > 0 (DP-SSGD)
+    drawn from its private examples only (``common/methods.py``: ``public_split``)."""
     train, _ = _dataset(name, data_dir, seed)
+    labels = train.y.numpy()
+    pool = np.arange(len(labels))
+    if public_fraction > 0:
+        pool = private_examples(len(labels), public_fraction, seed)
     return tuple(
-        partition_indices(
-            train.y.numpy(),
+        pool[part]
+        for part in partition_indices(
+            labels[pool],
             num_partitions=num_partitions,
             partitioner=partitioner,
             alpha=alpha,
             seed=seed,
         )
     )
+
+
+def private_examples(num_examples: int, public_fraction: float, seed: int) -> np.ndarray:
+    """The training examples no one declared public (DP-SSGD's private side)."""
+    return public_split(num_examples, public_fraction, run_seed=seed)[1]
 
 
 def local_data(cfg: FederatedConfig, partition_id: int, num_partitions: int) -> Split:
@@ -47,8 +61,15 @@ def local_data(cfg: FederatedConfig, partition_id: int, num_partitions: int) -> 
             f"partition-id={partition_id}: expected 0 <= id < num-partitions={num_partitions}"
         )
     train, _ = _dataset(cfg.dataset, cfg.data_dir, cfg.seed)
+    public = cfg.public_fraction if cfg.method == "dpssgd" else 0.0
     parts = _partitions(
-        cfg.dataset, cfg.data_dir, cfg.seed, num_partitions, cfg.partitioner, cfg.dirichlet_alpha
+        cfg.dataset,
+        cfg.data_dir,
+        cfg.seed,
+        num_partitions,
+        cfg.partitioner,
+        cfg.dirichlet_alpha,
+        public,
     )
     idx = torch.from_numpy(parts[partition_id])
     return Split(x=train.x[idx], y=train.y[idx])

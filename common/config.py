@@ -25,8 +25,12 @@ from fedsparse.common.dp import MECHANISMS, MechanismName
 from fedsparse.common.func_dp import ENGINES, EngineName
 from fedsparse.common.methods import (
     FEDERATED_METHODS,
+    SELECTION_MODES,
+    SELECTIONS,
     FederatedMethodName,
     MethodConfig,
+    SelectionMode,
+    SelectionName,
     method_schedule,
 )
 from fedsparse.common.models import DEFAULT_MODELS, MODEL_INPUT_SHAPES, MODEL_NAMES, ModelName
@@ -87,6 +91,10 @@ ADDED_KEYS: Final[dict[str, Any]] = {
     "method": "rs",
     "freeze-layers": 1,
     "freeze-after": 0,
+    "public-fraction": 0.1,
+    "public-epochs": 5,
+    "selection": "magnitude",
+    "selection-mode": "freeze",
 }
 
 
@@ -149,6 +157,10 @@ class FederatedConfig:
     method: FederatedMethodName = "rs"
     freeze_layers: int = 1  # lf: m_f, the first layers frozen ...
     freeze_after: int = 0  # lf: ... from this 0-based round on (round freeze-after + 1)
+    public_fraction: float = 0.1  # dpssgd: share of the training set declared public
+    public_epochs: int = 5  # dpssgd: the server's non-private pretraining on it
+    selection: SelectionName = "magnitude"  # dpssgd: largest |w| per layer, or random
+    selection_mode: SelectionMode = "freeze"  # dpssgd: once after pretraining, or each round
     # transport
     codec: CodecName = "values"
     value_dtype: ValueDType = "fp32"
@@ -240,7 +252,13 @@ class FederatedConfig:
     def method_config(self) -> MethodConfig:
         """The method and its parameters (``common/methods.py``)."""
         return MethodConfig(
-            name=self.method, freeze_layers=self.freeze_layers, freeze_after=self.freeze_after
+            name=self.method,
+            freeze_layers=self.freeze_layers,
+            freeze_after=self.freeze_after,
+            public_fraction=self.public_fraction,
+            public_epochs=self.public_epochs,
+            selection=self.selection,
+            selection_mode=self.selection_mode,
         )
 
     def norm_bound(self) -> NormBound:
@@ -313,6 +331,8 @@ _NAMED_FIELDS: Final[dict[str, tuple[str, ...]]] = {
     "accountant": ACCOUNTANTS,
     "schedule": SCHEDULES,
     "method": FEDERATED_METHODS,
+    "selection": SELECTIONS,
+    "selection_mode": SELECTION_MODES,
     "mask_scope": MASK_SCOPES,
     "codec": CODECS,
     "value_dtype": VALUE_DTYPES,

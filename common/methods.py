@@ -35,6 +35,17 @@ the kept coordinates only: ``common/dp.py``).
   bitmap, ``d / 8`` bytes, counted on the downlink); the client replies with the ``keep``
   values in support order, values only.
 
+- ``dpssgd``: DP-SSGD (``dpssgd-pruning-public-data.txt``): a slice of the training set,
+  ``public-fraction`` of it, is declared public (``public_split``; the clients' partitions
+  are drawn from the rest). The model is pretrained on it without noise for
+  ``public-epochs`` (by the server, in the federation), then DP-SGD updates only the selected
+  coordinates: in every layer the ``keep_count(n_layer, final-rate)`` of largest ``|w|``
+  (``selection=magnitude``, the weights are public: pretrained on public data or released
+  under DP) or a uniformly random set (``random``), chosen once after pretraining
+  (``selection-mode=freeze``: parameter freezing) or again each round (``reselect``). No
+  privacy cost: nothing private chooses the mask. In the federation the server selects and
+  sends the support as for ``ranked``.
+
 Steps are 0-based: epoch ``e`` in ``0..E-1``, or round ``r - 1``. ``lf`` freezes from step
 ``t_f`` on (``t > t_f`` in the paper's 1-based count).
 """
@@ -45,20 +56,30 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final, Literal, get_args
 
+import numpy as np
 import torch
 
 from fedsparse.common.layout import ParamLayout
+from fedsparse.common.masks import derive_seed, keep_count, sample_mask
 from fedsparse.common.schedules import ScheduleName
+from fedsparse.common.seeds import Stream, stream_seed
 
 __all__ = [
     "FEDERATED_METHODS",
     "METHODS",
+    "SELECTIONS",
+    "SELECTION_MODES",
     "METHOD_PAPERS",
     "MethodConfig",
     "FederatedMethodName",
     "MethodName",
+    "SelectionMode",
+    "SelectionName",
     "federated_ranking_scores",
     "frozen_prefix",
+    "layerwise_keep",
+    "layerwise_mask",
+    "public_split",
     "layer_ranges",
     "method_schedule",
     "ranked_mask",
@@ -66,12 +87,12 @@ __all__ = [
     "total_density",
 ]
 
-MethodName = Literal["rs", "random-freeze", "lf", "ranked"]
+MethodName = Literal["rs", "random-freeze", "lf", "ranked", "dpssgd"]
 """The methods above (run-config ``method``, ``fedsparse train --method``)."""
 
 METHODS: Final[tuple[MethodName, ...]] = get_args(MethodName)
 
-FederatedMethodName = Literal["rs", "random-freeze", "lf", "ranked"]
+FederatedMethodName = Literal["rs", "random-freeze", "lf", "ranked", "dpssgd"]
 """The methods a federation runs (run-config ``method``): all of them."""
 
 FEDERATED_METHODS: Final[tuple[FederatedMethodName, ...]] = get_args(FederatedMethodName)
@@ -82,7 +103,19 @@ METHOD_PAPERS: Final[dict[MethodName, str]] = {
     "random-freeze": "random-freeze-dpsgd.txt (Algorithm 1)",
     "lf": "dpsgd-lf-layer-freezing.txt (Algorithm 1)",
     "ranked": "rs-random-sparsification-dpsgd.txt (Algorithm 4, App. I)",
+    "dpssgd": "dpssgd-pruning-public-data.txt (Sec. 3)",
 }
+
+SelectionName = Literal["magnitude", "random"]
+"""DP-SSGD's pruning criterion: largest ``|w|`` per layer, or uniformly random per layer."""
+
+SELECTIONS: Final[tuple[SelectionName, ...]] = get_args(SelectionName)
+
+SelectionMode = Literal["freeze", "reselect"]
+"""DP-SSGD's mode: one selection after pretraining (parameter freezing), or a new one each
+round (centralized: each epoch), the federated form of per-step parameter selection."""
+
+SELECTION_MODES: Final[tuple[SelectionMode, ...]] = get_args(SelectionMode)
 
 
 def layer_ranges(layout: ParamLayout) -> list[tuple[str, int, int]]:
@@ -122,12 +155,21 @@ def frozen_prefix(layout: ParamLayout, freeze_layers: int) -> int:
 def method_schedule(
     method: MethodName, schedule: ScheduleName, field: str = "schedule"
 ) -> ScheduleName:
-    """The rate schedule ``method`` runs: ``cooling`` for ``random-freeze``, else ``schedule``.
+    """The rate schedule ``method`` runs: ``cooling`` for ``random-freeze``, ``constant`` for
+    ``dpssgd`` (its pruning ratio is ``final-rate`` throughout), else ``schedule``.
 
     Raises:
         ValueError: ``random-freeze`` with a schedule other than the default ``gradual`` or
-            ``cooling`` (random freeze *is* the cooling schedule).
+            ``cooling`` (random freeze *is* the cooling schedule); ``dpssgd`` with one other
+            than ``gradual`` or ``constant``.
     """
+    if method == "dpssgd":
+        if schedule not in ("gradual", "constant"):
+            raise ValueError(
+                f"{field}={schedule!r}: method='dpssgd' prunes at final-rate throughout "
+                "(schedule 'constant'); leave the schedule unset or set 'constant'"
+            )
+        return "constant"
     if method != "random-freeze":
         return schedule
     if schedule not in ("gradual", "cooling"):
@@ -153,6 +195,11 @@ class MethodConfig:
     freeze_after: int = 0
     #: ``ranked`` only: rank without the noise (NOT private; Figure 12's reference).
     clean_ranking: bool = False
+    #: ``dpssgd`` only (see the module).
+    public_fraction: float = 0.1
+    public_epochs: int = 5
+    selection: SelectionName = "magnitude"
+    selection_mode: SelectionMode = "freeze"
 
     def __post_init__(self) -> None:
         if self.name not in METHODS:
@@ -161,6 +208,19 @@ class MethodConfig:
             raise ValueError(f"freeze-layers={self.freeze_layers}: expected >= 1")
         if self.freeze_after < 0:
             raise ValueError(f"freeze-after={self.freeze_after}: expected >= 0")
+        if not 0.0 < self.public_fraction < 1.0:
+            raise ValueError(f"public-fraction={self.public_fraction}: expected 0 < f < 1")
+        if self.public_epochs < 0:
+            raise ValueError(f"public-epochs={self.public_epochs}: expected >= 0")
+        if self.selection not in SELECTIONS:
+            raise ValueError(
+                f"selection={self.selection!r}: expected one of {', '.join(SELECTIONS)}"
+            )
+        if self.selection_mode not in SELECTION_MODES:
+            raise ValueError(
+                f"selection-mode={self.selection_mode!r}: expected one of "
+                f"{', '.join(SELECTION_MODES)}"
+            )
         if self.clean_ranking and self.name != "ranked":
             raise ValueError(f"clean_ranking=True: only with method='ranked' (got {self.name!r})")
 
@@ -224,6 +284,62 @@ def federated_ranking_scores(
     generator = torch.Generator().manual_seed(seed)
     noise = torch.randn(delta.numel(), generator=generator, dtype=torch.float64) * spread
     return torch.where(support, scores, noise.abs())
+
+
+def public_split(
+    num_examples: int, fraction: float, *, run_seed: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(public, private)``: sorted disjoint indices, ``round(fraction * n)`` public ones.
+
+    A permutation of ``0..n-1`` (numpy's PCG64 from ``stream_seed(run_seed, PUBLIC_SPLIT)``):
+    the same split for the server and every client of a run.
+
+    Raises:
+        ValueError: ``fraction`` outside ``(0, 1)``, or a split leaving either side empty.
+    """
+    if not 0.0 < fraction < 1.0:
+        raise ValueError(f"public-fraction={fraction}: expected 0 < fraction < 1")
+    count = round(fraction * num_examples)
+    if not 0 < count < num_examples:
+        raise ValueError(
+            f"public-fraction={fraction}: {count} of {num_examples} examples public: expected "
+            "at least one public and one private"
+        )
+    rng = np.random.default_rng(stream_seed(run_seed, Stream.PUBLIC_SPLIT))
+    order = rng.permutation(num_examples)
+    return np.sort(order[:count]), np.sort(order[count:])
+
+
+def layerwise_keep(layout: ParamLayout, rate: float) -> int:
+    """Coordinates DP-SSGD keeps: ``keep_count`` of each layer at ``rate``, summed."""
+    return sum(keep_count(end - start, rate=rate) for _, start, end in layer_ranges(layout))
+
+
+def layerwise_mask(
+    weights: torch.Tensor,
+    layout: ParamLayout,
+    *,
+    rate: float,
+    selection: SelectionName,
+    seed: int,
+) -> torch.Tensor:
+    """DP-SSGD's mask: per layer, the largest ``|weights|`` or a seeded random set.
+
+    Each layer keeps ``keep_count(n_layer, rate)`` coordinates (``magnitude``: ties to the
+    lower index; ``random``: ``sample_mask`` with ``derive_seed(seed, layer)``).
+    """
+    if weights.shape != (layout.numel,):
+        raise ValueError(f"weights {tuple(weights.shape)}: expected ({layout.numel},)")
+    if selection not in SELECTIONS:
+        raise ValueError(f"selection={selection!r}: expected one of {', '.join(SELECTIONS)}")
+    mask = torch.zeros(layout.numel, dtype=torch.bool)
+    for index, (_, start, end) in enumerate(layer_ranges(layout)):
+        keep = keep_count(end - start, rate=rate)
+        if selection == "magnitude":
+            mask[start:end] = ranked_mask(weights[start:end], keep)
+        else:
+            mask[start:end] = sample_mask(end - start, keep=keep, seed=derive_seed(seed, index))
+    return mask
 
 
 def suffix_mask(numel: int, start: int) -> torch.Tensor | None:

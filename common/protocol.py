@@ -35,7 +35,7 @@ __all__ = [
     "EXPECTED_NODES_ENV",
     "STOP_FILE",
     "METRICS_RECORD",
-    "RANKED_SUPPORT",
+    "SERVER_SUPPORT",
     "RESUMED_FROM",
     "STATE_MODEL",
     "STATE_RECORD",
@@ -54,10 +54,10 @@ STATE_RECORD = "fedsparse-state"
 STATE_MODEL = "fedsparse-model"
 #: Train-message config key: the checkpoint round a resumed run continues (absent: 0).
 RESUMED_FROM = "resumed-from"
-#: Train-message config key (method=ranked, from round 2): the round's mask, chosen by the
-#: server, as a bitmap of ``d`` bits (absent: no explicit support). Outside ``TrainInstruction``
-#: so that every other run's messages keep their bytes.
-RANKED_SUPPORT = "ranked-support"
+#: Train-message config key (method=ranked from round 2, method=dpssgd): the round's mask,
+#: chosen by the server, as a bitmap of ``d`` bits (absent: no explicit support). Outside
+#: ``TrainInstruction`` so that every other run's messages keep their bytes.
+SERVER_SUPPORT = "server-support"
 #: Launcher -> ServerApp (environment): how many nodes a simulation started; round 1 waits
 #: for all of them (``server/loop.py``, ``wait_for_nodes``).
 EXPECTED_NODES_ENV = "FEDSPARSE_EXPECTED_NODES"

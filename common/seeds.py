@@ -39,6 +39,10 @@ class Stream(enum.IntEnum):
     #: Ranked sparsification: the fresh noise on masked coordinates of the ranking estimate
     #: (RS paper, Alg. 4, line 22); independent of data, used for nothing but the ranking.
     RANKING_NOISE = 4
+    #: Public: DP-SSGD's split of the training set into public and private examples.
+    PUBLIC_SPLIT = 5
+    #: Public: the order of the non-private pretraining on the public examples (DP-SSGD).
+    PUBLIC_PRETRAIN = 6
     #: Public: the mask seed the server broadcasts each round (path: round).
     ROUND_MASK = 0x5EED
     #: Public: a per-client mask seed under ``mask-scope=client`` (path: node id).

@@ -45,7 +45,14 @@ from fedsparse.common.func_dp import (
     select_engine,
 )
 from fedsparse.common.masks import derive_seed, keep_count, sample_mask
-from fedsparse.common.methods import MethodConfig, method_schedule, ranked_mask, suffix_mask
+from fedsparse.common.methods import (
+    MethodConfig,
+    layerwise_mask,
+    method_schedule,
+    public_split,
+    ranked_mask,
+    suffix_mask,
+)
 from fedsparse.common.privacy import (
     ACCOUNTANTS,
     AccountantName,
@@ -68,6 +75,7 @@ __all__ = [
     "make_private",
     "resolve_device",
     "round_mask",
+    "pretrain_public",
     "train_centralized",
     "train_one_epoch",
 ]
@@ -279,6 +287,40 @@ class _RankingEstimate:
         return z
 
 
+def pretrain_public(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    epochs: int,
+    batch_size: int,
+    lr: float,
+    seed: int,
+) -> None:
+    """Non-private SGD on public examples (DP-SSGD's pretraining), in place, deterministic.
+
+    Shuffled batches from a generator seeded with ``stream_seed(seed, PUBLIC_PRETRAIN)``, the
+    same threads and order everywhere: the server and a test get the same weights. No privacy
+    is spent: the examples are public.
+    """
+    if epochs < 0 or batch_size < 1 or not lr > 0:
+        raise ValueError(
+            f"epochs={epochs}, batch_size={batch_size}, lr={lr}: expected >= 0, >= 1, > 0"
+        )
+    generator = torch.Generator().manual_seed(stream_seed(seed, Stream.PUBLIC_PRETRAIN))
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    criterion = nn.CrossEntropyLoss()
+    device = _device_of(model)
+    model.train()
+    for _ in range(epochs):
+        order = torch.randperm(len(x), generator=generator)
+        for start in range(0, len(x), batch_size):
+            batch = order[start : start + batch_size]
+            optimizer.zero_grad(set_to_none=True)
+            criterion(model(x[batch].to(device)), y[batch].to(device)).backward()
+            optimizer.step()
+
+
 def _clear_momentum(
     optimizer: torch.optim.Optimizer, engine: SparseDPEngine, mask: torch.Tensor
 ) -> None:
@@ -466,8 +508,10 @@ def train_centralized(
     ``rs`` (default): RS paper, Algorithm 1; ``random-freeze``: the same with the cooling
     schedule; ``lf``: DP-SGD, then the first ``freeze_layers`` layers frozen from epoch
     ``freeze_after`` on, their momentum cleared so that they move by exactly 0; ``ranked``:
-    RS paper, Algorithm 4, the mask of epoch ``e`` from the last epoch's perturbed gradients
-    (``common/methods.py``). ``on_mask(epoch, mask)`` sees each epoch's mask (None: all).
+    RS paper, Algorithm 4, the mask of epoch ``e`` from the last epoch's perturbed gradients;
+    ``dpssgd``: pretraining on the public slice of ``train_xy``, then DP-SGD on the rest with
+    the per-layer selection, once or each epoch (``common/methods.py``). ``on_mask(epoch,
+    mask)`` sees each epoch's mask (None: all).
 
     Returns one ``EpochStats`` per epoch (rate, kept fraction, losses, accuracy, epsilon).
 
@@ -479,6 +523,19 @@ def train_centralized(
     sparsity = dataclasses.replace(
         sparsity, schedule=method_schedule(method.name, sparsity.schedule)
     )
+    if method.name == "dpssgd":  # pretrain on the public slice; DP-SGD on the rest
+        x, y = train_xy
+        public, private = public_split(len(x), method.public_fraction, run_seed=train.seed or 0)
+        pretrain_public(
+            model,
+            x[torch.from_numpy(public)],
+            y[torch.from_numpy(public)],
+            epochs=method.public_epochs,
+            batch_size=train.batch_size,
+            lr=train.lr,
+            seed=train.seed or 0,
+        )
+        train_xy = (x[torch.from_numpy(private)], y[torch.from_numpy(private)])
     engine, module, optimizer, loader = make_private(
         model, *train_xy, privacy=privacy, train=train, epochs_for_target=train.epochs
     )
@@ -490,9 +547,21 @@ def train_centralized(
         ranking = _RankingEstimate(
             engine, optimizer, clean=method.clean_ranking, seed=train.seed or 0
         )
+    selected: torch.Tensor | None = None  # dpssgd's selection
     history = []
     for epoch in range(train.epochs):
-        if ranking is not None:
+        if method.name == "dpssgd":
+            rate = schedule.rate(epoch)
+            if selected is None or method.selection_mode == "reselect":
+                selected = layerwise_mask(
+                    engine.layout.flatten_module(model).cpu(),
+                    engine.layout,
+                    rate=rate,
+                    selection=method.selection,
+                    seed=derive_seed(sparsity.mask_seed, epoch),
+                )
+            mask = None if bool(selected.all()) else selected
+        elif ranking is not None:
             rate = schedule.rate(epoch)
             keep = keep_count(numel, rate=rate)
             # Epoch 0 trains everything (Alg. 4, line 6); then the top-|z| coordinates.

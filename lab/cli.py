@@ -26,7 +26,14 @@ from rich.console import Console
 from fedsparse.common.data import DATASET_NAMES, DatasetName, load_dataset
 from fedsparse.common.dp import MECHANISMS
 from fedsparse.common.func_dp import ENGINES as DP_ENGINES
-from fedsparse.common.methods import METHODS, MethodConfig, method_schedule, total_density
+from fedsparse.common.methods import (
+    METHODS,
+    SELECTION_MODES,
+    SELECTIONS,
+    MethodConfig,
+    method_schedule,
+    total_density,
+)
 from fedsparse.common.models import (
     DEFAULT_MODELS,
     MODEL_NAMES,
@@ -188,10 +195,19 @@ def train(
         int, Opt(help="cooling time e* for --schedule cooling and --method random-freeze")
     ] = 1,
     method: Annotated[
-        str, Opt(help="rs | random-freeze (schedule cooling) | lf (layer freezing)")
+        str,
+        Opt(help="rs | random-freeze (schedule cooling) | lf (layer freezing) | ranked | dpssgd"),
     ] = "rs",
     freeze_layers: Annotated[int, Opt(help="--method lf: layers m_f frozen")] = 1,
     freeze_after: Annotated[int, Opt(help="--method lf: first frozen epoch t_f (0-based)")] = 0,
+    public_fraction: Annotated[
+        float, Opt(help="--method dpssgd: share of the training set declared public")
+    ] = 0.1,
+    public_epochs: Annotated[int, Opt(help="--method dpssgd: pretraining epochs on it")] = 5,
+    selection: Annotated[str, Opt(help="--method dpssgd: magnitude | random")] = "magnitude",
+    selection_mode: Annotated[
+        str, Opt(help="--method dpssgd: freeze (select once) | reselect (every epoch)")
+    ] = "freeze",
     mechanism: Annotated[str, Opt(help="dpsgd | clipped | noisy")] = "dpsgd",
     accountant: Annotated[str, Opt(help="rdp | prv | gdp")] = "rdp",
     max_physical_batch_size: Annotated[int, Opt(help="BatchMemoryManager limit, 0 = off")] = 0,
@@ -217,6 +233,10 @@ def train(
             name=_choice("method", method, METHODS),
             freeze_layers=freeze_layers,
             freeze_after=freeze_after,
+            public_fraction=public_fraction,
+            public_epochs=public_epochs,
+            selection=_choice("selection", selection, SELECTIONS),
+            selection_mode=_choice("selection-mode", selection_mode, SELECTION_MODES),
         )
         sparsity = SparsityConfig(
             schedule=method_schedule(method_config.name, _choice("schedule", schedule, SCHEDULES)),

@@ -30,13 +30,13 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 
 from fedsparse.common.config import FederatedConfig
-from fedsparse.common.data import load_dataset
+from fedsparse.common.data import Split, load_dataset
 from fedsparse.common.layout import ParamLayout
-from fedsparse.common.methods import frozen_prefix
+from fedsparse.common.methods import frozen_prefix, public_split
 from fedsparse.common.models import build_model
 from fedsparse.common.protocol import EXPECTED_NODES_ENV
 from fedsparse.common.records import RoundLog, RunSummary
-from fedsparse.common.training import evaluate
+from fedsparse.common.training import evaluate, pretrain_public
 from fedsparse.server.checkpoint import (
     CHECKPOINT,
     Checkpoint,
@@ -120,16 +120,18 @@ def run_federated(grid: Grid, cfg: FederatedConfig, *, expected_nodes: int = 0) 
     model = build_model(cfg.model_name, seed=cfg.seed)
     layout = ParamLayout.from_module(model)
     d = layout.numel
-    _, test = load_dataset(cfg.dataset, data_dir=cfg.data_dir or None, seed=cfg.seed)
+    train, test = load_dataset(cfg.dataset, data_dir=cfg.data_dir or None, seed=cfg.seed)
     # method=lf: the first freeze-layers layers' coordinates (a bad count fails here, first).
     frozen = frozen_prefix(layout, cfg.freeze_layers) if cfg.method == "lf" else 0
-    strategy = SparseFedAvg(cfg, num_parameters=d, frozen_prefix=frozen)
+    strategy = SparseFedAvg(cfg, num_parameters=d, frozen_prefix=frozen, layout=layout)
     out = Path(cfg.out_dir or "runs/latest")
     # Nothing in out-dir is touched before the nodes are there (recorder.begin): a start that
     # fails (a bad checkpoint, too few nodes) leaves the previous records as they were.
     checkpoint = _resume(out, cfg, layout, strategy) if cfg.resume else None
     done = checkpoint.round if checkpoint is not None else 0
     recorder = RunRecorder(out, cfg, layout, resume_from=done, strategy_state=strategy.state_dict)
+    if checkpoint is None and cfg.method == "dpssgd":
+        _pretrain_on_public(model, train, cfg)
     weights = checkpoint.weights if checkpoint is not None else layout.flatten_module(model)
     arrays = flat_array(weights)
     log(
@@ -180,6 +182,28 @@ def run_federated(grid: Grid, cfg: FederatedConfig, *, expected_nodes: int = 0) 
         if failed is not None:
             raise failed
     return recorder.finish()
+
+
+def _pretrain_on_public(model: torch.nn.Module, train: Split, cfg: FederatedConfig) -> None:
+    """DP-SSGD: the server pretrains the initial model on the public slice (no privacy spent)."""
+    public, _ = public_split(len(train), cfg.public_fraction, run_seed=cfg.seed)
+    index = torch.from_numpy(public)
+    pretrain_public(
+        model,
+        train.x[index],
+        train.y[index],
+        epochs=cfg.public_epochs,
+        batch_size=cfg.batch_size,
+        lr=cfg.lr,
+        seed=cfg.seed,
+    )
+    log(
+        INFO,
+        "fedsparse: dpssgd: pretrained %d epochs on %d public examples (of %d)",
+        cfg.public_epochs,
+        len(public),
+        len(train),
+    )
 
 
 def _resume(

@@ -31,8 +31,8 @@ from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 
 from fedsparse.common.protocol import (
     CONFIG_RECORD,
-    RANKED_SUPPORT,
     RESUMED_FROM,
+    SERVER_SUPPORT,
     TrainInstruction,
 )
 
@@ -157,7 +157,7 @@ def train_message(
     if resumed_from:
         record[RESUMED_FROM] = resumed_from
     if support:  # method=ranked: the server's mask (common/methods.py)
-        record[RANKED_SUPPORT] = support
+        record[SERVER_SUPPORT] = support
     return Message(
         content=RecordDict({CONFIG_RECORD: ConfigRecord(record)}),
         dst_node_id=node,

@@ -56,8 +56,14 @@ from flwr.serverapp.strategy import Strategy
 
 from fedsparse.common.aggregate import make_aggregator
 from fedsparse.common.config import FederatedConfig
+from fedsparse.common.layout import ParamLayout
 from fedsparse.common.masks import keep_count, sample_mask
-from fedsparse.common.methods import federated_ranking_scores, ranked_mask
+from fedsparse.common.methods import (
+    federated_ranking_scores,
+    layerwise_keep,
+    layerwise_mask,
+    ranked_mask,
+)
 from fedsparse.common.payload.indices import indices_to_bytes
 from fedsparse.common.protocol import TrainInstruction, client_mask_seed, round_seed
 from fedsparse.common.records import NoiseOrigin, epsilon_stats, round_noise
@@ -126,8 +132,9 @@ class RoundStats:
     updates: dict[int, bytes] = field(default_factory=dict)  # save-updates: node -> payload
     #: method=lf: the frozen coordinate prefix ``[0, frozen)``; replies carry ``[frozen, d)``
     frozen: int = 0
-    #: method=ranked: the server-ranked support (int64, increasing); replies carry its values
-    ranked: torch.Tensor | None = None
+    #: method=ranked or dpssgd: the support the server chose (int64, increasing); replies
+    #: carry its values
+    explicit: torch.Tensor | None = None
 
     @property
     def failed(self) -> bool:
@@ -182,10 +189,17 @@ class SparseFedAvg(Strategy):
     """
 
     def __init__(
-        self, cfg: FederatedConfig, *, num_parameters: int, frozen_prefix: int = 0
+        self,
+        cfg: FederatedConfig,
+        *,
+        num_parameters: int,
+        frozen_prefix: int = 0,
+        layout: ParamLayout | None = None,
     ) -> None:
         self.cfg = cfg
         self.d = num_parameters
+        self.layout = layout  # method=dpssgd: its layers
+        self._selected: torch.Tensor | None = None  # method=dpssgd: the selected coordinates
         if cfg.method == "lf" and not 0 < frozen_prefix < num_parameters:
             raise ValueError(
                 f"frozen_prefix={frozen_prefix}: method='lf' needs 0 < s < d={num_parameters} "
@@ -220,6 +234,8 @@ class SparseFedAvg(Strategy):
         }
         if self._ranking is not None:  # method=ranked: what the next round ranks
             state["ranking-delta"], state["ranking-support"] = self._ranking
+        if self._selected is not None:  # method=dpssgd: the selection (freeze keeps it)
+            state["dpssgd-selected"] = self._selected
         return state
 
     def load_state_dict(self, state: Mapping[str, Any], *, resumed_from: int) -> None:
@@ -240,6 +256,13 @@ class SparseFedAvg(Strategy):
                 if not (shapes_ok and delta.dtype == torch.float32 and covered.dtype == torch.bool):
                     raise ValueError(f"ranking-delta/-support: expected float32/bool ({self.d},)")
                 ranking = (delta, covered)
+            selected = state.get("dpssgd-selected")
+            if selected is not None and not (
+                isinstance(selected, torch.Tensor)
+                and selected.dtype == torch.bool
+                and selected.shape == (self.d,)
+            ):
+                raise ValueError(f"dpssgd-selected: expected bool ({self.d},)")
         except KeyError as err:
             raise ValueError(f"strategy state: missing key {err}") from None
         except (TypeError, ValueError, AttributeError) as err:
@@ -248,6 +271,7 @@ class SparseFedAvg(Strategy):
         self._epsilons = epsilons
         self._failed_in_a_row = failed
         self._ranking = ranking
+        self._selected = selected
         self.resumed_from = resumed_from
 
     def drop_absent_nodes(self, nodes: Iterable[int]) -> None:
@@ -282,6 +306,31 @@ class SparseFedAvg(Strategy):
             cfg.norm_action,
             cfg.max_failed_rounds,
         )
+
+    def _dpssgd_support(
+        self, server_round: int, weights: torch.Tensor, rate: float
+    ) -> tuple[torch.Tensor | None, bytes, int]:
+        """DP-SSGD's support this round (None if it keeps every coordinate), its bitmap, keep.
+
+        ``freeze``: chosen once, in the run's first round, from the (pretrained) model, and
+        kept (in the checkpoint too); ``reselect``: chosen again each round from the current
+        model. ``random`` draws from the round's public mask seed.
+        """
+        if self.layout is None:
+            raise ValueError("method='dpssgd' needs the model's layout (SparseFedAvg(layout=))")
+        keep = layerwise_keep(self.layout, rate)
+        if keep == self.d:
+            return None, b"", keep
+        if self._selected is None or self.cfg.selection_mode == "reselect":
+            self._selected = layerwise_mask(
+                weights,
+                self.layout,
+                rate=rate,
+                selection=self.cfg.selection,
+                seed=round_seed(self.cfg.seed, server_round),
+            )
+        support = torch.nonzero(self._selected).flatten()
+        return support, indices_to_bytes(support.numpy(), "bitmap", self.d), keep
 
     def frozen_at(self, server_round: int) -> int:
         """The frozen coordinate prefix of ``server_round`` (method=lf; else 0)."""
@@ -325,6 +374,8 @@ class SparseFedAvg(Strategy):
                 scores = federated_ranking_scores(delta, covered, seed=seed)
                 ranked = torch.nonzero(ranked_mask(scores, keep)).flatten()
                 support_bytes = indices_to_bytes(ranked.numpy(), "bitmap", self.d)
+        if cfg.method == "dpssgd":
+            ranked, support_bytes, keep = self._dpssgd_support(server_round, weights, rate)
         stats = RoundStats(
             server_round=server_round,
             rate=rate,
@@ -334,7 +385,7 @@ class SparseFedAvg(Strategy):
             started=started,
             started_at=started_at,
             frozen=frozen,
-            ranked=ranked,
+            explicit=ranked,
         )
         self.last_round = stats
         version = server_round - 1
@@ -392,7 +443,7 @@ class SparseFedAvg(Strategy):
             self.cfg.mask_scope == "round"
             and stats.keep < self.d
             and not stats.frozen
-            and stats.ranked is None
+            and stats.explicit is None
             and not stats.failed
         )
         if self.cfg.method == "ranked" and not stats.failed:
@@ -437,7 +488,7 @@ class SparseFedAvg(Strategy):
             )
             frozen = stats.frozen
             # method=lf: [frozen, d) dense; method=ranked: the keep values of the sent support
-            explicit = stats.ranked is not None
+            explicit = stats.explicit is not None
             sub = d - frozen if not explicit else keep
             seeded = keep < d and not frozen and not explicit
             if round_support is None and cfg.mask_scope == "round" and seeded:
@@ -461,8 +512,8 @@ class SparseFedAvg(Strategy):
                 continue
             if frozen:
                 valid = replace(valid, support=torch.arange(frozen, d, dtype=torch.int64))
-            elif stats.ranked is not None:
-                valid = replace(valid, support=stats.ranked)
+            elif stats.explicit is not None:
+                valid = replace(valid, support=stats.explicit)
             # A valid reply counts (payload bytes, epsilon) even if the norm bound drops it.
             stats.uplink_payload_bytes += valid.payload_bytes
             self._epsilons[node] = valid.reply.epsilon

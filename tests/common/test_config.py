@@ -14,7 +14,7 @@ from fedsparse.common.config import CODECS, MASK_SCOPES, RESUME_MAY_DIFFER, Fede
 from fedsparse.common.data import DATASET_INPUT_SHAPES, DATASET_NAMES, load_dataset
 from fedsparse.common.dp import MECHANISMS
 from fedsparse.common.func_dp import ENGINES
-from fedsparse.common.methods import FEDERATED_METHODS
+from fedsparse.common.methods import FEDERATED_METHODS, SELECTION_MODES, SELECTIONS
 from fedsparse.common.models import DEFAULT_MODELS, MODEL_INPUT_SHAPES, MODEL_NAMES, build_model
 from fedsparse.common.partition import PARTITIONER_NAMES
 from fedsparse.common.payload import COMPRESSIONS, VALUE_DTYPES
@@ -33,6 +33,8 @@ NAMED_KEYS = {
     "accountant": ACCOUNTANTS,
     "schedule": SCHEDULES,
     "method": FEDERATED_METHODS,
+    "selection": SELECTIONS,
+    "selection-mode": SELECTION_MODES,
     "mask-scope": MASK_SCOPES,
     "codec": CODECS,
     "value-dtype": VALUE_DTYPES,

@@ -18,7 +18,10 @@ from fedsparse.common.methods import (
     MethodConfig,
     frozen_prefix,
     layer_ranges,
+    layerwise_keep,
+    layerwise_mask,
     method_schedule,
+    public_split,
     ranked_mask,
     suffix_mask,
     total_density,
@@ -215,3 +218,77 @@ def test_ranked_and_random_masks_match_figure_12() -> None:
     assert 0.5 * (hist[0] - hist[1]).abs().sum().item() < 0.02  # total variation distance
     # The ranking is post-processing: the same epsilon as random sparsification.
     assert eps_ranked == eps_random
+
+
+# --- dpssgd -------------------------------------------------------------------------------------
+
+
+def test_the_public_split_is_disjoint_complete_and_seeded() -> None:
+    public, private = public_split(1_437, 0.1, run_seed=3)
+    assert len(public) == 144 and len(private) == 1_437 - 144
+    assert set(public.tolist()).isdisjoint(private.tolist())
+    assert sorted([*public.tolist(), *private.tolist()]) == list(range(1_437))
+    again, _ = public_split(1_437, 0.1, run_seed=3)
+    other, _ = public_split(1_437, 0.1, run_seed=4)
+    assert again.tolist() == public.tolist() and other.tolist() != public.tolist()
+    for fraction in (0.0, 1.0, 0.0001):
+        with pytest.raises(ValueError, match=f"public-fraction={fraction}"):
+            public_split(1_437, fraction, run_seed=3)
+
+
+def test_layerwise_masks_keep_each_layers_share() -> None:
+    layout = _layout("digits-cnn")
+    weights = torch.randn(layout.numel, generator=torch.Generator().manual_seed(0))
+    magnitude = layerwise_mask(weights, layout, rate=0.7, selection="magnitude", seed=1)
+    random = layerwise_mask(weights, layout, rate=0.7, selection="random", seed=1)
+    for _, start, end in layer_ranges(layout):
+        keep = keep_count(end - start, rate=0.7)
+        assert int(magnitude[start:end].sum()) == int(random[start:end].sum()) == keep
+        kept, dropped = (
+            weights[start:end][magnitude[start:end]],
+            weights[start:end][~magnitude[start:end]],
+        )
+        assert kept.abs().min() >= dropped.abs().max()  # the largest |w| of the layer
+    assert int(magnitude.sum()) == layerwise_keep(layout, 0.7)
+    assert torch.equal(
+        random, layerwise_mask(weights, layout, rate=0.7, selection="random", seed=1)
+    )
+    assert not torch.equal(
+        random, layerwise_mask(weights, layout, rate=0.7, selection="random", seed=2)
+    )
+
+
+def test_dpssgd_pretrains_on_public_data_and_freezes_the_unselected() -> None:
+    train, test = load_dataset("digits", seed=0)
+    model = build_model("digits-cnn", seed=0)
+    layout = ParamLayout.from_module(model)
+    initial = layout.flatten_module(model).clone()
+    seen: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+    history = train_centralized(
+        model,
+        (train.x, train.y),
+        (test.x, test.y),
+        privacy=PrivacyConfig(noise_multiplier=1.0, target_epsilon=None),
+        sparsity=SparsityConfig(final_rate=0.8, mask_seed=2),  # schedule read as constant
+        train=TrainConfig(epochs=2, batch_size=64, lr=0.5, momentum=0.5, seed=5),
+        method=MethodConfig(name="dpssgd", public_fraction=0.2, public_epochs=2),
+        on_mask=lambda epoch, mask: seen.setdefault(
+            epoch, (layout.flatten_module(model).clone(), mask)
+        ),
+    )
+    pretrained, mask = seen[0]
+    assert mask is not None and torch.equal(seen[1][1], mask)  # frozen after the selection
+    assert not torch.equal(initial, pretrained)  # pretraining moved the model
+    expected = layerwise_mask(pretrained, layout, rate=0.8, selection="magnitude", seed=0)
+    assert torch.equal(mask, expected)
+    final = layout.flatten_module(model)
+    assert torch.equal(final[~mask], pretrained[~mask])  # never trained privately: exactly 0
+    assert not torch.equal(final[mask], pretrained[mask])
+    assert [h.rate for h in history] == [0.8, 0.8]
+    # The accountant counts the private examples only (the public ones cost nothing).
+    n_private = len(train) - round(0.2 * len(train))
+    q, steps = sample_rate(n_private, 64), 2 * steps_per_epoch(n_private, 64)
+    plain = compute_epsilon(
+        noise_multiplier=1.0, sample_rate=q, steps=steps, delta=1e-5, accountant="rdp"
+    )
+    assert history[-1].epsilon == pytest.approx(plain, rel=1e-9)

@@ -88,12 +88,8 @@ def test_train_runs_layer_freezing_and_reports_total_density(tmp_path: Path) -> 
     assert result.exit_code == 0, result.output
     epochs = [json.loads(line) for line in (tmp_path / "epochs.jsonl").read_text().splitlines()]
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["method"] == {
-        "name": "lf",
-        "freeze_layers": 1,
-        "freeze_after": 1,
-        "clean_ranking": False,
-    }
+    method = summary["method"]
+    assert (method["name"], method["freeze_layers"], method["freeze_after"]) == ("lf", 1, 1)
     assert epochs[0]["keep_fraction"] == 1.0 and epochs[1]["keep_fraction"] < 1.0
     assert summary["total_density"] == pytest.approx((1.0 + epochs[1]["keep_fraction"]) / 2)
 

@@ -17,27 +17,38 @@ import pytest
 import torch
 from flwr.app import ConfigRecord, Context, Message
 
-from fedsparse.client.app import _ranked_support
+from fedsparse.client.app import _server_support
 from fedsparse.client.app import app as client_app
+from fedsparse.client.data import _partitions
 from fedsparse.common.config import FederatedConfig
+from fedsparse.common.data import load_dataset
 from fedsparse.common.layout import ParamLayout
 from fedsparse.common.masks import keep_count
-from fedsparse.common.methods import federated_ranking_scores, frozen_prefix, ranked_mask
+from fedsparse.common.methods import (
+    federated_ranking_scores,
+    frozen_prefix,
+    layerwise_keep,
+    layerwise_mask,
+    public_split,
+    ranked_mask,
+)
 from fedsparse.common.models import build_model
 from fedsparse.common.payload import decode_update, encode_update
 from fedsparse.common.payload.indices import indices_from_bytes, indices_to_bytes
 from fedsparse.common.protocol import (
     CONFIG_RECORD,
-    RANKED_SUPPORT,
+    SERVER_SUPPORT,
     ProtocolError,
     TrainInstruction,
 )
 from fedsparse.common.seeds import Stream, stream_seed
+from fedsparse.common.training import pretrain_public
 from fedsparse.lab.flower import SIMULATION_NODE_POLICY
 from fedsparse.lab.inprocess import InProcessGrid
 from fedsparse.server.app import run_federated
 
 NODES = 3
+LAYOUT = ParamLayout.from_module(build_model("digits-cnn", seed=0))
 #: A fixed sigma: round 1 is then the same whatever num-rounds is.
 LF: dict[str, Any] = dict(
     method="lf",
@@ -155,7 +166,7 @@ class SupportGrid(InProcessGrid):
         record = messages[0].content.config_records[CONFIG_RECORD]
         server_round = int(record["round"])
         sent = {
-            bytes(m.content.config_records[CONFIG_RECORD].get(RANKED_SUPPORT, b""))
+            bytes(m.content.config_records[CONFIG_RECORD].get(SERVER_SUPPORT, b""))
             for m in messages
         }
         assert len(sent) == 1  # one support per round, the same for every client
@@ -250,7 +261,84 @@ def test_a_client_refuses_a_ranked_keep_off_the_public_schedule() -> None:
     )
     bitmap = indices_to_bytes(np.arange(10), "bitmap", 38_282)
     with pytest.raises(ProtocolError, match="keep=10: expected 19141 \\(method='ranked'"):
-        _ranked_support(cfg, task, {RANKED_SUPPORT: bitmap}, 38_282)
+        _server_support(cfg, task, {SERVER_SUPPORT: bitmap}, LAYOUT)
     rs = FederatedConfig(num_rounds=3, method="rs")
-    with pytest.raises(ProtocolError, match="ranked-support: only with method='ranked'"):
-        _ranked_support(rs, task, {RANKED_SUPPORT: bitmap}, 38_282)
+    with pytest.raises(
+        ProtocolError, match="server-support: only with method='ranked' or 'dpssgd'"
+    ):
+        _server_support(rs, task, {SERVER_SUPPORT: bitmap}, LAYOUT)
+
+
+# --- method=dpssgd ------------------------------------------------------------------------------
+
+DPSSGD: dict[str, Any] = dict(
+    method="dpssgd",
+    final_rate=0.8,
+    public_fraction=0.1,
+    public_epochs=2,
+    target_epsilon=0.0,
+    noise_multiplier=1.0,
+    seed=8,
+)
+
+
+def _pretrained(cfg: FederatedConfig) -> torch.Tensor:
+    """The server's initial model: the seed's model pretrained on the public slice."""
+    train, _ = load_dataset("digits", seed=cfg.seed)
+    public, _ = public_split(len(train), cfg.public_fraction, run_seed=cfg.seed)
+    model = build_model("digits-cnn", seed=cfg.seed)
+    index = torch.from_numpy(public)
+    pretrain_public(
+        model, train.x[index], train.y[index], epochs=2, batch_size=32, lr=0.5, seed=cfg.seed
+    )
+    return ParamLayout.from_module(model).flatten_module(model)
+
+
+def test_dpssgd_freezes_the_public_selection_and_trains_on_private_data(tmp_path: Path) -> None:
+    cfg = FederatedConfig(out_dir=str(tmp_path), num_rounds=3, **DPSSGD)
+    grid = SupportGrid(
+        client_app,
+        num_nodes=NODES,
+        run_config=cfg.to_run_config(),
+        node_config=SIMULATION_NODE_POLICY,
+    )
+    run_federated(grid, cfg)
+    pretrained = _pretrained(cfg)
+    expected = layerwise_mask(pretrained, LAYOUT, rate=0.8, selection="magnitude", seed=0)
+    d, keep = LAYOUT.numel, layerwise_keep(LAYOUT, 0.8)
+    for r in (1, 2, 3):  # selection-mode=freeze: the same support every round
+        sent = indices_from_bytes(grid.supports[r], "bitmap", keep=keep, dense_size=d)
+        assert torch.equal(sent, torch.nonzero(expected).flatten())
+    final = _weights(tmp_path)
+    assert torch.equal(final[~expected], pretrained[~expected])  # never trained: exactly 0
+    assert not torch.equal(final[expected], pretrained[expected])
+    # The clients' partitions hold private examples only.
+    train, _ = load_dataset("digits", seed=8)
+    public, _ = public_split(len(train), 0.1, run_seed=8)
+    parts = _partitions("digits", "", 8, NODES, "iid", 0.5, 0.1)
+    held = np.concatenate(parts)
+    assert len(np.intersect1d(held, public)) == 0 and len(held) == len(train) - len(public)
+
+
+def test_dpssgd_reselects_by_magnitude_each_round(tmp_path: Path) -> None:
+    weights = []
+    for rounds in (1, 2):
+        cfg = FederatedConfig(
+            out_dir=str(tmp_path / f"r{rounds}"),
+            num_rounds=rounds,
+            **{**DPSSGD, "selection_mode": "reselect"},
+        )
+        grid = SupportGrid(
+            client_app,
+            num_nodes=NODES,
+            run_config=cfg.to_run_config(),
+            node_config=SIMULATION_NODE_POLICY,
+        )
+        run_federated(grid, cfg)
+        weights.append(_weights(tmp_path / f"r{rounds}"))
+    d, keep = LAYOUT.numel, layerwise_keep(LAYOUT, 0.8)
+    second = indices_from_bytes(grid.supports[2], "bitmap", keep=keep, dense_size=d)
+    expected = layerwise_mask(weights[0], LAYOUT, rate=0.8, selection="magnitude", seed=0)
+    assert torch.equal(second, torch.nonzero(expected).flatten())  # from round 1's model
+    first = indices_from_bytes(grid.supports[1], "bitmap", keep=keep, dense_size=d)
+    assert not torch.equal(first, second)
