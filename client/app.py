@@ -31,12 +31,13 @@ from fedsparse.client.guard import authorize, node_ledger, node_policy, released
 from fedsparse.client.state import NodeState, StateFiles, apply_downlink, resumed_from
 from fedsparse.common.config import FederatedConfig, wire_encoding
 from fedsparse.common.data import Split
+from fedsparse.common.gip import INDEX_METHODS, IndexBudget, StepSelector
 from fedsparse.common.layout import ParamLayout
 from fedsparse.common.masks import keep_count, sample_mask
 from fedsparse.common.methods import layer_ranges, layerwise_keep, suffix_mask
 from fedsparse.common.models import build_model
 from fedsparse.common.node_policy import NodePolicy, TrainingRequest
-from fedsparse.common.payload import PayloadError, decode_update, encode_update
+from fedsparse.common.payload import IndexEncoding, PayloadError, decode_update, encode_update
 from fedsparse.common.payload.indices import indices_from_bytes
 from fedsparse.common.privacy import (
     accountant_epsilon,
@@ -55,11 +56,12 @@ from fedsparse.common.protocol import (
     TrainReply,
     client_mask_seed,
 )
-from fedsparse.common.seeds import client_train_seed
+from fedsparse.common.seeds import Stream, client_train_seed, stream_seed
 from fedsparse.common.training import (
     PrivacyConfig,
     TrainConfig,
     evaluate,
+    gip_privacy,
     make_private,
     resolve_device,
     train_one_epoch,
@@ -77,16 +79,22 @@ def _node_partition(context: Context) -> tuple[int, int]:
     return int(context.node_config["partition-id"]), int(context.node_config["num-partitions"])
 
 
-def _calibrated(privacy: PrivacyConfig, cfg: FederatedConfig, num_examples: int) -> PrivacyConfig:
-    """``privacy`` with sigma calibrated for the whole run's steps, if it has a target epsilon.
+def _calibrated(
+    privacy: PrivacyConfig, cfg: FederatedConfig, num_examples: int
+) -> tuple[PrivacyConfig, IndexBudget | None]:
+    """``privacy`` with sigma calibrated for the whole run's steps, if it has a target epsilon;
+    and, for method=gip, the index budget (``eps2``; sigma then calibrates ``eps1``).
 
     Calibrated for the worst case: this client trains in every round. The search depends
     only on the run config and the partition size, so every round after a node's first (and
     every node with the same ``q``) gets it from ``calibrate_noise_multiplier``'s memo.
     """
-    if privacy.target_epsilon is None:
-        return privacy
     steps = cfg.num_rounds * cfg.local_epochs * steps_per_epoch(num_examples, cfg.batch_size)
+    budget = None
+    if cfg.method == "gip":
+        privacy, budget = gip_privacy(privacy, cfg.method_config(), planned_steps=steps)
+    if privacy.target_epsilon is None:
+        return privacy, budget
     sigma = calibrate_noise_multiplier(
         target_epsilon=privacy.target_epsilon,
         delta=privacy.delta,
@@ -94,7 +102,34 @@ def _calibrated(privacy: PrivacyConfig, cfg: FederatedConfig, num_examples: int)
         steps=steps,
         accountant=privacy.accountant,
     )
-    return dataclasses.replace(privacy, noise_multiplier=sigma, target_epsilon=None)
+    return dataclasses.replace(privacy, noise_multiplier=sigma, target_epsilon=None), budget
+
+
+def _index_charge(
+    cfg: FederatedConfig,
+    task: TrainInstruction,
+    numel: int,
+    budget: IndexBudget | None,
+    steps: int,
+) -> tuple[float, float]:
+    """method=gip or random-k: (this round's keep ratio k, its index epsilon for ``steps``).
+
+    ``k`` is the public schedule's, ``1 - r(round)``; the instruction's ``keep`` must be
+    ``keep_count(d, r)`` (the server cannot buy a costlier selection). Other methods: (1, 0).
+
+    Raises:
+        ProtocolError: another ``keep`` (checked before anything private is touched).
+    """
+    if cfg.method not in INDEX_METHODS:
+        return 1.0, 0.0
+    rate = cfg.sparsity().rate_schedule(cfg.num_rounds).rate(task.server_round - 1)
+    if task.keep != keep_count(numel, rate=rate):
+        raise ProtocolError(
+            f"train instruction: keep={task.keep}: expected {keep_count(numel, rate=rate)} "
+            f"(method={cfg.method!r}, round {task.server_round})"
+        )
+    cost = 0.0 if budget is None else steps * budget.step_cost(numel, 1.0 - rate)
+    return 1.0 - rate, cost
 
 
 @app.train()
@@ -133,8 +168,9 @@ def train(msg: Message, context: Context) -> Message:
     with warnings.catch_warnings():
         for text in _QUIET:
             warnings.filterwarnings("ignore", message=text)
-        privacy = _calibrated(cfg.privacy(), cfg, len(data))
+        privacy, budget = _calibrated(cfg.privacy(), cfg, len(data))
         steps = task.local_epochs * steps_per_epoch(len(data), task.batch_size)
+        keep_fraction, index_epsilon = _index_charge(cfg, task, layout.numel, budget, steps)
         request = TrainingRequest(
             run_id=context.run_id,
             server_round=task.server_round,
@@ -143,6 +179,7 @@ def train(msg: Message, context: Context) -> Message:
             sample_rate=sample_rate(len(data), task.batch_size),
             steps=steps,
             local_epochs=task.local_epochs,
+            index_epsilon=index_epsilon,
         )
         authorize(
             policy,
@@ -150,7 +187,24 @@ def train(msg: Message, context: Context) -> Message:
             request,
             history=state.history,
             last_round=state.last_round,
+            index_spent=state.index_epsilon,
         )
+        selector = None
+        if cfg.method in INDEX_METHODS:
+            selector = StepSelector(
+                cfg.method,  # type: ignore[arg-type]
+                numel=layout.numel,
+                keep_fraction=keep_fraction,
+                budget=budget,
+                group_size=cfg.group_size,
+                # Seeded only when the node asks (simulation), like its DP noise.
+                seed=stream_seed(
+                    client_train_seed(cfg.seed, task.server_round, partition[0]),
+                    Stream.INDEX_SELECTION,
+                )
+                if policy.noise == "seeded"
+                else None,
+            )
         try:
             reply, history = _train_round(
                 cfg,
@@ -164,10 +218,13 @@ def train(msg: Message, context: Context) -> Message:
                 frozen,
                 explicit,
                 model=model,
+                selector=selector,
+                index_spent=state.index_epsilon,
             )
         except Exception as err:
             raise released_error(err) from None
-    state = NodeState(global_flat, task.model_version, history, task.server_round)
+    spent = state.index_epsilon + (selector.spent if selector is not None else 0.0)
+    state = NodeState(global_flat, task.model_version, history, task.server_round, spent)
     state.save(context)
     if files is not None:
         files.save(state)
@@ -289,6 +346,8 @@ def _train_round(
     explicit: torch.Tensor | None = None,
     *,
     model: nn.Module,
+    selector: StepSelector | None = None,
+    index_spent: float = 0.0,
 ) -> tuple[TrainReply, list[tuple[float, float, int]]]:
     """Local DP-SGD + RS from ``global_flat``; (the reply, the run's accountant history).
 
@@ -296,6 +355,9 @@ def _train_round(
     values only, as a dense vector of ``d - frozen`` values; with an ``explicit`` support
     (method=ranked) the mask is that support and the reply its values, in support order.
     ``model`` is the run's architecture (built once per call); its weights are replaced.
+    With a ``selector`` (method=gip or random-k) every DP step chooses its support and the
+    reply carries the union of those supports explicitly (``index_spent``: GIP's index
+    epsilon of earlier rounds, for the reported epsilon).
     """
     layout = ParamLayout.from_module(model)
     numel = layout.numel
@@ -304,7 +366,9 @@ def _train_round(
     mask_seed = task.mask_seed
     if task.mask_scope == "client":
         mask_seed = client_mask_seed(mask_seed, context.node_id)
-    if frozen:
+    if selector is not None:  # gip, random-k: no public mask, each step chooses
+        mask = None
+    elif frozen:
         mask = suffix_mask(numel, frozen)
     elif explicit is not None:
         mask = torch.zeros(numel, dtype=torch.bool)
@@ -329,6 +393,8 @@ def _train_round(
     )
     engine.accountant.history = list(history)
     engine.set_mask(mask)
+    if selector is not None:
+        engine.set_step_selector(selector)
     losses, examples = [], 0
     for _ in range(train_cfg.epochs):
         loss, n = train_one_epoch(module, optimizer, loader)
@@ -339,22 +405,27 @@ def _train_round(
         accountant_epsilon(
             engine.accountant.history, delta=privacy.delta, accountant=privacy.accountant
         )
+        + index_spent
+        + engine.index_epsilon
         if privacy.mechanism == "dpsgd"
         else math.inf
     )
 
     delta = layout.flatten_module(model).cpu() - global_flat  # the model trained on cfg.device
-    values = delta if mask is None else delta[mask]
-    seeded_mask = mask is not None and not frozen and explicit is None
-    payload = encode_update(
-        values,
-        dense_size=numel - frozen if explicit is None else int(explicit.numel()),
-        round=task.server_round,
-        mask_seed=mask_seed if seeded_mask else None,
-        encoding=wire_encoding(cfg.codec, sparse=seeded_mask),
-        value_dtype=cfg.value_dtype,
-        compression=cfg.compression,
-    )
+    if selector is not None:  # the union of the steps' supports travels explicitly
+        payload, values = _selected_payload(cfg, task, delta, selector.union)
+    else:
+        values = delta if mask is None else delta[mask]
+        seeded_mask = mask is not None and not frozen and explicit is None
+        payload = encode_update(
+            values,
+            dense_size=numel - frozen if explicit is None else int(explicit.numel()),
+            round=task.server_round,
+            mask_seed=mask_seed if seeded_mask else None,
+            encoding=wire_encoding(cfg.codec, sparse=seeded_mask),
+            value_dtype=cfg.value_dtype,
+            compression=cfg.compression,
+        )
     counts = policy.release_example_count
     reply = TrainReply(
         update=payload,
@@ -370,6 +441,36 @@ def _train_round(
         seeded_noise=int(seeded and not privacy.secure_mode),
     )
     return reply, list(engine.accountant.history)
+
+
+def _selected_payload(
+    cfg: FederatedConfig, task: TrainInstruction, delta: torch.Tensor, union: torch.Tensor
+) -> tuple[bytes, torch.Tensor]:
+    """method=gip / random-k: (the payload, its values): ``delta`` on the union of the
+    steps' supports, with that support explicit (``codec``; ``values``/``auto``: the
+    smallest of coo, delta and bitmap), or dense when every coordinate was chosen.
+
+    Raises:
+        RuntimeError: ``delta`` moved a coordinate off the union (a bug: no step chose it).
+    """
+    if bool(delta[~union].any()):
+        raise RuntimeError("gip: the update moved coordinates no step selected")
+    if bool(union.all()):
+        encoding: IndexEncoding = "dense"
+    else:
+        encoding = "auto" if cfg.codec in ("values", "auto") else cfg.codec  # type: ignore[assignment]
+    index = torch.nonzero(union).flatten()
+    values = delta[index]
+    payload = encode_update(
+        values,
+        dense_size=int(delta.numel()),
+        round=task.server_round,
+        indices=None if encoding == "dense" else index,
+        encoding=encoding,
+        value_dtype=cfg.value_dtype,
+        compression=cfg.compression,
+    )
+    return payload, values
 
 
 @app.evaluate()

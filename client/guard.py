@@ -62,12 +62,14 @@ def authorize(
     *,
     history: History,
     last_round: int,
+    index_spent: float = 0.0,
 ) -> float:
     """Checks and charges ``request``; returns the ε at the policy's δ after it.
 
     Args:
         history: the run's accountant history so far (``Context.state``).
         last_round: the last round this node trained in this run (0: none).
+        index_spent: GIP's index epsilon spent so far in this run (``Context.state``).
 
     Raises:
         PrivacyRefusal: the request breaks the policy, repeats a round or exceeds the budget.
@@ -85,6 +87,7 @@ def authorize(
     else:
         entry = (request.noise_multiplier, request.sample_rate, request.steps)
         spent = compute_epsilon_of_history([*history, entry], delta=policy.delta, accountant="rdp")
+        spent += index_spent + request.index_epsilon
     if spent > policy.epsilon_budget:
         raise PrivacyRefusal(
             f"epsilon={spent:.4g} at delta={policy.delta:g} after this round: over this "

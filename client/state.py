@@ -50,6 +50,7 @@ class NodeState:
     version: int = -1
     history: AccountantHistory = field(default_factory=list)
     last_round: int = 0  # the last round this node trained in the run (0: none)
+    index_epsilon: float = 0.0  # GIP: the index selections' pure ε in the run so far
 
     @staticmethod
     def in_context(context: Context) -> bool:
@@ -66,10 +67,11 @@ class NodeState:
         version, last_round = record["version"], record["last-round"]
         if not isinstance(last_round, int):
             raise TypeError(f"last-round={last_round!r}: expected int")
+        index = float(record.get("index-epsilon", 0.0))  # type: ignore[arg-type]
         flat = context.state.array_records[STATE_MODEL]["flat"].numpy()
         if flat.size != numel or not isinstance(version, int):
-            return cls(history=history, last_round=last_round)
-        return cls(torch.from_numpy(flat.copy()), version, history, last_round)
+            return cls(history=history, last_round=last_round, index_epsilon=index)
+        return cls(torch.from_numpy(flat.copy()), version, history, last_round, index)
 
     def save(self, context: Context) -> None:
         """Stores the state in ``context`` (needs a model)."""
@@ -80,6 +82,8 @@ class NodeState:
                 "version": self.version,
                 "last-round": self.last_round,
                 **history_to_record(self.history),
+                # GIP only: other methods' records stay as they were
+                **({"index-epsilon": self.index_epsilon} if self.index_epsilon else {}),
             }
         )
         context.state.array_records[STATE_MODEL] = ArrayRecord({"flat": Array(self.model.numpy())})
@@ -120,6 +124,8 @@ class StateFiles:
         """Writes ``state`` as the file of round ``state.last_round`` (atomically: rename)."""
         self.folder.mkdir(parents=True, exist_ok=True)
         data: dict[str, Any] = {"format": _STATE_FORMAT, "last-round": state.last_round}
+        if state.index_epsilon:  # GIP only: other methods' files stay as they were
+            data["index-epsilon"] = state.index_epsilon
         data.update(history_to_record(state.history))
         path = self.folder / f"round-{state.last_round}.json"
         tmp = path.with_name(path.name + ".tmp")
@@ -154,9 +160,10 @@ class StateFiles:
             if last_round != rounds[-1]:
                 raise ValueError(f"last-round={last_round!r}: expected {rounds[-1]}")
             history = history_from_record(data)
+            index = float(data.get("index-epsilon", 0.0))
         except (OSError, ValueError, TypeError, KeyError, AttributeError) as err:
             raise ValueError(f"node state {path}: unreadable ({err})") from None
-        return NodeState(history=history, last_round=last_round)
+        return NodeState(history=history, last_round=last_round, index_epsilon=index)
 
 
 def apply_downlink(

@@ -95,6 +95,8 @@ ADDED_KEYS: Final[dict[str, Any]] = {
     "public-epochs": 5,
     "selection": "magnitude",
     "selection-mode": "freeze",
+    "index-budget-fraction": 0.01,
+    "group-size": 256,
 }
 
 
@@ -161,6 +163,8 @@ class FederatedConfig:
     public_epochs: int = 5  # dpssgd: the server's non-private pretraining on it
     selection: SelectionName = "magnitude"  # dpssgd: largest |w| per layer, or random
     selection_mode: SelectionMode = "freeze"  # dpssgd: once after pretraining, or each round
+    index_budget_fraction: float = 0.01  # gip: share of target-epsilon spent on the indices
+    group_size: int = 256  # gip, random-k: GIP's group length l
     # transport
     codec: CodecName = "values"
     value_dtype: ValueDType = "fp32"
@@ -225,6 +229,12 @@ class FederatedConfig:
         if self.dirichlet_alpha <= 0:
             fail("dirichlet_alpha", "> 0")
         self._check_robustness(fail)
+        if self.method == "gip" and not (self.mechanism == "dpsgd" and self.target_epsilon > 0):
+            fail(
+                "method",
+                "a method other than 'gip' with mechanism != 'dpsgd' or target-epsilon = 0 "
+                "(GIP's index budget is index-budget-fraction of target-epsilon)",
+            )
         try:
             self.method_config()
             self.privacy()
@@ -259,6 +269,8 @@ class FederatedConfig:
             public_epochs=self.public_epochs,
             selection=self.selection,
             selection_mode=self.selection_mode,
+            index_budget_fraction=self.index_budget_fraction,
+            group_size=self.group_size,
         )
 
     def norm_bound(self) -> NormBound:

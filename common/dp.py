@@ -28,6 +28,13 @@ coordinates that a later mask drops (the paper notes this, Sec. 4), and weight d
 every coordinate. The federated client builds a fresh optimizer every round, so its updates
 stay on the round's mask.
 
+GIP (``common/gip.py``) uses the other hook, ``set_step_selector``: no public mask, the whole
+per-sample gradients are clipped (Opacus's own ``clip_and_accumulate``), and between the sum and
+the noise a selector chooses the step's support ``I`` from the noise-free sum; the step's
+gradient is ``(s + N(0, sigma^2 C^2 I_d)) * I / B`` (GIP Alg. 2, line 10), i.e. plain DP-SGD's
+step masked, with the same noise draw. Because ``I`` reads the data, ``get_epsilon`` adds the
+selector's pure epsilon to the accountant's (basic composition, GIP Thm. 2).
+
 Ablations (RS paper, Appendix E), selected with ``mechanism``:
   - ``"dpsgd"``: Algorithm 1 above (private).
   - ``"clipped"``: Algorithm 3, sparsify and clip, no noise (``noise_multiplier`` must be 0).
@@ -40,6 +47,7 @@ from __future__ import annotations
 
 import math
 import secrets
+from collections.abc import Callable
 from typing import Any, Final, Literal, get_args
 
 import torch
@@ -52,6 +60,7 @@ from opacus.optimizers.optimizer import (
 )
 from torch import nn
 
+from fedsparse.common.gip import StepSelector
 from fedsparse.common.layout import ParamLayout, unwrap_name
 from fedsparse.common.privacy import AccountantName
 
@@ -83,6 +92,19 @@ class SparseDPOptimizer(DPOptimizer):
         self.clip_per_sample = clip_per_sample
         self._kept_index: dict[nn.Parameter, torch.Tensor] = {}
         self._noise_mask: dict[nn.Parameter, torch.Tensor] = {}
+        self._selector: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def set_step_selector(self, selector: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
+        """Chooses every step's support from the clipped sum (GIP, ``common/gip.py``).
+
+        ``selector`` gets the flat, clipped, summed, noise-free gradient (parameters
+        concatenated in ``self.params`` order) and returns a flat bool mask; the step's
+        gradient is ``(sum + noise) * mask``. Exclusive with the public masks of
+        ``set_param_masks`` (GIP clips the whole gradient). None: no selection.
+        """
+        if selector is not None and self._kept_index:
+            raise ValueError("set_step_selector: a public mask is set; GIP clips the whole grad")
+        self._selector = selector
 
     def set_param_masks(self, masks: dict[nn.Parameter, torch.Tensor | None]) -> None:
         """Sets boolean masks (shaped like each parameter); ``None`` or all-True keeps all."""
@@ -102,6 +124,8 @@ class SparseDPOptimizer(DPOptimizer):
                 )
             if bool(mask.all()):
                 continue
+            if self._selector is not None:
+                raise ValueError("set_param_masks: a step selector is set (GIP clips it all)")
             mask = mask.to(p.device)
             self._kept_index[p] = torch.nonzero(mask.reshape(-1), as_tuple=True)[0]
             self._noise_mask[p] = mask.to(p.dtype)
@@ -146,6 +170,9 @@ class SparseDPOptimizer(DPOptimizer):
 
     def add_noise(self) -> None:
         """Adds ``m * N(0, (sigma C)^2)`` to ``p.summed_grad``; the result goes to ``p.grad``."""
+        if self._selector is not None:
+            self._add_noise_selected(self._selector)
+            return
         if not self._noise_mask:
             super().add_noise()
             return
@@ -161,6 +188,30 @@ class SparseDPOptimizer(DPOptimizer):
             if mask is not None:
                 noise.mul_(mask)
             p.grad = (p.summed_grad + noise).view_as(p)
+            _mark_as_processed(p.summed_grad)
+
+    def _add_noise_selected(self, selector: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """GIP, Alg. 2 lines 9-10: ``I`` from the noise-free sum, then ``(sum + Z) * I``."""
+        for p in self.params:
+            _check_processed_flag(p.summed_grad)
+        flat = torch.cat([p.summed_grad.reshape(-1) for p in self.params])
+        mask = selector(flat.detach())
+        if mask.dtype != torch.bool or mask.numel() != flat.numel():
+            raise ValueError(
+                f"step selector returned {mask.dtype} x {mask.numel()}: expected torch.bool x "
+                f"{flat.numel()}"
+            )
+        start = 0
+        for p in self.params:
+            noise = _generate_noise(
+                std=self.noise_multiplier * self.max_grad_norm,
+                reference=p.summed_grad,
+                generator=self.generator,
+                secure_mode=self.secure_mode,
+            )
+            keep = mask[start : start + p.numel()].view_as(p.summed_grad).to(p.summed_grad)
+            start += p.numel()
+            p.grad = ((p.summed_grad + noise) * keep).view_as(p)
             _mark_as_processed(p.summed_grad)
 
 
@@ -220,6 +271,7 @@ class SparseDPEngine(PrivacyEngine):
         self._params: dict[str, nn.Parameter] = {}
         self._optimizer: SparseDPOptimizer | None = None
         self._mask: torch.Tensor | None = None
+        self._selector: StepSelector | None = None
 
     def _prepare_optimizer(
         self,
@@ -337,10 +389,32 @@ class SparseDPEngine(PrivacyEngine):
         self._mask = mask
         self.optimizer.set_param_masks({self._params[n]: v for n, v in views.items()})
 
+    def set_step_selector(self, selector: StepSelector | None) -> None:
+        """Chooses each step's support from the clipped sum (GIP / random-k, ``common/gip.py``).
+
+        The selector sees the flat gradient in the layout's order (``named_parameters()``
+        order of the trainable parameters, as ``set_mask``). Exclusive with ``set_mask``;
+        GIP's index epsilon (``selector.spent``) is added by ``get_epsilon`` (Thm. 2).
+        """
+        if selector is not None and selector.numel != self.layout.numel:
+            raise ValueError(
+                f"selector covers {selector.numel} coordinates: expected {self.layout.numel}"
+            )
+        self.optimizer.set_step_selector(selector)
+        self._selector = selector
+
+    @property
+    def index_epsilon(self) -> float:
+        """The pure-DP epsilon GIP's index selection has spent (0 without one)."""
+        return 0.0 if self._selector is None else self._selector.spent
+
     def get_epsilon(self, delta: float) -> float:
-        """Epsilon spent so far at ``delta``; ``inf`` for the non-private ablations."""
+        """Epsilon spent so far at ``delta``; ``inf`` for the non-private ablations.
+
+        With a GIP selector: the accountant's epsilon of the Gaussian mechanism plus the
+        index selection's pure epsilon (basic composition, GIP Thm. 2)."""
         if self.mechanism != "dpsgd":
             return math.inf
         if len(self.accountant) == 0:
-            return 0.0
-        return float(self.accountant.get_epsilon(delta=delta))
+            return self.index_epsilon
+        return float(self.accountant.get_epsilon(delta=delta)) + self.index_epsilon

@@ -49,6 +49,8 @@ class LedgerEntry:
     noise_multiplier: float
     sample_rate: float
     steps: int
+    #: GIP's index selection this round (pure DP; absent in ledgers written before it: 0).
+    index_epsilon: float = 0.0
 
 
 class PrivacyLedger:
@@ -82,12 +84,16 @@ class PrivacyLedger:
             raise PrivacyRefusal(f"ledger {self.path}: unreadable ({err}); refusing") from None
 
     def epsilon(self, delta: float, extra: LedgerEntry | None = None) -> float:
-        """ε spent at ``delta`` (with ``extra`` added); inf once any non-DP round is in."""
+        """ε spent at ``delta`` (with ``extra`` added); inf once any non-DP round is in.
+
+        The accountant's ε of the Gaussian rounds plus the pure ε of GIP's index selections
+        (basic composition, GIP Thm. 2)."""
         entries = [*self.entries(), *([extra] if extra else [])]
         if any(e.mechanism != "dpsgd" or e.noise_multiplier == 0 for e in entries):
             return math.inf
         history = [(e.noise_multiplier, e.sample_rate, e.steps) for e in entries]
-        return compute_epsilon_of_history(history, delta=delta, accountant=self.accountant)
+        gaussian = compute_epsilon_of_history(history, delta=delta, accountant=self.accountant)
+        return gaussian + sum(e.index_epsilon for e in entries)
 
     def charge(self, request: TrainingRequest, *, budget: float, delta: float) -> float:
         """Records ``request`` if it is a new round and fits the budget; returns ε after it.
@@ -102,6 +108,7 @@ class PrivacyLedger:
             noise_multiplier=request.noise_multiplier,
             sample_rate=request.sample_rate,
             steps=request.steps,
+            index_epsilon=request.index_epsilon,
         )
         with self._locked():
             entries = self.entries()

@@ -46,6 +46,12 @@ the kept coordinates only: ``common/dp.py``).
   privacy cost: nothing private chooses the mask. In the federation the server selects and
   sends the support as for ``ranked``.
 
+- ``gip`` and ``random-k``: the exception to the first paragraph. GIP's noisy top-k
+  (``gip-gradient-index-pruning.txt``) chooses a new support at every DP step from the
+  clipped gradient sum, perturbed by a Mallows model, and pays for it from its own share of
+  the budget; random-k chooses uniformly per group of ``group-size`` and pays nothing. Both
+  live in ``common/gip.py``; the keep ratio follows the rate schedule (``k = 1 - r``).
+
 Steps are 0-based: epoch ``e`` in ``0..E-1``, or round ``r - 1``. ``lf`` freezes from step
 ``t_f`` on (``t > t_f`` in the paper's 1-based count).
 """
@@ -87,12 +93,12 @@ __all__ = [
     "total_density",
 ]
 
-MethodName = Literal["rs", "random-freeze", "lf", "ranked", "dpssgd"]
+MethodName = Literal["rs", "random-freeze", "lf", "ranked", "dpssgd", "gip", "random-k"]
 """The methods above (run-config ``method``, ``fedsparse train --method``)."""
 
 METHODS: Final[tuple[MethodName, ...]] = get_args(MethodName)
 
-FederatedMethodName = Literal["rs", "random-freeze", "lf", "ranked", "dpssgd"]
+FederatedMethodName = Literal["rs", "random-freeze", "lf", "ranked", "dpssgd", "gip", "random-k"]
 """The methods a federation runs (run-config ``method``): all of them."""
 
 FEDERATED_METHODS: Final[tuple[FederatedMethodName, ...]] = get_args(FederatedMethodName)
@@ -104,6 +110,8 @@ METHOD_PAPERS: Final[dict[MethodName, str]] = {
     "lf": "dpsgd-lf-layer-freezing.txt (Algorithm 1)",
     "ranked": "rs-random-sparsification-dpsgd.txt (Algorithm 4, App. I)",
     "dpssgd": "dpssgd-pruning-public-data.txt (Sec. 3)",
+    "gip": "gip-gradient-index-pruning.txt (Algorithms 1-2)",
+    "random-k": "gip-gradient-index-pruning.txt (Proposition 1, per group)",
 }
 
 SelectionName = Literal["magnitude", "random"]
@@ -200,6 +208,10 @@ class MethodConfig:
     public_epochs: int = 5
     selection: SelectionName = "magnitude"
     selection_mode: SelectionMode = "freeze"
+    #: ``gip`` only: the share of ``target-epsilon`` spent on the indices (``eps2``).
+    index_budget_fraction: float = 0.01
+    #: ``gip`` and ``random-k``: GIP's group length ``l``.
+    group_size: int = 256
 
     def __post_init__(self) -> None:
         if self.name not in METHODS:
@@ -221,13 +233,24 @@ class MethodConfig:
                 f"selection-mode={self.selection_mode!r}: expected one of "
                 f"{', '.join(SELECTION_MODES)}"
             )
+        if not 0.0 < self.index_budget_fraction < 1.0:
+            raise ValueError(
+                f"index-budget-fraction={self.index_budget_fraction}: expected 0 < f < 1"
+            )
+        if self.group_size < 2:
+            raise ValueError(f"group-size={self.group_size}: expected >= 2")
         if self.clean_ranking and self.name != "ranked":
             raise ValueError(f"clean_ranking=True: only with method='ranked' (got {self.name!r})")
 
     @property
     def uses_rate(self) -> bool:
-        """Whether the rate schedule chooses a random mask (``rs``, ``random-freeze``)."""
-        return self.name != "lf"
+        """Whether the rate schedule chooses a public random mask (``rs``, ``random-freeze``)."""
+        return self.name in ("rs", "random-freeze")
+
+    @property
+    def selects_per_step(self) -> bool:
+        """Whether each DP step chooses its own support (``gip``, ``random-k``)."""
+        return self.name in ("gip", "random-k")
 
     def frozen(self, layout: ParamLayout, step: int) -> int:
         """``s``: the frozen coordinate prefix at 0-based ``step`` (0: nothing frozen).

@@ -81,6 +81,9 @@ class TrainingRequest:
     sample_rate: float
     steps: int
     local_epochs: int
+    #: GIP: the pure-DP epsilon of this round's index selection (data-independent, known
+    #: before training: ``common/gip.py``), composed with the accountant's by addition.
+    index_epsilon: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -44,6 +44,7 @@ from fedsparse.common.func_dp import (
     FuncGradSampleModule,
     select_engine,
 )
+from fedsparse.common.gip import IndexBudget, StepSelector, split_budget
 from fedsparse.common.masks import derive_seed, keep_count, sample_mask
 from fedsparse.common.methods import (
     MethodConfig,
@@ -72,6 +73,7 @@ __all__ = [
     "SparsityConfig",
     "TrainConfig",
     "evaluate",
+    "gip_privacy",
     "make_private",
     "resolve_device",
     "round_mask",
@@ -231,6 +233,8 @@ class EpochStats:
     epsilon: float
     test_loss: float = math.nan
     test_accuracy: float = math.nan
+    #: GIP: the index selection's share of ``epsilon`` so far (pure DP, ``common/gip.py``).
+    index_epsilon: float = 0.0
 
 
 def round_mask(numel: int, *, rate: float, mask_seed: int, step: int) -> torch.Tensor | None:
@@ -334,6 +338,28 @@ def _clear_momentum(
         buffer = optimizer.state.get(param, {}).get("momentum_buffer")
         if buffer is not None:
             buffer.masked_fill_(~views[name].to(buffer.device), 0.0)
+
+
+def gip_privacy(
+    privacy: PrivacyConfig, method: MethodConfig, *, planned_steps: int
+) -> tuple[PrivacyConfig, IndexBudget]:
+    """GIP's budget split (Thm. 2): ``privacy`` calibrating sigma for ``eps1``, and the
+    indices' ``IndexBudget`` of ``eps2 = index-budget-fraction * target-epsilon`` over the
+    ``planned_steps`` (``common/gip.py``).
+
+    Raises:
+        ValueError: no ``target_epsilon`` (a fixed noise multiplier leaves no budget to split),
+            or a non-private mechanism.
+    """
+    if privacy.mechanism != "dpsgd" or privacy.target_epsilon is None:
+        raise ValueError(
+            f"method='gip' with mechanism={privacy.mechanism!r}, "
+            f"target-epsilon={privacy.target_epsilon}: GIP needs mechanism='dpsgd' and a "
+            "target-epsilon (its index budget is index-budget-fraction of it)"
+        )
+    eps1, eps2 = split_budget(privacy.target_epsilon, method.index_budget_fraction)
+    budget = IndexBudget(epsilon=eps2, planned_steps=planned_steps, group_size=method.group_size)
+    return dataclasses.replace(privacy, target_epsilon=eps1), budget
 
 
 def make_private(
@@ -536,10 +562,30 @@ def train_centralized(
             seed=train.seed or 0,
         )
         train_xy = (x[torch.from_numpy(private)], y[torch.from_numpy(private)])
+    index_budget = None
+    if method.name == "gip":  # the budget split up front: sigma for eps1, theta from eps2
+        privacy, index_budget = gip_privacy(
+            privacy,
+            method,
+            planned_steps=train.epochs
+            * steps_per_epoch(
+                len(train_xy[0]), train.batch_size, poisson_sampling=train.poisson_sampling
+            ),
+        )
     engine, module, optimizer, loader = make_private(
         model, *train_xy, privacy=privacy, train=train, epochs_for_target=train.epochs
     )
     method.check(engine.layout)
+    selector = None
+    if method.selects_per_step:
+        selector = StepSelector(
+            method.name,  # type: ignore[arg-type]
+            numel=engine.layout.numel,
+            budget=index_budget,
+            group_size=method.group_size,
+            seed=None if train.seed is None else stream_seed(train.seed, Stream.INDEX_SELECTION),
+        )
+        engine.set_step_selector(selector)
     schedule = sparsity.rate_schedule(train.epochs)
     numel = engine.layout.numel
     ranking = None
@@ -548,6 +594,7 @@ def train_centralized(
             engine, optimizer, clean=method.clean_ranking, seed=train.seed or 0
         )
     selected: torch.Tensor | None = None  # dpssgd's selection
+    kept_before = steps_before = 0  # gip, random-k: the selector's counts before the epoch
     history = []
     for epoch in range(train.epochs):
         if method.name == "dpssgd":
@@ -567,6 +614,10 @@ def train_centralized(
             # Epoch 0 trains everything (Alg. 4, line 6); then the top-|z| coordinates.
             mask = None if epoch == 0 or keep == numel else ranked_mask(ranking.take(), keep)
             ranking.mask = mask
+        elif selector is not None:  # no public mask: every step chooses (common/gip.py)
+            rate, mask = schedule.rate(epoch), None
+            selector.set_keep_fraction(1.0 - rate)
+            kept_before, steps_before = selector.kept, selector.steps
         elif method.uses_rate:
             rate = schedule.rate(epoch)
             mask = round_mask(numel, rate=rate, mask_seed=sparsity.mask_seed, step=epoch)
@@ -582,15 +633,20 @@ def train_centralized(
             module, optimizer, loader, max_physical_batch_size=train.max_physical_batch_size
         )
         test_loss, test_acc = evaluate(module, *test_xy)
+        keep_fraction = engine.keep_fraction
+        if selector is not None and selector.steps > steps_before:
+            steps = selector.steps - steps_before
+            keep_fraction = (selector.kept - kept_before) / (steps * numel)
         stats = EpochStats(
             epoch=epoch,
             rate=rate,
-            keep_fraction=engine.keep_fraction,
+            keep_fraction=keep_fraction,
             train_loss=train_loss,
             examples=examples,
             epsilon=engine.get_epsilon(privacy.delta),
             test_loss=test_loss,
             test_accuracy=test_acc,
+            index_epsilon=engine.index_epsilon,
         )
         history.append(stats)
         if on_epoch is not None:

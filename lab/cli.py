@@ -141,6 +141,7 @@ def run_train(
             numel=count_parameters(model),
         ),
         "method": dataclasses.asdict(method),
+        "index_epsilon": last.index_epsilon,
         "wall_seconds": time.perf_counter() - started,
         "privacy": dataclasses.asdict(privacy),
         "sparsity": dataclasses.asdict(sparsity),
@@ -196,7 +197,10 @@ def train(
     ] = 1,
     method: Annotated[
         str,
-        Opt(help="rs | random-freeze (schedule cooling) | lf (layer freezing) | ranked | dpssgd"),
+        Opt(
+            help="rs | random-freeze (schedule cooling) | lf (layer freezing) | ranked | dpssgd "
+            "| gip (noisy top-k per step) | random-k"
+        ),
     ] = "rs",
     freeze_layers: Annotated[int, Opt(help="--method lf: layers m_f frozen")] = 1,
     freeze_after: Annotated[int, Opt(help="--method lf: first frozen epoch t_f (0-based)")] = 0,
@@ -208,6 +212,13 @@ def train(
     selection_mode: Annotated[
         str, Opt(help="--method dpssgd: freeze (select once) | reselect (every epoch)")
     ] = "freeze",
+    index_budget_fraction: Annotated[
+        float, Opt(help="--method gip: share of --target-epsilon spent on the indices")
+    ] = 0.01,
+    group_size: Annotated[int, Opt(help="--method gip / random-k: group length l")] = 256,
+    final_keep: Annotated[
+        float, Opt(help="--schedule linear-keep / exp-keep: the final keep ratio k")
+    ] = 1.0,
     mechanism: Annotated[str, Opt(help="dpsgd | clipped | noisy")] = "dpsgd",
     accountant: Annotated[str, Opt(help="rdp | prv | gdp")] = "rdp",
     max_physical_batch_size: Annotated[int, Opt(help="BatchMemoryManager limit, 0 = off")] = 0,
@@ -237,10 +248,13 @@ def train(
             public_epochs=public_epochs,
             selection=_choice("selection", selection, SELECTIONS),
             selection_mode=_choice("selection-mode", selection_mode, SELECTION_MODES),
+            index_budget_fraction=index_budget_fraction,
+            group_size=group_size,
         )
         sparsity = SparsityConfig(
             schedule=method_schedule(method_config.name, _choice("schedule", schedule, SCHEDULES)),
             final_rate=final_rate,
+            final_keep=final_keep,
             cooling_steps=cooling_steps,
             mask_seed=stream_seed(seed, Stream.EPOCH_MASKS),
         )

@@ -56,6 +56,7 @@ from flwr.serverapp.strategy import Strategy
 
 from fedsparse.common.aggregate import make_aggregator
 from fedsparse.common.config import FederatedConfig
+from fedsparse.common.gip import INDEX_METHODS
 from fedsparse.common.layout import ParamLayout
 from fedsparse.common.masks import keep_count, sample_mask
 from fedsparse.common.methods import (
@@ -135,6 +136,9 @@ class RoundStats:
     #: method=ranked or dpssgd: the support the server chose (int64, increasing); replies
     #: carry its values
     explicit: torch.Tensor | None = None
+    #: method=gip or random-k: each reply carries its own support (the union of its DP
+    #: steps' supports), explicitly
+    client_support: bool = False
 
     @property
     def failed(self) -> bool:
@@ -386,6 +390,7 @@ class SparseFedAvg(Strategy):
             started_at=started_at,
             frozen=frozen,
             explicit=ranked,
+            client_support=cfg.method in INDEX_METHODS,
         )
         self.last_round = stats
         version = server_round - 1
@@ -444,6 +449,7 @@ class SparseFedAvg(Strategy):
             and stats.keep < self.d
             and not stats.frozen
             and stats.explicit is None
+            and not stats.client_support
             and not stats.failed
         )
         if self.cfg.method == "ranked" and not stats.failed:
@@ -490,7 +496,7 @@ class SparseFedAvg(Strategy):
             # method=lf: [frozen, d) dense; method=ranked: the keep values of the sent support
             explicit = stats.explicit is not None
             sub = d - frozen if not explicit else keep
-            seeded = keep < d and not frozen and not explicit
+            seeded = keep < d and not frozen and not explicit and not stats.client_support
             if round_support is None and cfg.mask_scope == "round" and seeded:
                 round_support = torch.nonzero(sample_mask(d, keep=keep, seed=scope_seed)).flatten()
             try:
@@ -506,6 +512,7 @@ class SparseFedAvg(Strategy):
                     compression=cfg.compression,
                     weighting=cfg.weighting,
                     mask_support=round_support if cfg.mask_scope == "round" else None,
+                    client_support=stats.client_support,
                 )
             except RejectedReply as err:
                 stats.rejected.append(f"node {node}: {err}")

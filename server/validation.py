@@ -5,7 +5,9 @@ A reply passes only if its records parse as a ``TrainReply`` (types and ranges, 
 (``max_payload_bytes``, checked before the payload is parsed) and decodes with the round's
 expected size, round, seed, encoding, ``keep``, value dtype and compression
 (``decode_update``), an explicit support equals the round's public mask (the server never
-aggregates values on coordinates a client chose itself), and its ``num-examples`` is in range.
+aggregates values on coordinates a client chose itself, except under method=gip or random-k,
+whose supports are the clients' by design: ``client_support``), and its ``num-examples`` is
+in range.
 Anything else raises ``RejectedReply`` with one line naming the field; the round drops that
 reply and aggregates the rest.
 
@@ -132,6 +134,7 @@ def check_reply(
     compression: Compression = "none",
     weighting: Weighting = "uniform",
     mask_support: torch.Tensor | None = None,
+    client_support: bool = False,
 ) -> ValidUpdate:
     """Validates one reply to a train instruction.
 
@@ -145,11 +148,20 @@ def check_reply(
             mask's int64 support, when the caller has it (a round's replies share one mask:
             sampled once a round, not per reply); None: sampled here when needed. A seeded
             reply's support is this one (its seed and ``keep`` were checked), shared as is.
+        client_support: method=gip or random-k: the support is the client's own (the union
+            of its steps' supports), explicit (coo, delta, bitmap, or dense), any ``keep``;
+            ``expected_seed`` and ``keep`` are not used.
 
     Raises:
         RejectedReply: the reply is malformed, inconsistent with the round, or out of range.
     """
-    encodings = accepted_encodings(codec, sparse=keep < d)
+    if client_support:
+        chosen = wire_encoding(codec, sparse=True)
+        explicit = EXPLICIT_ENCODINGS if chosen in ("seeded", "auto") else (chosen,)
+        encodings: tuple[Encoding, ...] = (*explicit, "dense")
+        keep, expected_seed = d, None  # the largest payload: every coordinate
+    else:
+        encodings = accepted_encodings(codec, sparse=keep < d)
     limit = max_payload_bytes(
         d=d,
         server_round=server_round,
@@ -170,7 +182,7 @@ def check_reply(
             expected_round=server_round,
             expected_mask_seed=expected_seed,
             expected_encoding=encodings,
-            expected_keep=keep,
+            expected_keep=None if client_support else keep,
             max_bytes=limit,
         )
     except KeyError as err:
@@ -183,6 +195,8 @@ def check_reply(
     ):
         if got != wanted:
             raise RejectedReply(f"{name}: {got!r}, expected {wanted!r} (the run's)")
+    if client_support:
+        mask_support = update.support()  # the client's own choice (norm bounds still apply)
     if update.encoding in ("seeded", *EXPLICIT_ENCODINGS) and mask_support is None:
         assert expected_seed is not None  # keep < d
         mask_support = torch.nonzero(sample_mask(d, keep=keep, seed=expected_seed)).flatten()
