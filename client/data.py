@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from fedsparse.common.config import FederatedConfig
-from fedsparse.common.data import DatasetName, Split, load_dataset
+from fedsparse.common.data import DatasetName, EvalSplit, Split, load_eval_splits
 from fedsparse.common.methods import public_split
 from fedsparse.common.partition import PartitionerName, partition_indices
 
@@ -16,8 +16,10 @@ __all__ = ["local_data", "private_examples", "public_test_data"]
 
 
 @functools.lru_cache(maxsize=4)
-def _dataset(name: DatasetName, data_dir: str, seed: int) -> tuple[Split, Split]:
-    return load_dataset(name, data_dir=data_dir or None, seed=seed)
+def _dataset(
+    name: DatasetName, data_dir: str, seed: int, eval_split: EvalSplit = "test"
+) -> tuple[Split, Split]:
+    return load_eval_splits(name, data_dir=data_dir or None, seed=seed, eval_split=eval_split)
 
 
 @functools.lru_cache(maxsize=4)
@@ -29,10 +31,11 @@ def _partitions(
     partitioner: PartitionerName,
     alpha: float,
     public_fraction: float = 0.0,
+    eval_split: EvalSplit = "test",
 ) -> tuple[np.ndarray, ...]:
     """Each client's indices into the training set; with ``public_fraction`` > 0 (DP-SSGD)
     drawn from its private examples only (``common/methods.py``: ``public_split``)."""
-    train, _ = _dataset(name, data_dir, seed)
+    train, _ = _dataset(name, data_dir, seed, eval_split)
     labels = train.y.numpy()
     pool = np.arange(len(labels))
     if public_fraction > 0:
@@ -60,7 +63,7 @@ def local_data(cfg: FederatedConfig, partition_id: int, num_partitions: int) -> 
         raise ValueError(
             f"partition-id={partition_id}: expected 0 <= id < num-partitions={num_partitions}"
         )
-    train, _ = _dataset(cfg.dataset, cfg.data_dir, cfg.seed)
+    train, _ = _dataset(cfg.dataset, cfg.data_dir, cfg.seed, cfg.eval_split)
     public = cfg.public_fraction if cfg.method == "dpssgd" else 0.0
     parts = _partitions(
         cfg.dataset,
@@ -70,11 +73,13 @@ def local_data(cfg: FederatedConfig, partition_id: int, num_partitions: int) -> 
         cfg.partitioner,
         cfg.dirichlet_alpha,
         public,
+        cfg.eval_split,
     )
     idx = torch.from_numpy(parts[partition_id])
     return Split(x=train.x[idx], y=train.y[idx])
 
 
 def public_test_data(cfg: FederatedConfig) -> Split:
-    """The dataset's public test split (the server's evaluation set), not private data."""
-    return _dataset(cfg.dataset, cfg.data_dir, cfg.seed)[1]
+    """The server's evaluation set (``eval-split``: the dataset's public test split, or the
+    run's validation slice of the training split), never a node's partition."""
+    return _dataset(cfg.dataset, cfg.data_dir, cfg.seed, cfg.eval_split)[1]

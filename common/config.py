@@ -20,7 +20,13 @@ from dataclasses import dataclass
 from typing import Any, Final, Literal, get_args
 
 from fedsparse.common.aggregate import AGGREGATORS, WEIGHTINGS, AggregatorName, Weighting
-from fedsparse.common.data import DATASET_INPUT_SHAPES, DATASET_NAMES, DatasetName
+from fedsparse.common.data import (
+    DATASET_INPUT_SHAPES,
+    DATASET_NAMES,
+    EVAL_SPLITS,
+    DatasetName,
+    EvalSplit,
+)
 from fedsparse.common.dp import MECHANISMS, MechanismName
 from fedsparse.common.func_dp import ENGINES, EngineName
 from fedsparse.common.methods import (
@@ -97,6 +103,7 @@ ADDED_KEYS: Final[dict[str, Any]] = {
     "selection-mode": "freeze",
     "index-budget-fraction": 0.01,
     "group-size": 256,
+    "eval-split": "test",
 }
 
 
@@ -175,6 +182,9 @@ class FederatedConfig:
     partitioner: PartitionerName = "iid"
     dirichlet_alpha: float = 0.5
     model: ModelName | Literal[""] = ""  # "": the dataset's default (``model_name``)
+    # what the server evaluates on: the test split, or a validation slice of the training
+    # split (tuning: ``fedsparse sweep --tune``; the test split is then never read)
+    eval_split: EvalSplit = "test"
     seed: int = 0
     out_dir: str = ""
     # the server against its clients (server/strategy.py, common/robust.py)
@@ -350,6 +360,7 @@ _NAMED_FIELDS: Final[dict[str, tuple[str, ...]]] = {
     "value_dtype": VALUE_DTYPES,
     "compression": COMPRESSIONS,
     "dataset": DATASET_NAMES,
+    "eval_split": EVAL_SPLITS,
     "partitioner": PARTITIONER_NAMES,
     "weighting": WEIGHTINGS,
     "aggregator": AGGREGATORS,

@@ -19,6 +19,10 @@ Supported datasets and the files each needs (nothing is downloaded, ever):
 * ``"svhn"``: ``train_32x32.mat`` and ``test_32x32.mat`` (cropped digits, format 2), in
   ``data_dir``.
 
+Tuning never reads the test split: ``load_eval_splits(..., eval_split="validation")`` holds out
+a stratified ``VALIDATION_FRACTION`` of the training split (seeded by the run seed) as the
+evaluation set and trains on the rest (run-config ``eval-split``, ``fedsparse sweep --tune``).
+
 Files are a trust boundary: every header, shape, dtype and label range is checked, and a bad
 file raises :class:`DatasetFormatError` naming the file. CIFAR pickles are read with an
 unpickler that only allows the numpy array reconstructors, so a malicious pickle cannot run
@@ -42,6 +46,7 @@ import numpy as np
 import torch
 
 from fedsparse.common.masks import mask_scores
+from fedsparse.common.seeds import Stream, stream_seed
 
 __all__ = [
     "DATASET_INPUT_SHAPES",
@@ -50,8 +55,13 @@ __all__ = [
     "NORMALIZATION",
     "DatasetFormatError",
     "DatasetName",
+    "EVAL_SPLITS",
+    "EvalSplit",
     "Split",
+    "VALIDATION_FRACTION",
+    "hold_out_validation",
     "load_dataset",
+    "load_eval_splits",
     "read_idx",
     "read_mnist_5k",
 ]
@@ -186,6 +196,65 @@ def load_dataset(
     if name == "cifar10":
         return _load_cifar10(root)
     return _load_svhn(root)
+
+
+EvalSplit = Literal["test", "validation"]
+"""What a run evaluates on: the test split, or a validation slice of its training split."""
+
+EVAL_SPLITS: Final[tuple[EvalSplit, ...]] = get_args(EvalSplit)
+
+VALIDATION_FRACTION: Final = 0.2
+"""Share of each class of the training split held out as the validation set."""
+
+
+def hold_out_validation(
+    train: Split, *, seed: int, fraction: float = VALIDATION_FRACTION
+) -> tuple[Split, Split]:
+    """``(rest, validation)``: ``round(fraction * n_c)`` examples of every class ``c`` of
+    ``train``, drawn with numpy's PCG64 from ``stream_seed(seed, VALIDATION_SPLIT)``, are the
+    validation set; the rest (in their original order) is what trains.
+
+    Raises:
+        ValueError: ``fraction`` outside ``(0, 1)``.
+    """
+    if not 0.0 < fraction < 1.0:
+        raise ValueError(f"fraction={fraction}: expected 0 < fraction < 1")
+    rng = np.random.default_rng(stream_seed(seed, Stream.VALIDATION_SPLIT))
+    labels = train.y.numpy()
+    held = [
+        rng.permutation(idx)[: round(fraction * len(idx))]
+        for idx in (np.flatnonzero(labels == c) for c in np.unique(labels))
+    ]
+    validation = np.sort(np.concatenate(held)) if held else np.zeros(0, dtype=np.int64)
+    rest = np.setdiff1d(np.arange(len(labels)), validation)
+
+    def pick(idx: np.ndarray) -> Split:
+        index = torch.from_numpy(idx)
+        return Split(x=train.x[index], y=train.y[index])
+
+    return pick(rest), pick(validation)
+
+
+def load_eval_splits(
+    name: DatasetName,
+    *,
+    data_dir: str | os.PathLike[str] | None = None,
+    seed: int = 0,
+    eval_split: EvalSplit = "test",
+) -> tuple[Split, Split]:
+    """``(train, evaluation)``: ``load_dataset``'s pair for ``eval_split="test"``; for
+    ``"validation"``, the training split without its validation slice, and that slice
+    (``hold_out_validation``): the test split is not read into either.
+
+    Raises:
+        ValueError: an unknown ``eval_split`` (and ``load_dataset``'s errors).
+    """
+    if eval_split not in EVAL_SPLITS:
+        raise ValueError(f"eval-split={eval_split!r}: expected one of {', '.join(EVAL_SPLITS)}")
+    train, test = load_dataset(name, data_dir=data_dir, seed=seed)
+    if eval_split == "test":
+        return train, test
+    return hold_out_validation(train, seed=seed)
 
 
 def read_idx(path: Path, *, expected_magic: int) -> np.ndarray:

@@ -45,6 +45,8 @@ class Stream(enum.IntEnum):
     PUBLIC_PRETRAIN = 6
     #: Private: GIP's Mallows sampling and random-k's draws (the supports of each DP step).
     INDEX_SELECTION = 7
+    #: Public: the validation slice held out of the training split (``eval-split``).
+    VALIDATION_SPLIT = 8
     #: Public: the mask seed the server broadcasts each round (path: round).
     ROUND_MASK = 0x5EED
     #: Public: a per-client mask seed under ``mask-scope=client`` (path: node id).

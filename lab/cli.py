@@ -23,7 +23,13 @@ import torch
 import typer
 from rich.console import Console
 
-from fedsparse.common.data import DATASET_NAMES, DatasetName, load_dataset
+from fedsparse.common.data import (
+    DATASET_NAMES,
+    EVAL_SPLITS,
+    DatasetName,
+    EvalSplit,
+    load_eval_splits,
+)
 from fedsparse.common.dp import MECHANISMS
 from fedsparse.common.func_dp import ENGINES as DP_ENGINES
 from fedsparse.common.methods import (
@@ -85,13 +91,19 @@ def run_train(
     sparsity: SparsityConfig,
     train: TrainConfig,
     method: MethodConfig | None = None,
+    eval_split: EvalSplit = "test",
 ) -> dict[str, Any]:
-    """Runs centralized training, printing a table per epoch; returns the summary dict."""
+    """Runs centralized training, printing a table per epoch; returns the summary dict.
+
+    ``eval_split="validation"`` trains without the validation slice and reports accuracy on
+    it (the ``test_*`` fields then hold validation numbers): for tuning."""
     method = method or MethodConfig()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     out.mkdir(parents=True, exist_ok=True)
     seed = 0 if train.seed is None else train.seed
-    train_split, test_split = load_dataset(dataset, data_dir=data_dir, seed=seed)
+    train_split, test_split = load_eval_splits(
+        dataset, data_dir=data_dir, seed=seed, eval_split=eval_split
+    )
     model_name = model_name or DEFAULT_MODELS[dataset]
     model = build_model(model_name, seed=stream_seed(seed, Stream.MODEL_INIT) % 2**31)
     console.print(
@@ -126,6 +138,7 @@ def run_train(
     last = history[-1]
     summary = {
         "dataset": dataset,
+        "eval_split": eval_split,
         "model": model_name,
         "parameters": count_parameters(model),
         "final_test_accuracy": last.test_accuracy,
@@ -227,6 +240,9 @@ def train(
         str, Opt(help="DP engine: auto (func on CUDA, else opacus) | opacus | func")
     ] = "auto",
     device: Annotated[str, Opt(help="auto (CUDA if available) | cpu | cuda")] = "auto",
+    eval_split: Annotated[
+        str, Opt(help="test | validation (a held-out 20% of the training split, for tuning)")
+    ] = "test",
 ) -> None:
     """Centralized DP-SGD with random sparsification (RS paper, Algorithm 1) or another method."""
     if noise_multiplier is not None:
@@ -269,6 +285,7 @@ def train(
             device=_choice("device", device, DEVICES),
         )
         dataset_name = _choice("dataset", dataset, DATASET_NAMES)
+        split = _choice("eval-split", eval_split, EVAL_SPLITS)
         model_name = None if model is None else _choice("model", model, MODEL_NAMES)
     except ValueError as err:
         raise typer.BadParameter(str(err)) from err
@@ -281,6 +298,7 @@ def train(
         sparsity=sparsity,
         train=config,
         method=method_config,
+        eval_split=split,
     )
 
 
@@ -382,8 +400,18 @@ def sweep(
     downlink_rate: Annotated[
         str | None, Opt(help="deploy: shape each node's downlink, e.g. 8mbit")
     ] = None,
+    tune: Annotated[
+        list[str] | None,
+        Opt("--tune", help="key=v1,v2,...: tune each grid point (arm) over these, on validation"),
+    ] = None,
+    tune_seeds: Annotated[int, Opt(help="--tune: seeds per tuning combination")] = 2,
 ) -> None:
     """Bandwidth vs accuracy: a grid of runs x seeds; results/summary CSVs, plots, report.md.
+
+    With --tune, every grid point (arm) is first tuned over the --tune grid on a validation
+    split (20% of the training split held out; seeds from base + 1000), then each arm runs at
+    its own best on the test split with --seeds paired seeds, and the report compares every
+    arm with the first, best vs best, with 95% intervals (lab/tuning.py).
 
     --backend ray runs every run on one local Ray cluster and one set of workers
     (lab/raygrid.py), one run at a time (--jobs 1): each run uses every worker.
@@ -400,7 +428,16 @@ def sweep(
         check_jobs,
         parse_grid,
         plan_sweep,
+        point_label,
         run_sweep,
+    )
+    from fedsparse.lab.tuning import (
+        choose_best,
+        paired_differences,
+        plan_final,
+        plan_tuning,
+        render_tuning,
+        write_tuning_csv,
     )
 
     try:
@@ -415,7 +452,16 @@ def sweep(
         )
         check_jobs(settings, jobs)
         fixed = _parse_sets(set_ or [])
-        plan = plan_sweep(parse_grid(grid or []), fixed, seeds=seeds, clients=clients)
+        if tune:
+            tuning = plan_tuning(
+                parse_grid(grid or []),
+                parse_grid(tune),
+                fixed,
+                tune_seeds=tune_seeds,
+                clients=clients,
+            )
+        else:
+            plan = plan_sweep(parse_grid(grid or []), fixed, seeds=seeds, clients=clients)
     except ValueError as err:
         raise typer.BadParameter(str(err)) from err
     args = ["fedsparse", "sweep", "--out", str(out)]
@@ -426,7 +472,27 @@ def sweep(
     args += ["--gpus-per-client", str(gpus_per_client)] if gpus_per_client else []
     args += ["--uplink-rate", uplink_rate] if uplink_rate else []
     args += ["--downlink-rate", downlink_rate] if downlink_rate else []
+    args += [a for t in tune or [] for a in ("--tune", t)]
+    args += ["--tune-seeds", str(tune_seeds)] if tune else []
     runs_dir = runs_dir or out / "runs"
+    extra: list[str] = []
+    if tune:
+        console.print(
+            f"[bold]tuning: {len(tuning.runs)} runs[/] on the validation split; run "
+            f"directories under {runs_dir / 'tune'}"
+        )
+        tuned = run_sweep(
+            tuning, runs_dir=runs_dir / "tune", settings=settings, jobs=jobs, console=console
+        )
+        write_tuning_csv(out / "tuning.csv", tuning, tuned)
+        arm_keys = list(parse_grid(grid or []))
+        try:
+            choices = choose_best(tuning, tuned, arm_keys)
+            plan = plan_final(choices, fixed, seeds=seeds, clients=clients)
+        except ValueError as err:
+            raise typer.BadParameter(str(err)) from err
+        for choice in choices:
+            console.print(f"{choice.label or 'default'}: best {point_label(choice.best)}")
     console.print(
         f"[bold]{len(plan.runs)} runs[/] ({len(plan.runs) // seeds} configs x {seeds} seeds, "
         f"{clients} clients, {backend}); run directories under {runs_dir}"
@@ -441,7 +507,10 @@ def sweep(
             f"wrote {paths['results.csv']} and {paths['report.md']}"
         )
         raise
-    paths = write_outputs(out, plan, settings, rows, command=shlex.join(args))
+    if tune:
+        differences = paired_differences(plan, rows, choices)
+        extra = render_tuning(choices, differences, tune=parse_grid(tune), tune_seeds=tune_seeds)
+    paths = write_outputs(out, plan, settings, rows, command=shlex.join(args), extra=extra)
     failed = sum(r["status"] != "ok" for r in rows)
     reused = sum(bool(r["reused"]) for r in rows)
     console.print(

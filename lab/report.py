@@ -251,8 +251,10 @@ def render_report(
     summary: Sequence[Mapping[str, Any]],
     rows: Sequence[Mapping[str, Any]],
     command: str,
+    extra: Sequence[str] = (),
 ) -> str:
-    """The markdown report: command, fixed settings, mean ± SE table, failures, plots."""
+    """The markdown report: command, fixed settings, mean ± SE table, ``extra`` lines (the
+    tuning section of a tuned sweep), bits per parameter, failures, plots."""
     lines = ["# fedsparse sweep", "", "Produced by:", "", "```", command, "```", ""]
     lines += ["## Fixed settings", "", "| setting | value |", "|---|---|"]
     lines += [f"| backend | {link_label(settings)} |", f"| clients | {settings.clients} |"]
@@ -265,7 +267,7 @@ def render_report(
     for row in summary:
         cells = [_pm(row[f"{m}_mean"], row[f"{m}_se"], d, s) for _, m, d, s in TABLE]
         lines.append(f"| {row['config']} | {row['n']} | " + " | ".join(cells) + " |")
-    lines += ["", *bits_per_param_section(summary)]
+    lines += ["", *extra, *([""] if extra else []), *bits_per_param_section(summary)]
     failed = [r for r in rows if r["status"] != "ok"]
     if failed:
         lines += ["", "## Failed runs", ""]
@@ -314,6 +316,7 @@ def write_outputs(
     rows: Sequence[Mapping[str, Any]],
     *,
     command: str,
+    extra: Sequence[str] = (),
 ) -> dict[str, Path]:
     """Writes the CSVs, the PNG plots and ``report.md`` into ``out``; returns their paths."""
     out.mkdir(parents=True, exist_ok=True)
@@ -334,5 +337,6 @@ def write_outputs(
     plot_uplink_per_round(groups, paths["uplink_per_round.png"])
     plot_accuracy_vs_time(groups, settings, paths["accuracy_vs_time.png"])
     paths["report.md"] = out / "report.md"
-    paths["report.md"].write_text(render_report(plan, settings, summary, rows, command) + "\n")
+    report = render_report(plan, settings, summary, rows, command, extra)
+    paths["report.md"].write_text(report + "\n")
     return paths

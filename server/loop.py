@@ -30,7 +30,7 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 
 from fedsparse.common.config import FederatedConfig
-from fedsparse.common.data import Split, load_dataset
+from fedsparse.common.data import Split, load_eval_splits
 from fedsparse.common.layout import ParamLayout
 from fedsparse.common.methods import frozen_prefix, public_split
 from fedsparse.common.models import build_model
@@ -120,7 +120,9 @@ def run_federated(grid: Grid, cfg: FederatedConfig, *, expected_nodes: int = 0) 
     model = build_model(cfg.model_name, seed=cfg.seed)
     layout = ParamLayout.from_module(model)
     d = layout.numel
-    train, test = load_dataset(cfg.dataset, data_dir=cfg.data_dir or None, seed=cfg.seed)
+    train, test = load_eval_splits(
+        cfg.dataset, data_dir=cfg.data_dir or None, seed=cfg.seed, eval_split=cfg.eval_split
+    )
     # method=lf: the first freeze-layers layers' coordinates (a bad count fails here, first).
     frozen = frozen_prefix(layout, cfg.freeze_layers) if cfg.method == "lf" else 0
     strategy = SparseFedAvg(cfg, num_parameters=d, frozen_prefix=frozen, layout=layout)

@@ -11,7 +11,7 @@ from opacus.accountants import create_accountant
 
 from fedsparse.common.aggregate import AGGREGATORS, WEIGHTINGS
 from fedsparse.common.config import CODECS, MASK_SCOPES, RESUME_MAY_DIFFER, FederatedConfig
-from fedsparse.common.data import DATASET_INPUT_SHAPES, DATASET_NAMES, load_dataset
+from fedsparse.common.data import DATASET_INPUT_SHAPES, DATASET_NAMES, EVAL_SPLITS, load_dataset
 from fedsparse.common.dp import MECHANISMS
 from fedsparse.common.func_dp import ENGINES
 from fedsparse.common.methods import FEDERATED_METHODS, SELECTION_MODES, SELECTIONS
@@ -40,6 +40,7 @@ NAMED_KEYS = {
     "value-dtype": VALUE_DTYPES,
     "compression": COMPRESSIONS,
     "dataset": DATASET_NAMES,
+    "eval-split": EVAL_SPLITS,
     "partitioner": PARTITIONER_NAMES,
     "weighting": WEIGHTINGS,
     "aggregator": AGGREGATORS,
