@@ -405,6 +405,13 @@ def sweep(
         Opt("--tune", help="key=v1,v2,...: tune each grid point (arm) over these, on validation"),
     ] = None,
     tune_seeds: Annotated[int, Opt(help="--tune: seeds per tuning combination")] = 2,
+    scale_clip: Annotated[
+        bool,
+        Opt(
+            help="scaling rule (RS App. H): max-grad-norm = C (1 - momentum) per run, C the "
+            "--set max-grad-norm tuned at momentum 0, along a --grid momentum=..."
+        ),
+    ] = False,
 ) -> None:
     """Bandwidth vs accuracy: a grid of runs x seeds; results/summary CSVs, plots, report.md.
 
@@ -459,9 +466,12 @@ def sweep(
                 fixed,
                 tune_seeds=tune_seeds,
                 clients=clients,
+                scale_clip=scale_clip,
             )
         else:
-            plan = plan_sweep(parse_grid(grid or []), fixed, seeds=seeds, clients=clients)
+            plan = plan_sweep(
+                parse_grid(grid or []), fixed, seeds=seeds, clients=clients, scale_clip=scale_clip
+            )
     except ValueError as err:
         raise typer.BadParameter(str(err)) from err
     args = ["fedsparse", "sweep", "--out", str(out)]
@@ -474,6 +484,7 @@ def sweep(
     args += ["--downlink-rate", downlink_rate] if downlink_rate else []
     args += [a for t in tune or [] for a in ("--tune", t)]
     args += ["--tune-seeds", str(tune_seeds)] if tune else []
+    args += ["--scale-clip"] if scale_clip else []
     runs_dir = runs_dir or out / "runs"
     extra: list[str] = []
     if tune:
@@ -488,7 +499,7 @@ def sweep(
         arm_keys = list(parse_grid(grid or []))
         try:
             choices = choose_best(tuning, tuned, arm_keys)
-            plan = plan_final(choices, fixed, seeds=seeds, clients=clients)
+            plan = plan_final(choices, fixed, seeds=seeds, clients=clients, scale_clip=scale_clip)
         except ValueError as err:
             raise typer.BadParameter(str(err)) from err
         for choice in choices:

@@ -49,6 +49,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from fedsparse.common.config import FederatedConfig, with_added_keys
 from fedsparse.common.records import RunSummary, summary_metrics
+from fedsparse.common.scaling import rescale_max_grad_norm
 from fedsparse.lab.processes import request_stop
 
 if TYPE_CHECKING:
@@ -199,6 +200,7 @@ def plan_sweep(
     *,
     seeds: int,
     clients: int | None = None,
+    scale_clip: bool = False,
 ) -> SweepPlan:
     """Expands and validates a sweep; nothing runs.
 
@@ -207,6 +209,10 @@ def plan_sweep(
         fixed: overrides common to every run (``--set``); ``seed`` here is the base seed.
         seeds: runs per grid point, with seeds ``base + 0 .. base + seeds - 1``.
         clients: if given, every run's ``min-clients`` must not exceed it.
+        scale_clip: the scaling rule (``common/scaling.py``; RS App. H): every run's
+            ``max-grad-norm`` is ``C (1 - momentum)``, where ``C`` is the fixed
+            ``max-grad-norm`` (tuned at momentum 0), so that ``C / (1 - mu)`` stays that of
+            the tuned setting along a grid over ``momentum``.
 
     Raises:
         ValueError: naming the key and value (and the grid point) that is wrong.
@@ -214,6 +220,9 @@ def plan_sweep(
     if seeds < 1:
         raise ValueError(f"seeds={seeds}: expected >= 1")
     _check_keys(grid, fixed)
+    if scale_clip and "max-grad-norm" in grid:
+        raise ValueError("--scale-clip: max-grad-norm is set by the rule; do not grid it")
+    base_clip = FederatedConfig.from_run_config(fixed).max_grad_norm if scale_clip else 0.0
     base = FederatedConfig.from_run_config({"seed": fixed.get("seed", "0")}).seed
     runs: list[SweepRun] = []
     seen: dict[str, str] = {}  # run config (JSON) -> where it was first planned
@@ -222,6 +231,15 @@ def plan_sweep(
         for seed in range(base, base + seeds):
             overrides = {**fixed, **dict(point), "seed": str(seed)}
             where = f"grid point {point_label(point)}, seed {seed}"
+            if scale_clip:
+                try:
+                    momentum = float(overrides.get("momentum", "0"))
+                    clip = rescale_max_grad_norm(
+                        max_grad_norm=base_clip, momentum=0.0, new_momentum=momentum
+                    )
+                except ValueError as err:
+                    raise ValueError(f"{where}: --scale-clip: {err}") from None
+                overrides["max-grad-norm"] = repr(clip)
             try:
                 cfg = FederatedConfig.from_run_config(overrides)
             except ValueError as err:

@@ -113,6 +113,7 @@ def plan_tuning(
     *,
     tune_seeds: int,
     clients: int | None = None,
+    scale_clip: bool = False,
 ) -> SweepPlan:
     """Phase 1: every arm x tune combination x tuning seed, on the validation split.
 
@@ -123,7 +124,9 @@ def plan_tuning(
     _check_tune_keys(grid, tune, fixed)
     base = int(fixed.get("seed", "0"))
     tuning_fixed = {**fixed, "eval-split": "validation", "seed": str(base + TUNE_SEED_OFFSET)}
-    return plan_sweep({**grid, **tune}, tuning_fixed, seeds=tune_seeds, clients=clients)
+    return plan_sweep(
+        {**grid, **tune}, tuning_fixed, seeds=tune_seeds, clients=clients, scale_clip=scale_clip
+    )
 
 
 def choose_best(
@@ -169,6 +172,7 @@ def plan_final(
     *,
     seeds: int,
     clients: int | None = None,
+    scale_clip: bool = False,
 ) -> SweepPlan:
     """Phase 2: each arm at its best combination, the same ``seeds`` for all, on the test split."""
     if not choices:
@@ -178,7 +182,7 @@ def plan_final(
     grid: dict[str, list[str]] = {}
     for choice in choices:
         point = {k: [v] for k, v in (*choice.arm, *choice.best)}
-        plan = plan_sweep(point, final_fixed, seeds=seeds, clients=clients)
+        plan = plan_sweep(point, final_fixed, seeds=seeds, clients=clients, scale_clip=scale_clip)
         runs.extend(plan.runs)
         for key, (value,) in point.items():
             grid.setdefault(key, [])

@@ -367,3 +367,24 @@ def test_shaped_links_only_on_deployments_and_part_of_a_runs_identity() -> None:
     slow = sweep_mod._identity(run, RunSettings(backend="deploy", clients=2, uplink_bps=1e6))
     fast = sweep_mod._identity(run, RunSettings(backend="deploy", clients=2, uplink_bps=8e6))
     assert slow != fast and slow["uplink_bps"] == 1e6  # a finished run at 8 Mbit/s is not reused
+
+
+def test_scale_clip_keeps_clip_over_one_minus_momentum() -> None:
+    """The scaling rule (RS App. H): C / (1 - mu) of every run equals the fixed C at mu = 0."""
+    plan = plan_sweep(
+        parse_grid(["momentum=0,0.5,0.9"]),
+        {"max-grad-norm": "2.0"},
+        seeds=1,
+        scale_clip=True,
+    )
+    clips = {r.overrides["momentum"]: float(r.overrides["max-grad-norm"]) for r in plan.runs}
+    assert clips == pytest.approx({"0": 2.0, "0.5": 1.0, "0.9": 0.2})
+    for run in plan.runs:
+        mu = float(run.overrides["momentum"])
+        assert float(run.overrides["max-grad-norm"]) / (1 - mu) == pytest.approx(2.0)
+    plain = plan_sweep(parse_grid(["momentum=0,0.9"]), {"max-grad-norm": "2.0"}, seeds=1)
+    assert {r.overrides["max-grad-norm"] for r in plain.runs} == {"2.0"}
+    with pytest.raises(ValueError, match="max-grad-norm is set by the rule"):
+        plan_sweep(parse_grid(["max-grad-norm=1,2"]), {}, seeds=1, scale_clip=True)
+    with pytest.raises(ValueError, match="momentum=1.0"):
+        plan_sweep(parse_grid(["momentum=1.0"]), {}, seeds=1, scale_clip=True)
