@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Final, Literal, get_args
 
 from fedsparse.common.aggregate import AGGREGATORS, WEIGHTINGS, AggregatorName, Weighting
+from fedsparse.common.central_dp import CENTRAL_NOISE_SOURCES, DP_LEVELS, CentralNoise, DPLevel
 from fedsparse.common.data import (
     DATASET_INPUT_SHAPES,
     DATASET_NAMES,
@@ -104,6 +105,10 @@ ADDED_KEYS: Final[dict[str, Any]] = {
     "index-budget-fraction": 0.01,
     "group-size": 256,
     "eval-split": "test",
+    "dp-level": "sample",
+    "central-noise-multiplier": 1.0,
+    "central-clip": 1.0,
+    "central-noise": "fresh",
 }
 
 
@@ -154,6 +159,12 @@ class FederatedConfig:
     delta: float = 1e-5
     accountant: AccountantName = "rdp"
     secure_mode: bool = False
+    # user-level DP (common/central_dp.py): "user" = DP-FedAvg, the server clips each update
+    # to central-clip and adds central noise; the clients add none (mechanism noisy, sigma 0)
+    dp_level: DPLevel = "sample"
+    central_noise_multiplier: float = 1.0
+    central_clip: float = 1.0
+    central_noise: CentralNoise = "fresh"  # "seeded": reproducible, the noise is not secret
     # sparsification
     final_rate: float = 0.7
     schedule: ScheduleName = "gradual"
@@ -239,6 +250,7 @@ class FederatedConfig:
         if self.dirichlet_alpha <= 0:
             fail("dirichlet_alpha", "> 0")
         self._check_robustness(fail)
+        self._check_dp_level(fail)
         if self.method == "gip" and not (self.mechanism == "dpsgd" and self.target_epsilon > 0):
             fail(
                 "method",
@@ -268,6 +280,22 @@ class FederatedConfig:
             self.norm_bound()
         except ValueError as err:
             raise ValueError(str(err).replace("_", "-")) from err
+
+    def _check_dp_level(self, fail: Callable[[str, str], None]) -> None:
+        if not (math.isfinite(self.central_clip) and self.central_clip > 0):
+            fail("central_clip", "a finite value > 0")
+        if not (
+            math.isfinite(self.central_noise_multiplier) and self.central_noise_multiplier >= 0
+        ):
+            fail("central_noise_multiplier", "a finite value >= 0")
+        if self.dp_level != "user":
+            return
+        if self.method in ("gip", "random-k"):
+            fail("dp_level", "'sample' with method gip or random-k (the clients choose supports)")
+        if self.mask_scope != "round":
+            fail("dp_level", "'sample' with mask-scope=client (the noise needs one public mask)")
+        if self.aggregator != "mean" or self.weighting != "uniform":
+            fail("dp_level", "'sample' unless aggregator=mean and weighting=uniform")
 
     def method_config(self) -> MethodConfig:
         """The method and its parameters (``common/methods.py``)."""
@@ -312,7 +340,19 @@ class FederatedConfig:
         return {k.replace("_", "-"): v for k, v in dataclasses.asdict(self).items()}
 
     def privacy(self) -> PrivacyConfig:
-        """Local DP settings; target-epsilon > 0 wins over noise-multiplier."""
+        """Local DP settings; target-epsilon > 0 wins over noise-multiplier.
+
+        ``dp-level=user``: the clients add no noise and do not clip per sample (Opacus's
+        ``noisy`` ablation at sigma 0, i.e. plain SGD on the round's support); their own
+        accountant reports inf and the run's privacy is the server's user-level epsilon."""
+        if self.dp_level == "user":
+            return PrivacyConfig(
+                mechanism="noisy",
+                noise_multiplier=0.0,
+                delta=self.delta,
+                max_grad_norm=self.max_grad_norm,
+                accountant=self.accountant,
+            )
         use_target = self.mechanism == "dpsgd" and self.target_epsilon > 0
         return PrivacyConfig(
             mechanism=self.mechanism,
@@ -361,6 +401,8 @@ _NAMED_FIELDS: Final[dict[str, tuple[str, ...]]] = {
     "compression": COMPRESSIONS,
     "dataset": DATASET_NAMES,
     "eval_split": EVAL_SPLITS,
+    "dp_level": DP_LEVELS,
+    "central_noise": CENTRAL_NOISE_SOURCES,
     "partitioner": PARTITIONER_NAMES,
     "weighting": WEIGHTINGS,
     "aggregator": AGGREGATORS,

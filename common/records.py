@@ -127,6 +127,8 @@ class RoundLog:
     clipped: list[str] = field(default_factory=list)  # one reason per update scaled down
     #: uplink payload bits per parameter per answering client (derived: ``32 * up / dense``)
     uplink_bits_per_param: float = field(default=math.nan, metadata=_PER_ROUND)
+    #: dp-level=user: the run's user-level epsilon after this round (0: sample-level run)
+    user_epsilon: float = 0.0
 
     def __post_init__(self) -> None:
         bits = uplink_bits_per_param(self.uplink_payload_bytes, self.dense_uplink_bytes)
@@ -202,6 +204,8 @@ class RunSummary:
     #: over every answering client-round (``RoundLog.keep_fraction`` weighted by the round's
     #: answering clients); nan in summaries older than the field
     total_density: float = field(default=math.nan, metadata=_METRIC)
+    #: dp-level=user: the user-level epsilon at ``delta`` after the last round (0: sample-level)
+    user_epsilon: float = 0.0
 
     def __post_init__(self) -> None:
         bits = uplink_bits_per_param(self.total_uplink_payload_bytes, self.total_dense_uplink_bytes)
@@ -237,6 +241,7 @@ class RunSummary:
             failed_rounds=sum(entry.failed for entry in logs),
             noise=run_noise([entry.noise for entry in logs]),
             total_density=_total_density(logs),
+            user_epsilon=last.user_epsilon,
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -47,6 +47,9 @@ class Stream(enum.IntEnum):
     INDEX_SELECTION = 7
     #: Public: the validation slice held out of the training split (``eval-split``).
     VALIDATION_SPLIT = 8
+    #: The server's DP-FedAvg noise under ``central-noise=seeded`` only (reproducible
+    #: simulations; the default draws it from OS entropy).
+    CENTRAL_NOISE = 9
     #: Public: the mask seed the server broadcasts each round (path: round).
     ROUND_MASK = 0x5EED
     #: Public: a per-client mask seed under ``mask-scope=client`` (path: node id).

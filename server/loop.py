@@ -256,4 +256,5 @@ def _round_log(stats: RoundStats, *, d: int, test_accuracy: float, test_loss: fl
         failure=stats.failure,
         noise=stats.noise,
         clipped=stats.clipped,
+        user_epsilon=stats.user_epsilon,
     )

@@ -55,6 +55,12 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from fedsparse.common.aggregate import make_aggregator
+from fedsparse.common.central_dp import (
+    central_aggregate,
+    central_noise_generator,
+    poisson_sample,
+    user_sample_rate,
+)
 from fedsparse.common.config import FederatedConfig
 from fedsparse.common.gip import INDEX_METHODS
 from fedsparse.common.layout import ParamLayout
@@ -66,6 +72,7 @@ from fedsparse.common.methods import (
     ranked_mask,
 )
 from fedsparse.common.payload.indices import indices_to_bytes
+from fedsparse.common.privacy import compute_epsilon_of_history
 from fedsparse.common.protocol import TrainInstruction, client_mask_seed, round_seed
 from fedsparse.common.records import NoiseOrigin, epsilon_stats, round_noise
 from fedsparse.common.robust import clip_to_norm, l2_norm
@@ -139,6 +146,8 @@ class RoundStats:
     #: method=gip or random-k: each reply carries its own support (the union of its DP
     #: steps' supports), explicitly
     client_support: bool = False
+    #: dp-level=user: the run's user-level epsilon after this round (0: sample-level run)
+    user_epsilon: float = 0.0
 
     @property
     def failed(self) -> bool:
@@ -224,6 +233,15 @@ class SparseFedAvg(Strategy):
         # method=ranked: the last accepted aggregate w_r - w_{r-1} and the coordinates it
         # covered (common/methods.py: federated_ranking_scores); None before the first.
         self._ranking: tuple[torch.Tensor, torch.Tensor] | None = None
+        # dp-level=user (common/central_dp.py): the users' sampling rate of the round being
+        # run, the accountant history of the rounds so far, and the server's noise stream.
+        self.user_level = cfg.dp_level == "user"
+        self._user_rate = 1.0
+        self._user_expected = 0.0
+        self._user_history: list[tuple[float, float, int]] = []
+        self._central_gen = central_noise_generator(
+            cfg.central_noise, seed=stream_seed(cfg.seed, Stream.CENTRAL_NOISE)
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs of this strategy to continue exactly (plain values).
@@ -240,6 +258,8 @@ class SparseFedAvg(Strategy):
             state["ranking-delta"], state["ranking-support"] = self._ranking
         if self._selected is not None:  # method=dpssgd: the selection (freeze keeps it)
             state["dpssgd-selected"] = self._selected
+        if self.user_level:  # dp-level=user: the rounds accounted (the noise stays secret)
+            state["user-history"] = [list(entry) for entry in self._user_history]
         return state
 
     def load_state_dict(self, state: Mapping[str, Any], *, resumed_from: int) -> None:
@@ -260,6 +280,9 @@ class SparseFedAvg(Strategy):
                 if not (shapes_ok and delta.dtype == torch.float32 and covered.dtype == torch.bool):
                     raise ValueError(f"ranking-delta/-support: expected float32/bool ({self.d},)")
                 ranking = (delta, covered)
+            user_history = [
+                (float(s), float(q), int(n)) for s, q, n in state.get("user-history", [])
+            ]
             selected = state.get("dpssgd-selected")
             if selected is not None and not (
                 isinstance(selected, torch.Tensor)
@@ -276,6 +299,7 @@ class SparseFedAvg(Strategy):
         self._failed_in_a_row = failed
         self._ranking = ranking
         self._selected = selected
+        self._user_history = user_history
         self.resumed_from = resumed_from
 
     def drop_absent_nodes(self, nodes: Iterable[int]) -> None:
@@ -344,6 +368,10 @@ class SparseFedAvg(Strategy):
 
     def _sample(self, grid: Grid) -> list[int]:
         nodes = sorted(grid.get_node_ids())
+        if self.user_level:  # Poisson sampling of users: the accountant's subsampling
+            self._user_rate = user_sample_rate(self.cfg.clients_per_round, len(nodes))
+            self._user_expected = self._user_rate * len(nodes)
+            return poisson_sample(nodes, self._user_rate, self._rng)
         count = min(self.cfg.clients_per_round or len(nodes), len(nodes))
         # Sample positions, not ids: numpy would turn 64-bit node ids into floats.
         return sorted(
@@ -434,12 +462,17 @@ class SparseFedAvg(Strategy):
         stats, weights = self.last_round, self._weights
         if stats is None or weights is None or stats.server_round != server_round:
             raise RuntimeError(f"aggregate_train({server_round}) without configure_train")
-        accepted = self._bound_norms(stats, self._validate(stats, replies))
+        accepted = self._validate(stats, replies)
+        if not self.user_level:  # dp-level=user: the central clip bounds every update
+            accepted = self._bound_norms(stats, accepted)
         # Replies arrive in any order and node ids differ between runs: a canonical order
         # (by content) makes the float sums, and so the model, independent of both.
         accepted.sort(key=_canonical)
         self._round_numbers(stats, accepted)
-        new_weights, touched = self._aggregate(stats, weights, accepted)
+        if self.user_level:
+            new_weights, touched = self._aggregate_central(stats, weights, accepted)
+        else:
+            new_weights, touched = self._aggregate(stats, weights, accepted)
         for reason in stats.rejected:
             log(WARNING, "round %d: dropped %s", server_round, reason)
         for reason in stats.clipped:
@@ -583,6 +616,53 @@ class SparseFedAvg(Strategy):
             stats.failure = f"aggregate: {bad} non-finite model values (update refused)"
             return weights, unchanged
         return new_weights, touched
+
+    def _round_support(self, stats: RoundStats) -> torch.Tensor | None:
+        """The round's public support (int64 indices; None: every coordinate)."""
+        if stats.explicit is not None:
+            return stats.explicit
+        if stats.frozen:
+            return torch.arange(stats.frozen, self.d, dtype=torch.int64)
+        if stats.keep < self.d:
+            return torch.nonzero(sample_mask(self.d, keep=stats.keep, seed=stats.mask_seed))[:, 0]
+        return None
+
+    def _aggregate_central(
+        self, stats: RoundStats, weights: torch.Tensor, accepted: list[_Candidate]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """dp-level=user: DP-FedAvg's clipped sum plus noise over q N (``central_dp.py``).
+
+        Every round is accounted, whether or not anyone answered (conservative)."""
+        cfg = self.cfg
+        entry = (cfg.central_noise_multiplier, self._user_rate, 1)
+        if self._user_history and self._user_history[-1][:2] == entry[:2]:
+            sigma, rate, rounds = self._user_history[-1]
+            self._user_history[-1] = (sigma, rate, rounds + 1)
+        else:
+            self._user_history.append(entry)
+        stats.user_epsilon = (
+            math.inf
+            if cfg.central_noise_multiplier == 0
+            else compute_epsilon_of_history(
+                self._user_history, delta=cfg.delta, accountant=cfg.accountant
+            )
+        )
+        stats.accepted = len(accepted)
+        if not accepted:
+            stats.failure = (
+                f"no update accepted ({len(stats.selected)} selected: "
+                f"{len(stats.rejected)} rejected, {stats.missing} missing)"
+            )
+            return weights, torch.zeros(self.d, dtype=torch.bool)
+        return central_aggregate(
+            weights,
+            [(c.values, c.valid.support) for c in accepted],
+            support=self._round_support(stats),
+            clip=cfg.central_clip,
+            noise_multiplier=cfg.central_noise_multiplier,
+            expected_users=self._user_expected,
+            generator=self._central_gen,
+        )
 
     def _count_failures(self, stats: RoundStats) -> None:
         """Counts failed rounds in a row; raises ``FederationFailed`` at ``max-failed-rounds``."""

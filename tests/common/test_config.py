@@ -10,6 +10,7 @@ import torch
 from opacus.accountants import create_accountant
 
 from fedsparse.common.aggregate import AGGREGATORS, WEIGHTINGS
+from fedsparse.common.central_dp import CENTRAL_NOISE_SOURCES, DP_LEVELS
 from fedsparse.common.config import CODECS, MASK_SCOPES, RESUME_MAY_DIFFER, FederatedConfig
 from fedsparse.common.data import DATASET_INPUT_SHAPES, DATASET_NAMES, EVAL_SPLITS, load_dataset
 from fedsparse.common.dp import MECHANISMS
@@ -41,6 +42,8 @@ NAMED_KEYS = {
     "compression": COMPRESSIONS,
     "dataset": DATASET_NAMES,
     "eval-split": EVAL_SPLITS,
+    "dp-level": DP_LEVELS,
+    "central-noise": CENTRAL_NOISE_SOURCES,
     "partitioner": PARTITIONER_NAMES,
     "weighting": WEIGHTINGS,
     "aggregator": AGGREGATORS,
