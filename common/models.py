@@ -1,8 +1,10 @@
 """Image classifiers for DP-SGD: tanh / tempered-sigmoid CNNs, no batch statistics.
 
 Every model here is compatible with Opacus per-sample gradients: only ``Conv2d``, ``Linear``,
-pooling and parameter-free activations, never ``BatchNorm`` (its statistics mix examples,
-which breaks per-example clipping; use ``GroupNorm`` if a normalization layer is ever needed).
+pooling, parameter-free activations and normalizations (``GroupNorm(affine=False)``, which
+normalizes each example alone), never ``BatchNorm`` (its statistics mix examples, which breaks
+per-example clipping). The H-CNNs put a fixed scattering transform (``scattering.Scattering2D``,
+no parameters) in front of a small CNN: the "/S" models of the RS paper.
 
 Models and their parameter counts (``num_classes=10``):
 
@@ -12,13 +14,20 @@ name                      input       params     source
 ``"dpcnn"``               3x32x32     550,570    Papernot et al. 2021, CIFAR-10 CNN
 ``"dpcnn-mnist"``         1x28x28      26,010    Papernot et al. 2021, MNIST CNN
 ``"digits-cnn"``          1x8x8        38,282    small CNN for sklearn digits
+``"cifar10-hcnn"``        3x32x32     187,210    Tramer & Boneh 2021, ScatterNet+CNN
+``"mnist-hcnn"``          1x28x28      33,066    Tramer & Boneh 2021, ScatterNet+CNN
 ========================  ==========  =========  ====================================
+
+(Trainable parameters; the H-CNNs' scattering filters are fixed buffers, counted nowhere.)
 
 References:
     N. Papernot, A. Thakurta, S. Song, S. Chien, U. Erlingsson. "Tempered Sigmoid Activations
     for Deep Learning with Differential Privacy". AAAI 2021. arXiv:2007.14191.
     J. Zhu, M. Blaschko. "Improving Differentially Private SGD via Randomly Sparsified
-    Gradients". TMLR 2023. arXiv:2112.00845 (uses the same CIFAR-10 CNN).
+    Gradients". TMLR 2023. arXiv:2112.00845 (uses the same CIFAR-10 CNN, and the H-CNN).
+    F. Tramer, D. Boneh. "Differentially Private Learning Needs Better Features (or Much
+    More Data)". ICLR 2021. arXiv:2011.11660 (ScatterNet+CNN; code: ftramer/Handcrafted-DP,
+    ``models.py`` ``CIFAR10_CNN``/``MNIST_CNN`` with ``in_channels=81*C``).
 """
 
 from __future__ import annotations
@@ -31,6 +40,8 @@ from typing import TYPE_CHECKING, Final, Literal, get_args
 import torch
 from torch import nn
 
+from fedsparse.common.scattering import Scattering2D
+
 if TYPE_CHECKING:
     from fedsparse.common.data import DatasetName
 
@@ -42,6 +53,8 @@ __all__ = [
     "DPCNN",
     "DPCNNMnist",
     "DigitsCNN",
+    "HCNN",
+    "HCNNMnist",
     "ModelName",
     "TemperedSigmoid",
     "build_model",
@@ -224,9 +237,91 @@ class DigitsCNN(nn.Module):
         return self.classifier(self.features(x))
 
 
+class _ScatterCNN(nn.Module):
+    """Scattering (J=2, L=8) -> ``GroupNorm(27, 81*C, affine=False)`` -> ``features`` ->
+    ``classifier``; the subclasses set the image shape and the two stacks."""
+
+    def __init__(
+        self, *, image_shape: tuple[int, int, int], features: nn.Module, classifier: nn.Module
+    ) -> None:
+        super().__init__()
+        channels, height, width = image_shape
+        self.scattering = Scattering2D(shape=(height, width), J=2, L=8)
+        self.norm = nn.GroupNorm(27, channels * self.scattering.out_channels, affine=False)
+        self.features = features
+        self.classifier = classifier
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Map ``N x C x H x W`` images to ``N x num_classes`` logits."""
+        scattered = self.scattering(x).flatten(1, 2)  # N x C x 81 x H/4 x W/4 -> N x 81C x ..
+        return self.classifier(self.features(self.norm(scattered)))
+
+
+class HCNN(_ScatterCNN):
+    """The CIFAR-10 H-CNN: ScatterNet + CNN of Tramer & Boneh 2021 (the RS paper's "/S" model).
+
+    ``Scattering2D(J=2, L=8)`` of each colour channel (3x32x32 -> 3x81x8x8 = 243x8x8, fixed
+    filters, no parameters), ``GroupNorm(27, 243, affine=False)``, ``Conv2d(243, 64, 3,
+    padding=1)``, activation, ``MaxPool2d(2)`` (8 -> 4 pixels), ``Conv2d(64, 64, 3, padding=1)``,
+    activation, flatten (64x4x4 = 1024), ``Linear(1024, num_classes)``: Tramer & Boneh's
+    ``CIFAR10_CNN`` config ``[64, 'M', 64]`` for scattered inputs. 140,032 + 36,928 + 10,250 =
+    187,210 trainable parameters for 10 classes; this is the only arrangement of those layers
+    that gives 187,210 (unpadded convolutions leave 64x1x1 features, a pool after each
+    convolution 64x2x2). Input ``N x 3 x 32 x 32``, normalized as the dataset pipeline does
+    (per-colour scale cancels in the GroupNorm: each group of 9 channels is one colour's).
+    """
+
+    def __init__(self, *, num_classes: int = 10, activation: ActivationConfig | None = None):
+        _check_num_classes(num_classes)
+        act = _activation_factory(activation)
+        super().__init__(
+            image_shape=(3, 32, 32),
+            features=nn.Sequential(
+                nn.Conv2d(243, 64, kernel_size=3, padding=1),
+                act(),
+                nn.MaxPool2d(kernel_size=2, stride=2),
+                nn.Conv2d(64, 64, kernel_size=3, padding=1),
+                act(),
+            ),
+            classifier=nn.Sequential(nn.Flatten(), nn.Linear(64 * 4 * 4, num_classes)),
+        )
+
+
+class HCNNMnist(_ScatterCNN):
+    """The MNIST / Fashion-MNIST H-CNN: ScatterNet + CNN of Tramer & Boneh 2021.
+
+    ``Scattering2D(J=2, L=8)`` (1x28x28 -> 81x7x7, fixed filters, no parameters),
+    ``GroupNorm(27, 81, affine=False)``, ``Conv2d(81, 16, 3, stride=2, padding=1)`` (7 -> 4
+    pixels), activation, ``Conv2d(16, 32, 3, padding=1)``, activation, flatten (32x4x4 = 512),
+    ``Linear(512, 32)``, activation, ``Linear(32, num_classes)``: Tramer & Boneh's
+    ``MNIST_CNN`` config ``[(16, 3, 2, 1), (32, 3, 1, 1)]`` for scattered inputs. 11,680 +
+    4,640 + 16,416 + 330 = 33,066 trainable parameters for 10 classes. Input
+    ``N x 1 x 28 x 28``.
+    """
+
+    def __init__(self, *, num_classes: int = 10, activation: ActivationConfig | None = None):
+        _check_num_classes(num_classes)
+        act = _activation_factory(activation)
+        super().__init__(
+            image_shape=(1, 28, 28),
+            features=nn.Sequential(
+                nn.Conv2d(81, 16, kernel_size=3, stride=2, padding=1),
+                act(),
+                nn.Conv2d(16, 32, kernel_size=3, padding=1),
+                act(),
+            ),
+            classifier=nn.Sequential(
+                nn.Flatten(),
+                nn.Linear(32 * 4 * 4, 32),
+                act(),
+                nn.Linear(32, num_classes),
+            ),
+        )
+
+
 _ModelFactory = Callable[..., nn.Module]
 
-ModelName = Literal["dpcnn", "dpcnn-mnist", "digits-cnn"]
+ModelName = Literal["dpcnn", "dpcnn-mnist", "digits-cnn", "cifar10-hcnn", "mnist-hcnn"]
 """Names accepted by :func:`build_model`."""
 
 MODEL_NAMES: Final[tuple[ModelName, ...]] = get_args(ModelName)
@@ -235,12 +330,16 @@ _REGISTRY: Final[dict[ModelName, _ModelFactory]] = {
     "dpcnn": DPCNN,
     "dpcnn-mnist": DPCNNMnist,
     "digits-cnn": DigitsCNN,
+    "cifar10-hcnn": HCNN,
+    "mnist-hcnn": HCNNMnist,
 }
 
 MODEL_INPUT_SHAPES: Final[dict[ModelName, tuple[int, int, int]]] = {
     "dpcnn": (3, 32, 32),
     "dpcnn-mnist": (1, 28, 28),
     "digits-cnn": (1, 8, 8),
+    "cifar10-hcnn": (3, 32, 32),
+    "mnist-hcnn": (1, 28, 28),
 }
 """The ``C x H x W`` input each model takes (its linear head fixes the spatial size)."""
 
@@ -265,7 +364,8 @@ def build_model(
     """Build a freshly initialised model by registry name.
 
     Args:
-        name: One of :data:`MODEL_NAMES` (``"dpcnn"``, ``"dpcnn-mnist"``, ``"digits-cnn"``).
+        name: One of :data:`MODEL_NAMES` (``"dpcnn"``, ``"dpcnn-mnist"``, ``"digits-cnn"``,
+            ``"cifar10-hcnn"``, ``"mnist-hcnn"``).
         num_classes: Number of output logits, >= 2.
         activation: Nonlinearity; ``None`` means ``tanh``.
         seed: Seed for the initial weights. The same seed gives bit-identical weights (so a

@@ -11,7 +11,13 @@ from fedsparse.common.layout import ParamLayout, unwrap_name
 from fedsparse.common.models import MODEL_NAMES, build_model, count_parameters
 
 # Parameter counts documented in fedsparse.common.models (num_classes=10).
-DOCUMENTED_NUMEL = {"dpcnn": 550_570, "dpcnn-mnist": 26_010, "digits-cnn": 38_282}
+DOCUMENTED_NUMEL = {
+    "dpcnn": 550_570,
+    "dpcnn-mnist": 26_010,
+    "digits-cnn": 38_282,
+    "cifar10-hcnn": 187_210,
+    "mnist-hcnn": 33_066,
+}
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

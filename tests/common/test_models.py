@@ -20,8 +20,20 @@ from fedsparse.common.models import (
     count_parameters,
 )
 
-INPUT_SHAPES = {"dpcnn": (3, 32, 32), "dpcnn-mnist": (1, 28, 28), "digits-cnn": (1, 8, 8)}
-PARAM_COUNTS = {"dpcnn": 550_570, "dpcnn-mnist": 26_010, "digits-cnn": 38_282}
+INPUT_SHAPES = {
+    "dpcnn": (3, 32, 32),
+    "dpcnn-mnist": (1, 28, 28),
+    "digits-cnn": (1, 8, 8),
+    "cifar10-hcnn": (3, 32, 32),
+    "mnist-hcnn": (1, 28, 28),
+}
+PARAM_COUNTS = {
+    "dpcnn": 550_570,
+    "dpcnn-mnist": 26_010,
+    "digits-cnn": 38_282,
+    "cifar10-hcnn": 187_210,
+    "mnist-hcnn": 33_066,
+}
 TEMPERED = ActivationConfig(name="tempered_sigmoid")
 
 
