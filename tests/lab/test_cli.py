@@ -139,3 +139,18 @@ def test_main_ignores_the_chatter_only_while_it_runs(monkeypatch: pytest.MonkeyP
     assert exit_.value.code == 0
     assert all(message in seen[0] for message in QUIET_WARNINGS)
     assert warnings.filters == before
+
+
+@pytest.mark.parametrize(("dataset", "batch", "lr"), [("digits", 64, 0.25), ("mnist-5k", 256, 0.5)])
+def test_train_takes_the_datasets_tuned_defaults(
+    tmp_path: Path, dataset: str, batch: int, lr: float
+) -> None:
+    """Unset --batch-size/--lr (and --epochs) come from TRAIN_DEFAULTS[dataset]; given ones win."""
+    from fedsparse.lab.cli import TRAIN_DEFAULTS
+
+    assert TRAIN_DEFAULTS[dataset][1:] == (batch, lr)
+    args = ["train", "--out", str(tmp_path), "--dataset", dataset, "--epochs", "1"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    train = json.loads((tmp_path / "summary.json").read_text())["train"]
+    assert (train["epochs"], train["batch_size"], train["lr"]) == (1, batch, lr)
