@@ -202,7 +202,7 @@ def train(msg: Message, context: Context) -> Message:
                     client_train_seed(cfg.seed, task.server_round, partition[0]),
                     Stream.INDEX_SELECTION,
                 )
-                if policy.noise == "seeded"
+                if policy.noise == "seeded" and not privacy.secure_mode
                 else None,
             )
         try:

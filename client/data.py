@@ -17,9 +17,15 @@ __all__ = ["local_data", "private_examples", "public_test_data"]
 
 @functools.lru_cache(maxsize=4)
 def _dataset(
-    name: DatasetName, data_dir: str, seed: int, eval_split: EvalSplit = "test"
+    name: DatasetName,
+    data_dir: str,
+    seed: int,
+    eval_split: EvalSplit = "test",
+    split_seed: int | None = None,
 ) -> tuple[Split, Split]:
-    return load_eval_splits(name, data_dir=data_dir or None, seed=seed, eval_split=eval_split)
+    return load_eval_splits(
+        name, data_dir=data_dir or None, seed=seed, eval_split=eval_split, split_seed=split_seed
+    )
 
 
 @functools.lru_cache(maxsize=4)
@@ -32,10 +38,11 @@ def _partitions(
     alpha: float,
     public_fraction: float = 0.0,
     eval_split: EvalSplit = "test",
+    split_seed: int | None = None,
 ) -> tuple[np.ndarray, ...]:
     """Each client's indices into the training set; with ``public_fraction`` > 0 (DP-SSGD)
     drawn from its private examples only (``common/methods.py``: ``public_split``)."""
-    train, _ = _dataset(name, data_dir, seed, eval_split)
+    train, _ = _dataset(name, data_dir, seed, eval_split, split_seed)
     labels = train.y.numpy()
     pool = np.arange(len(labels))
     if public_fraction > 0:
@@ -63,7 +70,7 @@ def local_data(cfg: FederatedConfig, partition_id: int, num_partitions: int) -> 
         raise ValueError(
             f"partition-id={partition_id}: expected 0 <= id < num-partitions={num_partitions}"
         )
-    train, _ = _dataset(cfg.dataset, cfg.data_dir, cfg.seed, cfg.eval_split)
+    train, _ = _dataset(cfg.dataset, cfg.data_dir, cfg.seed, cfg.eval_split, cfg.data_seed)
     public = cfg.public_fraction if cfg.method == "dpssgd" else 0.0
     parts = _partitions(
         cfg.dataset,
@@ -74,6 +81,7 @@ def local_data(cfg: FederatedConfig, partition_id: int, num_partitions: int) -> 
         cfg.dirichlet_alpha,
         public,
         cfg.eval_split,
+        cfg.data_seed,
     )
     idx = torch.from_numpy(parts[partition_id])
     return Split(x=train.x[idx], y=train.y[idx])
@@ -82,4 +90,4 @@ def local_data(cfg: FederatedConfig, partition_id: int, num_partitions: int) -> 
 def public_test_data(cfg: FederatedConfig) -> Split:
     """The server's evaluation set (``eval-split``: the dataset's public test split, or the
     run's validation slice of the training split), never a node's partition."""
-    return _dataset(cfg.dataset, cfg.data_dir, cfg.seed, cfg.eval_split)[1]
+    return _dataset(cfg.dataset, cfg.data_dir, cfg.seed, cfg.eval_split, cfg.data_seed)[1]

@@ -6,7 +6,8 @@ Gaussian mechanism over *users*:
 
 1. **Poisson sampling of users**: every connected node joins the round independently with
    probability ``q = clients-per-round / N`` (:func:`poisson_sample`), so the RDP accountant's
-   subsampled-Gaussian analysis applies exactly (fixed-size sampling would not).
+   subsampled-Gaussian analysis applies exactly (fixed-size sampling would not). The draw is
+   as secret as the noise (OS entropy unless ``central-noise=seeded``).
 2. **Clip each update** to L2 norm ``S`` (``central-clip``).
 3. **Fixed denominator**: the new model is ``w + (sum_i clip(u_i) + z) / (q N)``, where ``z``
    is ``N(0, sigma_c^2 S^2)`` on the round's *public* support only (the RS mask, the unfrozen
@@ -14,8 +15,9 @@ Gaussian mechanism over *users*:
    user's data moves the sum by at most ``S`` whether or not it was sampled (add/remove
    adjacency), so the round is the subsampled Gaussian mechanism with multiplier ``sigma_c``.
 4. **Accounting over rounds**: ``(sigma_c, q, rounds)`` through the run's accountant gives the
-   user-level epsilon at ``delta`` (:func:`user_level_epsilon`); every round counts, even one in
-   which nobody answered.
+   user-level epsilon at ``delta`` (:func:`user_level_epsilon`); every round counts and every
+   round releases the mechanism's output, also one in which nobody was sampled or answered
+   (the model then moves by the noise alone).
 
 Coordinates off the support get neither signal nor noise, as in RS: the support is public, so
 restricting the mechanism to it changes no privacy argument. Methods whose supports the
@@ -68,18 +70,23 @@ CENTRAL_NOISE_SOURCES: Final[tuple[CentralNoise, ...]] = get_args(CentralNoise)
 
 
 def user_sample_rate(clients_per_round: int, num_nodes: int) -> float:
-    """``q = clients-per-round / N`` (1 when ``clients-per-round`` is 0: every node).
+    """``q = min(1, clients-per-round / N)`` over the ``N`` connected nodes.
+
+    The denominator stays ``clients-per-round`` (the expected number of users when ``N`` is
+    at least that): with fewer nodes every one joins (``q = 1``) and one user still moves the
+    round by at most ``S / clients-per-round``. ``N`` is treated as public, as in DP-FedAvg.
 
     Raises:
-        ValueError: no nodes, or more clients per round than nodes.
+        ValueError: no nodes, or ``clients-per-round`` < 1.
     """
     if num_nodes < 1:
         raise ValueError(f"num_nodes={num_nodes}: expected >= 1")
-    if clients_per_round > num_nodes:
+    if clients_per_round < 1:
         raise ValueError(
-            f"clients-per-round={clients_per_round}: expected <= the {num_nodes} connected nodes"
+            f"clients-per-round={clients_per_round}: expected >= 1 (DP-FedAvg's expected "
+            "number of users per round)"
         )
-    return 1.0 if clients_per_round == 0 else clients_per_round / num_nodes
+    return min(1.0, clients_per_round / num_nodes)
 
 
 def poisson_sample(nodes: list[int], rate: float, rng: np.random.Generator) -> list[int]:

@@ -105,6 +105,7 @@ ADDED_KEYS: Final[dict[str, Any]] = {
     "index-budget-fraction": 0.01,
     "group-size": 256,
     "eval-split": "test",
+    "split-seed": -1,
     "dp-level": "sample",
     "central-noise-multiplier": 1.0,
     "central-clip": 1.0,
@@ -196,6 +197,9 @@ class FederatedConfig:
     # what the server evaluates on: the test split, or a validation slice of the training
     # split (tuning: ``fedsparse sweep --tune``; the test split is then never read)
     eval_split: EvalSplit = "test"
+    # digits' train/test split seed (-1: the run's seed); a tuned sweep fixes it so that no
+    # tuning seed trains or validates on a final seed's test examples
+    split_seed: int = -1
     seed: int = 0
     out_dir: str = ""
     # the server against its clients (server/strategy.py, common/robust.py)
@@ -247,6 +251,8 @@ class FederatedConfig:
             )
         if not 0 <= self.seed < 2**63:
             fail("seed", "0 <= seed < 2**63")
+        if not -1 <= self.split_seed < 2**63:
+            fail("split_seed", "-1 (the run's seed) or 0 <= split-seed < 2**63")
         if self.dirichlet_alpha <= 0:
             fail("dirichlet_alpha", "> 0")
         self._check_robustness(fail)
@@ -290,6 +296,8 @@ class FederatedConfig:
             fail("central_noise_multiplier", "a finite value >= 0")
         if self.dp_level != "user":
             return
+        if self.clients_per_round < 1:
+            fail("clients_per_round", ">= 1 with dp-level=user (the expected users per round)")
         if self.method in ("gip", "random-k"):
             fail("dp_level", "'sample' with method gip or random-k (the clients choose supports)")
         if self.mask_scope != "round":
@@ -310,6 +318,11 @@ class FederatedConfig:
             index_budget_fraction=self.index_budget_fraction,
             group_size=self.group_size,
         )
+
+    @property
+    def data_seed(self) -> int:
+        """The seed of the dataset's train/test split: ``split-seed``, or the run's seed."""
+        return self.seed if self.split_seed < 0 else self.split_seed
 
     def norm_bound(self) -> NormBound:
         """The per-round bound on update norms (``max-norm-ratio``, ``max-update-norm``)."""

@@ -241,17 +241,20 @@ def load_eval_splits(
     data_dir: str | os.PathLike[str] | None = None,
     seed: int = 0,
     eval_split: EvalSplit = "test",
+    split_seed: int | None = None,
 ) -> tuple[Split, Split]:
     """``(train, evaluation)``: ``load_dataset``'s pair for ``eval_split="test"``; for
     ``"validation"``, the training split without its validation slice, and that slice
-    (``hold_out_validation``): the test split is not read into either.
+    (``hold_out_validation``, seeded by ``seed``): the test split is not read into either.
+    ``split_seed`` (default ``seed``) seeds ``load_dataset``'s train/test split (digits').
 
     Raises:
         ValueError: an unknown ``eval_split`` (and ``load_dataset``'s errors).
     """
     if eval_split not in EVAL_SPLITS:
         raise ValueError(f"eval-split={eval_split!r}: expected one of {', '.join(EVAL_SPLITS)}")
-    train, test = load_dataset(name, data_dir=data_dir, seed=seed)
+    split = seed if split_seed is None else split_seed
+    train, test = load_dataset(name, data_dir=data_dir, seed=split)
     if eval_split == "test":
         return train, test
     return hold_out_validation(train, seed=seed)

@@ -583,7 +583,10 @@ def train_centralized(
             numel=engine.layout.numel,
             budget=index_budget,
             group_size=method.group_size,
-            seed=None if train.seed is None else stream_seed(train.seed, Stream.INDEX_SELECTION),
+            # Private like the noise: OS entropy without a seed or in secure mode.
+            seed=None
+            if train.seed is None or privacy.secure_mode
+            else stream_seed(train.seed, Stream.INDEX_SELECTION),
         )
         engine.set_step_selector(selector)
     schedule = sparsity.rate_schedule(train.epochs)

@@ -100,10 +100,11 @@ def _check_tune_keys(
         if key in grid or key in fixed:
             where = "--grid" if key in grid else "--set"
             raise ValueError(f"--tune {key}: also given in {where}; a key is an arm or tuned")
-        if key in RESERVED or key == "eval-split":
+        if key in RESERVED or key in ("eval-split", "split-seed"):
             raise ValueError(f"--tune {key}: not tunable (the sweep sets it)")
-    if "eval-split" in fixed:
-        raise ValueError("--set eval-split: the tuned sweep sets it (validation, then test)")
+    for key in ("eval-split", "split-seed"):
+        if key in fixed:
+            raise ValueError(f"--set {key}: the tuned sweep sets it")
 
 
 def plan_tuning(
@@ -123,7 +124,14 @@ def plan_tuning(
     """
     _check_tune_keys(grid, tune, fixed)
     base = int(fixed.get("seed", "0"))
-    tuning_fixed = {**fixed, "eval-split": "validation", "seed": str(base + TUNE_SEED_OFFSET)}
+    # One train/test split (digits') for every run of both phases: no tuning seed may train
+    # or validate on a final seed's test examples.
+    tuning_fixed = {
+        **fixed,
+        "eval-split": "validation",
+        "split-seed": str(base),
+        "seed": str(base + TUNE_SEED_OFFSET),
+    }
     return plan_sweep(
         {**grid, **tune}, tuning_fixed, seeds=tune_seeds, clients=clients, scale_clip=scale_clip
     )
@@ -134,26 +142,31 @@ def choose_best(
 ) -> list[ArmChoice]:
     """Each arm's combination of highest mean validation accuracy (plan order).
 
+    Only combinations that finished on every tuning seed compete: one scored on the seeds it
+    survived would beat steadier ones by its failures (a diverging learning rate).
+
     Raises:
-        ValueError: an arm none of whose tuning runs finished.
+        ValueError: an arm none of whose combinations finished on every seed.
     """
     by_arm: dict[tuple[tuple[str, str], ...], dict[tuple[tuple[str, str], ...], list[float]]] = {}
     for run, row in zip(plan.runs, rows, strict=True):
         arm = tuple((k, v) for k, v in run.point if k in arm_keys)
         combo = tuple((k, v) for k, v in run.point if k not in arm_keys)
         scores = by_arm.setdefault(arm, {}).setdefault(combo, [])
-        if row["status"] == "ok" and row.get(METRIC) is not None:
-            scores.append(float(row[METRIC]))
+        ok = row["status"] == "ok" and row.get(METRIC) is not None
+        scores.append(float(row[METRIC]) if ok else math.nan)
     choices = []
     for arm, combos in by_arm.items():
         candidates = []
         for combo, scores in combos.items():
-            mean = sum(scores) / len(scores) if scores else math.nan
-            se = _se(scores)
-            candidates.append((combo, mean, float(se), len(scores)))
-        finished = [c for c in candidates if c[3] > 0]
+            done = [s for s in scores if not math.isnan(s)]
+            mean = sum(done) / len(done) if done and len(done) == len(scores) else math.nan
+            candidates.append((combo, mean, float(_se(done)), len(done)))
+        finished = [c for c in candidates if not math.isnan(c[1])]
         if not finished:
-            raise ValueError(f"arm {point_label(arm)}: no tuning run finished")
+            raise ValueError(
+                f"arm {point_label(arm)}: no tuning combination finished on every seed"
+            )
         best = max(finished, key=lambda c: c[1])  # first maximum: grid order breaks ties
         choices.append(
             ArmChoice(
@@ -177,7 +190,8 @@ def plan_final(
     """Phase 2: each arm at its best combination, the same ``seeds`` for all, on the test split."""
     if not choices:
         raise ValueError("plan_final: no arm to run")
-    final_fixed = {**fixed, "eval-split": "test"}
+    base = int(fixed.get("seed", "0"))
+    final_fixed = {**fixed, "eval-split": "test", "split-seed": str(base)}
     runs: list[SweepRun] = []
     grid: dict[str, list[str]] = {}
     for choice in choices:
@@ -259,7 +273,12 @@ def render_tuning(
         "|---|---|---:|---|",
     ]
     for c in choices:
-        cands = "; ".join(f"{label}: {mean:.4f} ({n})" for label, mean, _, n in c.candidates)
+        cands = "; ".join(
+            f"{label}: {mean:.4f} ({n})"
+            if not math.isnan(mean)
+            else f"{label}: excluded ({n} of {tune_seeds} finished)"
+            for label, mean, _, n in c.candidates
+        )
         lines.append(f"| {c.label} | {point_label(c.best)} | {c.score:.4f} | {cands} |")
     if differences:
         pct = f"{confidence:.0%}"

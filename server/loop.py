@@ -121,7 +121,11 @@ def run_federated(grid: Grid, cfg: FederatedConfig, *, expected_nodes: int = 0) 
     layout = ParamLayout.from_module(model)
     d = layout.numel
     train, test = load_eval_splits(
-        cfg.dataset, data_dir=cfg.data_dir or None, seed=cfg.seed, eval_split=cfg.eval_split
+        cfg.dataset,
+        data_dir=cfg.data_dir or None,
+        seed=cfg.seed,
+        eval_split=cfg.eval_split,
+        split_seed=cfg.data_seed,
     )
     # method=lf: the first freeze-layers layers' coordinates (a bad count fails here, first).
     frozen = frozen_prefix(layout, cfg.freeze_layers) if cfg.method == "lf" else 0

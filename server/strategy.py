@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import secrets
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
@@ -237,10 +238,17 @@ class SparseFedAvg(Strategy):
         # run, the accountant history of the rounds so far, and the server's noise stream.
         self.user_level = cfg.dp_level == "user"
         self._user_rate = 1.0
-        self._user_expected = 0.0
+        self._user_expected = float(cfg.clients_per_round)  # DP-FedAvg's fixed denominator
         self._user_history: list[tuple[float, float, int]] = []
         self._central_gen = central_noise_generator(
             cfg.central_noise, seed=stream_seed(cfg.seed, Stream.CENTRAL_NOISE)
+        )
+        # Which users join a round must be as secret as the noise (the accountant's
+        # amplification by subsampling assumes it): OS entropy unless the noise is seeded.
+        self._user_rng = (
+            np.random.default_rng(secrets.randbits(63))
+            if cfg.central_noise == "fresh"
+            else np.random.default_rng(stream_seed(cfg.seed, Stream.CENTRAL_NOISE, 1))
         )
 
     def state_dict(self) -> dict[str, Any]:
@@ -260,6 +268,9 @@ class SparseFedAvg(Strategy):
             state["dpssgd-selected"] = self._selected
         if self.user_level:  # dp-level=user: the rounds accounted (the noise stays secret)
             state["user-history"] = [list(entry) for entry in self._user_history]
+            if self.cfg.central_noise == "seeded":  # a resumed run continues the streams
+                state["central-noise-state"] = self._central_gen.get_state()
+                state["user-sampling-rng"] = self._user_rng.bit_generator.state
         return state
 
     def load_state_dict(self, state: Mapping[str, Any], *, resumed_from: int) -> None:
@@ -283,6 +294,8 @@ class SparseFedAvg(Strategy):
             user_history = [
                 (float(s), float(q), int(n)) for s, q, n in state.get("user-history", [])
             ]
+            central_state = state.get("central-noise-state")
+            user_sampling = state.get("user-sampling-rng")
             selected = state.get("dpssgd-selected")
             if selected is not None and not (
                 isinstance(selected, torch.Tensor)
@@ -300,6 +313,10 @@ class SparseFedAvg(Strategy):
         self._ranking = ranking
         self._selected = selected
         self._user_history = user_history
+        if central_state is not None:
+            self._central_gen.set_state(central_state)
+        if user_sampling is not None:
+            self._user_rng.bit_generator.state = user_sampling
         self.resumed_from = resumed_from
 
     def drop_absent_nodes(self, nodes: Iterable[int]) -> None:
@@ -370,8 +387,7 @@ class SparseFedAvg(Strategy):
         nodes = sorted(grid.get_node_ids())
         if self.user_level:  # Poisson sampling of users: the accountant's subsampling
             self._user_rate = user_sample_rate(self.cfg.clients_per_round, len(nodes))
-            self._user_expected = self._user_rate * len(nodes)
-            return poisson_sample(nodes, self._user_rate, self._rng)
+            return poisson_sample(nodes, self._user_rate, self._user_rng)
         count = min(self.cfg.clients_per_round or len(nodes), len(nodes))
         # Sample positions, not ids: numpy would turn 64-bit node ids into floats.
         return sorted(
@@ -648,12 +664,14 @@ class SparseFedAvg(Strategy):
             )
         )
         stats.accepted = len(accepted)
-        if not accepted:
+        if stats.selected and not accepted:  # counted, but the round still releases noise
             stats.failure = (
                 f"no update accepted ({len(stats.selected)} selected: "
-                f"{len(stats.rejected)} rejected, {stats.missing} missing)"
+                f"{len(stats.rejected)} rejected, {stats.missing} missing); the noise was "
+                "released all the same (the accounted mechanism)"
             )
-            return weights, torch.zeros(self.d, dtype=torch.bool)
+        # Always the mechanism's output, w + (sum + z) / (q N), even with nobody sampled or
+        # nothing accepted: releasing w unchanged would not be the subsampled Gaussian.
         return central_aggregate(
             weights,
             [(c.values, c.valid.support) for c in accepted],

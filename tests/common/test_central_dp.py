@@ -99,9 +99,10 @@ def test_poisson_sampling_rate() -> None:
     counts = [len(poisson_sample(nodes, 0.3, rng)) for _ in range(2000)]
     se = math.sqrt(100 * 0.3 * 0.7 / 2000)
     assert abs(np.mean(counts) - 30) < 5 * se
-    assert user_sample_rate(0, 7) == 1.0 and user_sample_rate(3, 12) == 0.25
-    with pytest.raises(ValueError, match="clients-per-round=13"):
-        user_sample_rate(13, 12)
+    assert user_sample_rate(3, 12) == 0.25
+    assert user_sample_rate(13, 12) == 1.0  # fewer nodes than expected users: all join
+    with pytest.raises(ValueError, match="clients-per-round=0"):
+        user_sample_rate(0, 12)
 
 
 def test_user_level_epsilon_is_the_accountants() -> None:
@@ -121,8 +122,9 @@ def test_user_level_epsilon_is_the_accountants() -> None:
         (dict(mask_scope="client"), "mask-scope=client"),
         (dict(aggregator="median"), "aggregator=mean"),
         (dict(central_clip=0.0), "central-clip=0.0"),
+        (dict(clients_per_round=0), "clients-per-round=0"),
     ],
 )
 def test_user_level_config_errors(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        FederatedConfig(dp_level="user", **kwargs)
+        FederatedConfig(dp_level="user", **{"clients_per_round": 2, **kwargs})

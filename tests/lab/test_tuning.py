@@ -69,6 +69,8 @@ def test_tuning_plan_runs_on_validation_with_its_own_seeds() -> None:
     assert len(plan.runs) == 2 * 3 * 2
     assert {r.overrides["eval-split"] for r in plan.runs} == {"validation"}
     assert {r.seed for r in plan.runs} == {5 + TUNE_SEED_OFFSET, 6 + TUNE_SEED_OFFSET}
+    # one train/test split for both phases: the base seed's
+    assert {r.overrides["split-seed"] for r in plan.runs} == {"5"}
 
 
 @pytest.mark.parametrize(
@@ -78,6 +80,7 @@ def test_tuning_plan_runs_on_validation_with_its_own_seeds() -> None:
         ([], ["lr=0.1,1"], {"lr": "0.5"}, "--tune lr: also given in --set"),
         ([], ["seed=1,2"], {}, "--tune seed: not tunable"),
         ([], ["lr=0.1"], {"eval-split": "test"}, "--set eval-split"),
+        ([], ["lr=0.1"], {"split-seed": "3"}, "--set split-seed"),
         ([], ["lr=0.1,-1"], {}, "lr=-1"),
     ],
 )
@@ -104,7 +107,7 @@ def test_choose_best_takes_each_arms_highest_mean_and_breaks_ties_in_grid_order(
     scores = {
         ("0", "0.1", s0): 0.80, ("0", "0.1", s1): 0.84,  # mean 0.82: the best for r = 0
         ("0", "0.5", s0): 0.90, ("0", "0.5", s1): 0.70,  # mean 0.80
-        ("0", "1", s0): 0.81, ("0", "1", s1): None,  # one failed run: mean of the other
+        ("0", "1", s0): 0.95, ("0", "1", s1): None,  # failed on one seed: not eligible
         ("0.9", "0.1", s0): 0.5, ("0.9", "0.1", s1): 0.7,  # 0.6
         ("0.9", "0.5", s0): 0.7, ("0.9", "0.5", s1): 0.7,  # 0.7, tied with lr=1: first wins
         ("0.9", "1", s0): 0.6, ("0.9", "1", s1): 0.8,
@@ -115,7 +118,7 @@ def test_choose_best_takes_each_arms_highest_mean_and_breaks_ties_in_grid_order(
         ("final-rate=0.9", "0.5"),
     ]
     assert choices[0].score == pytest.approx(0.82)
-    assert ("lr=1", 0.81, math.nan, 1)[:2] == choices[0].candidates[2][:2]
+    assert choices[0].candidates[2][0] == "lr=1" and math.isnan(choices[0].candidates[2][1])
     final = plan_final(choices, {"num-rounds": "2"}, seeds=3)
     assert [(dict(r.point)["lr"], r.seed) for r in final.runs] == [
         ("0.1", 0), ("0.1", 1), ("0.1", 2), ("0.5", 0), ("0.5", 1), ("0.5", 2)
@@ -123,7 +126,7 @@ def test_choose_best_takes_each_arms_highest_mean_and_breaks_ties_in_grid_order(
     assert {r.overrides["eval-split"] for r in final.runs} == {"test"}
     # An arm none of whose tuning runs finished cannot be compared.
     failed = {k: (None if k[0] == "0.9" else v) for k, v in scores.items()}
-    with pytest.raises(ValueError, match="arm final-rate=0.9: no tuning run finished"):
+    with pytest.raises(ValueError, match="arm final-rate=0.9: no tuning combination finished"):
         choose_best(plan, _rows(plan, failed), ["final-rate"])
 
 

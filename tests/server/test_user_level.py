@@ -8,13 +8,16 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from fedsparse.client.app import app as client_app
+from fedsparse.common.central_dp import poisson_sample
 from fedsparse.common.config import FederatedConfig
 from fedsparse.common.privacy import compute_epsilon_of_history
 from fedsparse.lab.flower import SIMULATION_NODE_POLICY
 from fedsparse.lab.inprocess import InProcessGrid
 from fedsparse.server.app import run_federated
+from fedsparse.server.strategy import RoundStats, SparseFedAvg
 
 
 def _run(out: Path, **kwargs: object) -> list[dict]:
@@ -49,3 +52,53 @@ def test_a_user_level_federation_accounts_users_per_round(tmp_path: Path) -> Non
     # Seeded central noise: the same run twice is the same run.
     again = _run(tmp_path / "b")
     assert [r["test_accuracy"] for r in again] == [r["test_accuracy"] for r in rounds]
+
+
+def _strategy(**kwargs: object) -> SparseFedAvg:
+    cfg = FederatedConfig(dp_level="user", clients_per_round=2, seed=3, **kwargs)  # type: ignore[arg-type]
+    return SparseFedAvg(cfg, num_parameters=50)
+
+
+def _stats(selected: list[int]) -> RoundStats:
+    return RoundStats(
+        server_round=1,
+        rate=0.0,
+        keep=50,
+        mask_seed=0,
+        selected=selected,
+        started=0.0,
+        started_at=0.0,
+    )
+
+
+def test_a_round_without_updates_still_releases_the_noise() -> None:
+    """Nobody sampled, or nobody accepted: the model moves by z / (q N) and the round is
+    accounted; releasing w unchanged would not be the accounted mechanism."""
+    strategy = _strategy(central_noise="seeded")
+    weights = torch.zeros(50)
+    for selected in ([], [7]):
+        stats = _stats(selected)
+        new, touched = strategy._aggregate_central(stats, weights, [])
+        assert bool(touched.all()) and torch.count_nonzero(new) == 50
+        assert (stats.failure != "") == bool(selected)  # a sampled user who never answered
+        assert stats.user_epsilon > 0
+    assert strategy._user_history == [(1.0, 1.0, 2)]
+
+
+def test_seeded_central_noise_and_sampling_resume_exactly() -> None:
+    a = _strategy(central_noise="seeded")
+    a._aggregate_central(_stats([]), torch.zeros(50), [])
+    b = _strategy(central_noise="seeded")
+    b.load_state_dict(a.state_dict(), resumed_from=1)
+    nodes = list(range(40))
+    assert poisson_sample(nodes, 0.5, a._user_rng) == poisson_sample(nodes, 0.5, b._user_rng)
+    next_a, _ = a._aggregate_central(_stats([]), torch.zeros(50), [])
+    next_b, _ = b._aggregate_central(_stats([]), torch.zeros(50), [])
+    assert torch.equal(next_a, next_b)
+
+
+def test_fresh_sampling_is_not_the_run_seeds() -> None:
+    """With fresh central noise, who joins cannot be recomputed from the run config."""
+    nodes = list(range(64))
+    one, two = _strategy(), _strategy()
+    assert poisson_sample(nodes, 0.5, one._user_rng) != poisson_sample(nodes, 0.5, two._user_rng)
