@@ -183,3 +183,16 @@ def test_a_tuned_sweep_end_to_end(tmp_path: Path) -> None:
     report = (out / "report.md").read_text()
     assert "## Tuned per arm, compared best vs best" in report
     assert "final-rate=0.9 − final-rate=0 | 2 |" in report
+
+
+def test_tuning_never_sees_a_final_test_example() -> None:
+    """digits' split follows the run seed unless split-seed fixes it; the tuned sweep fixes it
+    to the base seed, so tuning seed base + 1000 trains and validates off the final test set."""
+    rows = lambda split: {tuple(x.flatten().tolist()) for x in split.x}  # noqa: E731
+    _, final_test = load_eval_splits("digits", seed=0, eval_split="test", split_seed=0)
+    train, validation = load_eval_splits(
+        "digits", seed=TUNE_SEED_OFFSET, eval_split="validation", split_seed=0
+    )
+    assert not (rows(train) | rows(validation)) & rows(final_test)
+    cfg = FederatedConfig(seed=TUNE_SEED_OFFSET, split_seed=0, eval_split="validation")
+    assert torch.equal(public_test_data(cfg).x, validation.x)
