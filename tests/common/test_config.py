@@ -73,6 +73,8 @@ def config_for(key: str, name: str) -> dict[str, object]:
         overrides["rate-steps"] = "0,0.5"
     if key == "mechanism" and name != "dpsgd":  # the ablations take a fixed sigma
         overrides.update({"target-epsilon": 0.0, "noise-multiplier": 0.0})
+    if key == "dp-level" and name == "user":  # DP-FedAvg's fixed expected users per round
+        overrides["clients-per-round"] = 2
     return overrides
 
 
