@@ -92,17 +92,19 @@ def run_train(
     train: TrainConfig,
     method: MethodConfig | None = None,
     eval_split: EvalSplit = "test",
+    split_seed: int | None = None,
 ) -> dict[str, Any]:
     """Runs centralized training, printing a table per epoch; returns the summary dict.
 
     ``eval_split="validation"`` trains without the validation slice and reports accuracy on
-    it (the ``test_*`` fields then hold validation numbers): for tuning."""
+    it (the ``test_*`` fields then hold validation numbers): for tuning. ``split_seed`` fixes
+    the train/test split (digits') across runs of different seeds (default: the run seed)."""
     method = method or MethodConfig()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     out.mkdir(parents=True, exist_ok=True)
     seed = 0 if train.seed is None else train.seed
     train_split, test_split = load_eval_splits(
-        dataset, data_dir=data_dir, seed=seed, eval_split=eval_split
+        dataset, data_dir=data_dir, seed=seed, eval_split=eval_split, split_seed=split_seed
     )
     model_name = model_name or DEFAULT_MODELS[dataset]
     model = build_model(model_name, seed=stream_seed(seed, Stream.MODEL_INIT) % 2**31)
@@ -139,6 +141,7 @@ def run_train(
     summary = {
         "dataset": dataset,
         "eval_split": eval_split,
+        "split_seed": seed if split_seed is None else split_seed,
         "model": model_name,
         "parameters": count_parameters(model),
         "final_test_accuracy": last.test_accuracy,
@@ -451,17 +454,9 @@ def sweep(
         check_jobs,
         parse_grid,
         plan_sweep,
-        point_label,
         run_sweep,
     )
-    from fedsparse.lab.tuning import (
-        choose_best,
-        paired_differences,
-        plan_final,
-        plan_tuning,
-        render_tuning,
-        write_tuning_csv,
-    )
+    from fedsparse.lab.tuning import render_tuning, run_tuned_sweep
 
     try:
         settings = RunSettings(
@@ -475,16 +470,7 @@ def sweep(
         )
         check_jobs(settings, jobs)
         fixed = _parse_sets(set_ or [])
-        if tune:
-            tuning = plan_tuning(
-                parse_grid(grid or []),
-                parse_grid(tune),
-                fixed,
-                tune_seeds=tune_seeds,
-                clients=clients,
-                scale_clip=scale_clip,
-            )
-        else:
+        if not tune:
             plan = plan_sweep(
                 parse_grid(grid or []), fixed, seeds=seeds, clients=clients, scale_clip=scale_clip
             )
@@ -503,40 +489,45 @@ def sweep(
     args += ["--scale-clip"] if scale_clip else []
     runs_dir = runs_dir or out / "runs"
     extra: list[str] = []
-    if tune:
-        console.print(
-            f"[bold]tuning: {len(tuning.runs)} runs[/] on the validation split; run "
-            f"directories under {runs_dir / 'tune'}"
-        )
-        tuned = run_sweep(
-            tuning, runs_dir=runs_dir / "tune", settings=settings, jobs=jobs, console=console
-        )
-        write_tuning_csv(out / "tuning.csv", tuning, tuned)
-        arm_keys = list(parse_grid(grid or []))
-        try:
-            choices = choose_best(tuning, tuned, arm_keys)
-            plan = plan_final(choices, fixed, seeds=seeds, clients=clients, scale_clip=scale_clip)
-        except ValueError as err:
-            raise typer.BadParameter(str(err)) from err
-        for choice in choices:
-            console.print(f"{choice.label or 'default'}: best {point_label(choice.best)}")
-    console.print(
-        f"[bold]{len(plan.runs)} runs[/] ({len(plan.runs) // seeds} configs x {seeds} seeds, "
-        f"{clients} clients, {backend}); run directories under {runs_dir}"
-    )
     try:
-        rows = run_sweep(plan, runs_dir=runs_dir, settings=settings, jobs=jobs, console=console)
+        if tune:
+            try:
+                result = run_tuned_sweep(
+                    parse_grid(grid or []),
+                    parse_grid(tune),
+                    fixed,
+                    tune_seeds=tune_seeds,
+                    seeds=seeds,
+                    settings=settings,
+                    runs_dir=runs_dir,
+                    jobs=jobs,
+                    scale_clip=scale_clip,
+                    console=console,
+                    tuning_csv=out / "tuning.csv",
+                )
+            except ValueError as err:
+                raise typer.BadParameter(str(err)) from err
+            plan, rows = result.plan, result.rows
+            extra = render_tuning(
+                result.choices, result.differences, tune=parse_grid(tune), tune_seeds=tune_seeds
+            )
+        else:
+            console.print(
+                f"[bold]{len(plan.runs)} runs[/] ({len(plan.runs) // seeds} configs x {seeds} "
+                f"seeds, {clients} clients, {backend}); run directories under {runs_dir}"
+            )
+            rows = run_sweep(plan, runs_dir=runs_dir, settings=settings, jobs=jobs, console=console)
     except SweepInterrupted as stop:  # the CSVs and report of what finished, then the exit
-        paths = write_outputs(out, plan, settings, stop.rows, command=shlex.join(args))
+        if stop.plan is None and tune:  # stopped while tuning: tuning.csv is not written
+            raise
+        stopped = stop.plan or plan
+        paths = write_outputs(out, stopped, settings, stop.rows, command=shlex.join(args))
         done = sum(r["status"] == "ok" for r in stop.rows)
         console.print(
             f"[bold red]sweep interrupted[/]: {done} of {len(stop.rows)} runs finished; "
             f"wrote {paths['results.csv']} and {paths['report.md']}"
         )
         raise
-    if tune:
-        differences = paired_differences(plan, rows, choices)
-        extra = render_tuning(choices, differences, tune=parse_grid(tune), tune_seeds=tune_seeds)
     paths = write_outputs(out, plan, settings, rows, command=shlex.join(args), extra=extra)
     failed = sum(r["status"] != "ok" for r in rows)
     reused = sum(bool(r["reused"]) for r in rows)
@@ -546,6 +537,53 @@ def sweep(
     )
     if failed:
         raise typer.Exit(1)
+
+
+PARTS_ALL: Final = "noise,central,federated,ablations,scaling"
+
+
+@app.command()
+def reproduce(
+    out: Annotated[Path, Opt(help="output: report.md, CSVs, plots")] = Path(
+        "runs/reproduction/report"
+    ),
+    runs_dir: Annotated[Path, Opt(help="per-run directories (finished runs are reused)")] = Path(
+        "runs/reproduction"
+    ),
+    parts: Annotated[
+        str, Opt(help="comma list of noise, central, federated, ablations, scaling")
+    ] = PARTS_ALL,
+    jobs: Annotated[int, Opt(help="centralized runs at a time (one torch thread each)")] = 2,
+    quick: Annotated[
+        bool, Opt(help="a minutes-long plan to try the command (too small to conclude)")
+    ] = False,
+) -> None:
+    """The RS paper's claims re-run (Fig. 1c, Table 2 / Fig. 4 best vs best, Fig. 3, App. H),
+    beside the paper's numbers, with verdicts (lab/reproduce.py). The committed report:
+    docs/reproduction (about 2 hours on 2 cores)."""
+    from fedsparse.lab.reproduce import PARTS, ReproductionPlan, run_reproduction
+
+    chosen = [p.strip() for p in parts.split(",") if p.strip()]
+    try:
+        for part in chosen:
+            _choice("parts", part, PARTS)
+        if jobs < 1:
+            raise ValueError(f"jobs={jobs}: expected >= 1")
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from err
+    plan = ReproductionPlan.quick() if quick else ReproductionPlan.full()
+    command = f"fedsparse reproduce --out {out} --runs-dir {runs_dir} --jobs {jobs}"
+    command += (" --quick" if quick else "") + (f" --parts {parts}" if parts != PARTS_ALL else "")
+    run_reproduction(
+        plan,
+        out=out,
+        runs_dir=runs_dir,
+        parts=chosen,
+        jobs=jobs,
+        log=lambda line: console.print(line, markup=False, highlight=False),
+        command=command,
+    )
+    console.print(f"[bold green]wrote {out / 'report.md'}[/]")
 
 
 @app.command()

@@ -489,9 +489,10 @@ class SweepInterrupted(KeyboardInterrupt):
     the run wrote until it was stopped (a valid, partial ``rounds.jsonl``).
     """
 
-    def __init__(self, rows: list[dict[str, Any]]) -> None:
+    def __init__(self, rows: list[dict[str, Any]], plan: SweepPlan | None = None) -> None:
         super().__init__("sweep interrupted")
         self.rows = rows
+        self.plan = plan  # the plan whose rows these are, where the raiser knows it
 
 
 def _stop_pool(pool: Executor) -> None:

@@ -24,24 +24,38 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 from scipy import stats
 
 from fedsparse.lab.report import write_csv
-from fedsparse.lab.sweep import RESERVED, SweepPlan, SweepRun, plan_sweep, point_label
+from fedsparse.lab.sweep import (
+    RESERVED,
+    RunSettings,
+    SweepInterrupted,
+    SweepPlan,
+    SweepRun,
+    plan_sweep,
+    point_label,
+    run_sweep,
+)
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 __all__ = [
     "CONFIDENCE",
     "TUNE_SEED_OFFSET",
     "ArmChoice",
     "PairedDifference",
+    "TunedSweep",
     "choose_best",
     "paired_differences",
     "plan_final",
     "plan_tuning",
     "render_tuning",
+    "run_tuned_sweep",
     "write_tuning_csv",
 ]
 
@@ -304,3 +318,73 @@ def render_tuning(
                     f"significant: its {pct} interval [{d.low:+.4f}, {d.high:+.4f}] holds 0."
                 )
     return lines
+
+
+@dataclass(frozen=True)
+class TunedSweep:
+    """Both phases of a tuned sweep: the plans, their rows, each arm's pick, the verdicts."""
+
+    tuning: SweepPlan
+    tuning_rows: list[dict[str, Any]]
+    choices: list[ArmChoice]
+    plan: SweepPlan  # the final phase
+    rows: list[dict[str, Any]]
+    differences: list[PairedDifference]
+
+
+def run_tuned_sweep(
+    grid: Mapping[str, Sequence[str]],
+    tune: Mapping[str, Sequence[str]],
+    fixed: Mapping[str, str],
+    *,
+    tune_seeds: int,
+    seeds: int,
+    settings: RunSettings,
+    runs_dir: Path,
+    jobs: int = 1,
+    scale_clip: bool = False,
+    console: Console | None = None,
+    tuning_csv: Path | None = None,
+) -> TunedSweep:
+    """Tunes every arm on validation (runs under ``runs_dir/tune``), then runs each at its best
+    on the test split (under ``runs_dir``) and compares them with the first arm, paired by seed.
+
+    Raises:
+        ValueError: a bad grid or tune key, or an arm none of whose combinations finished.
+        SweepInterrupted: a stop during the final phase (with its rows).
+    """
+    clients = settings.clients
+    tuning = plan_tuning(
+        grid, tune, fixed, tune_seeds=tune_seeds, clients=clients, scale_clip=scale_clip
+    )
+    if console is not None:
+        console.print(
+            f"[bold]tuning: {len(tuning.runs)} runs[/] on the validation split; run "
+            f"directories under {runs_dir / 'tune'}"
+        )
+    tuned = run_sweep(
+        tuning, runs_dir=runs_dir / "tune", settings=settings, jobs=jobs, console=console
+    )
+    if tuning_csv is not None:
+        write_tuning_csv(tuning_csv, tuning, tuned)
+    choices = choose_best(tuning, tuned, list(grid))
+    plan = plan_final(choices, fixed, seeds=seeds, clients=clients, scale_clip=scale_clip)
+    if console is not None:
+        for choice in choices:
+            console.print(f"{choice.label or 'default'}: best {point_label(choice.best)}")
+        console.print(
+            f"[bold]{len(plan.runs)} runs[/] ({len(plan.runs) // seeds} configs x {seeds} "
+            f"seeds, {clients} clients, {settings.backend}); run directories under {runs_dir}"
+        )
+    try:
+        rows = run_sweep(plan, runs_dir=runs_dir, settings=settings, jobs=jobs, console=console)
+    except SweepInterrupted as stop:
+        raise SweepInterrupted(stop.rows, plan) from stop
+    return TunedSweep(
+        tuning=tuning,
+        tuning_rows=tuned,
+        choices=choices,
+        plan=plan,
+        rows=rows,
+        differences=paired_differences(plan, rows, choices),
+    )

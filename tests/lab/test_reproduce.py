@@ -1,0 +1,292 @@
+"""``fedsparse reproduce``: verdict rules, convergence flags, run reuse, and a tiny end-to-end run
+whose report numbers are recomputed from the run directories."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from fedsparse.lab.cli import app
+from fedsparse.lab.reproduce import (
+    ArmResult,
+    CentralSpec,
+    CentralStudy,
+    Comparison,
+    FederatedStudy,
+    ReproductionPlan,
+    gain_verdict,
+    measure_noise_ratio,
+    run_central_study,
+    run_reproduction,
+    run_specs,
+    still_rising,
+)
+from fedsparse.lab.reproduce_report import _ablation_section, _scaling_section
+from fedsparse.lab.tuning import PairedDifference
+
+
+def diff(mean: float, low: float, high: float, n: int = 5) -> PairedDifference:
+    return PairedDifference(arm="a", baseline="b", n=n, mean=mean, low=low, high=high)
+
+
+def test_gain_verdict_follows_the_interval() -> None:
+    # paper gain +0.8 points = 0.008
+    assert gain_verdict(diff(0.02, 0.001, 0.04), 0.8) == "reproduced"
+    assert gain_verdict(diff(-0.01, -0.02, 0.005), 0.8) == "not reproduced"  # excludes +0.8
+    assert gain_verdict(diff(0.0, -0.02, 0.02), 0.8) == "inconclusive"  # holds 0 and +0.8
+    assert gain_verdict(diff(0.03, 0.01, 0.05, n=1), 0.8).startswith("inconclusive")
+    # an interval between 0 and the paper's gain: the gain is excluded, none is shown
+    assert gain_verdict(diff(0.002, -0.001, 0.007), 0.8) == "not reproduced"
+
+
+def test_still_rising_measures_the_last_fifth() -> None:
+    rising = [[0.1 * i for i in range(10)], [0.1 * i + 0.01 for i in range(10)]]
+    gain, se, flag = still_rising(rising)
+    assert gain == pytest.approx(0.2)  # mean(0.8, 0.9) - mean(0.6, 0.7)
+    assert se == pytest.approx(0.0, abs=1e-12)
+    assert flag
+    flat = [[0.5, 0.7, 0.8, 0.8, 0.81, 0.8, 0.8, 0.8, 0.805, 0.8]] * 3
+    gain, _, flag = still_rising(flat)
+    assert gain == pytest.approx((0.805 + 0.8) / 2 - 0.8)
+    assert not flag
+    # noisy gains: a mean above the tolerance but within 2 SE is not called rising
+    noisy = [[0.0] * 8 + [0.2, 0.2], [0.0] * 8 + [-0.15, -0.15]]
+    assert not still_rising(noisy)[2]
+
+
+def test_noise_ratio_matches_sqrt_keep_fraction() -> None:
+    rows = measure_noise_ratio((0.5, 0.9), d=50_000, trials=3)
+    for row in rows:
+        # relative s.e. of the ratio ~ sqrt(1/(2k) + 1/(2d)) / sqrt(3) <= 0.3%: 5 SE is 1.5%
+        assert abs(row["relative_error"]) < 0.015
+        assert row["predicted"] == pytest.approx(math.sqrt(1 - row["rate"]), rel=1e-4)
+        assert row["within_3se"] == 1.0
+
+
+def test_run_specs_reuses_finished_runs_and_records_failures(tmp_path: Path) -> None:
+    good = CentralSpec(epochs=1, lr=0.25, seed=3)
+    bad = CentralSpec(epochs=1, mechanism="clipped", target_epsilon=3.0)  # needs sigma 0
+    first = run_specs([good, bad], tmp_path)
+    assert first[0]["status"] == "ok" and not first[0]["reused"]
+    assert first[1]["status"] == "failed"
+    assert "target_epsilon=3.0" in first[1]["error"]
+    again = run_specs([good], tmp_path)
+    assert again[0]["reused"]
+    assert again[0]["final_test_accuracy"] == first[0]["final_test_accuracy"]
+    # another spec (another seed) is not taken for this one
+    other = run_specs([CentralSpec(epochs=1, lr=0.25, seed=4)], tmp_path)
+    assert not other[0]["reused"]
+
+
+@pytest.mark.slow
+def test_central_study_tunes_on_validation_and_pairs_on_test(tmp_path: Path) -> None:
+    study = CentralStudy(
+        name="t",
+        dataset="digits",
+        model=None,
+        epsilon=3.0,
+        rates=(0.0, 0.9),
+        lrs=(0.05, 0.5),
+        epochs=(1,),
+        tune_seeds=2,
+        seeds=2,
+        untuned=True,
+    )
+    comparison = run_central_study(study, tmp_path, jobs=1)
+    tune_dirs = sorted((tmp_path / "t" / "tune").iterdir())
+    assert len(tune_dirs) == 2 * 2 * 2
+    scores: dict[tuple[float, float], list[float]] = {}
+    for d in tune_dirs:
+        summary = json.loads((d / "summary.json").read_text())
+        assert summary["eval_split"] == "validation" and summary["split_seed"] == 0
+        assert summary["train"]["seed"] >= 1000  # never a final seed
+        key = (summary["sparsity"]["final_rate"], summary["train"]["lr"])
+        scores.setdefault(key, []).append(summary["final_test_accuracy"])
+    for arm in comparison.arms:
+        best_lr = max((0.05, 0.5), key=lambda lr: sum(scores[(arm.rate, lr)]) / 2)
+        assert arm.best == f"lr={best_lr:g}, epochs=1"
+        assert arm.validation == pytest.approx(sum(scores[(arm.rate, best_lr)]) / 2)
+        assert sorted(arm.accuracy) == [0, 1]
+        assert all(len(curve) == 1 for curve in arm.curves)
+    finals = [d for d in (tmp_path / "t").iterdir() if d.name != "tune"]
+    for d in finals:
+        summary = json.loads((d / "summary.json").read_text())
+        assert summary["eval_split"] == "test" and summary["split_seed"] == 0
+    base, rs = comparison.arms
+    d = comparison.difference(rs)
+    expected = [rs.accuracy[s] - base.accuracy[s] for s in (0, 1)]
+    assert d.mean == pytest.approx(sum(expected) / 2)
+    assert sorted(rs.untuned) == [0, 1]  # r* 0.9 at the baseline's lr, every seed
+
+
+def test_at_edge_flags_picks_on_the_grid_boundary() -> None:
+    arm = ArmResult(
+        rate=0.5, best="", validation=0.0, accuracy={}, curves=[], best_values={"lr": "0.1"}
+    )
+    comparison = Comparison(
+        name="c",
+        setting="centralized",
+        dataset="digits",
+        model="digits-cnn",
+        epsilon=1.0,
+        tuned_over="",
+        arms=[arm, arm],
+        tune_seeds=2,
+        seeds=2,
+        grid={"lr": ("0.1", "0.25", "0.5"), "epochs": ("15",)},
+    )
+    assert comparison.at_edge(arm) == ["lr=0.1"]
+    arm.best_values["lr"] = "0.25"
+    assert comparison.at_edge(arm) == []
+    assert comparison.paper == ("FMNIST DP-CNN/S", (83.2, 84.5, 1.3))
+
+
+def _row(acc: float, loss: float = 0.0) -> dict[str, object]:
+    return {"status": "ok", "final_test_accuracy": acc, "final_train_loss": loss}
+
+
+def test_scaling_verdict_counts_rows_and_columns_peaking_on_the_diagonal() -> None:
+    plan = ReproductionPlan(
+        scaling_clips=(0.1, 0.2, 0.5, 1.0),
+        scaling_momenta=(0.0, 0.5, 0.8, 0.9),
+        scaling_seeds=2,
+        scaling=CentralSpec(rate=0.7),
+    )
+    # accuracy falls with |log(C / (1 - mu))|: every row and column peaks on C/(1-mu) = 1
+    on_rule = {
+        (c, m): [_row(0.9 - abs(math.log(c / (1 - m)))), _row(0.9 - abs(math.log(c / (1 - m))))]
+        for c in plan.scaling_clips
+        for m in plan.scaling_momenta
+    }
+    lines, verdict, rows = _scaling_section(on_rule, plan)
+    assert verdict == "reproduced"
+    assert "8 of 8 rows and columns peak on the diagonal." in lines
+    assert len(rows) == 16
+    # accuracy grows with C alone: rows peak at mu=0.0 (1 of 4 on the diagonal), columns at
+    # C=1 (1 of 4): 2 of 8 is chance
+    by_clip = {(c, m): [_row(c), _row(c)] for c, m in on_rule}
+    lines, verdict, _ = _scaling_section(by_clip, plan)
+    assert verdict == "not reproduced"
+
+
+def test_ablation_verdict_reads_the_training_loss() -> None:
+    plan = ReproductionPlan(ablation=CentralSpec(), ablation_seeds=3)
+    slower = {
+        "clipped": {
+            0.0: [_row(0.9, 0.30), _row(0.9, 0.32), _row(0.9, 0.31)],
+            0.9: [_row(0.8, 0.50), _row(0.8, 0.53), _row(0.8, 0.50)],
+        },
+        "noisy": {
+            0.0: [_row(0.9, 0.50), _row(0.9, 0.52), _row(0.9, 0.51)],
+            0.9: [_row(0.9, 0.30), _row(0.9, 0.33), _row(0.9, 0.30)],
+        },
+    }
+    _, verdicts, rows = _ablation_section(slower, plan)
+    assert verdicts["clipped"][0] == "reproduced"
+    assert verdicts["noisy"][0] == "not reproduced"  # faster with RS
+    assert rows[1]["train_loss_mean"] == pytest.approx((0.50 + 0.53 + 0.50) / 3)
+
+
+@pytest.mark.slow
+def test_reproduction_report_matches_its_runs(tmp_path: Path) -> None:
+    plan = ReproductionPlan(
+        noise_rates=(0.5,),
+        noise_dim=10_000,
+        central=(
+            CentralStudy(
+                name="central",
+                dataset="digits",
+                model=None,
+                epsilon=3.0,
+                rates=(0.0, 0.9),
+                lrs=(0.25,),
+                epochs=(1,),
+                tune_seeds=1,
+                seeds=2,
+            ),
+        ),
+        federated=(
+            FederatedStudy(
+                name="fed",
+                dataset="digits",
+                epsilon=3.0,
+                rates=(0.0, 0.9),
+                lrs=(0.5,),
+                rounds=2,
+                clients=2,
+                tune_seeds=1,
+                seeds=2,
+            ),
+            FederatedStudy(
+                name="fed-int8",
+                dataset="digits",
+                epsilon=3.0,
+                rates=(0.9,),
+                lrs=(0.5,),
+                rounds=2,
+                clients=2,
+                tune_seeds=1,
+                seeds=2,
+                extra=(("value-dtype", "int8"),),
+                baseline_from="fed",
+            ),
+        ),
+        ablation_rates=(0.0, 0.9),
+        ablation_seeds=2,
+        ablation=CentralSpec(epochs=1),
+        scaling_clips=(0.5, 1.0),
+        scaling_momenta=(0.0, 0.5),
+        scaling_seeds=1,
+        scaling=CentralSpec(epochs=1, rate=0.7),
+    )
+    out = tmp_path / "report"
+    run_reproduction(plan, out=out, runs_dir=tmp_path / "runs", command="fedsparse reproduce")
+    report = (out / "report.md").read_text()
+    for needle in ("## Verdicts", "Fig. 1c", "Table 2", "Fig. 3", "App. H", "fedsparse reproduce"):
+        assert needle in report
+    for name in ("noise_ratio.png", "accuracy_vs_rate.png", "curves.png", "scaling.png"):
+        assert (out / name).stat().st_size > 1000
+    assert (out / "federated" / "fed" / "report.md").is_file()
+    with (out / "comparisons.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["comparison"], r["rate"]) for r in rows] == [
+        ("central", "0.0"),
+        ("central", "0.9"),
+        ("fed", "0.0"),
+        ("fed", "0.9"),
+        ("fed-int8", "0.0"),  # the dense fp32 baseline of "fed", paired by seed
+        ("fed-int8", "0.9"),
+    ]
+    bits = {(r["comparison"], r["rate"]): float(r["uplink_bits_per_param"]) for r in rows[2:]}
+    assert bits[("fed", "0.0")] == pytest.approx(32, rel=0.01)
+    # 2 rounds of gradual cooling to 0.9 keep 1 and 0.1 of the values: fp32 and int8 values
+    assert bits[("fed", "0.9")] == pytest.approx(32 * 1.1 / 2, rel=0.01)
+    assert bits[("fed-int8", "0.9")] == pytest.approx(8 * 1.1 / 2, rel=0.02)
+    assert "## Bits per parameter" in report
+    assert "r* = 0.9, value-dtype=int8 at ε = 3" in report
+    # the centralized means are the final test accuracies in the run directories
+    runs = tmp_path / "runs" / "central" / "central"
+    for row in rows[:2]:
+        accs = [
+            json.loads((d / "summary.json").read_text())["final_test_accuracy"]
+            for d in runs.iterdir()
+            if d.name != "tune" and f"_r{float(row['rate']):g}_" in d.name
+        ]
+        assert len(accs) == 2
+        assert float(row["test_accuracy_mean"]) == pytest.approx(sum(accs) / 2)
+    # a second run reuses every run (the noise draws are seeded): the same report
+    run_reproduction(plan, out=out, runs_dir=tmp_path / "runs", command="fedsparse reproduce")
+    assert (out / "report.md").read_text() == report
+
+
+def test_cli_refuses_an_unknown_part(tmp_path: Path) -> None:
+    result = CliRunner().invoke(
+        app, ["reproduce", "--out", str(tmp_path), "--parts", "noise,figure9"]
+    )
+    assert result.exit_code != 0
+    assert "figure9" in result.output
