@@ -42,7 +42,7 @@ import numpy as np
 import torch
 from scipy import stats
 
-from fedsparse.lab.sweep import SweepPlan, SweepRun, point_label
+from fedsparse.lab.sweep import SweepPlan, SweepRun, _stop_pool, point_label
 from fedsparse.lab.tuning import (
     CONFIDENCE,
     TUNE_SEED_OFFSET,
@@ -128,6 +128,8 @@ class CentralSpec:
             f"eps{self.target_epsilon:g}"
             if self.target_epsilon is not None
             else f"sigma{self.noise_multiplier:g}"
+            if self.noise_multiplier is not None
+            else "sigmaNone"
         )
         parts = [
             self.dataset,
@@ -227,6 +229,12 @@ def run_specs(
         raise ValueError(f"jobs={jobs}: expected >= 1")
     rows: dict[str, dict[str, Any]] = {}
     pending: dict[str, CentralSpec] = {}
+    seen: dict[str, CentralSpec] = {}
+    for spec in specs:
+        if seen.setdefault(spec.slug, spec) != spec:  # a slug rounds values (``:g``)
+            raise ValueError(
+                f"run_specs: {seen[spec.slug]} and {spec} share the directory {spec.slug!r}"
+            )
     for spec in specs:
         run_dir = root / spec.slug
         if spec.slug in rows or spec.slug in pending:
@@ -256,7 +264,8 @@ def run_specs(
             if log:
                 log(f"  [{done}/{total}] {slug}: {_row_text(rows[slug])}")
     else:
-        with ProcessPoolExecutor(jobs, mp_context=get_context("spawn")) as pool:
+        pool = ProcessPoolExecutor(jobs, mp_context=get_context("spawn"))
+        try:
             futures = {
                 pool.submit(
                     _execute, json.dumps(dataclasses.asdict(spec)), str(root / slug), 1
@@ -272,6 +281,10 @@ def run_specs(
                 done += 1
                 if log:
                     log(f"  [{done}/{total}] {spec.slug}: {_row_text(rows[spec.slug])}")
+        except BaseException:  # a stop: cancel what is queued, stop the workers by PID
+            _stop_pool(pool)
+            raise
+        pool.shutdown(wait=True)
     return [rows[spec.slug] for spec in specs]
 
 
@@ -349,6 +362,7 @@ class ArmResult:
     best_values: dict[str, str] = field(default_factory=dict)  # tune key -> value
     bits: list[float] = field(default_factory=list)  # federated: uplink bits/param per run
     label: str = ""  # how the report names the arm (default: its rate)
+    grid: dict[str, tuple[str, ...]] | None = None  # what it was tuned over, if not its study's
 
     @property
     def name(self) -> str:
@@ -379,7 +393,7 @@ class Comparison:
         """The tuned keys whose pick is the grid's smallest or largest value (of several):
         the best may lie outside the grid."""
         edges = []
-        for key, values in self.grid.items():
+        for key, values in (arm.grid or self.grid).items():
             numbers = sorted(float(v) for v in values)
             pick = arm.best_values.get(key)
             if len(numbers) > 1 and pick is not None and float(pick) in (numbers[0], numbers[-1]):
@@ -571,7 +585,7 @@ class FederatedStudy:
     dataset: str
     epsilon: float
     rates: tuple[float, ...] = (0.0, 0.5, 0.7, 0.9)
-    lrs: tuple[float, ...] = (0.1, 0.25, 0.5, 1.0)
+    lrs: tuple[float, ...] = (0.05, 0.1, 0.25, 0.5, 1.0)
     rounds: int = 40
     clients: int = 10
     tune_seeds: int = 2
@@ -796,6 +810,7 @@ class ReproductionPlan:
                     dataset="digits",
                     epsilon=3.0,
                     rates=(0.9,),
+                    lrs=(0.05, 0.1, 0.25),
                     extra=(("value-dtype", "int8"),),
                     baseline_from="digits-eps3",
                 ),
@@ -858,6 +873,7 @@ class Reproduction:
     comparisons: list[Comparison] = field(default_factory=list)
     ablations: dict[str, dict[float, list[dict[str, Any]]]] = field(default_factory=dict)
     scaling: dict[tuple[float, float], list[dict[str, Any]]] = field(default_factory=dict)
+    failures: list[str] = field(default_factory=list)  # studies that could not conclude
 
 
 PARTS: Final = ("noise", "central", "federated", "ablations", "scaling")
@@ -897,6 +913,33 @@ def _scaling_specs(plan: ReproductionPlan) -> dict[tuple[float, float], list[Cen
     }
 
 
+def _baseline_source(
+    fed: FederatedStudy, studies: Mapping[str, FederatedStudy], done: Sequence[Comparison]
+) -> Comparison:
+    """The finished comparison whose baseline ``fed`` borrows: same data, ε, rounds, clients
+    and seeds, so its runs pair with ``fed``'s by seed.
+
+    Raises:
+        ValueError: no such study, not run before ``fed``, or one that does not pair.
+    """
+    name = fed.baseline_from
+    source = studies.get(name or "")
+    if source is None:
+        raise ValueError(f"baseline_from={name!r}: no federated study of that name")
+    for key in ("dataset", "epsilon", "rounds", "clients", "seeds"):
+        if getattr(source, key) != getattr(fed, key):
+            raise ValueError(
+                f"baseline_from={name!r}: {key} {getattr(source, key)!r} != "
+                f"{getattr(fed, key)!r}; its runs would not pair by seed"
+            )
+    if source.rates[0] != 0.0:
+        raise ValueError(f"baseline_from={name!r}: its first arm is not the baseline (r* = 0)")
+    for comparison in done:
+        if comparison.name == name:
+            return comparison
+    raise ValueError(f"baseline_from={name!r}: that study must run (and finish) first")
+
+
 def run_reproduction(
     plan: ReproductionPlan,
     *,
@@ -919,17 +962,36 @@ def run_reproduction(
         result.noise = measure_noise_ratio(plan.noise_rates, d=plan.noise_dim)
     if "central" in parts:
         for study in plan.central:
-            result.comparisons.append(
-                run_central_study(study, runs_dir / "central", jobs=jobs, log=log)
-            )
+            try:
+                result.comparisons.append(
+                    run_central_study(study, runs_dir / "central", jobs=jobs, log=log)
+                )
+            except ValueError as err:  # e.g. an arm none of whose combinations finished
+                result.failures.append(f"{study.name}: {err}")
+                if log:
+                    log(f"{study.name}: FAILED {err}")
     if "federated" in parts:
+        studies = {fed.name: fed for fed in plan.federated}
         for fed in plan.federated:
-            comparison = run_federated_study(
-                fed, runs_dir / "federated", out / "federated", log=log
-            )
-            if fed.baseline_from is not None:
-                source = next(c for c in result.comparisons if c.name == fed.baseline_from)
-                comparison.arms.insert(0, source.baseline)
+            try:
+                source = None
+                if fed.baseline_from is not None:
+                    source = _baseline_source(fed, studies, result.comparisons)
+                comparison = run_federated_study(
+                    fed, runs_dir / "federated", out / "federated", log=log
+                )
+            except ValueError as err:
+                result.failures.append(f"{fed.name}: {err}")
+                if log:
+                    log(f"{fed.name}: FAILED {err}")
+                continue
+            if source is not None:
+                borrowed = dataclasses.replace(
+                    source.baseline,
+                    label=f"r* = 0 (the baseline of {source.name})",
+                    grid=source.grid,
+                )
+                comparison.arms.insert(0, borrowed)
             result.comparisons.append(comparison)
     if "ablations" in parts and plan.ablation is not None:
         for mechanism, by_rate in _ablation_specs(plan).items():

@@ -6,13 +6,14 @@ re-run with other numbers gets the verdict its numbers earn:
 - Table 2 (``gain_verdict``): *reproduced* when our best-vs-best interval lies above 0, *not
   reproduced* when it lies below the paper's gain, *inconclusive* when it holds both.
 - Fig. 4 (RS in the baseline's hyperparameters keeps its accuracy): *reproduced* when the paired
-  interval lies above ``-EQUIVALENCE_MARGIN``; *not reproduced* when it lies below 0.
+  interval lies above ``-EQUIVALENCE_MARGIN``; *not reproduced* when it lies below it.
 - Fig. 3 (RS slows clipped-only and noise-only SGD): *reproduced* when the final training loss
   at the largest rate is higher than at rate 0 (paired interval above 0); *not reproduced*
   when lower (interval below 0).
-- App. H (the best C of each momentum and the best momentum of each C lie on the diagonal
-  C / (1 - mu) = const): *reproduced* when at least 3/4 of the rows and columns peak on it,
-  *not reproduced* at chance or below (a row of k cells: 1/k), else *partly*.
+- App. H (the best C of each momentum and the best momentum of each C lie on one diagonal
+  C / (1 - mu) = const): *reproduced* when at least 3/4 of the rows and columns peak within
+  a factor 2 of the best cell's ratio, *not reproduced* at chance or below (``_scaling_section``),
+  else *partly*.
 - Fig. 1c: *reproduced* when every measured ratio is within 3 standard errors of sqrt(1 - r).
 """
 
@@ -68,7 +69,7 @@ def _untuned_verdict(d: Any) -> str:
         return "inconclusive (too few pairs)"
     if d.low > -EQUIVALENCE_MARGIN:
         return "reproduced"
-    if d.high < 0:
+    if d.high < -EQUIVALENCE_MARGIN:
         return "not reproduced"
     return "inconclusive"
 
@@ -210,9 +211,12 @@ def _plot_scaling(
     ax.set_yticks(range(len(clips)), [f"{c:g}" for c in clips])
     ax.set_xlabel("momentum μ")
     ax.set_ylabel("clipping bound C")
+    finished = {cell: v for cell, v in table.items() if not math.isnan(v[0])}
+    best = max(finished, key=lambda cell: finished[cell][0]) if finished else (1.0, 0.0)
+    rho = best[0] / (1 - best[1])
     for i, c in enumerate(clips):
         for j, m in enumerate(momenta):
-            on = math.isclose(c / (1 - m), 1.0, rel_tol=1e-6)
+            on = abs(math.log2(c / (1 - m) / rho)) <= 1 + 1e-9
             ax.text(
                 j,
                 i,
@@ -223,7 +227,7 @@ def _plot_scaling(
                 color="red" if on else "white",
                 fontweight="bold" if on else "normal",
             )
-    ax.set_title("App. H: C / (1 - μ) = 1 in red")
+    ax.set_title(f"App. H: C / (1 - μ) within 2x of {rho:.3g} in red")
     _save(fig, path)
 
 
@@ -271,9 +275,15 @@ def _comparison_tables(comparisons: Sequence[Comparison]) -> tuple[list[str], li
         "arm. RS's row is the r* > 0 of highest *validation* accuracy, as the paper searches r* "
         "per row. Differences are paired by seed, with 95% Student-t intervals, in points.",
         "",
-        "The paper has no MNIST or digits row: the nearest are FMNIST's small models, DP-CNN/S "
-        "(26K parameters; ours: digits-cnn, dpcnn-mnist) and H-CNN/S (33K). Its numbers are "
-        "on another dataset; what is compared is the claim (a gain, larger at smaller ε).",
+        "The paper has no MNIST or digits row and no federated accuracy claim. Its nearest rows "
+        "are FMNIST's small models, DP-CNN/S (26K parameters; ours: dpcnn-mnist, 26,010, and "
+        "digits-cnn, 38,282, on 8×8 digits) and H-CNN/S (33K; ours: mnist-hcnn, 33,066). Their "
+        "numbers are on another dataset: what is tested is the claim that RS beats the tuned "
+        "baseline; the federated rows extend it to our setting. The paper tuned C ∈ {0.1, 0.5, "
+        "1} and E ∈ {E*, 1.2E*, 1.5E*} (line 299); we tune the learning rate (and, centralized, "
+        "the epochs) at C = 1: with every per-sample gradient clipped, lr and C scale the step "
+        "alike, but they are not the same search. The paper's gain is larger at ε = 1 than at "
+        "ε = 3; the table shows both, no rule tests that trend.",
         "",
         "| setting | data (model) | ε | baseline: best, acc % | RS: r*, best, acc % | "
         "RS − baseline | paper row: baseline → RS (gain) | verdict |",
@@ -305,8 +315,11 @@ def _comparison_tables(comparisons: Sequence[Comparison]) -> tuple[list[str], li
             gain, gain_se, rising = still_rising(arm.curves)
             edge = c.at_edge(arm)
             best = f"{arm.best} (edge: {', '.join(edge)})" if edge else arm.best
+            tuned_over = c.tuned_over
+            if arm.grid is not None:
+                tuned_over = "; ".join(f"{k} ∈ {{{', '.join(v)}}}" for k, v in arm.grid.items())
             lines.append(
-                f"| {c.name} | {arm.name.removeprefix('r* = ')} | {c.tuned_over} | {best} | "
+                f"| {c.name} | {arm.name.removeprefix('r* = ')} | {tuned_over} | {best} | "
                 f"{_pct(arm.validation)} | {_acc(arm.mean_se)} ({len(arm.accuracy)}) | "
                 f"{_interval(vs_base) if vs_base else '–'} | "
                 f"{_interval(untuned) if untuned else '–'} | "
@@ -410,7 +423,7 @@ def _untuned_section(comparisons: Sequence[Comparison]) -> tuple[list[str], list
         'maintaining the same performance" with the no-sparsification hyperparameters (line '
         f"313). Ours: each r* at the baseline's best, minus the baseline, paired. Verdict: "
         f"reproduced when the interval lies above −{100 * EQUIVALENCE_MARGIN:g} point (our "
-        'margin for "the same"), not reproduced when below 0.',
+        'margin for "the same"), not reproduced when below it.',
         "",
         "| comparison | r* | − baseline (points) | verdict |",
         "|---|---:|---:|---|",
@@ -481,31 +494,58 @@ def _ablation_section(
 def _scaling_section(
     scaling: Mapping[tuple[float, float], list[dict[str, Any]]], plan: ReproductionPlan
 ) -> tuple[list[str], str, list[dict[str, Any]]]:
+    """Where every row (fixed C) and column (fixed μ) of the grid peaks, against the rule.
+
+    The rule says all of them peak on one diagonal C / (1 − μ) = ρ*. We do not know ρ* (the
+    paper takes it from earlier works' tuning), so ρ* is the ratio of the grid's best cell,
+    and a peak counts when its ratio is within a factor of 2 of ρ* (one grid step). Chance:
+    a row or column whose peak fell on a random finished cell would hit with probability
+    (its cells within the factor) / (its cells); the sum over rows and columns is the number
+    of hits expected by chance. Failed cells (no finished run) are left out."""
     clips, momenta = plan.scaling_clips, plan.scaling_momenta
     table = {cell: _mean_se(_ok(rows, "final_test_accuracy")) for cell, rows in scaling.items()}
+    finished = {cell: v for cell, v in table.items() if not math.isnan(v[0])}
 
-    def on_diagonal(c: float, m: float) -> bool:
-        return math.isclose(c / (1 - m), 1.0, rel_tol=1e-6)
+    def ratio(cell: tuple[float, float]) -> float:
+        return cell[0] / (1 - cell[1])
 
-    hits, lines_detail = 0, []
-    for kind, groups in (
-        ("C", [[(c, m) for m in momenta] for c in clips]),
-        ("μ", [[(c, m) for c in clips] for m in momenta]),
-    ):
-        for cells in groups:
-            best = max(cells, key=lambda cell: table[cell][0])
-            fixed = f"C = {best[0]:g}" if kind == "C" else f"μ = {best[1]:g}"
-            hit = on_diagonal(*best)
-            hits += hit
-            lines_detail.append(
-                f"| {fixed} | C = {best[0]:g}, μ = {best[1]:g} | {_acc(table[best])} | "
-                f"{'yes' if hit else 'no'} |"
-            )
-    # chance: a row or column of k cells peaks on its one diagonal cell with probability 1/k
-    chance = len(clips) * (1 / len(momenta)) + len(momenta) * (1 / len(clips))
-    total = len(clips) + len(momenta)
+    lines_detail: list[str] = []
+    hits, chance, total = 0, 0.0, 0
+    if finished:
+        best_cell = max(finished, key=lambda cell: finished[cell][0])
+        rho = ratio(best_cell)
+
+        def near(cell: tuple[float, float]) -> bool:
+            return abs(math.log2(ratio(cell) / rho)) <= 1 + 1e-9
+
+        for kind, groups in (
+            ("C", [[(c, m) for m in momenta] for c in clips]),
+            ("μ", [[(c, m) for c in clips] for m in momenta]),
+        ):
+            for cells in groups:
+                done = [cell for cell in cells if cell in finished]
+                if not done:
+                    continue
+                best = max(done, key=lambda cell: finished[cell][0])
+                fixed = f"C = {best[0]:g}" if kind == "C" else f"μ = {best[1]:g}"
+                hit = near(best)
+                hits += hit
+                total += 1
+                chance += sum(near(cell) for cell in done) / len(done)
+                lines_detail.append(
+                    f"| {fixed} | C = {best[0]:g}, μ = {best[1]:g} | {ratio(best):.3g} | "
+                    f"{_acc(finished[best])} | {'yes' if hit else 'no'} |"
+                )
+    else:
+        rho = math.nan
     verdict = (
-        "reproduced" if hits >= 0.75 * total else "not reproduced" if hits <= chance else "partly"
+        "inconclusive (no finished cell)"
+        if not total
+        else "reproduced"
+        if hits >= 0.75 * total and hits > chance
+        else "not reproduced"
+        if hits <= chance
+        else "partly"
     )
     s = plan.scaling
     lines = [
@@ -515,14 +555,18 @@ def _scaling_section(
         'the local optima of every column or row is located on the diagonal" (Fig. 10, no '
         "numbers in the text; the random-freeze paper's worked example moves C = 0.1, μ = 0.9 "
         "to C = 1, μ = 0). Ours: centralized digits, RS r* = "
-        f"{s.rate if s else '–'}, ε = {s.target_epsilon if s else '–'}, lr {s.lr if s else '–'}"
-        f" (the baseline's tuned lr at C = 1, μ = 0), {plan.scaling_seeds} seeds per cell; "
-        "the diagonal through C = 1, μ = 0 is C / (1 − μ) = 1.",
+        f"{s.rate if s else '–'}, ε = {s.target_epsilon if s else '–'}, lr "
+        f"{s.lr if s else '–'}, {s.epochs if s else '–'} epochs (`fedsparse train`'s digits "
+        f"defaults), {plan.scaling_seeds} seeds per cell. The diagonal is the one through the "
+        f"grid's best cell, C / (1 − μ) = ρ* = {rho:.3g}; a row's or column's peak is on it "
+        "when its ratio is within a factor of 2 (one grid step). Verdict: reproduced when at "
+        "least 3/4 of the rows and columns peak on it (and more than chance), not reproduced "
+        "at chance or below, else partly.",
         "",
-        f"{hits} of {len(clips) + len(momenta)} rows and columns peak on the diagonal.",
+        f"{hits} of {total} rows and columns peak on the diagonal (chance: {chance:.1f}).",
         "",
-        "| fixed | best cell | test acc % | on the diagonal |",
-        "|---|---|---:|---|",
+        "| fixed | best cell | C / (1 − μ) | test acc % | on the diagonal |",
+        "|---|---|---:|---:|---|",
         *lines_detail,
         "",
         "![scaling](scaling.png)",
@@ -538,6 +582,7 @@ def _scaling_section(
         }
         for c in clips
         for m in momenta
+        if (c, m) in table
     ]
     return lines, verdict, rows
 
@@ -574,7 +619,7 @@ def write_report(
             summary.append(
                 (
                     f"Table 2: RS beats the tuned baseline ({c.setting}, {c.dataset}, "
-                    f"ε = {c.epsilon:g})",
+                    f"ε = {c.epsilon:g})" + (" (extension)" if c.setting == "federated" else ""),
                     f"+{gain} points ({paper_name})",
                     f"r* = {c.rs.rate:g}: {_interval(diff)} points",
                     gain_verdict(diff, gain),
@@ -643,6 +688,11 @@ def write_report(
             cell: _mean_se(_ok(r, "final_test_accuracy")) for cell, r in result.scaling.items()
         }
         _plot_scaling(table, plan.scaling_clips, plan.scaling_momenta, out / "scaling.png")
+    if result.failures:
+        body += ["## Studies that did not conclude", ""]
+        body += [f"- {failure}" for failure in result.failures]
+        body.append("")
+        summary += [(f"Study {f.split(':')[0]}", "–", "failed", "not run") for f in result.failures]
     head = [
         "# The RS paper's claims, re-run",
         "",

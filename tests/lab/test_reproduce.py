@@ -165,13 +165,21 @@ def test_scaling_verdict_counts_rows_and_columns_peaking_on_the_diagonal() -> No
     }
     lines, verdict, rows = _scaling_section(on_rule, plan)
     assert verdict == "reproduced"
-    assert "8 of 8 rows and columns peak on the diagonal." in lines
+    # every row and column has 2 of its 4 cells within a factor 2 of ratio 1: chance is 4
+    assert "8 of 8 rows and columns peak on the diagonal (chance: 4.0)." in lines
     assert len(rows) == 16
-    # accuracy grows with C alone: rows peak at mu=0.0 (1 of 4 on the diagonal), columns at
-    # C=1 (1 of 4): 2 of 8 is chance
+    # accuracy grows with C alone (ties: the first cell): rows peak at mu = 0, ratios
+    # 0.1, 0.2, 0.5, 1 (2 near the best cell's 1); columns at C = 1, ratios 1, 2, 5, 10 (2)
     by_clip = {(c, m): [_row(c), _row(c)] for c, m in on_rule}
     lines, verdict, _ = _scaling_section(by_clip, plan)
+    assert "4 of 8 rows and columns peak on the diagonal (chance: 4.0)." in lines
     assert verdict == "not reproduced"
+    # a failed cell is no peak: here the best cell of its row and column, had it finished
+    failed = {**by_clip, (1.0, 0.0): [{"status": "failed"}, {"status": "failed"}]}
+    best_of_row = [
+        line for line in _scaling_section(failed, plan)[0] if line.startswith("| C = 1 ")
+    ]
+    assert best_of_row and "μ = 0.5" in best_of_row[0]
 
 
 def test_ablation_verdict_reads_the_training_loss() -> None:
@@ -290,3 +298,36 @@ def test_cli_refuses_an_unknown_part(tmp_path: Path) -> None:
     )
     assert result.exit_code != 0
     assert "figure9" in result.output
+
+
+def test_specs_sharing_a_directory_are_refused(tmp_path: Path) -> None:
+    a, b = CentralSpec(lr=0.1234567), CentralSpec(lr=0.1234568)  # ``:g`` rounds both alike
+    assert a.slug == b.slug
+    with pytest.raises(ValueError, match="share the directory"):
+        run_specs([a, b], tmp_path)
+
+
+def test_a_borrowed_baseline_must_pair_by_seed() -> None:
+    from fedsparse.lab.reproduce import _baseline_source
+
+    source = FederatedStudy(name="src", dataset="digits", epsilon=3.0)
+    other = FederatedStudy(
+        name="int8", dataset="digits", epsilon=1.0, rates=(0.9,), baseline_from="src"
+    )
+    with pytest.raises(ValueError, match="epsilon 3.0 != 1.0"):
+        _baseline_source(other, {"src": source, "int8": other}, [])
+    same = FederatedStudy(
+        name="int8", dataset="digits", epsilon=3.0, rates=(0.9,), baseline_from="src"
+    )
+    with pytest.raises(ValueError, match="must run"):
+        _baseline_source(same, {"src": source, "int8": same}, [])
+    with pytest.raises(ValueError, match="no federated study"):
+        _baseline_source(same, {"int8": same}, [])
+
+
+def test_fig4_verdict_uses_the_margin_on_both_sides() -> None:
+    from fedsparse.lab.reproduce_report import _untuned_verdict
+
+    assert _untuned_verdict(diff(-0.003, -0.009, 0.003)) == "reproduced"
+    assert _untuned_verdict(diff(-0.005, -0.011, -0.001)) == "inconclusive"
+    assert _untuned_verdict(diff(-0.03, -0.04, -0.02)) == "not reproduced"
