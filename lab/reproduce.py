@@ -585,7 +585,7 @@ class FederatedStudy:
     dataset: str
     epsilon: float
     rates: tuple[float, ...] = (0.0, 0.5, 0.7, 0.9)
-    lrs: tuple[float, ...] = (0.05, 0.1, 0.25, 0.5, 1.0)
+    lrs: tuple[float, ...] = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
     rounds: int = 40
     clients: int = 10
     tune_seeds: int = 2
@@ -781,7 +781,7 @@ class ReproductionPlan:
             model=None,
             epsilon=1.0,
             lrs=(0.05, 0.1, 0.25, 0.5, 1.0),
-            epochs=(15, 22, 30),
+            epochs=(15, 22, 30, 40),
             batch_size=64,
             untuned=True,
         )
@@ -791,7 +791,7 @@ class ReproductionPlan:
             model="dpcnn-mnist",
             epsilon=1.0,
             rates=(0.0, 0.7, 0.9),
-            lrs=(0.25, 0.5, 1.0),
+            lrs=(0.1, 0.25, 0.5, 1.0),
             epochs=(30,),
             batch_size=256,
         )
