@@ -142,7 +142,9 @@ def _plot_rates(comparisons: Sequence[Comparison], path: Path) -> None:
                 capsize=3,
                 label="at the baseline's best",
             )
-        ax.set_title(f"{c.setting}, {c.dataset} ({c.model}), ε = {c.epsilon:g}", fontsize=9)
+        ax.set_title(
+            f"{c.name}: {c.setting}, {c.dataset} ({c.model}), ε = {c.epsilon:g}", fontsize=9
+        )
         ax.set_xlabel("final sparsification rate r*")
         ax.set_ylabel("test accuracy (%)")
         ax.legend(fontsize=7)
@@ -161,7 +163,7 @@ def _plot_curves(comparisons: Sequence[Comparison], path: Path) -> None:
             mean = np.mean([x[:length] for x in arm.curves], axis=0)
             ax.plot(range(1, length + 1), 100 * mean, label=f"r* = {arm.rate:g} ({arm.best})")
         unit = "epoch" if c.setting == "centralized" else "round"
-        ax.set_title(f"{c.setting}, {c.dataset}, ε = {c.epsilon:g}", fontsize=9)
+        ax.set_title(f"{c.name}: {c.setting}, {c.dataset}, ε = {c.epsilon:g}", fontsize=9)
         ax.set_xlabel(unit)
         ax.set_ylabel("test accuracy (%)")
         ax.legend(fontsize=6)
