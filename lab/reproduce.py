@@ -363,6 +363,8 @@ class ArmResult:
     bits: list[float] = field(default_factory=list)  # federated: uplink bits/param per run
     label: str = ""  # how the report names the arm (default: its rate)
     grid: dict[str, tuple[str, ...]] | None = None  # what it was tuned over, if not its study's
+    #: run length (epochs or rounds) -> the best mean validation accuracy at that length
+    by_length: dict[str, float] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -388,6 +390,25 @@ class Comparison:
     seeds: int
     grid: dict[str, tuple[str, ...]] = field(default_factory=dict)  # what was tuned
     table2: bool = True  # False: not a Table 2 comparison (another codec, say)
+    length_key: str = "epochs"  # the grid key of the run length ("num-rounds" federated)
+
+    def convergence(self, arm: ArmResult) -> Convergence:
+        """Whether ``arm``'s curves still rise, and if so whether its run was cut short.
+
+        Under a fixed ε the run length is a hyperparameter: a longer run spends the same budget
+        over more steps, so each step is noisier. A curve still rising at the end of its tuned
+        length was not cut short when every longer length tried scored lower on validation;
+        it was when its length is the longest tried (or the only one)."""
+        gain, se, rising = still_rising(arm.curves)
+        lengths = (arm.grid or self.grid).get(self.length_key, ())
+        pick = arm.best_values.get(self.length_key)
+        if pick is None and len(lengths) == 1:
+            pick = lengths[0]
+        longer = {
+            n: v for n, v in arm.by_length.items() if pick is not None and float(n) > float(pick)
+        }
+        longest = pick is None or not lengths or float(pick) >= max(float(n) for n in lengths)
+        return Convergence(gain, se, rising, pick, longer, cut_short=rising and longest)
 
     def at_edge(self, arm: ArmResult) -> list[str]:
         """The tuned keys whose pick is the grid's smallest or largest value (of several):
@@ -421,11 +442,34 @@ class Comparison:
         return f"FMNIST {name}", PAPER_TABLE2[("FMNIST", name, float(self.epsilon))]
 
 
+@dataclass(frozen=True)
+class Convergence:
+    """An arm's curves at the end of its run (``Comparison.convergence``)."""
+
+    gain: float  # mean test accuracy of the last fifth minus the fifth before
+    se: float  # its standard error over runs
+    rising: bool  # ``still_rising``
+    length: str | None  # the arm's run length (epochs or rounds)
+    longer: dict[str, float]  # each longer length tried -> its best mean validation accuracy
+    cut_short: bool  # rising at the longest length tried: a longer run might do better
+
+
+def _by_length(choice: ArmChoice, key: str) -> dict[str, float]:
+    """Length value -> the best mean validation accuracy over the other tuned keys."""
+    best: dict[str, float] = {}
+    for label, mean, _, _ in choice.candidates:
+        values = dict(part.split("=", 1) for part in label.split(", ") if "=" in part)
+        if key in values and not math.isnan(mean):
+            best[values[key]] = max(mean, best.get(values[key], -math.inf))
+    return best
+
+
 def _comparison_arms(
     plan: SweepPlan,
     rows: Sequence[Mapping[str, Any]],
     choices: Sequence[ArmChoice],
     curve: Callable[[Mapping[str, Any]], list[float]],
+    length_key: str = "epochs",
 ) -> list[ArmResult]:
     arms: dict[str, ArmResult] = {}
     for choice in choices:
@@ -437,6 +481,7 @@ def _comparison_arms(
             accuracy={},
             curves=[],
             best_values=dict(choice.best),
+            by_length=_by_length(choice, length_key),
         )
     keys = {k for c in choices for k, _ in c.arm}
     for run, row in zip(plan.runs, rows, strict=True):
@@ -586,7 +631,9 @@ class FederatedStudy:
     epsilon: float
     rates: tuple[float, ...] = (0.0, 0.5, 0.7, 0.9)
     lrs: tuple[float, ...] = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
-    rounds: int = 40
+    #: num-rounds: fixed if one value, else tuned with lr (under a fixed ε, length is a
+    #: hyperparameter: more rounds, more noise per round)
+    rounds: tuple[int, ...] = (40,)
     clients: int = 10
     tune_seeds: int = 2
     seeds: int = 5
@@ -596,26 +643,36 @@ class FederatedStudy:
     baseline_from: str | None = None
 
     @property
+    def tune(self) -> dict[str, list[str]]:
+        """The tuning grid: lr, and num-rounds when several."""
+        tune = {"lr": [f"{x:g}" for x in self.lrs]}
+        if len(self.rounds) > 1:
+            tune["num-rounds"] = [str(n) for n in self.rounds]
+        return tune
+
+    @property
     def command(self) -> str:
         sets = [f"dataset={self.dataset}", f"target-epsilon={self.epsilon:g}"]
-        sets += [f"num-rounds={self.rounds}", *(f"{k}={v}" for k, v in self.extra)]
+        if len(self.rounds) == 1:
+            sets.append(f"num-rounds={self.rounds[0]}")
+        sets += [f"{k}={v}" for k, v in self.extra]
         return " ".join(
             [
                 "fedsparse sweep",
                 f"--grid final-rate={','.join(f'{r:g}' for r in self.rates)}",
                 *(f"--set {s}" for s in sets),
-                f"--seeds {self.seeds} --clients {self.clients} --backend inprocess --jobs 1",
-                f"--tune lr={','.join(f'{x:g}' for x in self.lrs)}",
+                f"--seeds {self.seeds} --clients {self.clients} --backend inprocess",
+                *(f"--tune {k}={','.join(v)}" for k, v in self.tune.items()),
                 f"--tune-seeds {self.tune_seeds}",
             ]
         )
 
 
 def run_federated_study(
-    study: FederatedStudy, root: Path, out: Path, *, log: Log | None = None
+    study: FederatedStudy, root: Path, out: Path, *, jobs: int = 1, log: Log | None = None
 ) -> Comparison:
-    """Runs the tuned sweep (runs under ``root / study.name``), writes its own sweep report
-    into ``out / study.name`` and returns the comparison."""
+    """Runs the tuned sweep (runs under ``root / study.name``, ``jobs`` at a time), writes its
+    own sweep report into ``out / study.name`` and returns the comparison."""
     from rich.console import Console
 
     from fedsparse.lab.report import write_outputs
@@ -625,10 +682,10 @@ def run_federated_study(
     fixed = {
         "dataset": study.dataset,
         "target-epsilon": f"{study.epsilon:g}",
-        "num-rounds": str(study.rounds),
+        **({"num-rounds": str(study.rounds[0])} if len(study.rounds) == 1 else {}),
         **dict(study.extra),
     }
-    tune = {"lr": [f"{x:g}" for x in study.lrs]}
+    tune = study.tune
     settings = RunSettings(backend="inprocess", clients=study.clients)
     sweep_out = out / study.name
     if log:
@@ -641,7 +698,7 @@ def run_federated_study(
         seeds=study.seeds,
         settings=settings,
         runs_dir=root / study.name,
-        jobs=1,
+        jobs=jobs,
         console=Console(file=io.StringIO()),
         tuning_csv=sweep_out / "tuning.csv",
     )
@@ -654,7 +711,8 @@ def run_federated_study(
         lines = (Path(row["run_dir"]) / "rounds.jsonl").read_text().splitlines()
         return [float(json.loads(line)["test_accuracy"]) for line in lines]
 
-    arms = _comparison_arms(result.plan, result.rows, result.choices, curve)
+    arms = _comparison_arms(result.plan, result.rows, result.choices, curve, "num-rounds")
+    rounds_note = f"{study.rounds[0]} rounds, " if len(study.rounds) == 1 else ""
     for arm in arms:
         if study.extra:
             arm.label = f"r* = {arm.rate:g}, " + ", ".join(f"{k}={v}" for k, v in study.extra)
@@ -664,13 +722,14 @@ def run_federated_study(
         dataset=study.dataset,
         model=_default_model(study.dataset),
         epsilon=study.epsilon,
-        tuned_over=f"lr ∈ {{{', '.join(tune['lr'])}}} ({study.rounds} rounds, "
-        f"{study.clients} clients)",
+        tuned_over=" × ".join(f"{k} ∈ {{{', '.join(v)}}}" for k, v in tune.items())
+        + f" ({rounds_note}{study.clients} clients)",
         arms=arms,
         table2=not study.extra,
         tune_seeds=study.tune_seeds,
         seeds=study.seeds,
-        grid={"lr": tuple(tune["lr"])},
+        grid={"lr": tuple(tune["lr"]), "num-rounds": tuple(str(n) for n in study.rounds)},
+        length_key="num-rounds",
     )
 
 
@@ -781,7 +840,7 @@ class ReproductionPlan:
             model=None,
             epsilon=1.0,
             lrs=(0.05, 0.1, 0.25, 0.5, 1.0),
-            epochs=(15, 22, 30, 40),
+            epochs=(15, 22, 30, 40, 60),
             batch_size=64,
             untuned=True,
         )
@@ -792,7 +851,7 @@ class ReproductionPlan:
             epsilon=1.0,
             rates=(0.0, 0.7, 0.9),
             lrs=(0.1, 0.25, 0.5, 1.0),
-            epochs=(30,),
+            epochs=(30, 45),
             batch_size=256,
         )
         return cls(
@@ -803,14 +862,27 @@ class ReproductionPlan:
                 dataclasses.replace(mnist, name="central-mnist5k-eps3", epsilon=3.0),
             ),
             federated=(
-                FederatedStudy(name="digits-eps3", dataset="digits", epsilon=3.0),
-                FederatedStudy(name="digits-eps1", dataset="digits", epsilon=1.0),
+                FederatedStudy(
+                    name="digits-eps3",
+                    dataset="digits",
+                    epsilon=3.0,
+                    lrs=(0.025, 0.05, 0.1, 0.25),
+                    rounds=(40, 80, 160),
+                ),
+                FederatedStudy(
+                    name="digits-eps1",
+                    dataset="digits",
+                    epsilon=1.0,
+                    lrs=(0.01, 0.025, 0.05, 0.1),
+                    rounds=(40, 80, 160),
+                ),
                 FederatedStudy(
                     name="digits-eps3-int8",
                     dataset="digits",
                     epsilon=3.0,
                     rates=(0.9,),
                     lrs=(0.05, 0.1, 0.25),
+                    rounds=(40, 80, 160),
                     extra=(("value-dtype", "int8"),),
                     baseline_from="digits-eps3",
                 ),
@@ -847,7 +919,7 @@ class ReproductionPlan:
                     epsilon=3.0,
                     rates=(0.0, 0.9),
                     lrs=(0.5,),
-                    rounds=3,
+                    rounds=(3,),
                     clients=3,
                     tune_seeds=1,
                     seeds=2,
@@ -916,8 +988,8 @@ def _scaling_specs(plan: ReproductionPlan) -> dict[tuple[float, float], list[Cen
 def _baseline_source(
     fed: FederatedStudy, studies: Mapping[str, FederatedStudy], done: Sequence[Comparison]
 ) -> Comparison:
-    """The finished comparison whose baseline ``fed`` borrows: same data, ε, rounds, clients
-    and seeds, so its runs pair with ``fed``'s by seed.
+    """The finished comparison whose baseline ``fed`` borrows: same data, ε, rounds tried,
+    clients and seeds, so its runs pair with ``fed``'s by seed.
 
     Raises:
         ValueError: no such study, not run before ``fed``, or one that does not pair.
@@ -978,7 +1050,7 @@ def run_reproduction(
                 if fed.baseline_from is not None:
                     source = _baseline_source(fed, studies, result.comparisons)
                 comparison = run_federated_study(
-                    fed, runs_dir / "federated", out / "federated", log=log
+                    fed, runs_dir / "federated", out / "federated", jobs=jobs, log=log
                 )
             except ValueError as err:
                 result.failures.append(f"{fed.name}: {err}")

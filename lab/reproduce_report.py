@@ -33,10 +33,10 @@ from fedsparse.lab.reproduce import (
     PAPER_NOISE_DIM,
     RISING_TOLERANCE,
     Comparison,
+    Convergence,
     _mean_se,
     _paired,
     gain_verdict,
-    still_rising,
 )
 
 if TYPE_CHECKING:
@@ -168,6 +168,52 @@ def _plot_curves(comparisons: Sequence[Comparison], path: Path) -> None:
         ax.set_ylabel("test accuracy (%)")
         ax.legend(fontsize=6)
     _save(fig, path)
+
+
+def _length_unit(c: Comparison) -> str:
+    return "epochs" if c.length_key == "epochs" else "rounds"
+
+
+def _convergence_cell(c: Comparison, conv: Convergence) -> str:
+    """``no (+0.9 ± 0.5)``, or a rising arm's longer lengths on validation, or *cut short*."""
+    cell = f"{'**yes**' if conv.rising else 'no'} ({100 * conv.gain:+.1f} ± {100 * conv.se:.1f})"
+    if conv.cut_short:
+        return f"{cell}; **cut short** ({conv.length} {_length_unit(c)} is the longest tried)"
+    if conv.rising:
+        longer = ", ".join(f"{n}: {_pct(v)}" for n, v in sorted(conv.longer.items(), key=_num))
+        return f"{cell}; longer lost on validation ({_length_unit(c)} {longer})"
+    return cell
+
+
+def _num(item: tuple[str, float]) -> float:
+    return float(item[0])
+
+
+def _plot_lengths(comparisons: Sequence[Comparison], path: Path) -> bool:
+    """Each arm's best validation accuracy per run length tried; False when none was tuned."""
+    tuned = [c for c in comparisons if any(len(a.by_length) > 1 for a in c.arms)]
+    if not tuned:
+        return False
+    rows, cols = _grid(len(tuned))
+    fig = Figure(figsize=(5 * cols, 3.4 * rows))
+    for i, c in enumerate(tuned):
+        ax = fig.add_subplot(rows, cols, i + 1)
+        for arm in c.arms:
+            points = sorted(arm.by_length.items(), key=_num)
+            if len(points) > 1:
+                ax.plot(
+                    [float(n) for n, _ in points],
+                    [100 * v for _, v in points],
+                    "o-",
+                    label=arm.name,
+                )
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{c.name}: best validation per length, ε = {c.epsilon:g}", fontsize=9)
+        ax.set_xlabel(_length_unit(c))
+        ax.set_ylabel("validation accuracy (%)")
+        ax.legend(fontsize=6)
+    _save(fig, path)
+    return True
 
 
 def _plot_ablations(
@@ -314,7 +360,7 @@ def _comparison_tables(comparisons: Sequence[Comparison]) -> tuple[list[str], li
         for arm in c.arms:
             vs_base = c.difference(arm) if arm is not c.baseline else None
             untuned = c.untuned_difference(arm) if arm.untuned else None
-            gain, gain_se, rising = still_rising(arm.curves)
+            conv = c.convergence(arm)
             edge = c.at_edge(arm)
             best = f"{arm.best} (edge: {', '.join(edge)})" if edge else arm.best
             tuned_over = c.tuned_over
@@ -325,7 +371,7 @@ def _comparison_tables(comparisons: Sequence[Comparison]) -> tuple[list[str], li
                 f"{_pct(arm.validation)} | {_acc(arm.mean_se)} ({len(arm.accuracy)}) | "
                 f"{_interval(vs_base) if vs_base else '–'} | "
                 f"{_interval(untuned) if untuned else '–'} | "
-                f"{'**yes**' if rising else 'no'} ({100 * gain:+.1f} ± {100 * gain_se:.1f}) |"
+                f"{_convergence_cell(c, conv)} |"
             )
             mean, se = arm.mean_se
             rows.append(
@@ -349,8 +395,10 @@ def _comparison_tables(comparisons: Sequence[Comparison]) -> tuple[list[str], li
                     "untuned_diff_mean": untuned.mean if untuned else "",
                     "untuned_diff_low": untuned.low if untuned else "",
                     "untuned_diff_high": untuned.high if untuned else "",
-                    "last_fifth_gain": gain,
-                    "still_rising": rising,
+                    "last_fifth_gain": conv.gain,
+                    "still_rising": conv.rising,
+                    "length": conv.length or "",
+                    "cut_short": conv.cut_short,
                 }
             )
     lines += [
@@ -359,7 +407,12 @@ def _comparison_tables(comparisons: Sequence[Comparison]) -> tuple[list[str], li
         "the grid.",
         "",
         f"*Still rising*: the mean test accuracy of the last fifth of the epochs/rounds beats the "
-        f"fifth before by more than {100 * RISING_TOLERANCE:g} point and 2 standard errors.",
+        f"fifth before by more than {100 * RISING_TOLERANCE:g} point and 2 standard errors. "
+        "Under a fixed ε the run length is a hyperparameter, tuned with the others: a longer "
+        "run spends the same budget over more steps, so every step is noisier. A curve still "
+        "rising at the end of its tuned length was not stopped early when every longer length "
+        "tried scored lower on validation (listed with its best validation %); it was *cut "
+        "short* when its length is the longest tried.",
         "",
         "![accuracy vs rate](accuracy_vs_rate.png)",
         "",
@@ -630,23 +683,44 @@ def write_report(
                     gain_verdict(diff, gain),
                 )
             )
-        rising = [
-            f"{c.name} r*={a.rate:g}"
+        arms = {
+            f"{c.name} r*={a.rate:g}": c.convergence(a)
             for c in result.comparisons
             for a in c.arms
-            if still_rising(a.curves)[2]
-        ]
+            if not a.name.startswith("r* = 0 (the baseline of")  # counted in its own study
+        }
+        cut = [name for name, conv in arms.items() if conv.cut_short]
+        tuned = [name for name, conv in arms.items() if conv.rising and not conv.cut_short]
+        if cut:
+            ours = f"cut short (still rising at the longest length tried): {', '.join(cut)}"
+        elif tuned:
+            ours = (
+                f"no run cut short; {len(tuned)} of {len(arms)} arms still rise at the end of "
+                f"their tuned length, and every longer length tried scored lower on validation "
+                f"(a fixed ε spread over more steps): {', '.join(tuned)}"
+            )
+        else:
+            ours = "every curve flat"
         summary.append(
             (
                 "Runs long enough to converge",
                 "–",
-                "every curve flat" if not rising else f"still rising: {', '.join(rising)}",
-                "ok" if not rising else "not converged",
+                ours,
+                "not converged" if cut else "ok",
             ),
         )
         write_csv(out / "comparisons.csv", rows, list(rows[0]))
         _plot_rates(result.comparisons, out / "accuracy_vs_rate.png")
         _plot_curves(result.comparisons, out / "curves.png")
+        if _plot_lengths(result.comparisons, out / "lengths.png"):
+            body += [
+                "Run length, tuned: each arm's best validation accuracy at each length tried "
+                "(the other keys at their best for that length). Under a fixed ε a longer run "
+                "is noisier per step, so accuracy peaks at a finite length.",
+                "",
+                "![run length](lengths.png)",
+                "",
+            ]
         lines, bits_summary = _bits_section(result.comparisons)
         if any(c.setting == "federated" for c in result.comparisons):
             body += lines

@@ -19,6 +19,7 @@ from fedsparse.lab.reproduce import (
     Comparison,
     FederatedStudy,
     ReproductionPlan,
+    _by_length,
     gain_verdict,
     measure_noise_ratio,
     run_central_study,
@@ -27,7 +28,7 @@ from fedsparse.lab.reproduce import (
     still_rising,
 )
 from fedsparse.lab.reproduce_report import _ablation_section, _scaling_section
-from fedsparse.lab.tuning import PairedDifference
+from fedsparse.lab.tuning import ArmChoice, PairedDifference
 
 
 def diff(mean: float, low: float, high: float, n: int = 5) -> PairedDifference:
@@ -57,6 +58,64 @@ def test_still_rising_measures_the_last_fifth() -> None:
     # noisy gains: a mean above the tolerance but within 2 SE is not called rising
     noisy = [[0.0] * 8 + [0.2, 0.2], [0.0] * 8 + [-0.15, -0.15]]
     assert not still_rising(noisy)[2]
+
+
+def _arm(length: str, curve: list[float], by_length: dict[str, float]) -> ArmResult:
+    return ArmResult(
+        rate=0.9,
+        best=f"lr=0.1, num-rounds={length}",
+        validation=by_length[length],
+        accuracy={0: curve[-1], 1: curve[-1]},
+        curves=[curve, [x + 0.01 for x in curve]],
+        best_values={"lr": "0.1", "num-rounds": length},
+        by_length=by_length,
+    )
+
+
+def test_a_rising_run_is_cut_short_only_at_the_longest_length_tried() -> None:
+    rising = [0.05 * i for i in range(10)]
+    flat = [0.5] * 10
+    comparison = Comparison(
+        name="c",
+        setting="federated",
+        dataset="digits",
+        model="digits-cnn",
+        epsilon=3.0,
+        tuned_over="",
+        arms=[],
+        tune_seeds=2,
+        seeds=2,
+        grid={"lr": ("0.1",), "num-rounds": ("40", "80", "160")},
+        length_key="num-rounds",
+    )
+    lengths = {"40": 0.70, "80": 0.78, "160": 0.71}
+    tuned = comparison.convergence(_arm("80", rising, lengths))
+    assert tuned.rising and not tuned.cut_short
+    assert tuned.length == "80" and tuned.longer == {"160": 0.71}
+    longest = comparison.convergence(_arm("160", rising, {**lengths, "160": 0.8}))
+    assert longest.rising and longest.cut_short and longest.longer == {}
+    assert not comparison.convergence(_arm("160", flat, lengths)).cut_short
+    # one length only (not tuned): a rising curve is cut short
+    fixed = Comparison(**{**comparison.__dict__, "grid": {"lr": ("0.1",), "num-rounds": ("40",)}})
+    arm = _arm("40", rising, {"40": 0.7})
+    arm.best_values.pop("num-rounds")
+    assert fixed.convergence(arm).cut_short
+
+
+def test_by_length_keeps_the_best_validation_per_length() -> None:
+    choice = ArmChoice(
+        arm=(("final-rate", "0.9"),),
+        best=(("lr", "0.1"), ("num-rounds", "80")),
+        score=0.8,
+        candidates=(
+            ("lr=0.05, num-rounds=40", 0.6, 0.01, 2),
+            ("lr=0.1, num-rounds=40", 0.7, 0.01, 2),
+            ("lr=0.05, num-rounds=80", 0.75, 0.01, 2),
+            ("lr=0.1, num-rounds=80", 0.8, 0.01, 2),
+            ("lr=0.1, num-rounds=160", math.nan, math.nan, 1),  # not finished on every seed
+        ),
+    )
+    assert _by_length(choice, "num-rounds") == {"40": 0.7, "80": 0.8}
 
 
 def test_noise_ratio_matches_sqrt_keep_fraction() -> None:
@@ -225,7 +284,7 @@ def test_reproduction_report_matches_its_runs(tmp_path: Path) -> None:
                 epsilon=3.0,
                 rates=(0.0, 0.9),
                 lrs=(0.5,),
-                rounds=2,
+                rounds=(2, 3),  # tuned with lr
                 clients=2,
                 tune_seeds=1,
                 seeds=2,
@@ -236,7 +295,7 @@ def test_reproduction_report_matches_its_runs(tmp_path: Path) -> None:
                 epsilon=3.0,
                 rates=(0.9,),
                 lrs=(0.5,),
-                rounds=2,
+                rounds=(2, 3),
                 clients=2,
                 tune_seeds=1,
                 seeds=2,
@@ -272,10 +331,24 @@ def test_reproduction_report_matches_its_runs(tmp_path: Path) -> None:
     ]
     bits = {(r["comparison"], r["rate"]): float(r["uplink_bits_per_param"]) for r in rows[2:]}
     assert bits[("fed", "0.0")] == pytest.approx(32, rel=0.01)
-    # 2 rounds of gradual cooling to 0.9 keep 1 and 0.1 of the values: fp32 and int8 values
+    # gradual cooling to 0.9 keeps on average (1 + 0.1) / 2 of the values over 2 or 3 rounds
     assert bits[("fed", "0.9")] == pytest.approx(32 * 1.1 / 2, rel=0.01)
     assert bits[("fed-int8", "0.9")] == pytest.approx(8 * 1.1 / 2, rel=0.02)
     assert "## Bits per parameter" in report
+    # the federated length was tuned: both lengths ran on validation, each arm has its pick
+    tuned = {d.name for d in (tmp_path / "runs" / "federated" / "fed" / "tune").iterdir()}
+    assert {"final-rate-0_lr-0.5_num-rounds-2_seed-1000"} <= tuned
+    assert {"final-rate-0.9_lr-0.5_num-rounds-3_seed-1000"} <= tuned
+    for row in rows[2:4]:
+        assert row["length"] in ("2", "3") and f"num-rounds={row['length']}" in row["best"]
+        curves = [
+            json.loads(line)
+            for d in (tmp_path / "runs" / "federated" / "fed").glob("final-rate-*")
+            if f"num-rounds-{row['length']}_" in d.name
+            for line in (d / "rounds.jsonl").read_text().splitlines()
+        ]
+        assert curves and all(r["round"] <= int(row["length"]) for r in curves)
+    assert (out / "lengths.png").stat().st_size > 1000
     assert "r* = 0.9, value-dtype=int8 at ε = 3" in report
     # the centralized means are the final test accuracies in the run directories
     runs = tmp_path / "runs" / "central" / "central"
