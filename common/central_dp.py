@@ -27,7 +27,11 @@ have touched.
 
 Trust: this is *central* DP. The server sees every clipped update in the clear and must be
 trusted to add ``z`` and to keep it secret (``central-noise=fresh``: OS entropy; ``seeded``
-only for reproducible simulations, where the seed is public and the noise is not secret). A
+only for reproducible simulations, where the seed is public and the noise is not secret).
+With ``secure-mode=true`` the server's noise is hardened as the clients' is (Opacus's
+``_generate_noise(secure_mode=True)``: each coordinate the scaled sum of 4 Gaussian draws,
+against floating-point attacks that recover a Gaussian sample's generator state), and
+``central-noise`` must be ``fresh``. A
 deployed node that does not trust its server keeps sample-level local DP (``dp-level=sample``,
 the default); its policy refuses to train without local noise unless its owner allows the
 ``noisy`` mechanism.
@@ -41,6 +45,7 @@ from typing import Final, Literal, get_args
 
 import numpy as np
 import torch
+from opacus.optimizers.optimizer import _generate_noise
 
 from fedsparse.common.privacy import AccountantName, compute_epsilon_of_history
 from fedsparse.common.robust import clip_to_norm
@@ -115,6 +120,7 @@ def central_aggregate(
     noise_multiplier: float,
     expected_users: float,
     generator: torch.Generator,
+    secure: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One DP-FedAvg round: ``w + (sum_i clip(u_i, S) + N(0, sigma^2 S^2)) / (q N)`` on ``support``.
 
@@ -127,6 +133,8 @@ def central_aggregate(
         noise_multiplier: ``sigma_c``.
         expected_users: ``q N``, the fixed denominator.
         generator: the noise stream.
+        secure: hardened noise (Opacus's secure mode: 4 draws per coordinate, 1 discarded
+            first), at the same standard deviation.
 
     Returns:
         ``(new weights, the bool mask of coordinates that changed)``.
@@ -156,7 +164,15 @@ def central_aggregate(
             if not bool(allowed[where].all()):
                 raise ValueError("an update touches coordinates off the round's public support")
             total.index_add_(0, where, clipped)
-    noise = torch.normal(0.0, noise_multiplier * clip, size=(d,), generator=generator)
+    if secure:
+        noise = _generate_noise(
+            std=noise_multiplier * clip,
+            reference=torch.zeros(d),
+            generator=generator,
+            secure_mode=True,
+        )
+    else:
+        noise = torch.normal(0.0, noise_multiplier * clip, size=(d,), generator=generator)
     total += noise.to(torch.float64) * allowed
     new = (weights.to(torch.float64) + total / expected_users).to(torch.float32)
     return new, allowed

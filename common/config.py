@@ -304,6 +304,8 @@ class FederatedConfig:
             fail("dp_level", "'sample' with mask-scope=client (the noise needs one public mask)")
         if self.aggregator != "mean" or self.weighting != "uniform":
             fail("dp_level", "'sample' unless aggregator=mean and weighting=uniform")
+        if self.secure_mode and self.central_noise != "fresh":
+            fail("central_noise", "'fresh' with secure-mode=true (hardened noise takes no seed)")
 
     def method_config(self) -> MethodConfig:
         """The method and its parameters (``common/methods.py``)."""

@@ -48,6 +48,7 @@ from fedsparse.lab.tuning import (
     TUNE_SEED_OFFSET,
     ArmChoice,
     PairedDifference,
+    check_final_seeds,
     choose_best,
 )
 
@@ -548,6 +549,7 @@ def run_central_study(
 ) -> Comparison:
     """Tunes every arm on validation, runs each at its best on test; optionally every arm
     also at the baseline's best (``untuned``). Run directories under ``root / study.name``."""
+    check_final_seeds(study.seeds)
     root = root / study.name
 
     def point(rate: float, lr: float, epochs: int) -> tuple[tuple[str, str], ...]:
@@ -866,14 +868,16 @@ class ReproductionPlan:
                     name="digits-eps3",
                     dataset="digits",
                     epsilon=3.0,
-                    lrs=(0.025, 0.05, 0.1, 0.25),
+                    rates=(0.0, 0.7, 0.9),
+                    lrs=(0.025, 0.05, 0.1),
                     rounds=(40, 80, 160),
                 ),
                 FederatedStudy(
                     name="digits-eps1",
                     dataset="digits",
                     epsilon=1.0,
-                    lrs=(0.01, 0.025, 0.05, 0.1),
+                    rates=(0.0, 0.7, 0.9),
+                    lrs=(0.01, 0.025, 0.05),
                     rounds=(40, 80, 160),
                 ),
                 FederatedStudy(

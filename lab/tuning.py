@@ -50,6 +50,7 @@ __all__ = [
     "ArmChoice",
     "PairedDifference",
     "TunedSweep",
+    "check_final_seeds",
     "choose_best",
     "paired_differences",
     "plan_final",
@@ -193,6 +194,20 @@ def choose_best(
     return choices
 
 
+def check_final_seeds(seeds: int) -> None:
+    """Refuses more final seeds than ``TUNE_SEED_OFFSET``: a final seed would then repeat a
+    tuning seed (its noise and sampling draws), coupling the test runs to the tuning.
+
+    Raises:
+        ValueError: ``seeds`` > ``TUNE_SEED_OFFSET``, naming ``--seeds``.
+    """
+    if seeds > TUNE_SEED_OFFSET:
+        raise ValueError(
+            f"--seeds {seeds}: at most {TUNE_SEED_OFFSET} with --tune (tuning seeds start at "
+            f"base + {TUNE_SEED_OFFSET} and must not repeat a final seed)"
+        )
+
+
 def plan_final(
     choices: Sequence[ArmChoice],
     fixed: Mapping[str, str],
@@ -204,6 +219,7 @@ def plan_final(
     """Phase 2: each arm at its best combination, the same ``seeds`` for all, on the test split."""
     if not choices:
         raise ValueError("plan_final: no arm to run")
+    check_final_seeds(seeds)
     base = int(fixed.get("seed", "0"))
     final_fixed = {**fixed, "eval-split": "test", "split-seed": str(base)}
     runs: list[SweepRun] = []
@@ -353,6 +369,7 @@ def run_tuned_sweep(
         ValueError: a bad grid or tune key, or an arm none of whose combinations finished.
         SweepInterrupted: a stop during the final phase (with its rows).
     """
+    check_final_seeds(seeds)  # before any tuning run
     clients = settings.clients
     tuning = plan_tuning(
         grid, tune, fixed, tune_seeds=tune_seeds, clients=clients, scale_clip=scale_clip

@@ -680,6 +680,7 @@ class SparseFedAvg(Strategy):
             noise_multiplier=cfg.central_noise_multiplier,
             expected_users=self._user_expected,
             generator=self._central_gen,
+            secure=cfg.secure_mode,
         )
 
     def _count_failures(self, stats: RoundStats) -> None:

@@ -58,7 +58,8 @@ def test_one_users_influence_is_at_most_s_over_qn(norm: float) -> None:
     assert float((with_user - without).norm()) <= 0.5 / 8.0 * (1 + 1e-6)
 
 
-def test_noise_is_on_the_support_only_with_std_sigma_s_over_qn() -> None:
+@pytest.mark.parametrize("secure", [False, True])
+def test_noise_is_on_the_support_only_with_std_sigma_s_over_qn(secure: bool) -> None:
     d, sigma, s, m = 20000, 2.0, 0.5, 5.0
     support = torch.arange(0, d, 2)
     new, _ = central_aggregate(
@@ -69,6 +70,7 @@ def test_noise_is_on_the_support_only_with_std_sigma_s_over_qn() -> None:
         noise_multiplier=sigma,
         expected_users=m,
         generator=_gen(3),
+        secure=secure,
     )
     off = torch.ones(d, dtype=torch.bool)
     off[support] = False
@@ -77,6 +79,28 @@ def test_noise_is_on_the_support_only_with_std_sigma_s_over_qn() -> None:
     target = sigma * s / m
     # the sample std of n normals has relative SE 1 / sqrt(2 (n - 1))
     assert abs(std / target - 1) < 5 / math.sqrt(2 * (len(support) - 1))
+
+
+def test_secure_noise_is_the_hardened_sum_of_four_draws() -> None:
+    """secure-mode: one draw discarded, then (z1 + z2 + z3 + z4) / 2 per coordinate (Opacus's
+    hardened noise), so the stream is not the plain one's."""
+    d, sigma, s = 1000, 1.5, 2.0
+    args = dict(support=None, clip=s, noise_multiplier=sigma, expected_users=1.0)
+    secure, _ = central_aggregate(torch.zeros(d), [], generator=_gen(7), secure=True, **args)  # type: ignore[arg-type]
+    plain, _ = central_aggregate(torch.zeros(d), [], generator=_gen(7), **args)  # type: ignore[arg-type]
+    g = _gen(7)
+    torch.normal(0.0, sigma * s, size=(1, 1), generator=g)  # the discarded first draw
+    draws = [torch.normal(0.0, sigma * s, size=(d,), generator=g) for _ in range(4)]
+    torch.testing.assert_close(secure, (draws[0] + draws[1] + draws[2] + draws[3]) / 2)
+    assert not torch.equal(secure, plain)
+
+
+def test_secure_mode_refuses_seeded_central_noise() -> None:
+    with pytest.raises(ValueError, match="central-noise=.*seeded.*fresh"):
+        FederatedConfig(
+            dp_level="user", clients_per_round=2, secure_mode=True, central_noise="seeded"
+        )
+    FederatedConfig(dp_level="user", clients_per_round=2, secure_mode=True)  # fresh: accepted
 
 
 def test_updates_off_the_public_support_are_refused() -> None:

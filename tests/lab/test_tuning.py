@@ -20,6 +20,7 @@ from fedsparse.lab.cli import app
 from fedsparse.lab.sweep import parse_grid
 from fedsparse.lab.tuning import (
     TUNE_SEED_OFFSET,
+    check_final_seeds,
     choose_best,
     paired_differences,
     plan_final,
@@ -196,3 +197,19 @@ def test_tuning_never_sees_a_final_test_example() -> None:
     assert not (rows(train) | rows(validation)) & rows(final_test)
     cfg = FederatedConfig(seed=TUNE_SEED_OFFSET, split_seed=0, eval_split="validation")
     assert torch.equal(public_test_data(cfg).x, validation.x)
+
+
+def test_more_final_seeds_than_the_tuning_offset_are_refused_before_any_run(
+    tmp_path: Path,
+) -> None:
+    # final seeds 0..1000 would include 1000, the first tuning seed (the same noise draws)
+    args = ["sweep", "--out", str(tmp_path / "s"), "--grid", "final-rate=0,0.9"]
+    args += ["--tune", "lr=0.25,1.0", "--seeds", str(TUNE_SEED_OFFSET + 1)]
+    args += ["--backend", "inprocess"]
+    result = CliRunner().invoke(app, args, env=ENV)
+    assert result.exit_code != 0
+    assert f"--seeds {TUNE_SEED_OFFSET + 1}" in result.output
+    assert not (tmp_path / "s" / "runs").exists()  # refused before the tuning phase
+    with pytest.raises(ValueError, match="--seeds 1001"):
+        check_final_seeds(1001)
+    check_final_seeds(TUNE_SEED_OFFSET)  # seeds 0..999: disjoint from 1000..

@@ -102,3 +102,22 @@ def test_fresh_sampling_is_not_the_run_seeds() -> None:
     nodes = list(range(64))
     one, two = _strategy(), _strategy()
     assert poisson_sample(nodes, 0.5, one._user_rng) != poisson_sample(nodes, 0.5, two._user_rng)
+
+
+def test_secure_mode_hardens_the_servers_noise(monkeypatch: pytest.MonkeyPatch) -> None:
+    """secure-mode=true reaches the central aggregate (hardened noise, OS entropy)."""
+    import fedsparse.server.strategy as strategy_module
+
+    seen: list[bool] = []
+    real = strategy_module.central_aggregate
+
+    def spy(*args: object, **kwargs: object) -> object:
+        seen.append(bool(kwargs.get("secure")))
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(strategy_module, "central_aggregate", spy)
+    for secure in (True, False):
+        strategy = _strategy(secure_mode=secure)
+        new, _ = strategy._aggregate_central(_stats([]), torch.zeros(50), [])
+        assert torch.count_nonzero(new) == 50
+    assert seen == [True, False]
