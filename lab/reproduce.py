@@ -870,7 +870,7 @@ class ReproductionPlan:
                     epsilon=3.0,
                     rates=(0.0, 0.7, 0.9),
                     lrs=(0.025, 0.05, 0.1),
-                    rounds=(40, 80, 160),
+                    rounds=(40, 80, 160, 320),
                 ),
                 FederatedStudy(
                     name="digits-eps1",
@@ -886,7 +886,7 @@ class ReproductionPlan:
                     epsilon=3.0,
                     rates=(0.9,),
                     lrs=(0.05, 0.1, 0.25),
-                    rounds=(40, 80, 160),
+                    rounds=(40, 80, 160, 320),
                     extra=(("value-dtype", "int8"),),
                     baseline_from="digits-eps3",
                 ),
