@@ -853,7 +853,7 @@ class ReproductionPlan:
             epsilon=1.0,
             rates=(0.0, 0.7, 0.9),
             lrs=(0.1, 0.25, 0.5, 1.0),
-            epochs=(30, 45),
+            epochs=(30,),
             batch_size=256,
         )
         return cls(
