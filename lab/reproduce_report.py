@@ -693,6 +693,12 @@ def write_report(
         tuned = [name for name, conv in arms.items() if conv.rising and not conv.cut_short]
         if cut:
             ours = f"cut short (still rising at the longest length tried): {', '.join(cut)}"
+            if not any(name.endswith(" r*=0") for name in cut):
+                ours += (
+                    ". Only sparse arms are cut short: a longer grid can only raise their "
+                    "tuned validation score, so their gains over the baselines (whose lengths "
+                    "are tuned or flat) are likely conservative"
+                )
         elif tuned:
             ours = (
                 f"no run cut short; {len(tuned)} of {len(arms)} arms still rise at the end of "
