@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import threading
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -24,6 +25,7 @@ import numpy as np
 import torch
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
+from opacus import GradSampleModule
 from torch import nn
 
 from fedsparse.client.data import local_data, public_test_data
@@ -152,8 +154,8 @@ def train(msg: Message, context: Context) -> Message:
         data = local_data(cfg, *partition)
     except Exception as err:
         raise released_error(err) from None
-    model = build_model(cfg.model_name, seed=cfg.seed)
-    layout = ParamLayout.from_module(model)
+    reusable = _process_model(cfg.model_name, cfg.seed)
+    layout = reusable.layout
     frozen = _frozen_prefix(cfg, task, layout)
     explicit = _server_support(cfg, task, record, layout)
     state = _node_state(context, files, resumed_from(record), numel=layout.numel)
@@ -206,21 +208,22 @@ def train(msg: Message, context: Context) -> Message:
                 else None,
             )
         try:
-            reply, history = _train_round(
-                cfg,
-                task,
-                policy,
-                privacy,
-                context,
-                data,
-                global_flat,
-                state.history,
-                frozen,
-                explicit,
-                model=model,
-                selector=selector,
-                index_spent=state.index_epsilon,
-            )
+            with reusable.lock:
+                reply, history = _train_round(
+                    cfg,
+                    task,
+                    policy,
+                    privacy,
+                    context,
+                    data,
+                    global_flat,
+                    state.history,
+                    frozen,
+                    explicit,
+                    model=reusable.model,
+                    selector=selector,
+                    index_spent=state.index_epsilon,
+                )
         except Exception as err:
             raise released_error(err) from None
     spent = state.index_epsilon + (selector.spent if selector is not None else 0.0)
@@ -307,6 +310,48 @@ def _server_support(
     return support
 
 
+@dataclasses.dataclass(frozen=True)
+class _ProcessModel:
+    """A process's model of one architecture, reused by its ``train`` calls (one at a time,
+    under ``lock``): every call loads the round's global weights into it first and leaves no
+    hooks or gradients behind (``_train_round``), so a worker serving many virtual clients
+    builds it once instead of once per call."""
+
+    model: nn.Module
+    layout: ParamLayout
+    lock: threading.Lock
+
+
+@functools.lru_cache(maxsize=2)
+def _process_model(name: str, seed: int) -> _ProcessModel:
+    model = build_model(name, seed=seed)  # type: ignore[arg-type]
+    return _ProcessModel(model, ParamLayout.from_module(model), threading.Lock())
+
+
+def _release(model: nn.Module, module: nn.Module | None) -> None:
+    """Leaves ``model`` as a fresh build would be but for its weights: Opacus's hooks removed
+    (its ``GradSampleModule`` hooks the wrapped layers themselves) and no gradients kept."""
+    if isinstance(module, GradSampleModule):
+        module.cleanup()  # its hooks, and the attributes it patched onto the parameters
+    # hooks of a wrapping that failed before returning the module
+    for handle in model.__dict__.pop("autograd_grad_sample_hooks", []):
+        handle.remove()
+    for p in model.parameters():
+        p.grad = None
+        for name in _PARAM_STATE:
+            if hasattr(p, name):
+                delattr(p, name)
+    for layer in model.modules():
+        for name in _LAYER_STATE:
+            layer.__dict__.pop(name, None)
+
+
+#: What the DP optimizers (and the func engine) attach to parameters, and Opacus's hooks to
+#: layers, while training.
+_PARAM_STATE = ("grad_sample", "summed_grad", "_current_grad_sample", "_forward_counter")
+_LAYER_STATE = ("activations", "max_batch_len")
+
+
 @functools.lru_cache(maxsize=2)
 def _cached_mask(numel: int, keep: int, seed: int) -> torch.Tensor:
     return sample_mask(numel, keep=keep, seed=seed)
@@ -354,7 +399,8 @@ def _train_round(
     With ``frozen`` > 0 (method=lf) the mask keeps ``[frozen, d)`` and the reply carries those
     values only, as a dense vector of ``d - frozen`` values; with an ``explicit`` support
     (method=ranked) the mask is that support and the reply its values, in support order.
-    ``model`` is the run's architecture (built once per call); its weights are replaced.
+    ``model`` is the run's architecture (the process's, ``_process_model``); its weights are
+    replaced, and Opacus's hooks and the gradients are taken off it again before returning.
     With a ``selector`` (method=gip or random-k) every DP step chooses its support and the
     reply carries the union of those supports explicitly (``index_spent``: GIP's index
     epsilon of earlier rounds, for the reported epsilon).
@@ -388,18 +434,22 @@ def _train_round(
         if seeded
         else None,
     )
-    engine, module, optimizer, loader = make_private(
-        model, data.x, data.y, privacy=privacy, train=train_cfg, epochs_for_target=1
-    )
-    engine.accountant.history = list(history)
-    engine.set_mask(mask)
-    if selector is not None:
-        engine.set_step_selector(selector)
-    losses, examples = [], 0
-    for _ in range(train_cfg.epochs):
-        loss, n = train_one_epoch(module, optimizer, loader)
-        losses.append(loss)
-        examples += n
+    module = None
+    try:
+        engine, module, optimizer, loader = make_private(
+            model, data.x, data.y, privacy=privacy, train=train_cfg, epochs_for_target=1
+        )
+        engine.accountant.history = list(history)
+        engine.set_mask(mask)
+        if selector is not None:
+            engine.set_step_selector(selector)
+        losses, examples = [], 0
+        for _ in range(train_cfg.epochs):
+            loss, n = train_one_epoch(module, optimizer, loader)
+            losses.append(loss)
+            examples += n
+    finally:
+        _release(model, module)
     # engine.get_epsilon's value, from the memoized accountant (ε of the whole history).
     epsilon = (
         accountant_epsilon(
