@@ -366,6 +366,9 @@ class ArmResult:
     grid: dict[str, tuple[str, ...]] | None = None  # what it was tuned over, if not its study's
     #: run length (epochs or rounds) -> the best mean validation accuracy at that length
     by_length: dict[str, float] = field(default_factory=dict)
+    #: the standard error of a difference of two tuning candidates' mean validation accuracies
+    #: (per-run variance pooled over the arm's candidates; NaN with one tuning seed)
+    tuning_se: float = math.nan
 
     @property
     def name(self) -> str:
@@ -398,8 +401,14 @@ class Comparison:
 
         Under a fixed ε the run length is a hyperparameter: a longer run spends the same budget
         over more steps, so each step is noisier. A curve still rising at the end of its tuned
-        length was not cut short when every longer length tried scored lower on validation;
-        it was when its length is the longest tried (or the only one)."""
+        length was not cut short when every longer length tried scored lower on validation.
+        At the longest length tried it was cut short unless the length profile has levelled
+        off: when the best validation accuracy at that length beats the best at every shorter
+        length by no more than 2 standard errors (``LengthProfile``). A fixed ε makes the
+        learning rate and the length trade along a ridge (T steps at rate η add signal ∝ ηT
+        and noise ∝ ησ√T with σ ∝ √T), so a small-η run rises to its end by construction;
+        whether a longer one would help is what the profile shows. With one length only
+        (not tuned), a rising curve is cut short."""
         gain, se, rising = still_rising(arm.curves)
         lengths = (arm.grid or self.grid).get(self.length_key, ())
         pick = arm.best_values.get(self.length_key)
@@ -409,7 +418,20 @@ class Comparison:
             n: v for n, v in arm.by_length.items() if pick is not None and float(n) > float(pick)
         }
         longest = pick is None or not lengths or float(pick) >= max(float(n) for n in lengths)
-        return Convergence(gain, se, rising, pick, longer, cut_short=rising and longest)
+        profile = None
+        shorter = [v for n, v in arm.by_length.items() if pick is not None and n != pick]
+        if longest and pick in arm.by_length and shorter:
+            profile = LengthProfile(arm.by_length[pick] - max(shorter), arm.tuning_se)
+        levelled = profile is not None and profile.levelled
+        return Convergence(
+            gain,
+            se,
+            rising,
+            pick,
+            longer,
+            cut_short=rising and longest and not levelled,
+            profile=profile,
+        )
 
     def at_edge(self, arm: ArmResult) -> list[str]:
         """The tuned keys whose pick is the grid's smallest or largest value (of several):
@@ -453,6 +475,23 @@ class Convergence:
     length: str | None  # the arm's run length (epochs or rounds)
     longer: dict[str, float]  # each longer length tried -> its best mean validation accuracy
     cut_short: bool  # rising at the longest length tried: a longer run might do better
+    #: at the longest length tried: its gain on validation over the shorter lengths
+    profile: LengthProfile | None = None
+
+
+@dataclass(frozen=True)
+class LengthProfile:
+    """The longest length's best mean validation accuracy minus the best at any shorter
+    length (each over the other tuned keys), and the standard error of that difference."""
+
+    gain: float
+    se: float
+
+    @property
+    def levelled(self) -> bool:
+        """No longer significantly climbing: the gain is within 2 standard errors (never
+        without an error estimate)."""
+        return not math.isnan(self.se) and self.gain <= 2 * self.se
 
 
 def _by_length(choice: ArmChoice, key: str) -> dict[str, float]:
@@ -463,6 +502,17 @@ def _by_length(choice: ArmChoice, key: str) -> dict[str, float]:
         if key in values and not math.isnan(mean):
             best[values[key]] = max(mean, best.get(values[key], -math.inf))
     return best
+
+
+def _tuning_se(choice: ArmChoice) -> float:
+    """The standard error of the difference of two candidates' means: the per-run variance
+    pooled over the arm's candidates (each ``se² n``, ``n`` runs), times ``2 / n``."""
+    cells = [(se, n) for _, _, se, n in choice.candidates if n >= 2 and math.isfinite(se)]
+    if not cells:
+        return math.nan
+    variance = float(np.mean([se**2 * n for se, n in cells]))
+    n = min(n for _, n in cells)
+    return math.sqrt(2 * variance / n)
 
 
 def _comparison_arms(
@@ -483,6 +533,7 @@ def _comparison_arms(
             curves=[],
             best_values=dict(choice.best),
             by_length=_by_length(choice, length_key),
+            tuning_se=_tuning_se(choice),
         )
     keys = {k for c in choices for k, _ in c.arm}
     for run, row in zip(plan.runs, rows, strict=True):
@@ -858,9 +909,12 @@ class ReproductionPlan:
         )
         return cls(
             central=(
-                digits,
+                # ε = 1: RS at r* = 0.9 picked the grid's corner (lr 0.05, 60 epochs) with its
+                # curve still rising, so this study's grid goes one step further both ways
+                dataclasses.replace(digits, lrs=(0.025, *digits.lrs), epochs=(*digits.epochs, 90)),
                 dataclasses.replace(digits, name="central-digits-eps3", epsilon=3.0),
-                mnist,
+                # ε = 1: the sparse arms were still rising at 30 epochs, the only length tried
+                dataclasses.replace(mnist, epochs=(30, 45)),
                 dataclasses.replace(mnist, name="central-mnist5k-eps3", epsilon=3.0),
             ),
             federated=(
@@ -870,7 +924,8 @@ class ReproductionPlan:
                     epsilon=3.0,
                     rates=(0.0, 0.7, 0.9),
                     lrs=(0.025, 0.05, 0.1),
-                    rounds=(40, 80, 160, 320),
+                    # the sparse arms were still rising at 320 rounds, the longest then tried
+                    rounds=(40, 80, 160, 320, 640),
                 ),
                 FederatedStudy(
                     name="digits-eps1",
@@ -992,8 +1047,9 @@ def _scaling_specs(plan: ReproductionPlan) -> dict[tuple[float, float], list[Cen
 def _baseline_source(
     fed: FederatedStudy, studies: Mapping[str, FederatedStudy], done: Sequence[Comparison]
 ) -> Comparison:
-    """The finished comparison whose baseline ``fed`` borrows: same data, ε, rounds tried,
-    clients and seeds, so its runs pair with ``fed``'s by seed.
+    """The finished comparison whose baseline ``fed`` borrows: same data, ε, clients and
+    seeds, so its runs pair with ``fed``'s by seed, and every length ``fed`` tries tried
+    there too (the baseline may have had more: its tuning is then only the stronger).
 
     Raises:
         ValueError: no such study, not run before ``fed``, or one that does not pair.
@@ -1002,12 +1058,17 @@ def _baseline_source(
     source = studies.get(name or "")
     if source is None:
         raise ValueError(f"baseline_from={name!r}: no federated study of that name")
-    for key in ("dataset", "epsilon", "rounds", "clients", "seeds"):
+    for key in ("dataset", "epsilon", "clients", "seeds"):
         if getattr(source, key) != getattr(fed, key):
             raise ValueError(
                 f"baseline_from={name!r}: {key} {getattr(source, key)!r} != "
                 f"{getattr(fed, key)!r}; its runs would not pair by seed"
             )
+    if not set(fed.rounds) <= set(source.rounds):
+        raise ValueError(
+            f"baseline_from={name!r}: rounds {fed.rounds!r} tries lengths its baseline's "
+            f"{source.rounds!r} did not"
+        )
     if source.rates[0] != 0.0:
         raise ValueError(f"baseline_from={name!r}: its first arm is not the baseline (r* = 0)")
     for comparison in done:

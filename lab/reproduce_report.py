@@ -177,8 +177,21 @@ def _length_unit(c: Comparison) -> str:
 def _convergence_cell(c: Comparison, conv: Convergence) -> str:
     """``no (+0.9 ± 0.5)``, or a rising arm's longer lengths on validation, or *cut short*."""
     cell = f"{'**yes**' if conv.rising else 'no'} ({100 * conv.gain:+.1f} ± {100 * conv.se:.1f})"
+    profile = ""
+    if conv.profile is not None:
+        profile = (
+            f", {100 * conv.profile.gain:+.1f} ± {100 * conv.profile.se:.1f} on validation over "
+            "the best shorter length"
+        )
     if conv.cut_short:
-        return f"{cell}; **cut short** ({conv.length} {_length_unit(c)} is the longest tried)"
+        return (
+            f"{cell}; **cut short** ({conv.length} {_length_unit(c)} is the longest tried{profile})"
+        )
+    if conv.rising and conv.profile is not None:
+        return (
+            f"{cell}; no significant gain from length ({conv.length} {_length_unit(c)} is "
+            f"the longest tried{profile})"
+        )
     if conv.rising:
         longer = ", ".join(f"{n}: {_pct(v)}" for n, v in sorted(conv.longer.items(), key=_num))
         return f"{cell}; longer lost on validation ({_length_unit(c)} {longer})"
@@ -399,6 +412,8 @@ def _comparison_tables(comparisons: Sequence[Comparison]) -> tuple[list[str], li
                     "still_rising": conv.rising,
                     "length": conv.length or "",
                     "cut_short": conv.cut_short,
+                    "length_gain": conv.profile.gain if conv.profile else "",
+                    "length_gain_se": conv.profile.se if conv.profile else "",
                 }
             )
     lines += [
@@ -411,8 +426,15 @@ def _comparison_tables(comparisons: Sequence[Comparison]) -> tuple[list[str], li
         "Under a fixed ε the run length is a hyperparameter, tuned with the others: a longer "
         "run spends the same budget over more steps, so every step is noisier. A curve still "
         "rising at the end of its tuned length was not stopped early when every longer length "
-        "tried scored lower on validation (listed with its best validation %); it was *cut "
-        "short* when its length is the longest tried.",
+        "tried scored lower on validation (listed with its best validation %). At the longest "
+        "length tried it is *cut short* unless that length's best validation accuracy beats "
+        "the best of every shorter length by no more than 2 standard errors (the per-run "
+        "variance pooled over the arm's tuning runs): then *no significant gain from length* "
+        "is measured, which with noisy tuning runs is weak evidence that none exists. Under a "
+        "fixed ε the learning rate and the length trade along a ridge (T steps at rate η add "
+        "signal ∝ ηT and noise ∝ ησ√T, with σ ∝ √T), so a small-η run rises to its last "
+        "epoch by construction; whether a longer run would help is what the validation "
+        "scores by length show. One length only (not tuned): a rising curve is cut short.",
         "",
         "![accuracy vs rate](accuracy_vs_rate.png)",
         "",
@@ -692,7 +714,10 @@ def write_report(
         cut = [name for name, conv in arms.items() if conv.cut_short]
         tuned = [name for name, conv in arms.items() if conv.rising and not conv.cut_short]
         if cut:
-            ours = f"cut short (still rising at the longest length tried): {', '.join(cut)}"
+            ours = (
+                "cut short (still rising at the longest length tried, whose validation score "
+                f"still climbs): {', '.join(cut)}"
+            )
             if not any(name.endswith(" r*=0") for name in cut):
                 ours += (
                     ". Only sparse arms are cut short: a longer grid can only raise their "
@@ -702,8 +727,10 @@ def write_report(
         elif tuned:
             ours = (
                 f"no run cut short; {len(tuned)} of {len(arms)} arms still rise at the end of "
-                f"their tuned length, and every longer length tried scored lower on validation "
-                f"(a fixed ε spread over more steps): {', '.join(tuned)}"
+                "their tuned length, where every longer length tried scored lower on "
+                "validation (a fixed ε spread over more steps) or, at the longest, gained "
+                f"no more than 2 standard errors on validation over shorter ones: "
+                f"{', '.join(tuned)}"
             )
         else:
             ours = "every curve flat"

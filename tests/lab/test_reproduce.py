@@ -20,6 +20,7 @@ from fedsparse.lab.reproduce import (
     FederatedStudy,
     ReproductionPlan,
     _by_length,
+    _tuning_se,
     gain_verdict,
     measure_noise_ratio,
     run_central_study,
@@ -95,11 +96,37 @@ def test_a_rising_run_is_cut_short_only_at_the_longest_length_tried() -> None:
     longest = comparison.convergence(_arm("160", rising, {**lengths, "160": 0.8}))
     assert longest.rising and longest.cut_short and longest.longer == {}
     assert not comparison.convergence(_arm("160", flat, lengths)).cut_short
+    # no error estimate (one tuning seed): the longest length's rise is never called level
+    assert longest.profile is not None and math.isnan(longest.profile.se)
+    assert longest.profile.gain == pytest.approx(0.8 - 0.78)
+    # at the longest length, a gain over the shorter ones within 2 SE: levelled off
+    level = _arm("160", rising, {**lengths, "160": 0.8})
+    level.tuning_se = 0.011
+    conv = comparison.convergence(level)
+    assert conv.rising and not conv.cut_short and conv.profile.levelled
+    level.tuning_se = 0.009  # 0.02 > 2 * 0.009: still climbing
+    assert comparison.convergence(level).cut_short
     # one length only (not tuned): a rising curve is cut short
     fixed = Comparison(**{**comparison.__dict__, "grid": {"lr": ("0.1",), "num-rounds": ("40",)}})
     arm = _arm("40", rising, {"40": 0.7})
     arm.best_values.pop("num-rounds")
     assert fixed.convergence(arm).cut_short
+    arm.tuning_se = 1.0  # with nothing shorter to compare, no profile
+    assert fixed.convergence(arm).cut_short and fixed.convergence(arm).profile is None
+
+
+def test_tuning_se_pools_the_candidates_variance() -> None:
+    # per-run variances se² n pooled over the candidates of 2 runs; difference SE sqrt(2 v / n)
+    choice = ArmChoice(
+        arm=(("final-rate", "0.9"),),
+        best=(("lr", "0.1"),),
+        score=0.8,
+        candidates=(("lr=0.1", 0.8, 0.02, 2), ("lr=0.2", 0.7, 0.04, 2), ("lr=1", 0.1, math.nan, 1)),
+    )
+    variance = (0.02**2 * 2 + 0.04**2 * 2) / 2
+    assert _tuning_se(choice) == pytest.approx(math.sqrt(2 * variance / 2))
+    lonely = ArmChoice(arm=(), best=(), score=0.8, candidates=(("lr=0.1", 0.8, math.nan, 1),))
+    assert math.isnan(_tuning_se(lonely))
 
 
 def test_by_length_keeps_the_best_validation_per_length() -> None:
@@ -394,6 +421,28 @@ def test_a_borrowed_baseline_must_pair_by_seed() -> None:
     )
     with pytest.raises(ValueError, match="must run"):
         _baseline_source(same, {"src": source, "int8": same}, [])
+    longer = FederatedStudy(
+        name="int8",
+        dataset="digits",
+        epsilon=3.0,
+        rates=(0.9,),
+        rounds=(40, 80),
+        baseline_from="src",
+    )
+    with pytest.raises(ValueError, match=r"rounds \(40, 80\) tries lengths"):
+        _baseline_source(longer, {"src": source, "int8": longer}, [])
+    # fewer lengths than the baseline's: it pairs (the baseline was tuned over more)
+    source = FederatedStudy(name="src", dataset="digits", epsilon=3.0, rounds=(40, 80))
+    shorter = FederatedStudy(
+        name="int8",
+        dataset="digits",
+        epsilon=3.0,
+        rates=(0.9,),
+        rounds=(40,),
+        baseline_from="src",
+    )
+    with pytest.raises(ValueError, match="must run"):
+        _baseline_source(shorter, {"src": source, "int8": shorter}, [])
     with pytest.raises(ValueError, match="no federated study"):
         _baseline_source(same, {"int8": same}, [])
 
