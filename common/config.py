@@ -145,7 +145,7 @@ class FederatedConfig:
     # local optimisation
     local_epochs: int = 1
     batch_size: int = 32
-    lr: float = 0.5
+    lr: float = 0.25
     momentum: float = 0.0
     # local performance: the DP engine ("auto": func on CUDA, else opacus) and the device
     # ("auto": CUDA if the client has one). Checked for availability where training runs, not
