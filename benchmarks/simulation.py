@@ -451,7 +451,7 @@ def main() -> None:
     parser.add_argument("--target-epsilon", type=float, default=3.0)
     parser.add_argument("--local-epochs", type=int, default=1)
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=0.5)
+    parser.add_argument("--lr", type=float, default=0.25)
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cpus-per-client", type=float, default=1.0)

@@ -289,7 +289,7 @@ def _pretrained(cfg: FederatedConfig) -> torch.Tensor:
     model = build_model("digits-cnn", seed=cfg.seed)
     index = torch.from_numpy(public)
     pretrain_public(
-        model, train.x[index], train.y[index], epochs=2, batch_size=32, lr=0.5, seed=cfg.seed
+        model, train.x[index], train.y[index], epochs=2, batch_size=32, lr=cfg.lr, seed=cfg.seed
     )
     return ParamLayout.from_module(model).flatten_module(model)
 

@@ -52,7 +52,7 @@ class StockConfig:
     round_timeout: float = 600.0
     local_epochs: int = 1
     batch_size: int = 32
-    lr: float = 0.5
+    lr: float = 0.25
     # privacy: a fixed sigma (no calibration), as in Flower's examples/opacus
     noise_multiplier: float = 1.0
     max_grad_norm: float = 1.0
