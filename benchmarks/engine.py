@@ -1,27 +1,44 @@
-"""Benchmark: DP-SGD + random sparsification step time, Opacus hooks and torch.func engines.
+"""Benchmark: DP-SGD + random sparsification step time, for each DP engine.
 
-DP-CNN (550,570 parameters) on random 3x32x32 inputs, batch 256, 2 threads. Measures examples/s
+DP-CNN (550,570 parameters; ``--model`` another of ``models.MODEL_NAMES``) on random inputs,
+batch 256, 2 threads. Measures examples/s
 for non-private SGD; plain Opacus DP-SGD and the Opacus-hooks RS engine (``SparseDPEngine``) at
-r = 0 (no mask), 0.5 and 0.9; and the torch.func engine (``FuncDPEngine``) with no mask, with
-the all-kept mask of r = 0 (keep = d: the no-mask code path), and at r = 0.5 and 0.9. The
-configurations run interleaved round-robin so machine noise hits all alike. Prints medians and
-each step time relative to plain Opacus and each throughput relative to non-private SGD
-(target for the func engine: >= 0.6), then the RS overheads (RS time / the same engine's time
-without a mask; target <= 1.03) and the func engine's speed-up over Opacus. Every ratio comes
+r = 0 (no mask), 0.5 and 0.9; the torch.func engine (``FuncDPEngine``) with no mask, with the
+all-kept mask of r = 0 (keep = d: the no-mask code path), and at r = 0.5 and 0.9; and the
+factored engine (``FactoredDPEngine``) with no mask and at r = 0.5 and 0.9.
+
+Every configuration runs in a process of its own (spawned, one thread pool each, only one
+process working at a time): in one shared process the configurations disturbed each other
+through the C allocator (a step of non-private SGD ranged 0.44-0.62 s depending on which DP
+engines had run before it, from where glibc placed and returned their large buffers). The
+configurations still run interleaved round-robin, so machine noise hits all alike.
+``--malloc retain`` starts the processes with glibc's ``MALLOC_MMAP_THRESHOLD_`` and
+``MALLOC_TRIM_THRESHOLD_`` raised, so that freed buffers are reused instead of returned to the
+kernel and faulted in again (on a virtual machine each page fault is expensive): the steady
+state of a long training run that keeps its memory.
+
+Prints medians and each step time relative to plain Opacus and each throughput relative to
+non-private SGD (target: >= 0.6), then the RS overheads (RS time / the same engine's time
+without a mask; target <= 1.03) and the engines' speed-ups over each other. Every ratio comes
 with a 95% bootstrap interval over the paired repetitions (the ratio of two configurations'
 times within one round-robin pass).
 
 Usage: python benchmarks/engine.py [--reps 5] [--steps 2] [--batch 256] [--mode hooks]
-           [--device cpu|cuda|auto] [--only non-private,func,func-r0.9,...]
+           [--device cpu|cuda|auto] [--malloc default|retain]
+           [--only non-private,factored,factored-r0.9,...]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import multiprocessing as mp
+import os
 import random
 import statistics
 import time
 import warnings
+from multiprocessing.connection import Connection
 
 import torch
 from opacus import PrivacyEngine
@@ -29,9 +46,10 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from fedsparse.common.dp import SparseDPEngine
+from fedsparse.common.factored_dp import FactoredDPEngine, FactoredGradSampleModule
 from fedsparse.common.func_dp import FuncDPEngine, FuncGradSampleModule
 from fedsparse.common.masks import keep_count, sample_mask
-from fedsparse.common.models import build_model
+from fedsparse.common.models import MODEL_INPUT_SHAPES, MODEL_NAMES, build_model
 
 warnings.filterwarnings("ignore")
 
@@ -46,6 +64,9 @@ CONFIGS = [
     ("func-r0", "func", 0.0),
     ("func-r0.5", "func", 0.5),
     ("func-r0.9", "func", 0.9),
+    ("factored", "factored", None),
+    ("factored-r0.5", "factored", 0.5),
+    ("factored-r0.9", "factored", 0.9),
 ]
 #: (numerator, denominator) time ratios reported as RS overheads and engine speed-ups.
 OVERHEADS = [
@@ -56,18 +77,29 @@ OVERHEADS = [
     ("rs-r0.5", "opacus"),
     ("opacus", "func"),
     ("rs-r0.9", "func-r0.9"),
+    ("factored-r0.9", "factored"),
+    ("factored-r0.5", "factored"),
+    ("opacus", "factored"),
+    ("rs-r0.9", "factored-r0.9"),
 ]
 
 
-def make_runner(kind: str, rate: float | None, batch: int, mode: str, device: torch.device):
+def make_runner(
+    kind: str, rate: float | None, batch: int, mode: str, device: torch.device, model_name: str
+):
     torch.manual_seed(0)
-    model = build_model("dpcnn").to(device)
-    x = torch.randn(batch, 3, 32, 32, device=device)
+    model = build_model(model_name).to(device)  # type: ignore[arg-type]
+    x = torch.randn(batch, *MODEL_INPUT_SHAPES[model_name], device=device)
     y = torch.randint(0, 10, (batch,), device=device)
     loader = DataLoader(TensorDataset(x, y), batch_size=batch)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     if kind != "non-private":
-        engines = {"opacus": PrivacyEngine, "rs": SparseDPEngine, "func": FuncDPEngine}
+        engines = {
+            "opacus": PrivacyEngine,
+            "rs": SparseDPEngine,
+            "func": FuncDPEngine,
+            "factored": FactoredDPEngine,
+        }
         engine = engines[kind]()
         model, optimizer, loader = engine.make_private(
             module=model,
@@ -76,7 +108,7 @@ def make_runner(kind: str, rate: float | None, batch: int, mode: str, device: to
             noise_multiplier=1.0,
             max_grad_norm=1.0,
             poisson_sampling=False,
-            grad_sample_mode=mode if kind != "func" else "hooks",
+            grad_sample_mode=mode if kind in ("opacus", "rs") else "hooks",
         )
         # rs r=0: no mask (what training does at r = 0); func r=0: the all-kept mask.
         if rate is not None and (rate > 0 or kind == "func"):
@@ -87,7 +119,7 @@ def make_runner(kind: str, rate: float | None, batch: int, mode: str, device: to
     criterion = nn.CrossEntropyLoss()
 
     def step() -> None:
-        if isinstance(model, FuncGradSampleModule):
+        if isinstance(model, (FuncGradSampleModule, FactoredGradSampleModule)):
             model.backward_per_sample(xb, yb, criterion=criterion)
         else:
             criterion(model(xb), yb).backward()
@@ -100,6 +132,25 @@ def make_runner(kind: str, rate: float | None, batch: int, mode: str, device: to
 
     step()  # warm-up
     return step
+
+
+#: glibc settings of ``--malloc retain``: no buffer below 1 GiB is mmapped (each would be
+#: faulted in again when reused), and free memory is not trimmed back to the kernel.
+RETAIN_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(2**30), "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1)}
+
+
+def worker(conn: Connection, kind: str, rate: float | None, args: dict) -> None:
+    """One configuration's process: builds its runner, then times ``steps`` steps per request."""
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(args["threads"])
+    device = torch.device(args["device"])
+    step = make_runner(kind, rate, args["batch"], args["mode"], device, args["model"])
+    conn.send("ready")
+    while conn.recv() == "run":
+        start = time.perf_counter()
+        for _ in range(args["steps"]):
+            step()
+        conn.send((time.perf_counter() - start) / args["steps"])
 
 
 def ratio_interval(
@@ -117,9 +168,16 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--steps", type=int, default=2, help="steps per timed sample")
     parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--model", default="dpcnn", choices=MODEL_NAMES)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--mode", default="hooks", help="Opacus grad_sample_mode")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
+    parser.add_argument(
+        "--malloc",
+        default="default",
+        choices=["default", "retain"],
+        help="glibc allocator settings of the worker processes (module docstring)",
+    )
     parser.add_argument(
         "--only",
         default="",
@@ -137,20 +195,45 @@ def main() -> None:
     if unknown:
         parser.error(f"--only: unknown config(s) {', '.join(sorted(unknown))}")
     configs = [c for c in CONFIGS if not args.only or c[0] in only]
-    runners = {label: make_runner(k, r, args.batch, args.mode, device) for label, k, r in configs}
-    samples: dict[str, list[float]] = {label: [] for label in runners}
-    for _ in range(args.reps):
-        for config, step in runners.items():
-            start = time.perf_counter()
-            for _ in range(args.steps):
-                step()
-            samples[config].append((time.perf_counter() - start) / args.steps)
+    if args.malloc == "retain":
+        os.environ.update(RETAIN_MALLOC)  # read by glibc when each worker process starts
+    context = mp.get_context("spawn")
+    settings = {
+        "threads": args.threads,
+        "batch": args.batch,
+        "mode": args.mode,
+        "device": str(device),
+        "steps": args.steps,
+        "model": args.model,
+    }
+    workers: dict[str, tuple[mp.process.BaseProcess, Connection]] = {}
+    try:
+        for label, kind, rate in configs:  # one at a time: a build does not overlap a step
+            ours, theirs = context.Pipe()
+            process = context.Process(target=worker, args=(theirs, kind, rate, settings))
+            process.start()
+            if ours.recv() != "ready":
+                raise RuntimeError(f"{label}: the worker did not start")
+            workers[label] = (process, ours)
+        samples: dict[str, list[float]] = {label: [] for label in workers}
+        for _ in range(args.reps):
+            for label, (_, conn) in workers.items():
+                conn.send("run")
+                samples[label].append(conn.recv())
+    finally:
+        for process, conn in workers.values():
+            with contextlib.suppress(OSError):
+                conn.send("stop")
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
     where = f"{args.threads} threads"
     if device.type == "cuda":
         where = torch.cuda.get_device_name(device)
     print(
-        f"DP-CNN, batch {args.batch}, {where}, torch {torch.__version__}, "
-        f"grad_sample_mode={args.mode}, median of {args.reps} x {args.steps} steps"
+        f"{args.model}, batch {args.batch}, {where}, torch {torch.__version__}, "
+        f"grad_sample_mode={args.mode}, malloc {args.malloc}, a process per config, "
+        f"median of {args.reps} x {args.steps} steps"
     )
     opacus, plain = samples.get("opacus"), samples["non-private"]
     print(

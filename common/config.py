@@ -29,7 +29,7 @@ from fedsparse.common.data import (
     EvalSplit,
 )
 from fedsparse.common.dp import MECHANISMS, MechanismName
-from fedsparse.common.func_dp import ENGINES, EngineName
+from fedsparse.common.engines import ENGINES, EngineName
 from fedsparse.common.methods import (
     FEDERATED_METHODS,
     SELECTION_MODES,
@@ -89,9 +89,12 @@ RESUME_MAY_DIFFER: Final[frozenset[str]] = frozenset(
 )
 
 #: Run-config keys added after runs were recorded, with the value under which a run recorded
-#: before them ran: ``auto`` is the Opacus engine on the CPU, exactly what those runs used,
-#: and ``method=rs`` (with its unused ``freeze-*`` defaults) is what every earlier run did. A
-#: checkpoint or a finished sweep run written without them is read through ``with_added_keys``.
+#: before them ran: ``auto`` was the Opacus engine on the CPU when those runs ran (it is the
+#: factored engine since 2026-11-25: the same mechanism, equal to float rounding, so a run or
+#: checkpoint recorded under the old ``auto`` is read as the same config; ``engine=opacus``
+#: repeats it bit for bit), and ``method=rs`` (with its unused ``freeze-*`` defaults) is what
+#: every earlier run did. A checkpoint or a finished sweep run written without them is read
+#: through ``with_added_keys``.
 ADDED_KEYS: Final[dict[str, Any]] = {
     "engine": "auto",
     "device": "auto",
@@ -147,7 +150,7 @@ class FederatedConfig:
     batch_size: int = 32
     lr: float = 0.25
     momentum: float = 0.0
-    # local performance: the DP engine ("auto": func on CUDA, else opacus) and the device
+    # local performance: the DP engine ("auto": func on CUDA, else factored) and the device
     # ("auto": CUDA if the client has one). Checked for availability where training runs, not
     # here: the server parses this config too and needs no GPU.
     engine: EngineName = "auto"

@@ -249,6 +249,9 @@ class SparseDPEngine(PrivacyEngine):
         mechanism: ``"dpsgd"`` (private), or the non-private ablations ``"clipped"``/``"noisy"``.
     """
 
+    #: The optimizer ``make_private`` returns (a ``SparseDPOptimizer``).
+    optimizer_class: type[SparseDPOptimizer] = SparseDPOptimizer
+
     def __init__(
         self,
         *,
@@ -293,7 +296,7 @@ class SparseDPEngine(PrivacyEngine):
             optimizer = optimizer.original_optimizer
         noise_generator = kwargs.pop("noise_generator", None)
         generator = self.secure_rng if self.secure_mode else noise_generator
-        sparse = SparseDPOptimizer(
+        sparse = self.optimizer_class(
             optimizer,
             clip_per_sample=self.mechanism != "noisy",
             generator=generator,

@@ -28,18 +28,16 @@ Layers. ``vmap`` runs the model on one example at a time (``batch of 1``), so a 
 output for one example depends on the others (``BatchNorm`` in training mode, which Opacus
 refuses too) has no per-sample gradient, and a layer that draws randomness per example
 (``Dropout``) cannot run under ``vmap``'s default ``randomness="error"``; both are refused
-with an error that names the layer (``func_support_error``). ``select_engine("auto", ...)``
-falls back to Opacus for them. Every model of ``models.MODEL_NAMES`` is supported.
+with an error that names the layer (``func_support_error``). Every model of
+``models.MODEL_NAMES`` is supported.
 
-Engine choice (``select_engine``): ``"auto"`` takes ``"func"`` on the device types in
-``AUTO_FUNC_DEVICES`` (CUDA) and ``"opacus"`` elsewhere. On 2 CPU threads (DP-CNN, batch
-256, ``benchmarks/engine.py`` on a shared, loaded machine) the two engines were not
-separable: Opacus/func step-time ratios from 0.84 to 1.45 over six runs, most 95% intervals
-covering 1. The CPU keeps Opacus, which also keeps the recorded CPU results of the existing
-commands bit-identical (the func engine's are equal only to float rounding); ``engine="func"``
-asks for it. CUDA is in the set on the strength of per-sample gradients as batched cuDNN
-kernels with no hooks and no discarded summed gradient, not of a measurement: confirm it with
-``benchmarks/engine.py --device cuda`` and drop it from the set if Opacus wins there.
+Speed (``engines.select_engine`` picks the engine under ``"auto"``): on 2 CPU threads (DP-CNN,
+batch 256, ``benchmarks/engine.py``) the func engine ran at 0.54x of non-private SGD's
+throughput with glibc's default allocator and 0.78x with freed buffers retained, against
+Opacus's 0.28x and 0.56x; the factored engine (``factored_dp``) matched or beat it on every
+model and batch measured there, so ``"auto"`` takes the factored engine on the CPU. CUDA
+keeps the func engine under ``"auto"``, on the strength of per-sample gradients as batched
+cuDNN kernels with no hooks and no discarded summed gradient, not of a measurement.
 
 References:
     P. Subramani, N. Vadivelu, G. Kamath. "Enabling Fast Differentially Private SGD via
@@ -52,7 +50,7 @@ References:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Final, Literal, get_args
+from typing import Any, Final
 
 import torch
 from torch import nn
@@ -61,22 +59,10 @@ from torch.func import functional_call, grad, vmap
 from fedsparse.common.dp import SparseDPEngine
 
 __all__ = [
-    "AUTO_FUNC_DEVICES",
-    "ENGINES",
-    "EngineName",
     "FuncDPEngine",
     "FuncGradSampleModule",
     "func_support_error",
-    "select_engine",
 ]
-
-EngineName = Literal["auto", "opacus", "func"]
-"""Which DP engine computes per-sample gradients: Opacus hooks, ``torch.func``, or chosen."""
-
-ENGINES: Final[tuple[EngineName, ...]] = get_args(EngineName)
-
-#: Device types on which ``engine="auto"`` takes the func engine (module docstring).
-AUTO_FUNC_DEVICES: Final[frozenset[str]] = frozenset({"cuda"})
 
 Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -108,30 +94,6 @@ def func_support_error(module: nn.Module) -> str | None:
                 "under vmap; expected track_running_stats=False"
             )
     return None
-
-
-def select_engine(
-    name: EngineName, *, module: nn.Module, device: torch.device
-) -> Literal["opacus", "func"]:
-    """The engine that trains ``module`` on ``device`` for the configured ``name``.
-
-    ``"auto"`` is ``"func"`` on the device types of ``AUTO_FUNC_DEVICES`` (CUDA) when the
-    module is supported, else ``"opacus"`` (module docstring: on the CPU the default results
-    stay Opacus's, bit for bit).
-
-    Raises:
-        ValueError: an unknown name, or ``"func"`` for a module it cannot train.
-    """
-    if name not in ENGINES:
-        raise ValueError(f"engine={name!r}: expected one of {', '.join(ENGINES)}")
-    if name == "opacus":
-        return "opacus"
-    error = func_support_error(module)
-    if name == "func":
-        if error is not None:
-            raise ValueError(error)
-        return "func"
-    return "func" if device.type in AUTO_FUNC_DEVICES and error is None else "opacus"
 
 
 class FuncGradSampleModule(nn.Module):

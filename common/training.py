@@ -37,13 +37,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from fedsparse.common.dp import MECHANISMS, MechanismName, SparseDPEngine
-from fedsparse.common.func_dp import (
-    ENGINES,
-    EngineName,
-    FuncDPEngine,
-    FuncGradSampleModule,
-    select_engine,
-)
+from fedsparse.common.engines import ENGINES, EngineName, select_engine
+from fedsparse.common.factored_dp import FactoredDPEngine, FactoredGradSampleModule
+from fedsparse.common.func_dp import FuncDPEngine, FuncGradSampleModule
 from fedsparse.common.gip import IndexBudget, StepSelector, split_budget
 from fedsparse.common.masks import derive_seed, keep_count, sample_mask
 from fedsparse.common.methods import (
@@ -197,8 +193,9 @@ class TrainConfig:
     #: simulation, where anyone who knows it can rebuild the noise. None: fresh OS entropy
     #: on every ``make_private`` call, never stored or sent (a deployed client).
     seed: int | None = 0
-    #: DP engine computing per-sample gradients (``func_dp.select_engine``): "opacus" hooks,
-    #: "func" (torch.func), or "auto" (func on CUDA, Opacus on the CPU).
+    #: DP engine computing per-sample gradients (``engines.select_engine``): "opacus" hooks,
+    #: "func" (torch.func), "factored" (``factored_dp``), or "auto" (func on CUDA, factored
+    #: elsewhere; Opacus for a model they cannot train).
     engine: EngineName = "auto"
     #: Where the model and batches go (``resolve_device``); checked here, so "cuda" on a
     #: machine without one fails when the config is built.
@@ -374,7 +371,7 @@ def make_private(
     """Wraps ``model`` for DP-SGD + RS on the in-memory data ``(x, y)``.
 
     Moves ``model`` to ``train.device`` (in place) and picks the engine for ``train.engine``
-    (``func_dp.select_engine``); the engine is a ``SparseDPEngine`` either way.
+    (``engines.select_engine``); the engine is a ``SparseDPEngine`` either way.
 
     Args:
         epochs_for_target: epochs that ``target_epsilon`` must cover (ignored with a fixed
@@ -415,7 +412,8 @@ def make_private(
         shuffle=not train.poisson_sampling and data_gen is not None,
     )
     optimizer = torch.optim.SGD(model.parameters(), lr=train.lr, momentum=train.momentum)
-    engine_cls = FuncDPEngine if engine_name == "func" else SparseDPEngine
+    engines = {"func": FuncDPEngine, "factored": FactoredDPEngine}
+    engine_cls = engines.get(engine_name, SparseDPEngine)
     engine = engine_cls(
         accountant=privacy.accountant, secure_mode=privacy.secure_mode, mechanism=privacy.mechanism
     )
@@ -448,8 +446,9 @@ def train_one_epoch(
     """One pass over ``loader``; returns (mean training loss, examples seen).
 
     Batches go to the model's device. ``model`` is what ``make_private`` returned: Opacus's
-    ``GradSampleModule`` (per-sample gradients from hooks in ``backward``) or the func
-    engine's ``FuncGradSampleModule`` (``backward_per_sample``).
+    ``GradSampleModule`` (per-sample gradients from hooks in ``backward``), the func
+    engine's ``FuncGradSampleModule`` or the factored engine's ``FactoredGradSampleModule``
+    (``backward_per_sample``).
     """
     model.train()
     criterion = nn.CrossEntropyLoss()
@@ -484,7 +483,7 @@ def _backward(
     model: nn.Module, x: torch.Tensor, y: torch.Tensor, criterion: nn.Module
 ) -> torch.Tensor:
     """Computes the batch's per-sample gradients for the DP optimizer; returns the mean loss."""
-    if isinstance(model, FuncGradSampleModule):
+    if isinstance(model, (FuncGradSampleModule, FactoredGradSampleModule)):
         return model.backward_per_sample(x, y, criterion=criterion)
     loss = criterion(model(x), y)
     loss.backward()

@@ -31,7 +31,7 @@ from fedsparse.common.data import (
     load_eval_splits,
 )
 from fedsparse.common.dp import MECHANISMS
-from fedsparse.common.func_dp import ENGINES as DP_ENGINES
+from fedsparse.common.engines import ENGINES as DP_ENGINES
 from fedsparse.common.methods import (
     METHODS,
     SELECTION_MODES,
@@ -253,7 +253,8 @@ def train(
     max_physical_batch_size: Annotated[int, Opt(help="BatchMemoryManager limit, 0 = off")] = 0,
     seed: Annotated[int, Opt(help="seed for init, sampling, noise and masks")] = 0,
     engine: Annotated[
-        str, Opt(help="DP engine: auto (func on CUDA, else opacus) | opacus | func")
+        str,
+        Opt(help="DP engine: auto (func on CUDA, else factored) | opacus | func | factored"),
     ] = "auto",
     device: Annotated[str, Opt(help="auto (CUDA if available) | cpu | cuda")] = "auto",
     eval_split: Annotated[

@@ -43,6 +43,7 @@ def rebuilt_every_call(monkeypatch: pytest.MonkeyPatch) -> list[torch.nn.Module]
     [
         dict(num_rounds=2, final_rate=0.7, target_epsilon=3.0),
         dict(num_rounds=2, final_rate=0.5, engine="func", local_epochs=2),
+        dict(num_rounds=2, final_rate=0.5, engine="opacus", target_epsilon=3.0),
         dict(num_rounds=2, method="gip", final_rate=0.9, target_epsilon=3.0),
         dict(num_rounds=2, method="lf", freeze_after=1, target_epsilon=3.0),
     ],

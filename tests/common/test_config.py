@@ -14,7 +14,7 @@ from fedsparse.common.central_dp import CENTRAL_NOISE_SOURCES, DP_LEVELS
 from fedsparse.common.config import CODECS, MASK_SCOPES, RESUME_MAY_DIFFER, FederatedConfig
 from fedsparse.common.data import DATASET_INPUT_SHAPES, DATASET_NAMES, EVAL_SPLITS, load_dataset
 from fedsparse.common.dp import MECHANISMS
-from fedsparse.common.func_dp import ENGINES
+from fedsparse.common.engines import ENGINES
 from fedsparse.common.methods import FEDERATED_METHODS, SELECTION_MODES, SELECTIONS
 from fedsparse.common.models import DEFAULT_MODELS, MODEL_INPUT_SHAPES, MODEL_NAMES, build_model
 from fedsparse.common.partition import PARTITIONER_NAMES

@@ -23,14 +23,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from fedsparse.common.config import FederatedConfig
 from fedsparse.common.data import load_dataset
 from fedsparse.common.dp import SparseDPEngine
-from fedsparse.common.func_dp import (
-    AUTO_FUNC_DEVICES,
-    ENGINES,
-    FuncDPEngine,
-    FuncGradSampleModule,
-    func_support_error,
-    select_engine,
-)
+from fedsparse.common.engines import AUTO_FUNC_DEVICES, ENGINES, select_engine
+from fedsparse.common.func_dp import FuncDPEngine, FuncGradSampleModule, func_support_error
 from fedsparse.common.layout import ParamLayout
 from fedsparse.common.masks import sample_mask
 from fedsparse.common.models import MODEL_INPUT_SHAPES, MODEL_NAMES, build_model
@@ -313,19 +307,21 @@ def test_every_model_runs_on_the_func_engine(name: str) -> None:
     assert select_engine("func", module=model, device=CPU) == "func"
     on_cuda = select_engine("auto", module=model, device=torch.device("cuda"))
     assert on_cuda == ("func" if "cuda" in AUTO_FUNC_DEVICES else "opacus")
-    # On the CPU, auto keeps Opacus: the default results stay bit-identical to before.
+    # On the CPU, auto takes the factored engine (test_factored_dp.py), not func.
     assert "cpu" not in AUTO_FUNC_DEVICES
-    assert select_engine("auto", module=model, device=CPU) == "opacus"
+    assert select_engine("auto", module=model, device=CPU) == "factored"
     assert select_engine("opacus", module=model, device=torch.device("cuda")) == "opacus"
 
 
 def test_engine_and_device_names_are_checked() -> None:
-    assert ENGINES == ("auto", "opacus", "func") and DEVICES == ("auto", "cpu", "cuda")
-    with pytest.raises(ValueError, match=r"^engine='jax': expected one of auto, opacus, func$"):
+    assert ENGINES == ("auto", "opacus", "func", "factored")
+    assert DEVICES == ("auto", "cpu", "cuda")
+    unknown = r"^engine='jax': expected one of auto, opacus, func, factored$"
+    with pytest.raises(ValueError, match=unknown):
         TrainConfig(engine="jax")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"^device='tpu': expected one of auto, cpu, cuda$"):
         TrainConfig(device="tpu")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"^engine='jax': expected one of auto, opacus, func$"):
+    with pytest.raises(ValueError, match=unknown):
         select_engine("jax", module=nn.Linear(1, 1), device=CPU)  # type: ignore[arg-type]
     for key, value in (("engine", "jax"), ("device", "gpu")):
         with pytest.raises(ValueError, match=rf"^{key}='{value}': expected one of "):

@@ -9,6 +9,7 @@ with the same model (up to the float rounding of averaging models vs. averaging 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -75,6 +76,7 @@ def test_stock_round_is_fedsparse_dense_round(tmp_path: Path, stock: SimpleNames
             "noise-multiplier": SIGMA,
             "final-rate": 0.0,
             "weighting": "examples",
+            "engine": "opacus",  # the stock app's engine: equal bit for bit, not to rounding
             "out-dir": str(tmp_path / "fedsparse"),
         }
     )
@@ -97,6 +99,12 @@ def test_stock_round_is_fedsparse_dense_round(tmp_path: Path, stock: SimpleNames
     # Same model: the test loss agrees to float rounding (bit for bit here), not roughly.
     assert summary["final_test_loss"] == pytest.approx(fsummary.final_test_loss, rel=1e-9)
     assert summary["final_test_accuracy"] == fsummary.final_test_accuracy
+    # fedsparse's default engine on the CPU (factored) does the same step to float rounding.
+    factored_cfg = dataclasses.replace(fcfg, engine="auto", out_dir=str(tmp_path / "factored"))
+    grid = InProcessGrid(fedsparse_client, num_nodes=2, run_config=factored_cfg.to_run_config())
+    factored = run_federated(grid, factored_cfg)
+    assert factored.final_test_loss == pytest.approx(fsummary.final_test_loss, rel=1e-5)
+    assert factored.final_test_loss != fsummary.final_test_loss  # another engine ran
     assert 0 < entry["started_at"] < entry["ended_at"]
     assert entry["wall_seconds"] == pytest.approx(entry["ended_at"] - entry["started_at"], abs=0.05)
 

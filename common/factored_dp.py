@@ -1,0 +1,558 @@
+"""DP-SGD + RS with per-sample gradients kept in factored form (book-keeping clipping).
+
+``FactoredDPEngine`` is ``dp.SparseDPEngine`` with the per-sample gradients computed from
+what a layer sees in one forward and one backward pass: its input ``a`` (the activations) and
+the gradient ``b`` of the summed per-example losses with respect to its output (the
+backpropagations). The backward pass asks autograd for the ``b``s only, so no summed weight
+gradient is formed and thrown away (Opacus's hooks compute both). Per layer:
+
+* ``Linear`` on ``(B, in)`` inputs: example ``i``'s weight gradient is the outer product
+  ``b_i a_i^T`` and is never formed. Its masked squared norm is
+  ``sum_jk m_jk b_ij^2 a_ik^2 = ((b^2) @ m * a^2).sum(1)``, one matrix product for the batch
+  (``||b_i||^2 ||a_i||^2`` without a mask; "ghost" clipping, Goodfellow 2015, Li et al. 2022,
+  here with RS's mask inside the norm), and the clipped sum ``sum_i c_i b_i a_i^T =
+  (c * b)^T a`` is one more (book-keeping, Bu et al. 2023). ``Linear`` on inputs with more
+  dimensions (a sequence) materializes ``g_i = sum_t b_it a_it^T`` with one batched product.
+* ``Conv2d`` (zero padding, one group): ``g_i`` is formed, by a convolution backward with
+  the examples as groups, a few examples at a time (``_CHUNK``), masked in place while in the
+  cache, and its squared norm taken. Where the output has many positions (early layers,
+  ``_KEEP_MIN_POSITIONS``) the masked ``g_i`` are kept and the clipped sum is ``c @ g``; where
+  it has few (late layers, with many weights) they are dropped and the sum is one ordinary
+  convolution backward with the backpropagations scaled by ``c`` (book-keeping's second
+  product). Ghost norms for convolutions, from the positions' Gram matrices, ignore the mask,
+  so they are not used.
+
+The step is then ``dp``'s, in ``dp``'s order::
+
+    sparsify ``m * g_i`` -> clip on the masked norms -> sum -> noise ``m * N(0, sigma^2 C^2)``
+    -> scale by ``1 / B`` (Opacus's expected batch size)
+
+with the same ``SparseDPOptimizer.add_noise`` (the same draws from the same generator),
+Opacus's Poisson loader, accountant hook and ``BatchMemoryManager``, the ablations
+(``mechanism="clipped"``/``"noisy"``) and GIP's step selector included. The privacy argument
+of ``dp`` holds unchanged: what changes is only how ``sum_i c_i m * g_i`` and the norms
+``||m * g_i||`` are computed, and they equal Opacus's to float32 rounding (the sums run in
+other orders; ``tests/common/test_factored_dp.py`` pins the tolerance after an epoch).
+
+Layers: every layer with trainable parameters must be a ``Linear`` or a ``Conv2d`` (zero
+padding, ``groups=1``, numeric padding) used once per forward pass, and no layer may mix the
+examples of a batch (``BatchNorm``); ``factored_support_error`` names the first layer that
+breaks a rule and ``select_engine`` falls back to Opacus under ``"auto"``. Parameter-free
+layers (pooling, activations, ``GroupNorm(affine=False)``, dropout) are free: only the
+layers' inputs and output gradients are used. A layer's output must not be modified in place
+by a later layer (``ReLU(inplace=True)``): the backpropagation would be the modified tensor's;
+this is detected after the forward pass and refused, naming the layer.
+
+References:
+    Z. Bu, Y.-X. Wang, S. Zha, G. Karypis. "Differentially Private Optimization on Large
+    Model at Small Cost". ICML 2023. arXiv:2210.00038 (book-keeping: norms and the clipped
+    sum from one backward pass).
+    Z. Bu, J. Mao, S. Xu. "Scalable and Efficient Training of Large Convolutional Neural
+    Networks with Differential Privacy". NeurIPS 2022. arXiv:2205.10683 (mixed ghost
+    clipping: per layer, the cheaper of ghost norms and materialized gradients).
+    J. Zhu, M. Blaschko. "Improving Differentially Private SGD via Randomly Sparsified
+    Gradients". TMLR 2023. arXiv:2112.00845 (the RS mechanism, ``dp``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Final
+
+import torch
+from torch import nn
+
+from fedsparse.common.dp import SparseDPEngine, SparseDPOptimizer
+
+__all__ = [
+    "FactoredDPEngine",
+    "FactoredDPOptimizer",
+    "FactoredGradSampleModule",
+    "LayerFactors",
+    "conv2d_grad_sample",
+    "factored_support_error",
+]
+
+Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+#: Layers whose output for one example depends on the rest of the batch (in training mode).
+_MIXING: Final = (nn.modules.batchnorm._BatchNorm,)
+#: Examples per call of the grouped convolution backward that forms per-sample gradients:
+#: small enough for a chunk to stay in the cache while it is masked and its norms taken. On the
+#: DP-CNN at batch 256 (2 CPU threads) chunks of 8 were 1.5-2.6x faster than the whole batch
+#: at once, and than ``unfold`` + ``bmm`` on every layer but the first (3 input channels).
+_CHUNK: Final = 8
+#: Output positions (H' x W') from which a convolution's per-sample gradients are kept for the
+#: clipped sum (``c @ g``, one pass over memory); below it they are dropped chunk by chunk and
+#: the sum is one convolution backward with the backpropagations scaled by ``c`` (its cost,
+#: like forming them, grows with the positions; keeping them costs ``B x numel`` memory).
+_KEEP_MIN_POSITIONS: Final = 256
+
+
+def factored_support_error(module: nn.Module) -> str | None:
+    """Why the factored engine cannot train ``module`` (naming the first such layer), or None."""
+    owners: dict[int, str] = {}
+    for name, layer in module.named_modules():
+        kind = type(layer).__name__
+        if isinstance(layer, _MIXING):
+            return (
+                f"engine='factored': layer {name!r} ({kind}) mixes the examples of a batch, so "
+                "it has no per-sample gradient; expected a model without batch statistics "
+                "(GroupNorm instead of BatchNorm)"
+            )
+        own = [p for p in layer.parameters(recurse=False) if p.requires_grad]
+        if not own:
+            continue
+        if not isinstance(layer, (nn.Linear, nn.Conv2d)):
+            return (
+                f"engine='factored': layer {name!r} ({kind}) has trainable parameters; the "
+                "factored engine computes per-sample gradients of Linear and Conv2d layers "
+                "only: use engine='opacus' or 'func'"
+            )
+        if isinstance(layer, nn.Conv2d):
+            if layer.groups != 1 or layer.padding_mode != "zeros":
+                return (
+                    f"engine='factored': layer {name!r} (Conv2d) has groups={layer.groups}, "
+                    f"padding_mode={layer.padding_mode!r}: expected groups=1 and 'zeros'"
+                )
+            if isinstance(layer.padding, str) and _numeric_padding(layer) is None:
+                return (
+                    f"engine='factored': layer {name!r} (Conv2d) has padding="
+                    f"{layer.padding!r} with an even kernel: expected numeric padding"
+                )
+        for p in own:
+            if id(p) in owners:
+                return (
+                    f"engine='factored': layers {owners[id(p)]!r} and {name!r} share a "
+                    "parameter; expected every trainable parameter in one layer"
+                )
+            owners[id(p)] = name
+    return None
+
+
+def _numeric_padding(layer: nn.Conv2d) -> tuple[int, int] | None:
+    """``layer.padding`` as two ints (``'valid'``, or ``'same'`` with odd dilated kernels)."""
+    padding = layer.padding
+    if not isinstance(padding, str):
+        return (int(padding[0]), int(padding[1]))
+    if padding == "valid":
+        return (0, 0)
+    spans = [d * (k - 1) for d, k in zip(layer.dilation, layer.kernel_size, strict=True)]
+    if any(span % 2 for span in spans):
+        return None
+    return (spans[0] // 2, spans[1] // 2)
+
+
+def conv2d_grad_sample(
+    layer: nn.Conv2d, activations: torch.Tensor, backprops: torch.Tensor
+) -> torch.Tensor:
+    """Per-sample weight gradients of ``layer``, ``(B, out * in * kh * kw)`` (weight order).
+
+    One convolution backward with the examples as groups: example ``i``'s input channels meet
+    only its own output channels, so the weight gradient of group ``i`` is ``g_i``.
+
+    Args:
+        layer: a ``Conv2d`` with ``groups=1`` and zero padding.
+        activations: its input, ``(B, in, H, W)``.
+        backprops: the gradient of the summed per-example losses w.r.t. its output,
+            ``(B, out, H', W')``.
+    """
+    batch = activations.shape[0]
+    padding = _numeric_padding(layer)
+    assert padding is not None  # factored_support_error refused the others
+    out_ch, in_ch, kh, kw = layer.weight.shape
+    _, grad, _ = torch.ops.aten.convolution_backward(
+        backprops.reshape(1, batch * out_ch, *backprops.shape[2:]),
+        activations.reshape(1, batch * in_ch, *activations.shape[2:]),
+        layer.weight.new_empty((batch * out_ch, in_ch, kh, kw)),  # only its shape is read
+        None,
+        list(layer.stride),
+        list(padding),
+        list(layer.dilation),
+        False,
+        [0, 0],
+        batch,
+        [False, True, False],
+    )
+    return grad.reshape(batch, -1)
+
+
+def conv2d_weight_grad(
+    layer: nn.Conv2d, activations: torch.Tensor, backprops: torch.Tensor
+) -> torch.Tensor:
+    """The weight gradient of ``layer`` summed over the batch (shaped like the weight)."""
+    padding = _numeric_padding(layer)
+    assert padding is not None
+    _, grad, _ = torch.ops.aten.convolution_backward(
+        backprops,
+        activations,
+        layer.weight,
+        None,
+        list(layer.stride),
+        list(padding),
+        list(layer.dilation),
+        False,
+        [0, 0],
+        1,
+        [False, True, False],
+    )
+    return grad
+
+
+def _conv2d_norms(
+    layer: nn.Conv2d,
+    activations: torch.Tensor,
+    backprops: torch.Tensor,
+    mask: torch.Tensor | None,
+    *,
+    keep: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Squared norms of the masked per-sample weight gradients, ``(B,)``, chunk by chunk;
+    with ``keep``, also the masked gradients themselves, ``(B, numel)``."""
+    batch, numel = activations.shape[0], layer.weight.numel()
+    norms = activations.new_empty(batch)
+    kept = activations.new_empty((batch, numel)) if keep else None
+    flat_mask = None if mask is None else mask.reshape(1, -1)
+    for start in range(0, batch, _CHUNK):
+        stop = min(start + _CHUNK, batch)
+        chunk = conv2d_grad_sample(layer, activations[start:stop], backprops[start:stop])
+        if flat_mask is not None:
+            chunk.mul_(flat_mask)
+        norms[start:stop] = torch.linalg.vector_norm(chunk, dim=1).square()
+        if kept is not None:
+            kept[start:stop] = chunk
+    return norms, kept
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerFactors:
+    """One layer's factors for one batch: per-sample gradients without forming them all.
+
+    Attributes:
+        layer: the ``Linear`` or ``Conv2d``.
+        weight: its weight, if trainable (else None); likewise ``bias``.
+        activations: its input (detached).
+        backprops: the gradient of the summed per-example losses w.r.t. its output.
+    """
+
+    layer: nn.Module
+    weight: nn.Parameter | None
+    bias: nn.Parameter | None
+    activations: torch.Tensor
+    backprops: torch.Tensor
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.activations.shape[0])
+
+    def prepare(self, masks: dict[nn.Parameter, torch.Tensor]) -> _Prepared:
+        """This layer's masked squared norm per example, and what its clipped sum needs."""
+        a, b = self.activations, self.backprops
+        weight_mask = masks.get(self.weight) if self.weight is not None else None
+        norms = a.new_zeros(len(a))
+        kept: dict[nn.Parameter, torch.Tensor] = {}
+        if self.weight is not None:
+            if isinstance(self.layer, nn.Conv2d):
+                keep = b.shape[2] * b.shape[3] >= _KEEP_MIN_POSITIONS
+                weight_norms, grad_sample = _conv2d_norms(self.layer, a, b, weight_mask, keep=keep)
+                norms += weight_norms
+                if grad_sample is not None:
+                    kept[self.weight] = grad_sample
+            elif a.dim() == 2:  # ||m * (b_i a_i^T)||^2 = sum_jk m_jk b_ij^2 a_ik^2
+                if weight_mask is None:
+                    norms += (b * b).sum(1) * (a * a).sum(1)
+                else:
+                    norms += (((b * b) @ weight_mask) * (a * a)).sum(1)
+            else:  # a Linear over a sequence: g_i = sum_t b_it a_it^T
+                flat_a = a.reshape(len(a), -1, a.shape[-1])
+                flat_b = b.reshape(len(b), -1, b.shape[-1])
+                grad_sample = torch.bmm(flat_b.transpose(1, 2), flat_a).reshape(len(a), -1)
+                if weight_mask is not None:
+                    grad_sample.mul_(weight_mask.reshape(1, -1))
+                norms += torch.linalg.vector_norm(grad_sample, dim=1).square()
+                kept[self.weight] = grad_sample
+        if self.bias is not None:
+            dims = tuple(range(2, b.dim())) if isinstance(self.layer, nn.Conv2d) else ()
+            if not isinstance(self.layer, nn.Conv2d) and b.dim() > 2:
+                dims = tuple(range(1, b.dim() - 1))
+            grad_sample = b.sum(dims) if dims else b
+            bias_mask = masks.get(self.bias)
+            if bias_mask is not None:
+                grad_sample = grad_sample * bias_mask
+            norms += (grad_sample * grad_sample).sum(1)
+            kept[self.bias] = grad_sample
+        return _Prepared(norms_sq=norms, kept=kept, factors=self, weight_mask=weight_mask)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Prepared:
+    norms_sq: torch.Tensor  # (B,) the layer's masked squared norm per example
+    kept: dict[nn.Parameter, torch.Tensor]  # masked per-sample gradients, (B, numel)
+    factors: LayerFactors
+    weight_mask: torch.Tensor | None  # for a weight summed from the factors
+
+    def clipped_sums(self, factor: torch.Tensor) -> dict[nn.Parameter, torch.Tensor]:
+        """``sum_i factor_i * m * g_i`` per parameter, shaped like it."""
+        sums = {p: (factor @ g).view_as(p) for p, g in self.kept.items()}
+        f = self.factors
+        if f.weight is not None and f.weight not in sums:  # from the factors
+            scale = factor.reshape(-1, *([1] * (f.backprops.dim() - 1)))
+            if isinstance(f.layer, nn.Conv2d):
+                weight = conv2d_weight_grad(f.layer, f.activations, f.backprops * scale)
+            else:
+                weight = (f.backprops * scale).t() @ f.activations
+            if self.weight_mask is not None:
+                weight.mul_(self.weight_mask)
+            sums[f.weight] = weight
+        return sums
+
+
+class FactoredGradSampleModule(nn.Module):
+    """Wraps a module; ``backward_per_sample`` records every layer's factors for the step.
+
+    The forward pass is the wrapped module's own (evaluation, ``module(x)``). Training calls
+    ``backward_per_sample(x, y, criterion=...)`` instead of ``criterion(module(x), y)
+    .backward()``: one forward pass with hooks that keep each trainable layer's input and
+    output, then ``torch.autograd.grad`` of the loss w.r.t. those outputs (no parameter
+    gradients are computed). ``FactoredDPOptimizer.step`` turns the factors into the masked,
+    clipped, summed gradient. The wrapped module is ``_module``, Opacus's name.
+
+    Args:
+        module: the model (``factored_support_error`` must accept it).
+        loss_reduction: how the criterion reduces the batch, Opacus's argument: ``"mean"``
+            (the backpropagations are multiplied by the batch size, as Opacus's hooks do) or
+            ``"sum"``.
+    """
+
+    def __init__(self, module: nn.Module, *, loss_reduction: str = "mean") -> None:
+        super().__init__()
+        error = factored_support_error(module)
+        if error is not None:
+            raise ValueError(error)
+        if loss_reduction not in ("mean", "sum"):
+            raise ValueError(f"loss_reduction={loss_reduction!r}: expected 'mean' or 'sum'")
+        self._module = module
+        self.loss_reduction = loss_reduction
+        self._accumulation_allowed = True
+        self.pending: list[list[LayerFactors]] = []
+        self._layers = [
+            (name, layer)
+            for name, layer in module.named_modules()
+            if any(p.requires_grad for p in layer.parameters(recurse=False))
+        ]
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped module's forward pass (no per-sample work)."""
+        return self._module(*args, **kwargs)
+
+    def forbid_grad_accumulation(self) -> None:
+        """Poisson sampling: every step's per-sample gradients must come from one batch."""
+        self._accumulation_allowed = False
+
+    def allow_grad_accumulation(self) -> None:
+        """Lets two batches' factors accumulate before a step (each batch clipped alone)."""
+        self._accumulation_allowed = True
+
+    def backward_per_sample(
+        self, x: torch.Tensor, y: torch.Tensor, *, criterion: Loss
+    ) -> torch.Tensor:
+        """Records the batch's factors for the next optimizer step.
+
+        Args:
+            x: a batch of inputs (first dimension: examples; may be empty).
+            y: the matching targets.
+            criterion: the batch loss, reduced as ``loss_reduction`` says.
+
+        Returns:
+            The batch loss (detached; NaN for an empty batch), for reporting.
+
+        Raises:
+            ValueError: factors of an earlier batch are waiting and accumulation is
+                forbidden; a layer ran twice in the forward pass, or its output was modified
+                in place.
+        """
+        if self.pending and not self._accumulation_allowed:
+            raise ValueError(
+                "per-sample gradients of two batches before one step: Poisson sampling forbids "
+                "gradient accumulation (call optimizer.zero_grad() between steps)"
+            )
+        if len(x) == 0:
+            self.pending.append([])
+            return torch.tensor(math.nan)
+        seen: dict[nn.Module, list[tuple[torch.Tensor, torch.Tensor, int]]] = {}
+
+        def keep(layer: nn.Module, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+            seen.setdefault(layer, []).append((inputs[0].detach(), output, output._version))
+
+        handles = [layer.register_forward_hook(keep) for _, layer in self._layers]
+        try:
+            loss = criterion(self._module(x), y)
+        finally:
+            for handle in handles:
+                handle.remove()
+        used = [(name, layer) for name, layer in self._layers if layer in seen]
+        for name, layer in used:
+            if len(seen[layer]) > 1:
+                raise ValueError(
+                    f"engine='factored': layer {name!r} ran {len(seen[layer])} times in one "
+                    "forward pass; expected once (its per-sample gradient is a sum of uses)"
+                )
+            output, version = seen[layer][0][1], seen[layer][0][2]
+            if output._version != version:
+                raise ValueError(
+                    f"engine='factored': the output of layer {name!r} was modified in place "
+                    "by a later layer (inplace=True?); expected an out-of-place activation"
+                )
+        outputs = [seen[layer][0][1] for _, layer in used]
+        # Each example's own loss gradient: a mean-reduced loss times B (Opacus's scaling).
+        total = loss * len(x) if self.loss_reduction == "mean" else loss
+        backprops = torch.autograd.grad(total, outputs) if outputs else ()
+        factors = []
+        for (_, layer), b in zip(used, backprops, strict=True):
+            weight = getattr(layer, "weight", None)
+            bias = getattr(layer, "bias", None)
+            factors.append(
+                LayerFactors(
+                    layer=layer,
+                    weight=weight if weight is not None and weight.requires_grad else None,
+                    bias=bias if bias is not None and bias.requires_grad else None,
+                    activations=seen[layer][0][0],
+                    backprops=b,
+                )
+            )
+        self.pending.append(factors)
+        return loss.detach()
+
+
+class FactoredDPOptimizer(SparseDPOptimizer):
+    """``SparseDPOptimizer`` whose per-sample gradients are a ``FactoredGradSampleModule``'s.
+
+    ``clip_and_accumulate`` computes the masked norms and the clipped sum from the module's
+    factors (module docstring); noise, scaling, the accountant hook and skipped steps are
+    ``SparseDPOptimizer``'s and Opacus's.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> None:
+        super().__init__(optimizer, **kwargs)
+        self.source: FactoredGradSampleModule | None = None
+        self._iterations = 0
+
+    def attach(self, source: FactoredGradSampleModule) -> None:
+        """The module whose ``backward_per_sample`` feeds this optimizer's steps."""
+        self.source = source
+
+    @property
+    def accumulated_iterations(self) -> int:
+        """Batches recorded since the last ``zero_grad`` (Opacus: per-sample grad lists)."""
+        return self._iterations
+
+    def clip_and_accumulate(self) -> None:
+        """Sparsify, clip each example's gradient on its masked norm, sum into ``summed_grad``."""
+        if self.source is None:
+            raise RuntimeError("FactoredDPOptimizer: attach(module) before the first step")
+        batches = self.source.pending
+        if not batches:
+            raise ValueError(
+                "no per-sample gradients for this step: call module.backward_per_sample(...) "
+                "after optimizer.zero_grad() (or the step has already consumed them)"
+            )
+        self.source.pending = []
+        self._iterations = len(batches)
+        masks = self._noise_mask
+        for layers in batches:
+            sums = self._clipped_sum(layers, masks)
+            for p in self.params:
+                grad = sums.get(p)
+                if grad is None:
+                    grad = torch.zeros_like(p)
+                if p.summed_grad is not None:
+                    p.summed_grad += grad
+                else:
+                    p.summed_grad = grad
+
+    def _clipped_sum(
+        self, layers: list[LayerFactors], masks: dict[nn.Parameter, torch.Tensor]
+    ) -> dict[nn.Parameter, torch.Tensor]:
+        if not layers:  # an empty batch: a zero sum (the noise comes next)
+            return {}
+        prepared = [f.prepare(masks) for f in layers]
+        norms_sq = torch.stack([p.norms_sq for p in prepared]).sum(0)
+        if self.clip_per_sample:
+            factor = (self.max_grad_norm / (norms_sq.sqrt() + 1e-6)).clamp(max=1.0)
+        else:
+            factor = torch.ones_like(norms_sq)
+        sums: dict[nn.Parameter, torch.Tensor] = {}
+        for p in prepared:
+            sums.update(p.clipped_sums(factor))
+        return sums
+
+    def pre_step(self, closure: Callable[[], float] | None = None) -> bool:
+        """Opacus's ``pre_step`` without its ``p.grad_sample`` look-up."""
+        if len(self.params) == 0:
+            return True
+        self.clip_and_accumulate()
+        if self._check_skip_next_step():
+            self._is_last_step_skipped = True
+            return False
+        self.add_noise()
+        self.scale_grad()
+        if self.step_hook:
+            self.step_hook(self)
+        self._is_last_step_skipped = False
+        return True
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        """Opacus's ``zero_grad``; also drops factors recorded and not yet stepped on."""
+        if self.source is not None:
+            self.source.pending = []
+        self._iterations = 0
+        super().zero_grad(set_to_none)
+
+
+class FactoredDPEngine(SparseDPEngine):
+    """``SparseDPEngine`` with factored per-sample gradients (module docstring).
+
+    ``make_private`` takes and returns what ``SparseDPEngine.make_private`` does; the module
+    it returns is a ``FactoredGradSampleModule``, trained with ``backward_per_sample``::
+
+        engine = FactoredDPEngine(accountant="rdp")
+        module, optimizer, loader = engine.make_private(
+            module=model, optimizer=optimizer, data_loader=loader,
+            noise_multiplier=1.0, max_grad_norm=1.0)
+        engine.set_mask(mask)
+        for x, y in loader:
+            optimizer.zero_grad()
+            module.backward_per_sample(x, y, criterion=nn.CrossEntropyLoss())
+            optimizer.step()
+    """
+
+    optimizer_class = FactoredDPOptimizer
+
+    def _prepare_model(
+        self,
+        module: nn.Module,
+        *,
+        batch_first: bool = True,
+        loss_reduction: str = "mean",
+        grad_sample_mode: str = "hooks",
+        wrap_model: bool = True,
+        **kwargs: Any,
+    ) -> FactoredGradSampleModule:
+        if not batch_first or not wrap_model or grad_sample_mode != "hooks":
+            raise NotImplementedError(
+                f"batch_first={batch_first}, wrap_model={wrap_model}, "
+                f"grad_sample_mode={grad_sample_mode!r}: FactoredDPEngine computes per-sample "
+                "gradients itself (batch first, wrapped module); leave these at their defaults"
+            )
+        if isinstance(module, FactoredGradSampleModule):
+            return module
+        return FactoredGradSampleModule(module, loss_reduction=loss_reduction)
+
+    def make_private(self, *, module: nn.Module, noise_multiplier: float, **kwargs: Any) -> Any:
+        """Opacus's ``make_private``; returns ``(module, optimizer, data_loader)``."""
+        result = super().make_private(module=module, noise_multiplier=noise_multiplier, **kwargs)
+        wrapped, optimizer = result[0], result[1]
+        optimizer.attach(wrapped)
+        return result
