@@ -90,8 +90,8 @@ class SparseDPOptimizer(DPOptimizer):
     ) -> None:
         super().__init__(optimizer, **kwargs)
         self.clip_per_sample = clip_per_sample
-        self._kept_index: dict[nn.Parameter, torch.Tensor] = {}
-        self._noise_mask: dict[nn.Parameter, torch.Tensor] = {}
+        self._noise_mask: dict[nn.Parameter, torch.Tensor] = {}  # float masks, partial only
+        self._kept_index: dict[nn.Parameter, torch.Tensor] = {}  # their flat indices, lazily
         self._selector: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def set_step_selector(self, selector: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
@@ -102,14 +102,14 @@ class SparseDPOptimizer(DPOptimizer):
         gradient is ``(sum + noise) * mask``. Exclusive with the public masks of
         ``set_param_masks`` (GIP clips the whole gradient). None: no selection.
         """
-        if selector is not None and self._kept_index:
+        if selector is not None and self._noise_mask:
             raise ValueError("set_step_selector: a public mask is set; GIP clips the whole grad")
         self._selector = selector
 
     def set_param_masks(self, masks: dict[nn.Parameter, torch.Tensor | None]) -> None:
         """Sets boolean masks (shaped like each parameter); ``None`` or all-True keeps all."""
         params = set(self.params)
-        self._kept_index, self._noise_mask = {}, {}
+        self._noise_mask, self._kept_index = {}, {}
         for p, mask in masks.items():
             if p not in params:
                 raise ValueError(
@@ -126,25 +126,32 @@ class SparseDPOptimizer(DPOptimizer):
                 continue
             if self._selector is not None:
                 raise ValueError("set_param_masks: a step selector is set (GIP clips it all)")
-            mask = mask.to(p.device)
-            self._kept_index[p] = torch.nonzero(mask.reshape(-1), as_tuple=True)[0]
-            self._noise_mask[p] = mask.to(p.dtype)
+            self._noise_mask[p] = mask.to(device=p.device, dtype=p.dtype)
 
     @property
     def is_masked(self) -> bool:
         """Whether any parameter currently has a partial mask."""
-        return bool(self._kept_index)
+        return bool(self._noise_mask)
 
     def _kept_grad_sample(self, p: nn.Parameter) -> torch.Tensor:
         """Per-sample gradients of ``p`` on its kept coordinates, shape ``(B, keep_p)``."""
         grad_sample = self._get_flat_grad_sample(p).to(p.dtype)
         flat = grad_sample.reshape(len(grad_sample), p.numel())
-        index = self._kept_index.get(p)
+        index = self._kept(p)
         return flat if index is None else flat.index_select(1, index)
+
+    def _kept(self, p: nn.Parameter) -> torch.Tensor | None:
+        """The flat indices of ``p``'s kept coordinates (None: no partial mask)."""
+        mask = self._noise_mask.get(p)
+        if mask is None:
+            return None
+        if p not in self._kept_index:
+            self._kept_index[p] = torch.nonzero(mask.reshape(-1), as_tuple=True)[0]
+        return self._kept_index[p]
 
     def clip_and_accumulate(self) -> None:
         """Sparsify, then clip each per-sample gradient, then sum into ``p.summed_grad``."""
-        if not self._kept_index and self.clip_per_sample:
+        if not self._noise_mask and self.clip_per_sample:
             super().clip_and_accumulate()
             return
         kept = [self._kept_grad_sample(p) for p in self.params]
@@ -157,7 +164,7 @@ class SparseDPOptimizer(DPOptimizer):
         for p, k in zip(self.params, kept, strict=True):
             _check_processed_flag(p.grad_sample)
             summed = factor.to(device=k.device, dtype=k.dtype) @ k
-            index = self._kept_index.get(p)
+            index = self._kept(p)
             if index is not None:
                 full = torch.zeros(p.numel(), device=k.device, dtype=k.dtype)
                 summed = full.index_copy_(0, index, summed)

@@ -16,11 +16,11 @@ gradient is formed and thrown away (Opacus's hooks compute both). Per layer:
 * ``Conv2d`` (zero padding, one group): ``g_i`` is formed, by a convolution backward with
   the examples as groups, a few examples at a time (``_CHUNK``), masked in place while in the
   cache, and its squared norm taken. Where the output has many positions (early layers,
-  ``_KEEP_MIN_POSITIONS``) the masked ``g_i`` are kept and the clipped sum is ``c @ g``; where
-  it has few (late layers, with many weights) they are dropped and the sum is one ordinary
-  convolution backward with the backpropagations scaled by ``c`` (book-keeping's second
-  product). Ghost norms for convolutions, from the positions' Gram matrices, ignore the mask,
-  so they are not used.
+  ``_KEEP_MIN_POSITIONS``) or the gradients are few (a small batch, ``_KEEP_MAX_VALUES``), the
+  masked ``g_i`` are kept and the clipped sum is ``c @ g``; elsewhere (late layers, with many
+  weights) they are dropped and the sum is one ordinary convolution backward with the
+  backpropagations scaled by ``c`` (book-keeping's second product). Ghost norms for
+  convolutions, from the positions' Gram matrices, ignore the mask, so they are not used.
 
 The step is then ``dp``'s, in ``dp``'s order::
 
@@ -89,6 +89,10 @@ _CHUNK: Final = 8
 #: the sum is one convolution backward with the backpropagations scaled by ``c`` (its cost,
 #: like forming them, grows with the positions; keeping them costs ``B x numel`` memory).
 _KEEP_MIN_POSITIONS: Final = 256
+#: Per-sample gradients of at most this many values (B x numel) are kept whatever the
+#: positions: a second convolution backward costs more than reading them (small batches, as a
+#: federated client's on a small partition).
+_KEEP_MAX_VALUES: Final = 1 << 20
 
 
 def factored_support_error(module: nn.Module) -> str | None:
@@ -255,7 +259,10 @@ class LayerFactors:
         kept: dict[nn.Parameter, torch.Tensor] = {}
         if self.weight is not None:
             if isinstance(self.layer, nn.Conv2d):
-                keep = b.shape[2] * b.shape[3] >= _KEEP_MIN_POSITIONS
+                keep = (
+                    b.shape[2] * b.shape[3] >= _KEEP_MIN_POSITIONS
+                    or len(a) * self.weight.numel() <= _KEEP_MAX_VALUES
+                )
                 weight_norms, grad_sample = _conv2d_norms(self.layer, a, b, weight_mask, keep=keep)
                 norms += weight_norms
                 if grad_sample is not None:

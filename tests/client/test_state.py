@@ -68,6 +68,23 @@ def test_dense_and_sparse_patches_are_exact() -> None:
     assert torch.equal(out, expected) and not torch.equal(out, held)
 
 
+def test_a_seeded_patch_regenerates_the_public_mask_once_per_process() -> None:
+    from fedsparse.client.state import _seeded_support
+    from fedsparse.common.masks import sample_mask
+
+    held = torch.randn(1000)
+    before = held.clone()
+    mask = sample_mask(1000, keep=300, seed=11)
+    values = torch.randn(300)
+    patch = encode_update(values, dense_size=1000, round=2, mask_seed=11, encoding="seeded")
+    _seeded_support.cache_clear()
+    for _ in range(3):  # three nodes of one worker: one mask
+        out = apply_downlink(held, 1, patch, base_version=1, numel=1000, server_round=2)
+        assert torch.equal(out[mask], values) and torch.equal(out[~mask], held[~mask])
+    assert _seeded_support.cache_info().misses == 1 and _seeded_support.cache_info().hits == 2
+    assert torch.equal(held, before)  # the stored copy is not patched in place
+
+
 def test_a_patch_for_another_version_or_round_is_refused() -> None:
     patch = encode_update(
         torch.ones(1), dense_size=100, round=2, indices=torch.tensor([5]), encoding="coo"
