@@ -26,10 +26,13 @@ to round 1's ``started_at`` in ``rounds.jsonl``), round 1 (start of round 1 to s
 2: the Ray actors' first imports land here), the steady round (the median over rounds 2..R of
 the time from one round's start to the next one's, or to the end of the last round, so that
 everything the server does between rounds counts), and the peak over samples (every
-``--sample`` seconds) of the summed RSS, and of the summed PSS, of every process of the tree
-(descendants found in ``/proc``, and those seen before that were reparented). The summed RSS
-counts shared pages (torch's libraries, Ray's object store) once per process; PSS divides
-them among the processes that share them.
+``--sample`` seconds) of the summed RSS, and of the summed PSS (every ``PSS_EVERY``-th sample:
+reading ``smaps_rollup`` walks each process's page tables, ~50 ms a sample at N = 1000, CPU
+taken from the run it measures), of every process of the tree (descendants found in
+``/proc``, and those seen before that were reparented). The summed RSS counts shared pages
+(torch's libraries, Ray's object store) once per process; PSS divides them among the
+processes that share them. Between two runs the script waits ``--settle`` seconds, so that
+one run's exit (Ray's shutdown, freed memory) does not overlap the next one's rounds.
 
 The configurations are interleaved, each repetition in a rotated order, so machine noise hits
 all alike; the tables give medians and, for each baseline, every other configuration's ratio
@@ -44,6 +47,7 @@ tree, then SIGKILL to anything of the tree still alive), also on Ctrl-C, SIGTERM
 Usage: python benchmarks/simulation.py [--clients 10 100 1000] [--reps 3] [--rounds 5]
            [--configs stock stock-no-eps fedsparse-sigma fedsparse-eps]
            [--fedsparse-backend flower] [--noise-multiplier 1.0] [--cpus-per-client 1]
+           [--settle 5]
            [--out runs/bench-simulation]
 """
 
@@ -74,6 +78,8 @@ BASELINES = ("stock", "stock-no-eps")
 #: The issue's target for the steady round, and the N it applies to.
 TARGET_RATIO, TARGET_CLIENTS = 1.2, (10, 100)
 PAGE = os.sysconf("SC_PAGE_SIZE")
+#: Every how many memory samples the (costly) PSS is read too.
+PSS_EVERY = 4
 
 
 # --------------------------------------------------------------------------- process trees
@@ -90,17 +96,19 @@ def _stat(pid: int) -> tuple[int, int] | None:
     return int(fields[1]), int(fields[19])
 
 
-def _memory(pid: int) -> tuple[int, int]:
-    """(RSS, PSS) of ``pid`` in bytes; zeros if it is gone."""
-    rss, pss = 0, 0
+def _memory(pid: int, *, pss: bool = True) -> tuple[int, int]:
+    """(RSS, PSS) of ``pid`` in bytes (PSS 0 unless ``pss``); zeros if it is gone."""
+    rss, pss_bytes = 0, 0
     with contextlib.suppress(OSError, ValueError, IndexError):
         rss = int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * PAGE
+    if not pss:
+        return rss, 0
     with contextlib.suppress(OSError, ValueError, IndexError):
         for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
             if line.startswith("Pss:"):
-                pss = int(line.split()[1]) * 1024
+                pss_bytes = int(line.split()[1]) * 1024
                 break
-    return rss, pss
+    return rss, pss_bytes
 
 
 class ProcessTree:
@@ -116,6 +124,7 @@ class ProcessTree:
         self.seen: dict[int, int] = {}
         self.peak_rss = 0
         self.peak_pss = 0
+        self.samples = 0
 
     def live(self) -> list[int]:
         """Live pids of the tree (its current descendants and the ones seen before)."""
@@ -140,10 +149,12 @@ class ProcessTree:
         return found
 
     def sample(self) -> None:
-        """Adds one memory sample of the whole tree to the peaks."""
+        """Adds one memory sample of the whole tree to the peaks (PSS every ``PSS_EVERY``)."""
+        with_pss = self.samples % PSS_EVERY == 0
+        self.samples += 1
         rss, pss = 0, 0
         for pid in self.live():
-            r, p = _memory(pid)
+            r, p = _memory(pid, pss=with_pss)
             rss, pss = rss + r, pss + p
         self.peak_rss, self.peak_pss = max(self.peak_rss, rss), max(self.peak_pss, pss)
 
@@ -457,6 +468,7 @@ def main() -> None:
     parser.add_argument("--cpus-per-client", type=float, default=1.0)
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
     parser.add_argument("--sample", type=float, default=0.5, help="seconds between samples")
+    parser.add_argument("--settle", type=float, default=5.0, help="seconds between two runs")
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "bench-simulation")
     args = parser.parse_args()
     if args.rounds < 2:
@@ -501,6 +513,8 @@ def main() -> None:
                 shift = rep % len(configs)
                 for config in configs[shift:] + configs[:shift]:
                     out = args.out / f"n{clients}" / f"{config}-{rep}"
+                    if results:
+                        time.sleep(args.settle)
                     result = run_one(config, clients, rep, out, settings)
                     results.append(result)
                     with log.open("a") as fh:
