@@ -12,7 +12,10 @@ this is exactly FedAvg of the sparse updates; with ``final-rate=0`` it is dense 
 Aggregation is post-processing of each client's differentially private output and costs no
 privacy. Sums run in float64 so the order in which replies arrive does not matter to within
 float32 rounding; weights are accumulated relative to the first one, so the mean is invariant
-to scaling every weight and huge finite weights cannot overflow the sums.
+to scaling every weight and huge finite weights cannot overflow the sums. Consecutive updates
+on the same support (the round's mask: one tensor for every reply of a round) are summed on
+that support and scattered into the model once, not once per update: the same float64 sums,
+in the same order, at every coordinate that no earlier update of another support covered.
 
 The weight ``n_c`` is whatever the server passes: with ``weighting="uniform"`` (the default)
 it is 1 for every accepted update, so a client cannot buy influence by claiming examples;
@@ -79,6 +82,9 @@ class SparseAggregator:
         self.num_updates = 0
         self.total_weight = 0.0
         self._unit = 0.0  # the first weight: sums hold weight / unit, which stays near 1
+        # Updates on one support not yet scattered: (support, summed values, summed weight).
+        self._pending: tuple[torch.Tensor, torch.Tensor, float] | None = None
+        self._checked: torch.Tensor | None = None  # the last support that passed its checks
 
     def add(self, values: torch.Tensor, *, support: torch.Tensor | None, weight: float) -> None:
         """Adds one client's values on ``support`` (int64 indices; ``None`` = dense).
@@ -90,7 +96,7 @@ class SparseAggregator:
                 twice at that coordinate).
         """
         _check_weight(weight)
-        _check_update(values, support, self.dense_size)
+        _check_update(values, support, self.dense_size, checked=support is self._checked)
         unit = self._unit or weight
         relative = weight / unit
         v = values.to(torch.float64) * relative
@@ -99,22 +105,38 @@ class SparseAggregator:
         self._unit = unit
         weight = relative
         if support is None:
+            self._flush()
             self._sums += v
             self._weights += weight
         else:
-            self._sums.index_add_(0, support, v)
-            self._weights.index_add_(0, support, torch.full_like(v, weight))
+            self._checked = support
+            pending = self._pending
+            if pending is not None and pending[0] is support:
+                pending[1].add_(v)
+                self._pending = (support, pending[1], pending[2] + weight)
+            else:
+                self._flush()
+                self._pending = (support, v, weight)
         self.num_updates += 1
         self.total_weight += weight * self._unit
 
+    def _flush(self) -> None:
+        """Scatters the pending updates' sums into the model-sized sums."""
+        if self._pending is not None:
+            support, values, weight = self._pending
+            self._sums.index_add_(0, support, values)
+            self._weights.index_add_(0, support, torch.full_like(values, weight))
+            self._pending = None
+
     def touched(self) -> torch.Tensor:
         """Boolean mask of coordinates at least one update covered."""
+        self._flush()
         return self._weights > 0
 
     def mean_update(self) -> torch.Tensor:
         """Per-coordinate weighted mean over the covering updates (0 where none), float32."""
         out = torch.zeros(self.dense_size, dtype=torch.float64)
-        touched = self.touched()
+        touched = self.touched()  # flushes
         out[touched] = self._sums[touched] / self._weights[touched]
         return out.to(torch.float32)
 
@@ -138,12 +160,15 @@ def _check_weight(weight: float) -> None:
         raise ValueError(f"weight={weight}: expected a finite value > 0")
 
 
-def _check_update(values: torch.Tensor, support: torch.Tensor | None, dense_size: int) -> None:
-    """Shape, support and finiteness checks shared by both aggregators."""
+def _check_update(
+    values: torch.Tensor, support: torch.Tensor | None, dense_size: int, *, checked: bool = False
+) -> None:
+    """Shape, support and finiteness checks shared by both aggregators (``checked``: this
+    very support tensor passed ``_check_support`` already)."""
     expected = dense_size if support is None else support.numel()
     if values.dim() != 1 or values.numel() != expected:
         raise ValueError(f"values has shape {tuple(values.shape)}: expected ({expected},)")
-    if support is not None:
+    if support is not None and not checked:
         _check_support(support, dense_size)
     if not bool(torch.isfinite(values).all()):
         raise ValueError("values: non-finite entries")

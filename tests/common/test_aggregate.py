@@ -416,6 +416,61 @@ def test_invalid_support_indices_are_rejected(support: list[int]) -> None:
         agg.add(torch.ones(len(support)), support=torch.tensor(support), weight=1.0)
 
 
+def _scatter_each(dense_size: int, updates: list[tuple[torch.Tensor, torch.Tensor | None, float]]):
+    """The aggregate as every update scattered on its own (the reference for batching)."""
+    sums = torch.zeros(dense_size, dtype=torch.float64)
+    weights = torch.zeros(dense_size, dtype=torch.float64)
+    unit = updates[0][2]
+    for values, support, weight in updates:
+        v = values.to(torch.float64) * (weight / unit)
+        if support is None:
+            sums += v
+            weights += weight / unit
+        else:
+            sums.index_add_(0, support, v)
+            weights.index_add_(0, support, torch.full_like(v, weight / unit))
+    out = torch.zeros(dense_size, dtype=torch.float64)
+    touched = weights > 0
+    out[touched] = sums[touched] / weights[touched]
+    return out.to(torch.float32)
+
+
+def test_updates_on_one_shared_support_equal_scattering_each_bit_for_bit() -> None:
+    g = torch.Generator().manual_seed(0)
+    d, keep = 5000, 1500
+    mask = torch.sort(torch.randperm(d, generator=g)[:keep]).values  # one tensor: the round's
+    updates = [(torch.randn(keep, generator=g) * 10.0**k, mask, 1.5**k) for k in range(-3, 4)]
+    agg = SparseAggregator(d)
+    for values, support, weight in updates:
+        agg.add(values, support=support, weight=weight)
+    assert agg._pending is not None and agg._pending[0] is mask  # batched, not yet scattered
+    expected = _scatter_each(d, updates)
+    assert torch.equal(agg.mean_update().view(torch.int32), expected.view(torch.int32))
+    # Another support in between flushes the batch; the same tensor after it batches again.
+    other = torch.arange(0, d, 3)
+    mixed = [updates[0], (torch.randn(len(other), generator=g), other, 2.0), *updates[1:]]
+    mixed.append((torch.randn(d, generator=g), None, 0.5))
+    agg = SparseAggregator(d)
+    for values, support, weight in mixed:
+        agg.add(values, support=support, weight=weight)
+    torch.testing.assert_close(agg.mean_update(), _scatter_each(d, mixed), rtol=2e-7, atol=0)
+    assert agg.num_updates == len(mixed)
+
+
+def test_a_bad_support_after_a_checked_one_is_still_rejected() -> None:
+    agg = SparseAggregator(6)
+    good = torch.tensor([1, 3, 5])
+    agg.add(torch.ones(3), support=good, weight=1.0)
+    agg.add(torch.ones(3), support=good, weight=1.0)  # the same tensor: not checked again
+    for bad in (torch.tensor([3, 1, 5]), torch.tensor([1, 3, 6])):  # equal length, not good
+        with pytest.raises(ValueError, match="support spans"):
+            agg.add(torch.ones(3), support=bad, weight=1.0)
+    with pytest.raises(ValueError, match=r"values has shape \(2,\): expected \(3,\)"):
+        agg.add(torch.ones(2), support=good, weight=1.0)
+    assert agg.num_updates == 2
+    assert torch.equal(agg.mean_update(), torch.tensor([0.0, 1, 0, 1, 0, 1]))
+
+
 # --- robust aggregators: the same round, a coordinate-wise rule over the covering clients ----
 
 

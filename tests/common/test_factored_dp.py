@@ -470,3 +470,15 @@ def test_every_model_runs_on_the_factored_engine(name: str) -> None:
     assert select_engine("factored", module=model, device=CPU) == "factored"
     assert select_engine("auto", module=model, device=CPU) == "factored"  # the CPU default
     assert "factored" in ENGINES
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("rate", [0.0, 0.9])
+def test_factored_equals_opacus_on_cuda(rate: float) -> None:
+    privacy = PrivacyConfig(noise_multiplier=1.0)
+    opacus = one_epoch("opacus", privacy=privacy, rate=rate, device="cuda")
+    factored = one_epoch("factored", privacy=privacy, rate=rate, device="cuda")
+    assert factored[0].device.type == "cuda"
+    # cuDNN's kernels may differ more than the CPU's; still far below one noise draw.
+    torch.testing.assert_close(factored[0], opacus[0], rtol=0, atol=10 * ATOL)
+    assert factored[2:4] == opacus[2:4]
