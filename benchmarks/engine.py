@@ -12,10 +12,10 @@ process working at a time): in one shared process the configurations disturbed e
 through the C allocator (a step of non-private SGD ranged 0.44-0.62 s depending on which DP
 engines had run before it, from where glibc placed and returned their large buffers). The
 configurations still run interleaved round-robin, so machine noise hits all alike.
-``--malloc retain`` starts the processes with glibc's ``MALLOC_MMAP_THRESHOLD_`` and
-``MALLOC_TRIM_THRESHOLD_`` raised, so that freed buffers are reused instead of returned to the
-kernel and faulted in again (on a virtual machine each page fault is expensive): the steady
-state of a long training run that keeps its memory.
+``--malloc retain`` has each process call ``lab/memory.py``'s ``retain_freed_memory`` first
+(what ``fedsparse train`` does): glibc's mmap and trim thresholds raised, so that freed
+buffers are reused instead of returned to the kernel and faulted in again (on a virtual
+machine each page fault is expensive): the steady state of a long training run.
 
 Prints medians and each step time relative to plain Opacus and each throughput relative to
 non-private SGD (target: >= 0.6), then the RS overheads (RS time / the same engine's time
@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import multiprocessing as mp
-import os
 import random
 import statistics
 import time
@@ -50,6 +49,7 @@ from fedsparse.common.factored_dp import FactoredDPEngine, FactoredGradSampleMod
 from fedsparse.common.func_dp import FuncDPEngine, FuncGradSampleModule
 from fedsparse.common.masks import keep_count, sample_mask
 from fedsparse.common.models import MODEL_INPUT_SHAPES, MODEL_NAMES, build_model
+from fedsparse.lab.memory import retain_freed_memory
 
 warnings.filterwarnings("ignore")
 
@@ -134,14 +134,11 @@ def make_runner(
     return step
 
 
-#: glibc settings of ``--malloc retain``: no buffer below 1 GiB is mmapped (each would be
-#: faulted in again when reused), and free memory is not trimmed back to the kernel.
-RETAIN_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(2**30), "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1)}
-
-
 def worker(conn: Connection, kind: str, rate: float | None, args: dict) -> None:
     """One configuration's process: builds its runner, then times ``steps`` steps per request."""
     warnings.filterwarnings("ignore")
+    if args["malloc"] == "retain" and not retain_freed_memory():
+        raise RuntimeError("--malloc retain: this C library has no glibc mallopt")
     torch.set_num_threads(args["threads"])
     device = torch.device(args["device"])
     step = make_runner(kind, rate, args["batch"], args["mode"], device, args["model"])
@@ -195,8 +192,6 @@ def main() -> None:
     if unknown:
         parser.error(f"--only: unknown config(s) {', '.join(sorted(unknown))}")
     configs = [c for c in CONFIGS if not args.only or c[0] in only]
-    if args.malloc == "retain":
-        os.environ.update(RETAIN_MALLOC)  # read by glibc when each worker process starts
     context = mp.get_context("spawn")
     settings = {
         "threads": args.threads,
@@ -205,6 +200,7 @@ def main() -> None:
         "device": str(device),
         "steps": args.steps,
         "model": args.model,
+        "malloc": args.malloc,
     }
     workers: dict[str, tuple[mp.process.BaseProcess, Connection]] = {}
     try:

@@ -260,6 +260,10 @@ def train(
     eval_split: Annotated[
         str, Opt(help="test | validation (a held-out 20% of the training split, for tuning)")
     ] = "test",
+    retain_memory: Annotated[
+        bool,
+        Opt(help="keep freed memory for reuse (glibc; faster steps, RSS stays at its peak)"),
+    ] = True,
 ) -> None:
     """Centralized DP-SGD with random sparsification (RS paper, Algorithm 1) or another method."""
     if noise_multiplier is not None:
@@ -309,6 +313,10 @@ def train(
         model_name = None if model is None else _choice("model", model, MODEL_NAMES)
     except ValueError as err:
         raise typer.BadParameter(str(err)) from err
+    if retain_memory:
+        from fedsparse.lab.memory import retain_freed_memory
+
+        retain_freed_memory()  # lab/memory.py; a C library other than glibc is left alone
     run_train(
         out=out,
         dataset=dataset_name,
