@@ -35,15 +35,21 @@ of ``dp`` holds unchanged: what changes is only how ``sum_i c_i m * g_i`` and th
 other orders; ``tests/common/test_factored_dp.py`` pins the tolerance after an epoch).
 
 Layers: every layer with trainable parameters must be a ``Linear`` or a ``Conv2d`` (zero
-padding, ``groups=1``, numeric padding) used once per forward pass, and no layer may mix the
-examples of a batch (``BatchNorm``); ``factored_support_error`` names the first layer that
-breaks a rule and ``select_engine`` falls back to Opacus under ``"auto"``. Parameter-free
-layers (pooling, activations, ``GroupNorm(affine=False)``, dropout) are free: only the
-layers' inputs and output gradients are used. A layer's output must not be modified in place
-by a later layer (``ReLU(inplace=True)``): the backpropagation would be the modified tensor's;
-this is detected after the forward pass and refused, naming the layer.
+padding, ``groups=1``, numeric padding) whose own ``forward`` is the only use of its
+parameters, and no layer may mix the examples of a batch (``BatchNorm``);
+``factored_support_error`` names the first layer that breaks a rule and ``select_engine``
+falls back to Opacus under ``"auto"``. Parameter-free layers (pooling, activations,
+``GroupNorm(affine=False)``, dropout) are free: only the layers' inputs and output gradients
+are used. Checked at every forward pass, each refused naming the layer: a trainable layer
+runs exactly once (not twice: its per-sample gradient would be a sum over the uses, which
+one layer's factors do not give; not zero times: its parameters would get no gradient), and its output is not modified in place by a
+later layer (``ReLU(inplace=True)``: the backpropagation would be the modified tensor's).
 
 References:
+    I. Goodfellow. "Efficient Per-Example Gradient Computations". arXiv:1510.01799, 2015
+    (a linear layer's per-example gradient norms from its inputs and output gradients).
+    X. Li, F. Tramer, P. Liang, T. Hashimoto. "Large Language Models Can Be Strong
+    Differentially Private Learners". ICLR 2022. arXiv:2110.05679 (ghost clipping).
     Z. Bu, Y.-X. Wang, S. Zha, G. Karypis. "Differentially Private Optimization on Large
     Model at Small Cost". ICML 2023. arXiv:2210.00038 (book-keeping: norms and the clipped
     sum from one backward pass).
@@ -72,6 +78,7 @@ __all__ = [
     "FactoredGradSampleModule",
     "LayerFactors",
     "conv2d_grad_sample",
+    "conv2d_weight_grad",
     "factored_support_error",
 ]
 
@@ -247,10 +254,6 @@ class LayerFactors:
     activations: torch.Tensor
     backprops: torch.Tensor
 
-    @property
-    def batch_size(self) -> int:
-        return int(self.activations.shape[0])
-
     def prepare(self, masks: dict[nn.Parameter, torch.Tensor]) -> _Prepared:
         """This layer's masked squared norm per example, and what its clipped sum needs."""
         a, b = self.activations, self.backprops
@@ -399,8 +402,14 @@ class FactoredGradSampleModule(nn.Module):
         finally:
             for handle in handles:
                 handle.remove()
-        used = [(name, layer) for name, layer in self._layers if layer in seen]
-        for name, layer in used:
+        for name, layer in self._layers:
+            if layer not in seen:  # Opacus refuses it too (no grad_sample for its parameters)
+                raise ValueError(
+                    f"engine='factored': layer {name!r} has trainable parameters but did not "
+                    "run in the forward pass (or its weights were used outside it); freeze "
+                    "them (requires_grad=False) or use engine='func'"
+                )
+        for name, layer in self._layers:
             if len(seen[layer]) > 1:
                 raise ValueError(
                     f"engine='factored': layer {name!r} ran {len(seen[layer])} times in one "
@@ -412,12 +421,12 @@ class FactoredGradSampleModule(nn.Module):
                     f"engine='factored': the output of layer {name!r} was modified in place "
                     "by a later layer (inplace=True?); expected an out-of-place activation"
                 )
-        outputs = [seen[layer][0][1] for _, layer in used]
+        outputs = [seen[layer][0][1] for _, layer in self._layers]
         # Each example's own loss gradient: a mean-reduced loss times B (Opacus's scaling).
         total = loss * len(x) if self.loss_reduction == "mean" else loss
         backprops = torch.autograd.grad(total, outputs) if outputs else ()
         factors = []
-        for (_, layer), b in zip(used, backprops, strict=True):
+        for (_, layer), b in zip(self._layers, backprops, strict=True):
             weight = getattr(layer, "weight", None)
             bias = getattr(layer, "bias", None)
             factors.append(

@@ -448,13 +448,18 @@ def test_unsupported_models_are_refused_naming_the_layer() -> None:
     assert factored_support_error(ok) is None
 
 
-def test_a_layer_run_twice_or_modified_in_place_is_refused() -> None:
+def test_a_layer_run_twice_idle_or_modified_in_place_is_refused() -> None:
     twice = nn.Linear(2, 2)
     module = FactoredGradSampleModule(nn.Sequential(twice))
     module._module = nn.Sequential(twice, nn.Tanh(), twice)  # what the forward pass runs
     module._layers = [("0", twice)]
     x, y = torch.randn(3, 2), torch.randint(0, 2, (3,))
     with pytest.raises(ValueError, match=r"layer '0' ran 2 times in one forward pass"):
+        module.backward_per_sample(x, y, criterion=nn.CrossEntropyLoss())
+    unused = nn.ModuleDict({"used": nn.Linear(2, 2), "idle": nn.Linear(2, 2)})
+    module = FactoredGradSampleModule(unused)
+    module._module = nn.Sequential(unused["used"])  # "idle" never runs
+    with pytest.raises(ValueError, match=r"layer 'idle' has trainable parameters but did not run"):
         module.backward_per_sample(x, y, criterion=nn.CrossEntropyLoss())
     inplace = FactoredGradSampleModule(nn.Sequential(nn.Linear(2, 4), nn.ReLU(inplace=True)))
     with pytest.raises(ValueError, match=r"output of layer '0' was modified in place"):
