@@ -42,8 +42,9 @@ falls back to Opacus under ``"auto"``. Parameter-free layers (pooling, activatio
 ``GroupNorm(affine=False)``, dropout) are free: only the layers' inputs and output gradients
 are used. Checked at every forward pass, each refused naming the layer: a trainable layer
 runs exactly once (not twice: its per-sample gradient would be a sum over the uses, which
-one layer's factors do not give; not zero times: its parameters would get no gradient), and its output is not modified in place by a
-later layer (``ReLU(inplace=True)``: the backpropagation would be the modified tensor's).
+one layer's factors do not give; not zero times: its parameters would get no gradient), and
+its output is not modified in place by a later layer (``ReLU(inplace=True)``: the
+backpropagation would be the modified tensor's).
 
 References:
     I. Goodfellow. "Efficient Per-Example Gradient Computations". arXiv:1510.01799, 2015
