@@ -63,8 +63,9 @@ References:
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -117,11 +118,17 @@ def factored_support_error(module: nn.Module) -> str | None:
         own = [p for p in layer.parameters(recurse=False) if p.requires_grad]
         if not own:
             continue
-        if not isinstance(layer, (nn.Linear, nn.Conv2d)):
+        if type(layer) not in (nn.Linear, nn.Conv2d):  # a subclass may compute otherwise
             return (
                 f"engine='factored': layer {name!r} ({kind}) has trainable parameters; the "
                 "factored engine computes per-sample gradients of Linear and Conv2d layers "
-                "only: use engine='opacus' or 'func'"
+                "only (not subclasses): use engine='opacus' or 'func'"
+            )
+        extra = sorted(set(dict(layer.named_parameters(recurse=False))) - {"weight", "bias"})
+        if extra:
+            return (
+                f"engine='factored': layer {name!r} ({kind}) has parameters {extra} besides "
+                "weight and bias: use engine='opacus' or 'func'"
             )
         if isinstance(layer, nn.Conv2d):
             if layer.groups != 1 or layer.padding_mode != "zeros":
@@ -157,6 +164,21 @@ def _numeric_padding(layer: nn.Conv2d) -> tuple[int, int] | None:
     return (spans[0] // 2, spans[1] // 2)
 
 
+@contextlib.contextmanager
+def _exact_cudnn(device: torch.device) -> Iterator[None]:
+    """cuDNN without TF32 on CUDA (its default): the norms and the sums must be formed from
+    the same float32 values, whichever kernels form them (a no-op on the CPU)."""
+    if device.type != "cuda":
+        yield
+        return
+    allowed = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.allow_tf32 = allowed
+
+
 def conv2d_grad_sample(
     layer: nn.Conv2d, activations: torch.Tensor, backprops: torch.Tensor
 ) -> torch.Tensor:
@@ -175,19 +197,20 @@ def conv2d_grad_sample(
     padding = _numeric_padding(layer)
     assert padding is not None  # factored_support_error refused the others
     out_ch, in_ch, kh, kw = layer.weight.shape
-    _, grad, _ = torch.ops.aten.convolution_backward(
-        backprops.reshape(1, batch * out_ch, *backprops.shape[2:]),
-        activations.reshape(1, batch * in_ch, *activations.shape[2:]),
-        layer.weight.new_empty((batch * out_ch, in_ch, kh, kw)),  # only its shape is read
-        None,
-        list(layer.stride),
-        list(padding),
-        list(layer.dilation),
-        False,
-        [0, 0],
-        batch,
-        [False, True, False],
-    )
+    with _exact_cudnn(activations.device):
+        _, grad, _ = torch.ops.aten.convolution_backward(
+            backprops.reshape(1, batch * out_ch, *backprops.shape[2:]),
+            activations.reshape(1, batch * in_ch, *activations.shape[2:]),
+            layer.weight.new_empty((batch * out_ch, in_ch, kh, kw)),  # only its shape is read
+            None,
+            list(layer.stride),
+            list(padding),
+            list(layer.dilation),
+            False,
+            [0, 0],
+            batch,
+            [False, True, False],
+        )
     return grad.reshape(batch, -1)
 
 
@@ -197,19 +220,20 @@ def conv2d_weight_grad(
     """The weight gradient of ``layer`` summed over the batch (shaped like the weight)."""
     padding = _numeric_padding(layer)
     assert padding is not None
-    _, grad, _ = torch.ops.aten.convolution_backward(
-        backprops,
-        activations,
-        layer.weight,
-        None,
-        list(layer.stride),
-        list(padding),
-        list(layer.dilation),
-        False,
-        [0, 0],
-        1,
-        [False, True, False],
-    )
+    with _exact_cudnn(activations.device):
+        _, grad, _ = torch.ops.aten.convolution_backward(
+            backprops,
+            activations,
+            layer.weight,
+            None,
+            list(layer.stride),
+            list(padding),
+            list(layer.dilation),
+            False,
+            [0, 0],
+            1,
+            [False, True, False],
+        )
     return grad
 
 
@@ -243,21 +267,35 @@ class LayerFactors:
     """One layer's factors for one batch: per-sample gradients without forming them all.
 
     Attributes:
+        name: the layer's name in the model.
         layer: the ``Linear`` or ``Conv2d``.
         weight: its weight, if trainable (else None); likewise ``bias``.
-        activations: its input (detached).
+        activations: its input (detached: it shares the input's version counter).
         backprops: the gradient of the summed per-example losses w.r.t. its output.
+        version: the input's version when it was recorded.
     """
 
+    name: str
     layer: nn.Module
     weight: nn.Parameter | None
     bias: nn.Parameter | None
     activations: torch.Tensor
     backprops: torch.Tensor
+    version: int
 
     def prepare(self, masks: dict[nn.Parameter, torch.Tensor]) -> _Prepared:
-        """This layer's masked squared norm per example, and what its clipped sum needs."""
+        """This layer's masked squared norm per example, and what its clipped sum needs.
+
+        Raises:
+            ValueError: the layer's input was modified in place after the forward pass (the
+                step would compute another gradient than the loss's).
+        """
         a, b = self.activations, self.backprops
+        if a._version != self.version:
+            raise ValueError(
+                f"engine='factored': the input of layer {self.name!r} was modified in place "
+                "between backward_per_sample and the optimizer step"
+            )
         weight_mask = masks.get(self.weight) if self.weight is not None else None
         norms = a.new_zeros(len(a))
         kept: dict[nn.Parameter, torch.Tensor] = {}
@@ -348,9 +386,23 @@ class FactoredGradSampleModule(nn.Module):
         self.loss_reduction = loss_reduction
         self._accumulation_allowed = True
         self.pending: list[list[LayerFactors]] = []
-        self._layers = [
+        self._checked = self._trainable()  # the trainable parameters the check accepted
+
+    def _trainable(self) -> tuple[int, ...]:
+        return tuple(id(p) for p in self._module.parameters() if p.requires_grad)
+
+    def _trainable_layers(self) -> list[tuple[str, nn.Module]]:
+        """The layers with trainable parameters now (``requires_grad`` may change between
+        steps; a change is checked again)."""
+        trainable = self._trainable()
+        if trainable != self._checked:
+            error = factored_support_error(self._module)
+            if error is not None:
+                raise ValueError(error)
+            self._checked = trainable
+        return [
             (name, layer)
-            for name, layer in module.named_modules()
+            for name, layer in self._module.named_modules()
             if any(p.requires_grad for p in layer.parameters(recurse=False))
         ]
 
@@ -392,51 +444,61 @@ class FactoredGradSampleModule(nn.Module):
         if len(x) == 0:
             self.pending.append([])
             return torch.tensor(math.nan)
-        seen: dict[nn.Module, list[tuple[torch.Tensor, torch.Tensor, int]]] = {}
+        layers = self._trainable_layers()
+        seen: dict[nn.Module, list[tuple[torch.Tensor, int, torch.Tensor, int]]] = {}
 
         def keep(layer: nn.Module, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
-            seen.setdefault(layer, []).append((inputs[0].detach(), output, output._version))
+            a = inputs[0].detach()
+            seen.setdefault(layer, []).append((a, a._version, output, output._version))
 
-        handles = [layer.register_forward_hook(keep) for _, layer in self._layers]
+        handles = [layer.register_forward_hook(keep) for _, layer in layers]
         try:
             loss = criterion(self._module(x), y)
         finally:
             for handle in handles:
                 handle.remove()
-        for name, layer in self._layers:
+        for name, layer in layers:
             if layer not in seen:  # Opacus refuses it too (no grad_sample for its parameters)
                 raise ValueError(
                     f"engine='factored': layer {name!r} has trainable parameters but did not "
                     "run in the forward pass (or its weights were used outside it); freeze "
                     "them (requires_grad=False) or use engine='func'"
                 )
-        for name, layer in self._layers:
+        for name, layer in layers:
             if len(seen[layer]) > 1:
                 raise ValueError(
                     f"engine='factored': layer {name!r} ran {len(seen[layer])} times in one "
                     "forward pass; expected once (its per-sample gradient is a sum of uses)"
                 )
-            output, version = seen[layer][0][1], seen[layer][0][2]
+            activations, _, output, version = seen[layer][0]
+            if activations.shape[:1] != x.shape[:1] or output.shape[:1] != x.shape[:1]:
+                raise ValueError(
+                    f"engine='factored': layer {name!r} saw input {tuple(activations.shape)} "
+                    f"and output {tuple(output.shape)} for a batch of {len(x)}: expected the "
+                    "examples along the first dimension"
+                )
             if output._version != version:
                 raise ValueError(
                     f"engine='factored': the output of layer {name!r} was modified in place "
                     "by a later layer (inplace=True?); expected an out-of-place activation"
                 )
-        outputs = [seen[layer][0][1] for _, layer in self._layers]
+        outputs = [seen[layer][0][2] for _, layer in layers]
         # Each example's own loss gradient: a mean-reduced loss times B (Opacus's scaling).
         total = loss * len(x) if self.loss_reduction == "mean" else loss
         backprops = torch.autograd.grad(total, outputs) if outputs else ()
         factors = []
-        for (_, layer), b in zip(self._layers, backprops, strict=True):
+        for (name, layer), b in zip(layers, backprops, strict=True):
             weight = getattr(layer, "weight", None)
             bias = getattr(layer, "bias", None)
             factors.append(
                 LayerFactors(
+                    name=name,
                     layer=layer,
                     weight=weight if weight is not None and weight.requires_grad else None,
                     bias=bias if bias is not None and bias.requires_grad else None,
                     activations=seen[layer][0][0],
                     backprops=b,
+                    version=seen[layer][0][1],
                 )
             )
         self.pending.append(factors)
@@ -482,7 +544,13 @@ class FactoredDPOptimizer(SparseDPOptimizer):
             sums = self._clipped_sum(layers, masks)
             for p in self.params:
                 grad = sums.get(p)
-                if grad is None:
+                if grad is None and layers:
+                    raise ValueError(
+                        f"a trainable parameter of shape {tuple(p.shape)} is not the weight or "
+                        "bias of a layer the module ran: the factored engine gives it no "
+                        "per-sample gradient (freeze it, or use engine='opacus')"
+                    )
+                if grad is None:  # an empty batch: a zero sum (the noise comes next)
                     grad = torch.zeros_like(p)
                 if p.summed_grad is not None:
                     p.summed_grad += grad
@@ -564,6 +632,11 @@ class FactoredDPEngine(SparseDPEngine):
                 "gradients itself (batch first, wrapped module); leave these at their defaults"
             )
         if isinstance(module, FactoredGradSampleModule):
+            if module.loss_reduction != loss_reduction:
+                raise ValueError(
+                    f"loss_reduction={loss_reduction!r}: the module was wrapped with "
+                    f"{module.loss_reduction!r}"
+                )
             return module
         return FactoredGradSampleModule(module, loss_reduction=loss_reduction)
 

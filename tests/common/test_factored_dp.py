@@ -448,24 +448,205 @@ def test_unsupported_models_are_refused_naming_the_layer() -> None:
     assert factored_support_error(ok) is None
 
 
-def test_a_layer_run_twice_idle_or_modified_in_place_is_refused() -> None:
-    twice = nn.Linear(2, 2)
-    module = FactoredGradSampleModule(nn.Sequential(twice))
-    module._module = nn.Sequential(twice, nn.Tanh(), twice)  # what the forward pass runs
-    module._layers = [("0", twice)]
+class _Twice(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(torch.tanh(self.lin(x)))
+
+
+class _Idle(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.used, self.idle = nn.Linear(2, 2), nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x)
+
+
+class _Pairs(nn.Module):  # examples folded into the batch dimension: (B, 4) -> (2B, 2)
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x.reshape(-1, 2)).reshape(len(x), 4)
+
+
+def test_a_layer_run_twice_idle_folded_or_modified_in_place_is_refused() -> None:
     x, y = torch.randn(3, 2), torch.randint(0, 2, (3,))
-    with pytest.raises(ValueError, match=r"layer '0' ran 2 times in one forward pass"):
-        module.backward_per_sample(x, y, criterion=nn.CrossEntropyLoss())
-    unused = nn.ModuleDict({"used": nn.Linear(2, 2), "idle": nn.Linear(2, 2)})
-    module = FactoredGradSampleModule(unused)
-    module._module = nn.Sequential(unused["used"])  # "idle" never runs
-    with pytest.raises(ValueError, match=r"layer 'idle' has trainable parameters but did not run"):
-        module.backward_per_sample(x, y, criterion=nn.CrossEntropyLoss())
-    inplace = FactoredGradSampleModule(nn.Sequential(nn.Linear(2, 4), nn.ReLU(inplace=True)))
-    with pytest.raises(ValueError, match=r"output of layer '0' was modified in place"):
-        inplace.backward_per_sample(x, y, criterion=nn.CrossEntropyLoss())
+    cases = {
+        r"layer 'lin' ran 2 times in one forward pass": (_Twice(), x),
+        r"layer 'idle' has trainable parameters but did not run": (_Idle(), x),
+        r"layer 'lin' saw input \(6, 2\) and output \(6, 2\) for a batch of 3": (
+            _Pairs(),
+            torch.randn(3, 4),
+        ),
+        r"output of layer '0' was modified in place": (
+            nn.Sequential(nn.Linear(2, 4), nn.ReLU(inplace=True)),
+            x,
+        ),
+    }
+    for message, (model, inputs) in cases.items():
+        module = FactoredGradSampleModule(model)
+        with pytest.raises(ValueError, match=message):
+            module.backward_per_sample(inputs, y, criterion=nn.CrossEntropyLoss())
+        assert not module.pending and all(not m._forward_hooks for m in model.modules())
     with pytest.raises(ValueError, match=r"loss_reduction='none': expected 'mean' or 'sum'"):
         FactoredGradSampleModule(nn.Linear(2, 2), loss_reduction="none")
+
+
+def test_an_input_changed_before_the_step_is_refused() -> None:
+    model = nn.Sequential(nn.Linear(3, 2))
+    engine = FactoredDPEngine()
+    x, y = torch.randn(4, 3), torch.randint(0, 2, (4,))
+    module, optimizer, _ = engine.make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(TensorDataset(x, y), batch_size=4),
+        noise_multiplier=0.0,
+        max_grad_norm=1.0,
+        poisson_sampling=False,
+    )
+    module.backward_per_sample(x, y, criterion=nn.CrossEntropyLoss())
+    x.mul_(2.0)  # the factors hold the input: the step would not be the loss's gradient
+    with pytest.raises(ValueError, match=r"the input of layer '0' was modified in place"):
+        optimizer.step()
+
+
+def test_zero_grad_drops_recorded_factors() -> None:
+    model = nn.Sequential(nn.Linear(3, 2))
+    x, y = torch.randn(4, 3), torch.randint(0, 2, (4,))
+    module, optimizer, _ = FactoredDPEngine().make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(TensorDataset(x, y), batch_size=4),
+        noise_multiplier=0.0,
+        max_grad_norm=1.0,
+        poisson_sampling=False,
+    )
+    module.backward_per_sample(x, y, criterion=nn.CrossEntropyLoss())
+    optimizer.zero_grad()
+    assert module.pending == []
+    with pytest.raises(ValueError, match="no per-sample gradients for this step"):
+        optimizer.step()
+
+
+class _ScaledLinear(nn.Linear):  # a subclass computes its own way: refused
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 2.0 * super().forward(x)
+
+
+class _Gain(nn.Module):  # a trainable parameter outside any Linear/Conv2d
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+        self.gain = nn.Parameter(torch.ones(2), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.gain
+
+
+def test_subclasses_extra_parameters_and_later_unfreezing_are_refused() -> None:
+    assert "(_ScaledLinear) has trainable parameters" in str(
+        factored_support_error(nn.Sequential(_ScaledLinear(2, 2)))
+    )
+    extra = nn.Linear(2, 2)
+    extra.register_parameter("scale", nn.Parameter(torch.ones(1)))
+    assert "has parameters ['scale'] besides weight and bias" in str(
+        factored_support_error(nn.Sequential(extra))
+    )
+    model = _Gain()
+    module = FactoredGradSampleModule(model)  # gain frozen: accepted
+    x, y = torch.randn(4, 3), torch.randint(0, 2, (4,))
+    module.backward_per_sample(x, y, criterion=nn.CrossEntropyLoss())
+    model.gain.requires_grad_(True)  # unfrozen after wrapping: checked again, refused
+    with pytest.raises(ValueError, match=r"layer '' \(_Gain\) has trainable parameters"):
+        module.backward_per_sample(x, y, criterion=nn.CrossEntropyLoss())
+
+
+def test_loss_reduction_sum_equals_opacus() -> None:
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(6, 1, 8, 8, generator=g), torch.randint(0, 10, (6,), generator=g)
+    grads = []
+    for cls in (SparseDPEngine, FactoredDPEngine):
+        model = build_model("digits-cnn", seed=1)
+        engine = cls()
+        module, optimizer, _ = engine.make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(TensorDataset(x, y), batch_size=6),
+            noise_multiplier=0.0,
+            max_grad_norm=0.5,
+            poisson_sampling=False,
+            loss_reduction="sum",
+        )
+        numel = engine.layout.numel
+        engine.set_mask(sample_mask(numel, keep=keep_count(numel, rate=0.5), seed=3))
+        optimizer.zero_grad()
+        backward(module, x, y, nn.CrossEntropyLoss(reduction="sum"))
+        optimizer.step()
+        grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-7)
+
+
+def test_some_examples_clipped_and_some_not_and_frozen_conv_parts_equal_opacus() -> None:
+    """C at the median per-example norm: half the examples are clipped, half kept whole; a
+    convolution with a frozen weight (its bias trains) and one with a frozen bias."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 1, 8, 8, generator=g), torch.randint(0, 10, (8,), generator=g)
+
+    def model_fn() -> nn.Module:
+        model = build_model("digits-cnn", seed=1)
+        convs = [m for m in model.modules() if isinstance(m, nn.Conv2d)]
+        convs[0].weight.requires_grad_(False)
+        convs[1].bias.requires_grad_(False)
+        return model
+
+    model = model_fn()
+    norms = []
+    for i in range(len(x)):
+        model.zero_grad()
+        nn.functional.cross_entropy(model(x[i : i + 1]), y[i : i + 1]).backward()
+        grads = [p.grad.reshape(-1) for p in model.parameters() if p.requires_grad]
+        norms.append(float(torch.cat(grads).norm()))
+    clip = sorted(norms)[len(norms) // 2]
+    assert min(norms) < clip < max(norms)
+    hooks = one_step_grad(SparseDPEngine, model_fn, x, y, rate=0.0, clip=clip)
+    factored = one_step_grad(FactoredDPEngine, model_fn, x, y, rate=0.0, clip=clip)
+    torch.testing.assert_close(factored, hooks, rtol=1e-5, atol=1e-7)
+
+
+def test_accumulated_batches_equal_opacus_s_accumulation() -> None:
+    """Two batches before one step, without Poisson sampling: the same step as Opacus's
+    (each example clipped once, the sum scaled for 2 batches), the accountant charged alike."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 1, 8, 8, generator=g), torch.randint(0, 10, (8,), generator=g)
+    results = []
+    for cls in (SparseDPEngine, FactoredDPEngine):
+        model = build_model("digits-cnn", seed=1)
+        engine = cls()
+        module, optimizer, _ = engine.make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(TensorDataset(x, y), batch_size=8),
+            noise_multiplier=1.0,
+            max_grad_norm=0.5,
+            poisson_sampling=False,
+            noise_generator=torch.Generator().manual_seed(9),
+        )
+        numel = engine.layout.numel
+        engine.set_mask(sample_mask(numel, keep=keep_count(numel, rate=0.5), seed=3))
+        optimizer.zero_grad()
+        backward(module, x[:3], y[:3], nn.CrossEntropyLoss())
+        backward(module, x[3:], y[3:], nn.CrossEntropyLoss())
+        optimizer.step()
+        grad = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+        results.append((grad, list(engine.accountant.history)))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-6)
+    assert results[1][1] == results[0][1]
 
 
 @pytest.mark.parametrize("name", MODEL_NAMES)
