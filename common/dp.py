@@ -67,8 +67,10 @@ from fedsparse.common.privacy import AccountantName
 __all__ = [
     "MECHANISMS",
     "MechanismName",
+    "PerSampleModule",
     "SparseDPEngine",
     "SparseDPOptimizer",
+    "check_own_wrapping",
     "os_entropy_generator",
 ]
 
@@ -220,6 +222,51 @@ class SparseDPOptimizer(DPOptimizer):
             start += p.numel()
             p.grad = ((p.summed_grad + noise) * keep).view_as(p)
             _mark_as_processed(p.summed_grad)
+
+
+class PerSampleModule(nn.Module):
+    """What the engines whose module computes its own per-sample gradients share (``func_dp``,
+    ``factored_dp``): the wrapped module as ``_module`` (Opacus's name, so parameter names
+    unwrap alike), its own forward pass for evaluation, and Opacus's accumulation switch
+    (``make_private`` forbids accumulating two batches under Poisson sampling).
+
+    Subclasses add ``backward_per_sample(x, y, *, criterion)``, called instead of
+    ``criterion(module(x), y).backward()``.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self._module = module
+        self._accumulation_allowed = True
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped module's forward pass (no per-sample work)."""
+        return self._module(*args, **kwargs)
+
+    def forbid_grad_accumulation(self) -> None:
+        """Poisson sampling: every step's per-sample gradients must come from one batch."""
+        self._accumulation_allowed = False
+
+    def allow_grad_accumulation(self) -> None:
+        """Lets two batches' per-sample gradients accumulate before a step (Opacus's list)."""
+        self._accumulation_allowed = True
+
+
+def check_own_wrapping(
+    engine: str, *, batch_first: bool, wrap_model: bool, grad_sample_mode: str
+) -> None:
+    """An engine that wraps the module itself takes Opacus's wrapping arguments at their
+    defaults only.
+
+    Raises:
+        NotImplementedError: another value, named.
+    """
+    if not batch_first or not wrap_model or grad_sample_mode != "hooks":
+        raise NotImplementedError(
+            f"batch_first={batch_first}, wrap_model={wrap_model}, "
+            f"grad_sample_mode={grad_sample_mode!r}: {engine} computes per-sample "
+            "gradients itself (batch first, wrapped module); leave these at their defaults"
+        )
 
 
 def os_entropy_generator() -> torch.Generator:

@@ -14,7 +14,10 @@ only in how the per-sample gradients' masked norms and clipped sum are computed:
 The last two equal Opacus to float32 rounding (their tests pin it after an epoch).
 
 ``"auto"`` takes ``"func"`` on CUDA (``AUTO_FUNC_DEVICES``; not yet measured on a GPU) and
-``"factored"`` elsewhere, each where the model is supported, else ``"opacus"``. On the CPU the
+``"factored"`` elsewhere, each where the model is supported, else ``"opacus"``. What only the
+forward pass shows (a layer run twice or not at all, an in-place activation on a layer's
+output) is refused at the first batch with an error naming the layer, not fallen back from:
+``engine="opacus"`` trains such models. On the CPU the
 factored engine was the fastest measured (``benchmarks/engine.py``, README "Benchmarks"): on
 the DP-CNN at batch 256 its step ran at 0.75-0.84x of non-private SGD's throughput against
 Opacus's 0.28x (glibc's default allocator), and a federated client's call took 0.74-0.86x of

@@ -72,7 +72,12 @@ from typing import Any, Final
 import torch
 from torch import nn
 
-from fedsparse.common.dp import SparseDPEngine, SparseDPOptimizer
+from fedsparse.common.dp import (
+    PerSampleModule,
+    SparseDPEngine,
+    SparseDPOptimizer,
+    check_own_wrapping,
+)
 
 __all__ = [
     "FactoredDPEngine",
@@ -179,6 +184,35 @@ def _exact_cudnn(device: torch.device) -> Iterator[None]:
         torch.backends.cudnn.allow_tf32 = allowed
 
 
+def _conv_weight_grad(
+    layer: nn.Conv2d,
+    activations: torch.Tensor,
+    backprops: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    groups: int,
+) -> torch.Tensor:
+    """The weight gradient of a convolution shaped like ``layer`` (its stride, padding and
+    dilation) with ``groups`` groups: ATen's convolution backward, weight only."""
+    padding = _numeric_padding(layer)
+    assert padding is not None  # factored_support_error refused the others
+    with _exact_cudnn(activations.device):
+        _, grad, _ = torch.ops.aten.convolution_backward(
+            backprops,
+            activations,
+            weight,
+            None,
+            list(layer.stride),
+            list(padding),
+            list(layer.dilation),
+            False,
+            [0, 0],
+            groups,
+            [False, True, False],
+        )
+    return grad
+
+
 def conv2d_grad_sample(
     layer: nn.Conv2d, activations: torch.Tensor, backprops: torch.Tensor
 ) -> torch.Tensor:
@@ -194,23 +228,14 @@ def conv2d_grad_sample(
             ``(B, out, H', W')``.
     """
     batch = activations.shape[0]
-    padding = _numeric_padding(layer)
-    assert padding is not None  # factored_support_error refused the others
     out_ch, in_ch, kh, kw = layer.weight.shape
-    with _exact_cudnn(activations.device):
-        _, grad, _ = torch.ops.aten.convolution_backward(
-            backprops.reshape(1, batch * out_ch, *backprops.shape[2:]),
-            activations.reshape(1, batch * in_ch, *activations.shape[2:]),
-            layer.weight.new_empty((batch * out_ch, in_ch, kh, kw)),  # only its shape is read
-            None,
-            list(layer.stride),
-            list(padding),
-            list(layer.dilation),
-            False,
-            [0, 0],
-            batch,
-            [False, True, False],
-        )
+    grad = _conv_weight_grad(
+        layer,
+        activations.reshape(1, batch * in_ch, *activations.shape[2:]),
+        backprops.reshape(1, batch * out_ch, *backprops.shape[2:]),
+        layer.weight.new_empty((batch * out_ch, in_ch, kh, kw)),  # only its shape is read
+        groups=batch,
+    )
     return grad.reshape(batch, -1)
 
 
@@ -218,23 +243,7 @@ def conv2d_weight_grad(
     layer: nn.Conv2d, activations: torch.Tensor, backprops: torch.Tensor
 ) -> torch.Tensor:
     """The weight gradient of ``layer`` summed over the batch (shaped like the weight)."""
-    padding = _numeric_padding(layer)
-    assert padding is not None
-    with _exact_cudnn(activations.device):
-        _, grad, _ = torch.ops.aten.convolution_backward(
-            backprops,
-            activations,
-            layer.weight,
-            None,
-            list(layer.stride),
-            list(padding),
-            list(layer.dilation),
-            False,
-            [0, 0],
-            1,
-            [False, True, False],
-        )
-    return grad
+    return _conv_weight_grad(layer, activations, backprops, layer.weight, groups=1)
 
 
 def _conv2d_norms(
@@ -358,7 +367,7 @@ class _Prepared:
         return sums
 
 
-class FactoredGradSampleModule(nn.Module):
+class FactoredGradSampleModule(PerSampleModule):
     """Wraps a module; ``backward_per_sample`` records every layer's factors for the step.
 
     The forward pass is the wrapped module's own (evaluation, ``module(x)``). Training calls
@@ -376,15 +385,13 @@ class FactoredGradSampleModule(nn.Module):
     """
 
     def __init__(self, module: nn.Module, *, loss_reduction: str = "mean") -> None:
-        super().__init__()
         error = factored_support_error(module)
         if error is not None:
             raise ValueError(error)
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction={loss_reduction!r}: expected 'mean' or 'sum'")
-        self._module = module
+        super().__init__(module)
         self.loss_reduction = loss_reduction
-        self._accumulation_allowed = True
         self.pending: list[list[LayerFactors]] = []
         self._checked = self._trainable()  # the trainable parameters the check accepted
 
@@ -405,18 +412,6 @@ class FactoredGradSampleModule(nn.Module):
             for name, layer in self._module.named_modules()
             if any(p.requires_grad for p in layer.parameters(recurse=False))
         ]
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """The wrapped module's forward pass (no per-sample work)."""
-        return self._module(*args, **kwargs)
-
-    def forbid_grad_accumulation(self) -> None:
-        """Poisson sampling: every step's per-sample gradients must come from one batch."""
-        self._accumulation_allowed = False
-
-    def allow_grad_accumulation(self) -> None:
-        """Lets two batches' factors accumulate before a step (each batch clipped alone)."""
-        self._accumulation_allowed = True
 
     def backward_per_sample(
         self, x: torch.Tensor, y: torch.Tensor, *, criterion: Loss
@@ -600,17 +595,8 @@ class FactoredDPEngine(SparseDPEngine):
     """``SparseDPEngine`` with factored per-sample gradients (module docstring).
 
     ``make_private`` takes and returns what ``SparseDPEngine.make_private`` does; the module
-    it returns is a ``FactoredGradSampleModule``, trained with ``backward_per_sample``::
-
-        engine = FactoredDPEngine(accountant="rdp")
-        module, optimizer, loader = engine.make_private(
-            module=model, optimizer=optimizer, data_loader=loader,
-            noise_multiplier=1.0, max_grad_norm=1.0)
-        engine.set_mask(mask)
-        for x, y in loader:
-            optimizer.zero_grad()
-            module.backward_per_sample(x, y, criterion=nn.CrossEntropyLoss())
-            optimizer.step()
+    it returns is a ``FactoredGradSampleModule``, trained with ``backward_per_sample`` in
+    place of ``loss.backward()`` (the loop of ``func_dp.FuncDPEngine``'s docstring).
     """
 
     optimizer_class = FactoredDPOptimizer
@@ -625,12 +611,12 @@ class FactoredDPEngine(SparseDPEngine):
         wrap_model: bool = True,
         **kwargs: Any,
     ) -> FactoredGradSampleModule:
-        if not batch_first or not wrap_model or grad_sample_mode != "hooks":
-            raise NotImplementedError(
-                f"batch_first={batch_first}, wrap_model={wrap_model}, "
-                f"grad_sample_mode={grad_sample_mode!r}: FactoredDPEngine computes per-sample "
-                "gradients itself (batch first, wrapped module); leave these at their defaults"
-            )
+        check_own_wrapping(
+            "FactoredDPEngine",
+            batch_first=batch_first,
+            wrap_model=wrap_model,
+            grad_sample_mode=grad_sample_mode,
+        )
         if isinstance(module, FactoredGradSampleModule):
             if module.loss_reduction != loss_reduction:
                 raise ValueError(

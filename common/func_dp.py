@@ -56,7 +56,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-from fedsparse.common.dp import SparseDPEngine
+from fedsparse.common.dp import PerSampleModule, SparseDPEngine, check_own_wrapping
 
 __all__ = [
     "FuncDPEngine",
@@ -96,7 +96,7 @@ def func_support_error(module: nn.Module) -> str | None:
     return None
 
 
-class FuncGradSampleModule(nn.Module):
+class FuncGradSampleModule(PerSampleModule):
     """Wraps a module; ``backward_per_sample`` stores ``p.grad_sample`` like Opacus's hooks.
 
     The forward pass is the wrapped module's own (evaluation, ``module(x)``). Training calls
@@ -108,24 +108,10 @@ class FuncGradSampleModule(nn.Module):
     """
 
     def __init__(self, module: nn.Module) -> None:
-        super().__init__()
         error = func_support_error(module)
         if error is not None:
             raise ValueError(error)
-        self._module = module
-        self._accumulation_allowed = True
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """The wrapped module's forward pass (no per-sample work)."""
-        return self._module(*args, **kwargs)
-
-    def forbid_grad_accumulation(self) -> None:
-        """Poisson sampling: every step's per-sample gradients must come from one batch."""
-        self._accumulation_allowed = False
-
-    def allow_grad_accumulation(self) -> None:
-        """Lets two batches' per-sample gradients accumulate before a step (Opacus's list)."""
-        self._accumulation_allowed = True
+        super().__init__(module)
 
     def backward_per_sample(
         self, x: torch.Tensor, y: torch.Tensor, *, criterion: Loss
@@ -202,12 +188,12 @@ class FuncDPEngine(SparseDPEngine):
         wrap_model: bool = True,
         **kwargs: Any,
     ) -> FuncGradSampleModule:
-        if not batch_first or not wrap_model or grad_sample_mode != "hooks":
-            raise NotImplementedError(
-                f"batch_first={batch_first}, wrap_model={wrap_model}, "
-                f"grad_sample_mode={grad_sample_mode!r}: FuncDPEngine computes per-sample "
-                "gradients itself (batch first, wrapped module); leave these at their defaults"
-            )
+        check_own_wrapping(
+            "FuncDPEngine",
+            batch_first=batch_first,
+            wrap_model=wrap_model,
+            grad_sample_mode=grad_sample_mode,
+        )
         if isinstance(module, FuncGradSampleModule):
             return module
         return FuncGradSampleModule(module)

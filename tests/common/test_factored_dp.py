@@ -1,29 +1,21 @@
-"""Tests for the factored DP engine (fedsparse.common.factored_dp) against the Opacus engine.
+"""Tests for the factored DP engine (fedsparse.common.factored_dp): what is its own.
 
-Equivalence tolerance, as for the func engine (``test_func_dp.py``): both engines draw the
-same batches, masks and noise (the same ``SparseDPOptimizer.add_noise`` and generator); only
-the masked norms and the clipped sum are computed another way (a linear layer's from its
-input and output gradient without forming ``b_i a_i^T``, a convolution's per-sample gradient
-from a grouped convolution backward or ``unfold``), so they agree to float32 rounding:
-measured below 1e-7 on the weights after one epoch (16 steps, lr 0.5, digits CNN). ``ATOL`` =
-2e-6 is 4 orders of magnitude below what any change of the mechanism moves (one other noise
-draw moves every kept weight by ~lr * sigma * C / B = 0.016).
+Its equivalence with the Opacus engine after an epoch, the mechanism (masked clipping, the
+noise, empty batches, secure mode) and the engine choice are tested for every engine in
+``test_engines.py`` (with the tolerance's derivation); here, one step against Opacus's on
+every model and layer path, the convolution paths against autograd, and what it refuses.
 """
 
 import functools
-import math
 import warnings
 
 import pytest
 import torch
-from scipy import stats
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
 import fedsparse.common.factored_dp as factored_dp
-from fedsparse.common.data import load_dataset
 from fedsparse.common.dp import SparseDPEngine
-from fedsparse.common.engines import ENGINES, select_engine
+from fedsparse.common.engines import select_engine
 from fedsparse.common.factored_dp import (
     FactoredDPEngine,
     FactoredDPOptimizer,
@@ -32,69 +24,24 @@ from fedsparse.common.factored_dp import (
     conv2d_weight_grad,
     factored_support_error,
 )
-from fedsparse.common.layout import ParamLayout
 from fedsparse.common.masks import keep_count, sample_mask
 from fedsparse.common.models import MODEL_INPUT_SHAPES, MODEL_NAMES, build_model
-from fedsparse.common.training import (
-    PrivacyConfig,
-    TrainConfig,
-    make_private,
-    round_mask,
-    train_one_epoch,
+from tests.common.engine_helpers import (
+    backward,
+    private,
+    set_rate,
 )
 
 warnings.filterwarnings("ignore", message="Secure RNG turned off")
 
-ATOL = 2e-6
 CPU = torch.device("cpu")
-
-
-def flat(module: nn.Module) -> torch.Tensor:
-    return ParamLayout.from_module(module).flatten_module(module).clone()
-
-
-@functools.cache
-def digits(n: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
-    train, _ = load_dataset("digits")
-    return train.x[:n], train.y[:n]
-
-
-def one_epoch(engine: str, *, privacy: PrivacyConfig, rate: float, seed: int = 5, **train):
-    """One epoch of ``training`` on 512 digits: (weights, loss, examples, history, engine)."""
-    model = build_model("digits-cnn", seed=3)
-    config = TrainConfig(**{"batch_size": 32, "lr": 0.5, "seed": seed, "engine": engine, **train})
-    dp, module, optimizer, loader = make_private(
-        model, *digits(), privacy=privacy, train=config, epochs_for_target=1
-    )
-    dp.set_mask(round_mask(dp.layout.numel, rate=rate, mask_seed=1, step=0))
-    loss, examples = train_one_epoch(
-        module, optimizer, loader, max_physical_batch_size=config.max_physical_batch_size
-    )
-    return flat(model), loss, examples, list(dp.accountant.history), dp
-
-
-def backward(module: nn.Module, x: torch.Tensor, y: torch.Tensor, criterion) -> None:
-    if isinstance(module, FactoredGradSampleModule):
-        module.backward_per_sample(x, y, criterion=criterion)
-    else:
-        criterion(module(x), y).backward()
 
 
 def one_step_grad(engine_cls, model_fn, x, y, *, rate: float, clip: float = 0.5, selector=None):
     """The gradient (noise-free) one step leaves on ``model_fn()``'s parameters, flat."""
     model = model_fn()
-    engine = engine_cls()
-    module, optimizer, _ = engine.make_private(
-        module=model,
-        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-        data_loader=DataLoader(TensorDataset(x, y), batch_size=len(x)),
-        noise_multiplier=0.0,
-        max_grad_norm=clip,
-        poisson_sampling=False,
-    )
-    if rate:
-        numel = engine.layout.numel
-        engine.set_mask(sample_mask(numel, keep=keep_count(numel, rate=rate), seed=3))
+    engine, module, optimizer = private(engine_cls, model, x, y, max_grad_norm=clip)
+    set_rate(engine, rate)
     if selector is not None:
         optimizer.set_step_selector(selector)
     optimizer.zero_grad()
@@ -104,30 +51,6 @@ def one_step_grad(engine_cls, model_fn, x, y, *, rate: float, clip: float = 0.5,
 
 
 # --- equivalence with the Opacus engine -------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("mechanism", "sigma", "rate"),
-    [("dpsgd", 1.0, 0.0), ("dpsgd", 1.0, 0.9), ("clipped", 0.0, 0.5), ("noisy", 1.0, 0.5)],
-    ids=["dpsgd-r0", "dpsgd-r0.9", "clipped-r0.5", "noisy-r0.5"],
-)
-def test_factored_equals_opacus_after_an_epoch(mechanism: str, sigma: float, rate: float) -> None:
-    privacy = PrivacyConfig(mechanism=mechanism, noise_multiplier=sigma)  # type: ignore[arg-type]
-    before = flat(build_model("digits-cnn", seed=3))
-    opacus = one_epoch("opacus", privacy=privacy, rate=rate)
-    factored = one_epoch("factored", privacy=privacy, rate=rate)
-    assert isinstance(factored[4], FactoredDPEngine)
-    assert not isinstance(opacus[4], FactoredDPEngine)
-    torch.testing.assert_close(factored[0], opacus[0], rtol=0, atol=ATOL)
-    assert float((opacus[0] - before).abs().max()) > 1e3 * ATOL  # the epoch did move them
-    assert factored[1] == pytest.approx(opacus[1], rel=1e-6)
-    assert factored[2:4] == opacus[2:4]  # the same examples, the same accountant steps
-    assert factored[4].get_epsilon(1e-5) == opacus[4].get_epsilon(1e-5)
-    # Deterministic: the same seeds give the same weights, bit for bit; others do not.
-    again = one_epoch("factored", privacy=privacy, rate=rate)
-    assert torch.equal(again[0].view(torch.int32), factored[0].view(torch.int32))
-    other = one_epoch("factored", privacy=privacy, rate=rate, seed=6)
-    assert float((other[0] - factored[0]).abs().max()) > 1e3 * ATOL
 
 
 @pytest.mark.parametrize("rate", [0.0, 0.7])
@@ -250,15 +173,6 @@ def test_a_step_selector_sees_the_same_clipped_sum() -> None:
     assert 0.4 < float((grads[FactoredDPEngine] != 0).float().mean()) < 0.6
 
 
-def test_physical_batches_give_the_same_epoch() -> None:
-    """Opacus's BatchMemoryManager splits the factored engine's batches as it splits its own."""
-    privacy = PrivacyConfig(noise_multiplier=1.0)
-    whole = one_epoch("factored", privacy=privacy, rate=0.5)
-    split = one_epoch("factored", privacy=privacy, rate=0.5, max_physical_batch_size=7)
-    torch.testing.assert_close(split[0], whole[0], rtol=0, atol=ATOL)
-    assert split[2:4] == whole[2:4]
-
-
 def test_two_accumulated_batches_clip_each_example_once() -> None:
     """Without Poisson sampling two batches may accumulate before a step: the same step as
     one batch of both (every example clipped on its own), scaled by Opacus for 2 batches."""
@@ -267,17 +181,8 @@ def test_two_accumulated_batches_clip_each_example_once() -> None:
     model_fn = functools.partial(build_model, "digits-cnn", seed=1)
     whole = one_step_grad(FactoredDPEngine, model_fn, x, y, rate=0.5)
     model = model_fn()
-    engine = FactoredDPEngine()
-    module, optimizer, _ = engine.make_private(
-        module=model,
-        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-        data_loader=DataLoader(TensorDataset(x, y), batch_size=8),
-        noise_multiplier=0.0,
-        max_grad_norm=0.5,
-        poisson_sampling=False,
-    )
-    numel = engine.layout.numel
-    engine.set_mask(sample_mask(numel, keep=keep_count(numel, rate=0.5), seed=3))
+    engine, module, optimizer = private(FactoredDPEngine, model, x, y)
+    set_rate(engine, 0.5)
     optimizer.zero_grad()
     module.backward_per_sample(x[:3], y[:3], criterion=nn.CrossEntropyLoss())
     module.backward_per_sample(x[3:], y[3:], criterion=nn.CrossEntropyLoss())
@@ -291,117 +196,6 @@ def test_two_accumulated_batches_clip_each_example_once() -> None:
 
 
 # --- the mechanism, on the factored engine ----------------------------------------------------
-
-
-def linear_step(engine_cls, *, x, y, mask, clip: float, sigma: float = 0.0, criterion=None):
-    """One step on ``Linear(len(x[0]), 1, bias=False)`` at zero weights; returns its grad."""
-    model = nn.Linear(x.shape[1], 1, bias=False)
-    nn.init.zeros_(model.weight)
-    engine = engine_cls()
-    dataset = (
-        TensorDataset(x, y) if len(x) else TensorDataset(torch.ones(1, x.shape[1]), torch.ones(1))
-    )
-    module, optimizer, _ = engine.make_private(
-        module=model,
-        optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
-        data_loader=DataLoader(dataset, batch_size=len(dataset)),
-        noise_multiplier=sigma,
-        max_grad_norm=clip,
-        poisson_sampling=False,
-        noise_generator=torch.Generator().manual_seed(7),
-    )
-    engine.set_mask(mask)
-    optimizer.zero_grad()
-    # Per-example loss y_i * <w, x_i>: its gradient is y_i * x_i (batch mean for the hooks).
-    criterion = criterion or (lambda out, target: (out.squeeze(1) * target).mean())
-    backward(module, x, y, criterion)
-    optimizer.step()
-    return model.weight.grad.reshape(-1).clone()
-
-
-def test_clipping_uses_the_masked_norms_by_hand() -> None:
-    # g_1 = (3, 4, 12): norm 13, masked (3, 4, 0) norm 5 -> clipped to C = 1: (0.6, 0.8, 0).
-    # g_2 = (0.3, 0.4, 5): norm 5.02 (would be clipped), masked norm 0.5 <= C: kept as is.
-    # Sum (0.9, 1.2, 0), divided by the batch size 2.
-    x = torch.tensor([[3.0, 4.0, 12.0], [0.3, 0.4, 5.0]])
-    mask = torch.tensor([True, True, False])
-    grad = linear_step(FactoredDPEngine, x=x, y=torch.ones(2), mask=mask, clip=1.0)
-    torch.testing.assert_close(grad, torch.tensor([0.45, 0.6, 0.0]), rtol=1e-6, atol=0)
-    assert grad[2] == 0.0
-    # Without the mask the norms are 13 and 5.02: both clipped to C.
-    whole = linear_step(FactoredDPEngine, x=x, y=torch.ones(2), mask=None, clip=1.0)
-    expected = (x[0] / 13 + x[1] / float(x[1].norm())) / 2
-    torch.testing.assert_close(whole, expected, rtol=1e-5, atol=0)
-
-
-def test_noise_lies_on_the_mask_with_the_analytic_std() -> None:
-    sigma, clip, batch, d, keep = 1.3, 0.7, 10, 20_000, 8_000
-    std = sigma * clip / batch
-    mask = sample_mask(d, keep=keep, seed=3)
-    x = torch.randn(batch, d, generator=torch.Generator().manual_seed(1))
-    zero_loss = lambda out, target: 0.0 * out.sum()  # noqa: E731
-    grads = {
-        cls: linear_step(
-            cls, x=x, y=torch.ones(batch), mask=mask, clip=clip, sigma=sigma, criterion=zero_loss
-        )
-        for cls in (FactoredDPEngine, SparseDPEngine)
-    }
-    grad = grads[FactoredDPEngine]
-    assert torch.count_nonzero(grad[~mask]) == 0
-    kept = grad[mask].double()
-    assert torch.count_nonzero(kept) == keep
-    # Moments within 5 standard errors: mean std/sqrt(k), sample std ~std/sqrt(2k).
-    assert abs(float(kept.mean())) < 5 * std / math.sqrt(keep)
-    assert abs(float(kept.std()) - std) < 5 * std / math.sqrt(2 * keep)
-    assert stats.kstest(kept.numpy(), "norm", args=(0, std)).pvalue > 1e-3
-    assert stats.kstest(kept.numpy(), "norm", args=(0, 1.5 * std)).pvalue < 1e-6
-    # The very noise the Opacus engine draws from the same generator state.
-    assert torch.equal(grad, grads[SparseDPEngine])
-
-
-def test_an_empty_poisson_batch_is_a_noise_only_step() -> None:
-    x, y = torch.zeros(0, 5), torch.zeros(0)
-    mask = torch.tensor([True, False, True, True, False])
-    factored = linear_step(FactoredDPEngine, x=x, y=y, mask=mask, clip=1.0, sigma=1.0)
-    hooks = linear_step(SparseDPEngine, x=x, y=y, mask=mask, clip=1.0, sigma=1.0)
-    assert torch.equal(factored, hooks)
-    assert torch.equal(factored != 0, mask)
-
-
-def test_off_mask_weights_do_not_move_at_all() -> None:
-    numel = ParamLayout.from_module(build_model("digits-cnn")).numel
-    mask = round_mask(numel, rate=0.6, mask_seed=1, step=0)
-    assert mask is not None
-    before = flat(build_model("digits-cnn", seed=3))
-    after, *_ = one_epoch("factored", privacy=PrivacyConfig(noise_multiplier=1.0), rate=0.6)
-    assert torch.equal(after[~mask].view(torch.int32), before[~mask].view(torch.int32))
-    assert bool((after[mask] != before[mask]).all())  # noise moves every kept coordinate
-
-
-def test_secure_mode_draws_from_os_entropy_on_the_factored_engine() -> None:
-    privacy = PrivacyConfig(noise_multiplier=1.0, secure_mode=True)
-    first = one_epoch("factored", privacy=privacy, rate=0.5)
-    second = one_epoch("factored", privacy=privacy, rate=0.5)  # the same seed=5: ignored
-    engine = first[4]
-    assert engine.secure_mode and engine.optimizer.generator is engine.secure_rng
-    mask = engine.mask
-    assert torch.equal(first[0][~mask], second[0][~mask])
-    assert bool((first[0][mask] != second[0][mask]).all())  # other batches, other noise
-
-
-def test_poisson_sampling_forbids_accumulating_two_batches() -> None:
-    model = nn.Linear(3, 2)
-    x, y = torch.randn(8, 3), torch.randint(0, 2, (8,))
-    module, _, _ = FactoredDPEngine().make_private(
-        module=model,
-        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-        data_loader=DataLoader(TensorDataset(x, y), batch_size=4),
-        noise_multiplier=1.0,
-        max_grad_norm=1.0,
-    )
-    module.backward_per_sample(x[:4], y[:4], criterion=nn.CrossEntropyLoss())
-    with pytest.raises(ValueError, match="Poisson sampling forbids gradient accumulation"):
-        module.backward_per_sample(x[4:], y[4:], criterion=nn.CrossEntropyLoss())
 
 
 def test_no_hooks_or_parameter_gradients_are_left_by_a_backward() -> None:
@@ -499,17 +293,8 @@ def test_a_layer_run_twice_idle_folded_or_modified_in_place_is_refused() -> None
 
 
 def test_an_input_changed_before_the_step_is_refused() -> None:
-    model = nn.Sequential(nn.Linear(3, 2))
-    engine = FactoredDPEngine()
     x, y = torch.randn(4, 3), torch.randint(0, 2, (4,))
-    module, optimizer, _ = engine.make_private(
-        module=model,
-        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-        data_loader=DataLoader(TensorDataset(x, y), batch_size=4),
-        noise_multiplier=0.0,
-        max_grad_norm=1.0,
-        poisson_sampling=False,
-    )
+    _, module, optimizer = private(FactoredDPEngine, nn.Sequential(nn.Linear(3, 2)), x, y)
     module.backward_per_sample(x, y, criterion=nn.CrossEntropyLoss())
     x.mul_(2.0)  # the factors hold the input: the step would not be the loss's gradient
     with pytest.raises(ValueError, match=r"the input of layer '0' was modified in place"):
@@ -517,16 +302,8 @@ def test_an_input_changed_before_the_step_is_refused() -> None:
 
 
 def test_zero_grad_drops_recorded_factors() -> None:
-    model = nn.Sequential(nn.Linear(3, 2))
     x, y = torch.randn(4, 3), torch.randint(0, 2, (4,))
-    module, optimizer, _ = FactoredDPEngine().make_private(
-        module=model,
-        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-        data_loader=DataLoader(TensorDataset(x, y), batch_size=4),
-        noise_multiplier=0.0,
-        max_grad_norm=1.0,
-        poisson_sampling=False,
-    )
+    _, module, optimizer = private(FactoredDPEngine, nn.Sequential(nn.Linear(3, 2)), x, y)
     module.backward_per_sample(x, y, criterion=nn.CrossEntropyLoss())
     optimizer.zero_grad()
     assert module.pending == []
@@ -573,18 +350,8 @@ def test_loss_reduction_sum_equals_opacus() -> None:
     grads = []
     for cls in (SparseDPEngine, FactoredDPEngine):
         model = build_model("digits-cnn", seed=1)
-        engine = cls()
-        module, optimizer, _ = engine.make_private(
-            module=model,
-            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-            data_loader=DataLoader(TensorDataset(x, y), batch_size=6),
-            noise_multiplier=0.0,
-            max_grad_norm=0.5,
-            poisson_sampling=False,
-            loss_reduction="sum",
-        )
-        numel = engine.layout.numel
-        engine.set_mask(sample_mask(numel, keep=keep_count(numel, rate=0.5), seed=3))
+        engine, module, optimizer = private(cls, model, x, y, loss_reduction="sum")
+        set_rate(engine, 0.5)
         optimizer.zero_grad()
         backward(module, x, y, nn.CrossEntropyLoss(reduction="sum"))
         optimizer.step()
@@ -627,18 +394,11 @@ def test_accumulated_batches_equal_opacus_s_accumulation() -> None:
     results = []
     for cls in (SparseDPEngine, FactoredDPEngine):
         model = build_model("digits-cnn", seed=1)
-        engine = cls()
-        module, optimizer, _ = engine.make_private(
-            module=model,
-            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-            data_loader=DataLoader(TensorDataset(x, y), batch_size=8),
-            noise_multiplier=1.0,
-            max_grad_norm=0.5,
-            poisson_sampling=False,
-            noise_generator=torch.Generator().manual_seed(9),
+        generator = torch.Generator().manual_seed(9)
+        engine, module, optimizer = private(
+            cls, model, x, y, noise_multiplier=1.0, noise_generator=generator
         )
-        numel = engine.layout.numel
-        engine.set_mask(sample_mask(numel, keep=keep_count(numel, rate=0.5), seed=3))
+        set_rate(engine, 0.5)
         optimizer.zero_grad()
         backward(module, x[:3], y[:3], nn.CrossEntropyLoss())
         backward(module, x[3:], y[3:], nn.CrossEntropyLoss())
@@ -647,24 +407,3 @@ def test_accumulated_batches_equal_opacus_s_accumulation() -> None:
         results.append((grad, list(engine.accountant.history)))
     torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-6)
     assert results[1][1] == results[0][1]
-
-
-@pytest.mark.parametrize("name", MODEL_NAMES)
-def test_every_model_runs_on_the_factored_engine(name: str) -> None:
-    model = build_model(name)
-    assert factored_support_error(model) is None
-    assert select_engine("factored", module=model, device=CPU) == "factored"
-    assert select_engine("auto", module=model, device=CPU) == "factored"  # the CPU default
-    assert "factored" in ENGINES
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("rate", [0.0, 0.9])
-def test_factored_equals_opacus_on_cuda(rate: float) -> None:
-    privacy = PrivacyConfig(noise_multiplier=1.0)
-    opacus = one_epoch("opacus", privacy=privacy, rate=rate, device="cuda")
-    factored = one_epoch("factored", privacy=privacy, rate=rate, device="cuda")
-    assert factored[0].device.type == "cuda"
-    # cuDNN's kernels may differ more than the CPU's; still far below one noise draw.
-    torch.testing.assert_close(factored[0], opacus[0], rtol=0, atol=10 * ATOL)
-    assert factored[2:4] == opacus[2:4]
