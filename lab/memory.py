@@ -5,8 +5,9 @@ gradients, noise: tens to hundreds of MB at batch 256). glibc serves an allocati
 mmap threshold (dynamic, at most 32 MiB by default) with a fresh ``mmap`` and returns it with
 ``munmap`` when freed, and trims freed heap memory back to the kernel; the next step then
 faults every page in again, zero-filled. On a virtual machine a page fault is costly: on this
-project's 2-core VM, Opacus's DP-CNN step took 2.0 s with glibc's defaults and 0.9 s with
-freed buffers kept (``benchmarks/engine.py --malloc``), non-private SGD 0.62 s and 0.47 s.
+project's 2-core VM (DP-CNN, batch 256, ``benchmarks/engine.py --malloc``), Opacus's step took
+1.97 s with glibc's defaults and 0.77 s with freed buffers kept, the factored engine's 0.71 s
+and 0.59 s, non-private SGD's 0.62 s and 0.45 s.
 
 ``retain_freed_memory`` raises both thresholds with ``mallopt``, for this process from now
 on: buffers below 1 GiB come from the heap and freed memory stays there for reuse. The
