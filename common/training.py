@@ -24,6 +24,7 @@ A ``target_epsilon`` is met on the exact number of steps that run
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import secrets
 import warnings
@@ -50,6 +51,7 @@ from fedsparse.common.methods import (
     ranked_mask,
     suffix_mask,
 )
+from fedsparse.common.models import ModelName, build_model
 from fedsparse.common.privacy import (
     ACCOUNTANTS,
     AccountantName,
@@ -71,6 +73,7 @@ __all__ = [
     "evaluate",
     "gip_privacy",
     "make_private",
+    "planned_engine",
     "resolve_device",
     "round_mask",
     "pretrain_public",
@@ -103,6 +106,21 @@ def resolve_device(name: DeviceName) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if cuda else "cpu")
     return torch.device(name)
+
+
+@functools.lru_cache(maxsize=64)
+def planned_engine(engine: EngineName, model_name: ModelName, device: DeviceName = "auto") -> str:
+    """The engine ``make_private`` picks for a fresh ``model_name`` on ``device`` here.
+
+    What a run's record names, so that a finished result is reused only by a run that would
+    train it the same way: ``"auto"`` resolves by device and model (``select_engine``), and
+    the engines agree only to float rounding.
+
+    Raises:
+        ValueError: as ``resolve_device`` and ``select_engine`` (the setting named).
+    """
+    module = build_model(model_name, seed=0)
+    return select_engine(engine, module=module, device=resolve_device(device))
 
 
 @dataclass(frozen=True, kw_only=True)

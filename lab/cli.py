@@ -56,6 +56,7 @@ from fedsparse.common.training import (
     PrivacyConfig,
     SparsityConfig,
     TrainConfig,
+    planned_engine,
     train_centralized,
 )
 
@@ -162,6 +163,7 @@ def run_train(
         "privacy": dataclasses.asdict(privacy),
         "sparsity": dataclasses.asdict(sparsity),
         "train": dataclasses.asdict(train),
+        "engine": planned_engine(train.engine, model_name, train.device),  # "auto" resolved
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     eps = "inf (non-private ablation)" if math.isinf(last.epsilon) else f"{last.epsilon:.3f}"

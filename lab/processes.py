@@ -103,11 +103,26 @@ def raise_if_stopping() -> None:
         raise KeyboardInterrupt("stop requested")
 
 
+#: Ports ``free_port`` has handed out in this process: never handed out twice.
+_HANDED_OUT: set[int] = set()
+_HANDED_OUT_LOCK = threading.Lock()
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A TCP port on 127.0.0.1 that was free a moment ago, and not handed out before.
+
+    The kernel may return a port again once its probe socket is closed (a deployment asks
+    for a SuperLink's two ports and one per SuperNode before any of them binds), so this
+    process never hands out the same port twice.
+    """
+    with _HANDED_OUT_LOCK:
+        while True:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = int(sock.getsockname()[1])
+            if port not in _HANDED_OUT:
+                _HANDED_OUT.add(port)
+                return port
 
 
 def program(process: Process) -> str:

@@ -36,7 +36,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, cast
 
 import numpy as np
 import torch
@@ -190,8 +190,20 @@ def _execute(spec_json: str, run_dir: str, threads: int) -> dict[str, Any]:
                 eval_split=spec.eval_split,  # type: ignore[arg-type]
                 split_seed=spec.split_seed,
             )
-    (out / "spec.json").write_text(spec_json + "\n")
+    (out / "spec.json").write_text(json.dumps(_recorded_spec(spec)) + "\n")
     return _read_row(spec, out, reused=False)
+
+
+def _recorded_spec(spec: CentralSpec) -> dict[str, Any]:
+    """``spec.json``: the spec and the engine that trains it here (``TrainConfig``'s "auto":
+    engines agree only to float rounding, so a run by another engine is not this run)."""
+    from fedsparse.common.data import DatasetName
+    from fedsparse.common.models import DEFAULT_MODELS, ModelName
+    from fedsparse.common.training import planned_engine
+
+    model = spec.model or DEFAULT_MODELS[cast(DatasetName, spec.dataset)]
+    engine = planned_engine("auto", cast(ModelName, model))
+    return {**dataclasses.asdict(spec), "engine": engine}
 
 
 def _read_row(spec: CentralSpec, run_dir: Path, *, reused: bool) -> dict[str, Any]:
@@ -217,7 +229,9 @@ def _finished(spec: CentralSpec, run_dir: Path) -> bool:
         saved = json.loads((run_dir / "spec.json").read_text())
     except (OSError, ValueError):
         return False
-    return saved == dataclasses.asdict(spec) and (run_dir / "summary.json").is_file()
+    # A spec.json older than its "engine" key ran on Opacus (the CPU's "auto" until
+    # 2026-11-25): no longer this run.
+    return saved == _recorded_spec(spec) and (run_dir / "summary.json").is_file()
 
 
 def run_specs(

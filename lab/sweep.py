@@ -50,6 +50,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from fedsparse.common.config import FederatedConfig, with_added_keys
 from fedsparse.common.records import RunSummary, summary_metrics
 from fedsparse.common.scaling import rescale_max_grad_norm
+from fedsparse.common.training import planned_engine
 from fedsparse.lab.processes import request_stop
 
 if TYPE_CHECKING:
@@ -263,10 +264,20 @@ def plan_sweep(
 
 def _identity(run: SweepRun, settings: RunSettings) -> dict[str, Any]:
     """What must match for a finished run directory to be reused."""
-    config = FederatedConfig.from_run_config(run.overrides).to_run_config()
+    cfg = FederatedConfig.from_run_config(run.overrides)
+    config = cfg.to_run_config()
     for key in ("out-dir", "resume"):  # where it ran and whether it was resumed: not its result
         config.pop(key, None)
-    identity = {"config": config, "clients": settings.clients, "backend": settings.backend}
+    try:  # the engine the clients will pick here ("auto" resolves by device and model)
+        engine = planned_engine(cfg.engine, cfg.model_name, cfg.device)
+    except ValueError:  # the run fails with its own message; nothing to reuse
+        engine = cfg.engine
+    identity = {
+        "config": config,
+        "clients": settings.clients,
+        "backend": settings.backend,
+        "engine": engine,
+    }
     if settings.backend == "deploy":  # the links are part of what a deployed run measured
         identity |= {"uplink_bps": settings.uplink_bps, "downlink_bps": settings.downlink_bps}
     return identity
@@ -284,6 +295,9 @@ def _reusable(run_dir: Path, identity: dict[str, Any]) -> tuple[dict[str, Any], 
         config.pop(key, None)
     if isinstance(record.get("config"), dict):
         record["config"] = with_added_keys(record["config"])
+        # A record older than this key names no engine: an explicit one ran as named; "auto"
+        # ran as auto resolved then (Opacus on the CPU until 2026-11-25), so it is rerun.
+        record.setdefault("engine", record["config"].get("engine"))
     same = all(record.get(k) == v for k, v in identity.items()) and config == identity["config"]
     return (record, summary) if same and record.get("status") == "ok" else None
 

@@ -45,6 +45,7 @@ def test_train_writes_epochs_and_summary(tmp_path: Path) -> None:
     assert 1.8 < summary["epsilon"] <= 2.0 + 1e-6
     assert summary["final_test_accuracy"] > 0.3  # chance is 0.1
     assert summary["parameters"] == 38_282
+    assert summary["train"]["engine"] == "auto" and summary["engine"] == "factored"  # on a CPU
 
 
 def test_bad_option_names_field_and_value(tmp_path: Path) -> None:

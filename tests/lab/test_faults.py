@@ -47,6 +47,10 @@ def _marked(marker: str) -> list[int]:
     return found
 
 
+#: Each started command's log, shown when it ends before the test expects it to.
+_LOGS: dict[int, Path] = {}
+
+
 def _start(args: list[str], log: Path) -> tuple[subprocess.Popen[bytes], str]:
     marker = f"FEDSPARSE_TEST_MARK={uuid.uuid4().hex}"
     key, value = marker.split("=")
@@ -55,13 +59,17 @@ def _start(args: list[str], log: Path) -> tuple[subprocess.Popen[bytes], str]:
         process = subprocess.Popen(
             [str(FEDSPARSE), *args], env=env, stdout=sink, stderr=subprocess.STDOUT
         )
+    _LOGS[process.pid] = log
     return process, marker
 
 
 def _wait_rounds(path: Path, count: int, process: subprocess.Popen[bytes], timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        assert process.poll() is None, "the command ended before the signal"
+        if process.poll() is not None:
+            log = _LOGS.get(process.pid)
+            tail = log.read_text(errors="replace")[-4000:] if log is not None else ""
+            raise AssertionError(f"the command ended (code {process.returncode}) early:\n{tail}")
         if path.exists() and len(path.read_text().splitlines()) >= count:
             return
         time.sleep(0.5)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 import time
 from pathlib import Path
@@ -95,6 +96,15 @@ def test_connect_writes_a_private_flwr_home(tmp_path: Path) -> None:
 
 def _stopped(process: Process) -> bool:
     return process.poll() is not None or is_zombie(process.pid)
+
+
+def test_free_port_never_hands_out_a_port_twice() -> None:
+    # 1,000 probes of a ~14,000-port pool repeat some port ~36 times on average (birthday
+    # bound): without the record of handed-out ports this fails with probability 1 - e^-36.
+    ports = [free_port() for _ in range(1000)]
+    assert len(set(ports)) == len(ports)
+    with socket.socket() as sock:  # and each was free: the last can still be bound
+        sock.bind(("127.0.0.1", ports[-1]))
 
 
 def test_start_process_waits_for_its_port_logs_and_stops(tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ whose report numbers are recomputed from the run directories."""
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -167,6 +168,13 @@ def test_run_specs_reuses_finished_runs_and_records_failures(tmp_path: Path) -> 
     # another spec (another seed) is not taken for this one
     other = run_specs([CentralSpec(epochs=1, lr=0.25, seed=4)], tmp_path)
     assert not other[0]["reused"]
+    # the record names the engine that ran ("auto": factored on this CPU); a spec.json of
+    # another engine, or one older than the key (Opacus then), is not this run
+    saved = json.loads((tmp_path / good.slug / "spec.json").read_text())
+    assert saved == {**dataclasses.asdict(good), "engine": "factored"}
+    for stale in ({**saved, "engine": "opacus"}, dataclasses.asdict(good)):
+        (tmp_path / good.slug / "spec.json").write_text(json.dumps(stale))
+        assert not run_specs([good], tmp_path)[0]["reused"]
 
 
 @pytest.mark.slow

@@ -282,6 +282,49 @@ def test_a_changed_config_is_rerun(
     assert calls == [src.name, src.name]
 
 
+def test_a_run_recorded_with_another_engine_is_rerun(
+    monkeypatch: pytest.MonkeyPatch, swept: Path, tmp_path: Path
+) -> None:
+    # "auto" resolves by machine and model (factored on this CPU since 2026-11-25, Opacus
+    # before); engines agree only to float rounding, so the record names the one that ran.
+    calls: list[str] = []
+
+    def fake(overrides, out, settings):
+        calls.append(out.name)
+        raise RuntimeError("not reused")
+
+    monkeypatch.setattr(sweep_mod, "run_backend", fake)
+    src = swept / "runs" / "final-rate-0_seed-0"
+    record = json.loads((src / "sweep-run.json").read_text())
+    assert record["engine"] == "factored" and record["config"]["engine"] == "auto"
+    plan = plan_sweep({"final-rate": ["0"]}, {"num-rounds": "2"}, seeds=1)
+    settings = RunSettings(backend="inprocess", clients=3)
+    variants = {
+        "same": {**record},
+        "opacus": {**record, "engine": "opacus"},
+        "unrecorded": {k: v for k, v in record.items() if k != "engine"},  # older than the key
+    }
+    reused = {}
+    for name, variant in variants.items():
+        run_dir = tmp_path / name / src.name
+        run_dir.mkdir(parents=True)
+        (run_dir / "summary.json").write_bytes((src / "summary.json").read_bytes())
+        (run_dir / "sweep-run.json").write_text(json.dumps(variant))
+        reused[name] = run_sweep(plan, runs_dir=run_dir.parent, settings=settings)[0]["reused"]
+    assert reused == {"same": True, "opacus": False, "unrecorded": False}
+    assert calls == [src.name, src.name]
+    # a record older than the key, of a run that named its engine, ran with that engine
+    explicit = plan_sweep({"final-rate": ["0"]}, {"num-rounds": "2", "engine": "opacus"}, seeds=1)
+    old = {**variants["unrecorded"], "config": {**record["config"], "engine": "opacus"}}
+    run_dir = tmp_path / "explicit" / explicit.runs[0].slug
+    run_dir.mkdir(parents=True)
+    summary = json.loads((src / "summary.json").read_text())
+    summary["config"]["engine"] = "opacus"
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+    (run_dir / "sweep-run.json").write_text(json.dumps(old))
+    assert run_sweep(explicit, runs_dir=run_dir.parent, settings=settings)[0]["reused"]
+
+
 def test_a_failed_run_is_recorded_and_the_others_go_on(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
