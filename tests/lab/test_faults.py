@@ -4,7 +4,7 @@ The slow tests run the real command line (``fedsparse simulate``/``deploy``/``sw
 subprocess whose environment carries a unique marker; every process it starts (SuperLink,
 ``flower-superexec``, ``flwr run``, ``flwr-simulation``, Ray, SuperNodes, pool workers)
 inherits that environment, so "no process left behind" is checked by scanning ``/proc`` for
-the marker, not by trusting the PIDs the command reported.
+the marker (or a marked ancestor), not by trusting the PIDs the command reported.
 """
 
 from __future__ import annotations
@@ -34,17 +34,28 @@ def _python(code: str) -> list[str]:
 
 
 def _marked(marker: str) -> list[int]:
-    """PIDs of live processes whose environment holds ``marker`` (zombies excluded)."""
-    found = []
+    """PIDs of live processes whose environment holds ``marker``, or whose parent's does, or
+    its parent's... (zombies excluded).
+
+    The ancestry counts because a process that retitles itself may zero the block that
+    ``/proc/PID/environ`` reads: Ray's agents and workers (``setproctitle``) sometimes do, and
+    their environment then reads as 1,584 NUL bytes. Their raylet keeps its own.
+    """
+    processes: dict[int, tuple[int, str, bool]] = {}  # pid: (parent, state, marked)
     for entry in Path("/proc").glob("[0-9]*"):
         try:
-            if marker.encode() in (entry / "environ").read_bytes():
-                state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-                if state != "Z":
-                    found.append(int(entry.name))
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            environ = (entry / "environ").read_bytes()
         except OSError:
             continue
-    return found
+        processes[int(entry.name)] = (int(fields[1]), fields[0], marker.encode() in environ)
+    marked = {pid for pid, (_, _, has) in processes.items() if has}
+    grown = True
+    while grown:
+        children = {pid for pid, (parent, _, _) in processes.items() if parent in marked}
+        grown = not children <= marked
+        marked |= children
+    return sorted(pid for pid in marked if processes[pid][1] != "Z")
 
 
 #: Each started command's log, shown when it ends before the test expects it to.
