@@ -18,6 +18,7 @@ import math
 import threading
 import warnings
 from collections.abc import Mapping
+from logging import ERROR
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +26,19 @@ import numpy as np
 import torch
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
+from flwr.common.logger import log
 from opacus import GradSampleModule
 from torch import nn
 
-from fedsparse.client.data import local_data, public_test_data
-from fedsparse.client.guard import authorize, node_ledger, node_policy, released_error
+from fedsparse.client.data import holding, public_test_data, run_declaration, test_data
+from fedsparse.client.guard import (
+    authorize,
+    exhausted,
+    node_data,
+    node_ledger,
+    node_policy,
+    released_error,
+)
 from fedsparse.client.state import NodeState, StateFiles, apply_downlink, resumed_from
 from fedsparse.common.config import FederatedConfig, wire_encoding
 from fedsparse.common.data import Split
@@ -38,10 +47,12 @@ from fedsparse.common.layout import ParamLayout
 from fedsparse.common.masks import keep_count, sample_mask
 from fedsparse.common.methods import layer_ranges, layerwise_keep, suffix_mask
 from fedsparse.common.models import build_model
-from fedsparse.common.node_policy import NodePolicy, TrainingRequest
+from fedsparse.common.node_data import NodeData
+from fedsparse.common.node_policy import NodePolicy, PrivacyRefusal, TrainingRequest
 from fedsparse.common.payload import IndexEncoding, PayloadError, decode_update, encode_update
 from fedsparse.common.payload.indices import indices_from_bytes
 from fedsparse.common.privacy import (
+    AccountantName,
     accountant_epsilon,
     calibrate_noise_multiplier,
     sample_rate,
@@ -82,7 +93,7 @@ def _node_partition(context: Context) -> tuple[int, int]:
 
 
 def _calibrated(
-    privacy: PrivacyConfig, cfg: FederatedConfig, num_examples: int
+    privacy: PrivacyConfig, cfg: FederatedConfig, num_examples: int, accountant: AccountantName
 ) -> tuple[PrivacyConfig, IndexBudget | None]:
     """``privacy`` with sigma calibrated for the whole run's steps, if it has a target epsilon;
     and, for method=gip, the index budget (``eps2``; sigma then calibrates ``eps1``).
@@ -90,6 +101,11 @@ def _calibrated(
     Calibrated for the worst case: this client trains in every round. The search depends
     only on the run config and the partition size, so every round after a node's first (and
     every node with the same ``q``) gets it from ``calibrate_noise_multiplier``'s memo.
+    ``accountant`` is the one the search runs with (``node_accountant``).
+
+    Raises:
+        ProtocolError: no noise multiplier reaches the target; the message names only the
+            server's target (the search's inputs include the node's data size).
     """
     steps = cfg.num_rounds * cfg.local_epochs * steps_per_epoch(num_examples, cfg.batch_size)
     budget = None
@@ -97,14 +113,29 @@ def _calibrated(
         privacy, budget = gip_privacy(privacy, cfg.method_config(), planned_steps=steps)
     if privacy.target_epsilon is None:
         return privacy, budget
-    sigma = calibrate_noise_multiplier(
-        target_epsilon=privacy.target_epsilon,
-        delta=privacy.delta,
-        sample_rate=sample_rate(num_examples, cfg.batch_size),
-        steps=steps,
-        accountant=privacy.accountant,
-    )
+    try:
+        sigma = calibrate_noise_multiplier(
+            target_epsilon=privacy.target_epsilon,
+            delta=privacy.delta,
+            sample_rate=sample_rate(num_examples, cfg.batch_size),
+            steps=steps,
+            accountant=accountant,
+        )
+    except ValueError as err:
+        log(ERROR, "fedsparse client: calibration failed: %s", err)
+        raise ProtocolError(
+            f"run config: target-epsilon={privacy.target_epsilon:g}: no noise multiplier "
+            "reaches it for this node's data"
+        ) from None
     return dataclasses.replace(privacy, noise_multiplier=sigma, target_epsilon=None), budget
+
+
+def node_accountant(policy: NodePolicy, privacy: PrivacyConfig) -> AccountantName:
+    """The accountant a node calibrates σ with: the run's on a simulated node (seeded noise,
+    reproducing the experiment exactly), else ``rdp``, the one its ledger composes with, so
+    that the ledger charges the target ε it calibrated for and no run config can make a
+    calibration cost more than a fraction of a second."""
+    return privacy.accountant if policy.noise == "seeded" else "rdp"
 
 
 def _index_charge(
@@ -138,9 +169,12 @@ def _index_charge(
 def train(msg: Message, context: Context) -> Message:
     """One round of local DP-SGD + RS; replies with a values-only sparse update.
 
-    Order: parse the request and the node's policy, authorize and charge the round (nothing
-    private is touched before), then train and reply. Errors before training name what the
-    server sent; errors during training are reported by type only (``released_error``).
+    Order: everything the server's request alone decides is checked first (config, the
+    instruction, the node's static policy limits, the downlink); then the node reads its
+    data, refuses at once if its budget is spent, calibrates σ, charges the round to its
+    ledger (``authorize``), trains and replies. Errors up to the ledger charge name only what
+    the server sent or the node's own limits; a failure once training has started is the one
+    fixed ``CLIENT_FAILURE`` (``released_error``).
     """
     torch.set_num_threads(1)
     cfg = FederatedConfig.from_run_config(context.run_config)
@@ -148,16 +182,20 @@ def train(msg: Message, context: Context) -> Message:
     record = msg.content.config_records[CONFIG_RECORD]
     task = TrainInstruction.from_record(record)
     policy = node_policy(context)
-    partition = _node_partition(context)
-    files = StateFiles(Path(policy.state_dir), partition[0]) if policy.state_dir else None
-    try:
-        data = local_data(cfg, *partition)
-    except Exception as err:
-        raise released_error(err) from None
+    privacy = cfg.privacy()
+    policy.precheck(
+        mechanism=privacy.mechanism,
+        local_epochs=task.local_epochs,
+        noise_multiplier=None if privacy.target_epsilon is not None else privacy.noise_multiplier,
+        batch_size=task.batch_size,
+    )
+    declared = _declaration(context, cfg, policy)
     reusable = _process_model(cfg.model_name, cfg.seed)
     layout = reusable.layout
     frozen = _frozen_prefix(cfg, task, layout)
     explicit = _server_support(cfg, task, record, layout)
+    partition = (declared.partition_id, declared.num_partitions)
+    files = StateFiles(Path(policy.state_dir), partition[0]) if policy.state_dir else None
     state = _node_state(context, files, resumed_from(record), numel=layout.numel)
     global_flat = apply_downlink(
         state.model,
@@ -167,10 +205,69 @@ def train(msg: Message, context: Context) -> Message:
         numel=layout.numel,
         server_round=task.server_round,
     )
+    try:  # from here on the node's data is read: refusals by name, anything else fixed
+        reply = _private_round(
+            cfg,
+            task,
+            policy,
+            privacy,
+            context,
+            declared,
+            state,
+            files,
+            reusable,
+            layout,
+            global_flat=global_flat,
+            frozen=frozen,
+            explicit=explicit,
+        )
+        config, metrics = reply.to_records()
+    except (PrivacyRefusal, ProtocolError):
+        raise  # the policy's, the ledger's or the request's: named, no private numbers
+    except Exception as err:
+        raise released_error(err, data_read=True) from None
+    content = RecordDict(
+        {CONFIG_RECORD: ConfigRecord(config), METRICS_RECORD: MetricRecord(metrics)}
+    )
+    return Message(content=content, reply_to=msg)
+
+
+def _private_round(
+    cfg: FederatedConfig,
+    task: TrainInstruction,
+    policy: NodePolicy,
+    privacy: PrivacyConfig,
+    context: Context,
+    declared: NodeData,
+    state: NodeState,
+    files: StateFiles | None,
+    reusable: _ProcessModel,
+    layout: ParamLayout,
+    *,
+    global_flat: torch.Tensor,
+    frozen: int,
+    explicit: torch.Tensor | None,
+) -> TrainReply:
+    """The part of ``train`` that reads the node's data: budget, σ, the ledger's charge, the
+    round, and the node's state after it; returns the reply.
+
+    Raises:
+        PrivacyRefusal: the budget is spent or the round does not fit it.
+        ProtocolError: the request does not fit the public config (e.g. its ``keep``).
+    """
+    partition = (declared.partition_id, declared.num_partitions)
+    held = holding(declared)
+    data = held.train
+    ledger = (  # the content hash only where a ledger needs it
+        node_ledger(policy, held.identity, dataset=declared.dataset, partition=partition)
+        if policy.ledger_dir
+        else None
+    )
+    exhausted(policy, ledger)
     with warnings.catch_warnings():
         for text in _QUIET:
             warnings.filterwarnings("ignore", message=text)
-        privacy, budget = _calibrated(cfg.privacy(), cfg, len(data))
+        privacy, budget = _calibrated(privacy, cfg, len(data), node_accountant(policy, privacy))
         steps = task.local_epochs * steps_per_epoch(len(data), task.batch_size)
         keep_fraction, index_epsilon = _index_charge(cfg, task, layout.numel, budget, steps)
         request = TrainingRequest(
@@ -182,10 +279,11 @@ def train(msg: Message, context: Context) -> Message:
             steps=steps,
             local_epochs=task.local_epochs,
             index_epsilon=index_epsilon,
+            calibrated=cfg.privacy().target_epsilon is not None,
         )
         authorize(
             policy,
-            node_ledger(policy, cfg, partition),
+            ledger,
             request,
             history=state.history,
             last_round=state.last_round,
@@ -223,19 +321,39 @@ def train(msg: Message, context: Context) -> Message:
                     model=reusable.model,
                     selector=selector,
                     index_spent=state.index_epsilon,
+                    partition_id=partition[0],
                 )
         except Exception as err:
-            raise released_error(err) from None
+            raise released_error(err, data_read=True) from None
     spent = state.index_epsilon + (selector.spent if selector is not None else 0.0)
     state = NodeState(global_flat, task.model_version, history, task.server_round, spent)
     state.save(context)
     if files is not None:
         files.save(state)
-    config, metrics = reply.to_records()
-    content = RecordDict(
-        {CONFIG_RECORD: ConfigRecord(config), METRICS_RECORD: MetricRecord(metrics)}
-    )
-    return Message(content=content, reply_to=msg)
+    return reply
+
+
+def _declaration(context: Context, cfg: FederatedConfig, policy: NodePolicy) -> NodeData:
+    """What this node holds: its owner's declaration, or (a simulated node only) the run
+    config's partition. Reads no data.
+
+    Raises:
+        PrivacyRefusal: a node with fresh noise that declares no data.
+        ProtocolError: the run config names another dataset than the declared one.
+    """
+    declared = node_data(context)
+    if declared is None:
+        if policy.noise != "seeded":
+            raise PrivacyRefusal(
+                "this node declares no data: a deployed node trains only on the data its "
+                "owner declares (node config dataset=..., common/node_data.py)"
+            )
+        return run_declaration(cfg, *_node_partition(context))
+    if declared.dataset != cfg.dataset:
+        raise ProtocolError(
+            f"run config: dataset={cfg.dataset!r}: this node holds {declared.dataset!r}"
+        )
+    return declared
 
 
 def _frozen_prefix(cfg: FederatedConfig, task: TrainInstruction, layout: ParamLayout) -> int:
@@ -393,6 +511,7 @@ def _train_round(
     model: nn.Module,
     selector: StepSelector | None = None,
     index_spent: float = 0.0,
+    partition_id: int = 0,
 ) -> tuple[TrainReply, list[tuple[float, float, int]]]:
     """Local DP-SGD + RS from ``global_flat``; (the reply, the run's accountant history).
 
@@ -430,9 +549,7 @@ def _train_round(
         engine=cfg.engine,
         device=cfg.device,
         # Seeded streams only when the node asks (simulation); else fresh OS entropy.
-        seed=client_train_seed(cfg.seed, task.server_round, _node_partition(context)[0])
-        if seeded
-        else None,
+        seed=client_train_seed(cfg.seed, task.server_round, partition_id) if seeded else None,
     )
     module = None
     try:
@@ -525,21 +642,37 @@ def _selected_payload(
 
 @app.evaluate()
 def evaluate_global(msg: Message, context: Context) -> Message:
-    """Evaluates the dense global model in the message on the dataset's public test split.
+    """Evaluates the dense global model in the message on public data, if the node allows it.
 
-    Never on the node's training partition: exact loss and accuracy of models the server
-    chooses would release that data outside the accountant (10 queries recover a label
-    histogram).
+    Refused unless the node's policy says ``evaluate=true``; then on the public test split of
+    the node's declared dataset (a simulated node without a declaration: the run's
+    evaluation split), never on its training partition and never on files the server names:
+    exact loss and accuracy of models the server chooses would release the data outside the
+    accountant (10 bias-only models recover a label histogram).
+
+    Raises:
+        PrivacyRefusal: the policy does not allow it, or a deployed node declares no data.
+        ProtocolError: the run names another dataset than the declared one.
     """
     torch.set_num_threads(1)
     cfg = FederatedConfig.from_run_config(context.run_config)
     task = EvaluateInstruction.from_record(msg.content.config_records[CONFIG_RECORD])
-    data = public_test_data(cfg)
+    policy = node_policy(context)
+    if not policy.evaluate:
+        raise PrivacyRefusal("evaluate: this node answers no evaluate messages (evaluate=false)")
+    # A simulated node without a declaration evaluates on the run's evaluation split.
+    declared = _declaration(context, cfg, policy) if node_data(context) else None
+    if declared is None and policy.noise != "seeded":
+        raise PrivacyRefusal("evaluate: this node declares no data (node config dataset=...)")
     model = build_model(cfg.model_name, seed=cfg.seed)
     layout = ParamLayout.from_module(model)
     update = decode_update(task.model, expected_dense_size=layout.numel)
     layout.load_flat_(model, update.to_dense())
-    loss, accuracy = evaluate(model, data.x, data.y)
+    try:
+        data = public_test_data(cfg) if declared is None else test_data(declared)
+        loss, accuracy = evaluate(model, data.x, data.y)
+    except Exception as err:
+        raise released_error(err, data_read=True) from None
     reply = EvaluateReply(num_examples=len(data), loss=loss, accuracy=accuracy)
     return Message(
         content=RecordDict({METRICS_RECORD: MetricRecord(reply.to_record())}), reply_to=msg

@@ -1,8 +1,21 @@
-"""A node's training partition: the dataset and its partitioning, cached per process."""
+"""A node's training partition: the dataset and its partitioning, cached per process.
+
+What a node holds is a ``NodeData`` declaration (``common/node_data.py``), from one of two
+sources (the ClientApp chooses, ``client/app.py``):
+
+* **its owner** (node config): every deployed node (fresh noise) trains only on declared
+  data; nothing in the run config chooses its examples.
+* **the run config** (``run_declaration``): a simulated node (seeded noise, the experimenter
+  playing every party) holds the partition the whole simulation is defined by.
+
+Both go through ``holding``, so the same declaration gives the same examples either way, and
+the node's privacy ledger is keyed on those examples' content (``Holding.identity``).
+"""
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -10,9 +23,74 @@ import torch
 from fedsparse.common.config import FederatedConfig
 from fedsparse.common.data import DatasetName, EvalSplit, Split, load_eval_splits
 from fedsparse.common.methods import public_split
+from fedsparse.common.node_data import NodeData, data_identity
 from fedsparse.common.partition import PartitionerName, partition_indices
 
-__all__ = ["local_data", "private_examples", "public_test_data"]
+__all__ = [
+    "Holding",
+    "holding",
+    "local_data",
+    "private_examples",
+    "public_test_data",
+    "run_declaration",
+    "test_data",
+]
+
+
+@dataclass(frozen=True, eq=False)
+class Holding:
+    """The examples a node trains on, and the declaration they were read from."""
+
+    train: Split
+    declared: NodeData
+
+    @functools.cached_property
+    def identity(self) -> str:
+        """``data_identity(train)``, computed once per process (what the ledger is keyed on)."""
+        return data_identity(self.train)
+
+
+def run_declaration(cfg: FederatedConfig, partition_id: int, num_partitions: int) -> NodeData:
+    """The declaration of a simulated node's partition: the run config's data keys."""
+    return NodeData(
+        dataset=cfg.dataset,
+        data_dir=cfg.data_dir,
+        partition_id=partition_id,
+        num_partitions=num_partitions,
+        partitioner=cfg.partitioner,
+        dirichlet_alpha=cfg.dirichlet_alpha,
+        data_seed=cfg.seed,
+        split_seed=cfg.data_seed,
+        hold_out_validation=cfg.eval_split == "validation",
+        public_fraction=cfg.public_fraction if cfg.method == "dpssgd" else 0.0,
+    )
+
+
+@functools.lru_cache(maxsize=4)
+def holding(declared: NodeData) -> Holding:
+    """The training examples ``declared`` names (cached per process)."""
+    eval_split: EvalSplit = "validation" if declared.hold_out_validation else "test"
+    seeds = (declared.data_seed, eval_split, declared.train_test_seed)
+    train, _ = _dataset(declared.dataset, declared.data_dir, *seeds)
+    parts = _partitions(
+        declared.dataset,
+        declared.data_dir,
+        declared.data_seed,
+        declared.num_partitions,
+        declared.partitioner,
+        declared.dirichlet_alpha,
+        declared.public_fraction,
+        eval_split,
+        declared.train_test_seed,
+    )
+    idx = torch.from_numpy(parts[declared.partition_id])
+    return Holding(Split(x=train.x[idx], y=train.y[idx]), declared)
+
+
+def test_data(declared: NodeData) -> Split:
+    """The public test split of the dataset ``declared`` names (never its training split)."""
+    seed, split_seed = declared.data_seed, declared.train_test_seed
+    return _dataset(declared.dataset, declared.data_dir, seed, "test", split_seed)[1]
 
 
 @functools.lru_cache(maxsize=4)
@@ -65,26 +143,16 @@ def private_examples(num_examples: int, public_fraction: float, seed: int) -> np
 
 
 def local_data(cfg: FederatedConfig, partition_id: int, num_partitions: int) -> Split:
-    """This node's training partition (cached per process; keyed by every input)."""
+    """A simulated node's training partition from the run config (cached per process).
+
+    Raises:
+        ValueError: a partition id outside ``[0, num_partitions)``, naming it.
+    """
     if not 0 <= partition_id < num_partitions:
         raise ValueError(
             f"partition-id={partition_id}: expected 0 <= id < num-partitions={num_partitions}"
         )
-    train, _ = _dataset(cfg.dataset, cfg.data_dir, cfg.seed, cfg.eval_split, cfg.data_seed)
-    public = cfg.public_fraction if cfg.method == "dpssgd" else 0.0
-    parts = _partitions(
-        cfg.dataset,
-        cfg.data_dir,
-        cfg.seed,
-        num_partitions,
-        cfg.partitioner,
-        cfg.dirichlet_alpha,
-        public,
-        cfg.eval_split,
-        cfg.data_seed,
-    )
-    idx = torch.from_numpy(parts[partition_id])
-    return Split(x=train.x[idx], y=train.y[idx])
+    return holding(run_declaration(cfg, partition_id, num_partitions)).train
 
 
 def public_test_data(cfg: FederatedConfig) -> Split:

@@ -8,8 +8,12 @@ accountant history in ``Context.state``. A refusal raises ``PrivacyRefusal``: th
 error naming the limit, and nothing was trained or released.
 
 ``released_error`` keeps error replies free of data: refusals and malformed requests name
-only what the server sent or the node's own limits; any other failure is reported by type,
-with the details in the node's own log.
+only what the server sent or the node's own limits; any other failure, and every failure
+once the node's data has been read, is one fixed line (``CLIENT_FAILURE``), with the details
+in the node's own log. No observable behaviour of a node may depend on its private data
+except through the accounted release: the DP mechanism itself zeroes a non-finite per-sample
+gradient (``common/dp.py``), so no single example can make a round fail, and what the reply
+says about a failure is the same whatever failed.
 """
 
 from __future__ import annotations
@@ -21,8 +25,8 @@ from pathlib import Path
 from flwr.app import Context
 from flwr.common.logger import log
 
-from fedsparse.common.config import FederatedConfig
-from fedsparse.common.ledger import PrivacyLedger, ledger_key
+from fedsparse.common.ledger import PrivacyLedger, ledger_key, ledger_path
+from fedsparse.common.node_data import NodeData
 from fedsparse.common.node_policy import (
     POLICY_ENV,
     NodePolicy,
@@ -34,9 +38,19 @@ from fedsparse.common.payload import PayloadError
 from fedsparse.common.privacy import compute_epsilon_of_history
 from fedsparse.common.protocol import ProtocolError
 
-__all__ = ["authorize", "node_ledger", "node_policy", "released_error"]
+__all__ = [
+    "CLIENT_FAILURE",
+    "authorize",
+    "exhausted",
+    "node_ledger",
+    "node_policy",
+    "released_error",
+]
 
 History = list[tuple[float, float, int]]
+
+#: The one error a reply carries for a failure that is not a refusal of the request.
+CLIENT_FAILURE = "client error (details in the node's log)"
 
 
 def node_policy(context: Context) -> NodePolicy:
@@ -45,14 +59,29 @@ def node_policy(context: Context) -> NodePolicy:
     return NodePolicy.from_sources(env, dict(context.node_config))
 
 
+def node_data(context: Context) -> NodeData | None:
+    """The data the node's owner declared (``common/node_data.py``), from the same sources
+    as its policy; None if it declares none."""
+    env = parse_assignments(os.environ.get(POLICY_ENV, ""))
+    return NodeData.from_sources(env, dict(context.node_config))
+
+
 def node_ledger(
-    policy: NodePolicy, cfg: FederatedConfig, partition: tuple[int, int]
+    policy: NodePolicy, identity: str, *, dataset: str, partition: tuple[int, int]
 ) -> PrivacyLedger | None:
-    """The ledger of the data this node holds, or None with ``ledger-dir=""``."""
+    """The ledger of the examples whose ``data_identity`` is ``identity``, or None with
+    ``ledger-dir=""``.
+
+    ``dataset`` and ``partition`` name the ledger the node kept before ledgers were keyed on
+    content (``ledger_key``): the new one starts from its entries.
+    """
     if not policy.ledger_dir:
         return None
-    stem = ledger_key(cfg.dataset, *partition)
-    return PrivacyLedger(Path(policy.ledger_dir).expanduser() / f"{stem}.json")
+    folder = Path(policy.ledger_dir).expanduser()
+    return PrivacyLedger(
+        ledger_path(folder, identity),
+        legacy=[folder / f"{ledger_key(dataset, *partition)}.json"],
+    )
 
 
 def authorize(
@@ -90,15 +119,39 @@ def authorize(
         spent += index_spent + request.index_epsilon
     if spent > policy.epsilon_budget:
         raise PrivacyRefusal(
-            f"epsilon={spent:.4g} at delta={policy.delta:g} after this round: over this "
-            f"node's budget {policy.epsilon_budget:g}"
+            "this round would take the node's data past its privacy budget",
+            detail=f"epsilon={spent:.4g} at delta={policy.delta:g} after this round, budget "
+            f"{policy.epsilon_budget:g}",
         )
     return spent
 
 
-def released_error(err: Exception) -> Exception:
-    """The error a reply may carry for ``err`` (logged here in full when it is withheld)."""
-    if isinstance(err, PrivacyRefusal | ProtocolError | PayloadError):
+def exhausted(policy: NodePolicy, ledger: PrivacyLedger | None) -> None:
+    """Refuses at once when the ledger has no budget left (before any costly work).
+
+    Raises:
+        PrivacyRefusal: the ledger's spend is already at or past the budget.
+    """
+    if ledger is not None and ledger.epsilon(policy.delta) >= policy.epsilon_budget:
+        raise PrivacyRefusal(
+            "this node's data has no privacy budget left",
+            detail=f"budget {policy.epsilon_budget:g} at delta={policy.delta:g} spent "
+            f"({ledger.path})",
+        )
+
+
+def released_error(err: Exception, *, data_read: bool = False) -> Exception:
+    """The error a reply may carry for ``err`` (logged here in full when it is withheld).
+
+    Refusals and malformed requests pass through while nothing private has been read
+    (``data_read=False``): their messages name only what the server sent and the node's
+    limits. Anything else, and anything at all once the node's data has been read, becomes
+    the one fixed ``CLIENT_FAILURE``.
+    """
+    detail = getattr(err, "detail", "")
+    if isinstance(err, PrivacyRefusal) and detail:
+        log(ERROR, "fedsparse client: refused: %s (%s)", err, detail)
+    if not data_read and isinstance(err, PrivacyRefusal | ProtocolError | PayloadError):
         return err
     log(ERROR, "fedsparse client: %s: %s", type(err).__name__, err)
-    return RuntimeError(f"client error: {type(err).__name__} (details in the node's log)")
+    return RuntimeError(CLIENT_FAILURE)

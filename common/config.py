@@ -30,6 +30,7 @@ from fedsparse.common.data import (
 )
 from fedsparse.common.dp import MECHANISMS, MechanismName
 from fedsparse.common.engines import ENGINES, EngineName
+from fedsparse.common.gip import split_budget
 from fedsparse.common.methods import (
     FEDERATED_METHODS,
     SELECTION_MODES,
@@ -50,7 +51,15 @@ from fedsparse.common.payload import (
     ValueDType,
 )
 from fedsparse.common.privacy import ACCOUNTANTS, AccountantName
-from fedsparse.common.robust import NORM_ACTIONS, NormAction, NormBound
+from fedsparse.common.robust import (
+    DP_NORM_BOUNDS,
+    NORM_ACTIONS,
+    DPNormBound,
+    HonestClientBound,
+    NormAction,
+    NormBound,
+    worst_case_noise_multiplier,
+)
 from fedsparse.common.schedules import SCHEDULES, ScheduleName
 from fedsparse.common.training import DEVICES, DeviceName, PrivacyConfig, SparsityConfig
 
@@ -113,6 +122,11 @@ ADDED_KEYS: Final[dict[str, Any]] = {
     "central-noise-multiplier": 1.0,
     "central-clip": 1.0,
     "central-noise": "fresh",
+    # The bound never binds on an honest update (common/robust.py: HonestClientBound, with
+    # probability 1 - 1e-9 per update), so a run recorded without it is what it would have
+    # recorded with it, bit for bit, unless a client sent what no honest client can.
+    "dp-norm-bound": "auto",
+    "max-client-examples": 0,
 }
 
 
@@ -211,6 +225,13 @@ class FederatedConfig:
     trim_fraction: float = 0.2  # aggregator=trimmed-mean: dropped at each end, per coordinate
     max_norm_ratio: float = 3.0  # x the round's median update norm, from 3 updates on; 0: off
     max_update_norm: float = 0.0  # absolute L2 bound; 0: off
+    # "auto": also the bound an honest client's DP parameters imply (dp-level=sample with
+    # mechanism dpsgd or clipped; common/robust.py: HonestClientBound); "off": not
+    dp_norm_bound: DPNormBound = "auto"
+    # the most examples an honest client holds, for that bound (0: the size of the training
+    # split the clients' partitions come from, which the server loads; set it where the
+    # server cannot load it, or where nodes may declare larger local copies of the dataset)
+    max_client_examples: int = 0
     norm_action: NormAction = "reject"  # or "clip": scale down to the bound
     max_failed_rounds: int = 3  # this many rounds in a row with no accepted update end the run
     # research: keep every valid reply's payload in <out-dir>/updates/ (what the server sees)
@@ -279,6 +300,15 @@ class FederatedConfig:
             fail("trim_fraction", "0 <= f < 0.5")
         if self.max_failed_rounds < 0:
             fail("max_failed_rounds", ">= 0 (0: never end the run)")
+        if self.max_client_examples < 0:
+            fail("max_client_examples", ">= 0 (0: the training split's size)")
+        targeted = self.mechanism == "dpsgd" and self.target_epsilon > 0
+        if self.dp_norm_bound_applies and targeted and self.target_epsilon <= _MIN_TARGET:
+            fail(
+                "target_epsilon",
+                f"> {_MIN_TARGET:g} with dp-norm-bound='auto' (its worst-case sigma), or "
+                "dp-norm-bound='off'",
+            )
         if self.aggregator != "mean" and self.weighting != "uniform":
             fail(
                 "weighting",
@@ -330,8 +360,63 @@ class FederatedConfig:
         return self.seed if self.split_seed < 0 else self.split_seed
 
     def norm_bound(self) -> NormBound:
-        """The per-round bound on update norms (``max-norm-ratio``, ``max-update-norm``)."""
+        """The per-round bound on update norms (``max-norm-ratio``, ``max-update-norm``).
+
+        The DP-derived part (``dp-norm-bound``) depends on the round's ``keep``: the strategy
+        passes it to ``NormBound.bound`` from ``honest_client_bound``."""
         return NormBound(max_norm_ratio=self.max_norm_ratio, max_update_norm=self.max_update_norm)
+
+    @property
+    def dp_norm_bound_applies(self) -> bool:
+        """``dp-norm-bound=auto`` and the DP parameters bound an update: ``dp-level=sample``
+        (under ``user`` the server clips every update itself, ``central-clip``) with a
+        mechanism that clips per sample (``noisy`` does not: nothing bounds its gradients)."""
+        return (
+            self.dp_norm_bound == "auto" and self.dp_level == "sample" and self.mechanism != "noisy"
+        )
+
+    def worst_case_noise_multiplier(self) -> float:
+        """The largest sigma an honest client trains with: ``noise-multiplier``, or under a
+        target epsilon the largest any data size calibrates (``robust.worst_case_noise_multiplier``
+        over ``num-rounds x local-epochs`` epochs; ``method=gip``: for GIP's ``eps1``).
+
+        Raises:
+            ValueError: the target is unreachable (sigma > 1e6).
+        """
+        privacy = self.privacy()
+        if privacy.target_epsilon is None:
+            return float(privacy.noise_multiplier or 0.0)
+        target = privacy.target_epsilon
+        if self.method == "gip":
+            target, _ = split_budget(target, self.index_budget_fraction)
+        return worst_case_noise_multiplier(
+            target_epsilon=target,
+            delta=privacy.delta,
+            epochs=self.num_rounds * self.local_epochs,
+            accountant=privacy.accountant,
+        )
+
+    def honest_client_bound(self, train_examples: int) -> HonestClientBound | None:
+        """The DP-derived bound's public caps (None where it does not apply).
+
+        Args:
+            train_examples: the size of the training split the clients' partitions come
+                from, the most examples an honest client holds unless ``max-client-examples``
+                says otherwise (> 0).
+        """
+        if not self.dp_norm_bound_applies:
+            return None
+        return HonestClientBound(
+            lr=self.lr,
+            momentum=self.momentum,
+            max_grad_norm=self.max_grad_norm,
+            noise_multiplier=self.worst_case_noise_multiplier(),
+            batch_size=self.batch_size,
+            local_epochs=self.local_epochs,
+            max_examples=self.max_client_examples or train_examples,
+            value_dtype=self.value_dtype,
+            adaptive_support=self.method == "gip",  # its supports depend on the data
+        )
 
     @classmethod
     def from_run_config(cls, run_config: Mapping[str, Any]) -> FederatedConfig:
@@ -425,7 +510,12 @@ _NAMED_FIELDS: Final[dict[str, tuple[str, ...]]] = {
     "weighting": WEIGHTINGS,
     "aggregator": AGGREGATORS,
     "norm_action": NORM_ACTIONS,
+    "dp_norm_bound": DP_NORM_BOUNDS,
 }
+
+#: The smallest target epsilon a worst-case sigma serves (robust.worst_case_noise_multiplier
+#: lowers the target by the calibration tolerance and PRV's error).
+_MIN_TARGET: Final = 0.03
 
 
 def _shape(shape: tuple[int, ...]) -> str:

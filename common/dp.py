@@ -35,6 +35,36 @@ gradient is ``(s + N(0, sigma^2 C^2 I_d)) * I / B`` (GIP Alg. 2, line 10), i.e. 
 step masked, with the same noise draw. Because ``I`` reads the data, ``get_epsilon`` adds the
 selector's pure epsilon to the accountant's (basic composition, GIP Thm. 2).
 
+Non-finite per-sample gradients. An example whose (masked) per-sample gradient is not finite
+(its norm over the kept coordinates is NaN or inf, as it is when any kept entry is) contributes
+exactly zero to ``s``, as if its gradient were zero; so does a finite one whose float32 norm
+overflows (above ~1.8e19, where its square does). The choice depends on that example alone, so
+the sensitivity of ``s`` stays ``C`` and the step is a finite function of the other examples
+plus noise: no failure depends on a single example. (Otherwise ``C / (NaN + 1e-6)`` and
+``0 * inf`` are NaN, and a server could craft a model whose non-finite update, or the client's
+error, reveals whether one chosen example was in the Poisson batch.) The ablations drop such
+examples too.
+
+The handling is branch-free: every step runs the same operations on tensors of the same
+shapes whether or not an example is non-finite. One ``isfinite`` over the per-sample norms the
+step computes anyway and a ``torch.where`` set those examples' clip factors to 0, and one
+``nan_to_num`` over the per-sample gradients (in place, ``zero_non_finite``) sets every NaN
+and infinite entry to 0, so that their terms of the sum are exactly 0; nothing reads a value
+back to Python to decide (no ``bool(t)``, no ``.item()``). The reason is time: Flower reports
+each reply's runtime to the server, and a step that did extra work only for a non-finite
+example (zeroing its rows, rerunning Opacus's sum, as this code once did) makes the runtime
+the membership oracle that the finite update closed (the crafted model of
+``tests/client/test_membership.py``: 0.43 s a round with the example, 0.30 s without).
+``tests/common/test_nonfinite.py`` checks with ``torch.profiler`` that a clean batch and a
+poisoned one run the same operators on the same shapes, on every engine and path, and
+``benchmarks/nonfinite.py`` times them. Without a mask the step is Opacus's
+``clip_and_accumulate`` written out with those two operations added: they leave finite
+values as they are, so a finite batch is Opacus's step, bit for bit. Equal operations take
+equal time only while the values are not slow in themselves; subnormal floats are (x86 runs
+them in microcode), and a crafted model can push one example's activations there:
+``flush_denormals`` turns them into zeros for the process (a global setting, so the caller's
+choice).
+
 Ablations (RS paper, Appendix E), selected with ``mechanism``:
   - ``"dpsgd"``: Algorithm 1 above (private).
   - ``"clipped"``: Algorithm 3, sparsify and clip, no noise (``noise_multiplier`` must be 0).
@@ -71,13 +101,35 @@ __all__ = [
     "SparseDPEngine",
     "SparseDPOptimizer",
     "check_own_wrapping",
+    "flush_denormals",
     "os_entropy_generator",
+    "zero_non_finite",
 ]
 
 MechanismName = Literal["dpsgd", "clipped", "noisy"]
 """Algorithm 1 (private) and the non-private ablations (module docstring)."""
 
 MECHANISMS: Final[tuple[MechanismName, ...]] = get_args(MechanismName)
+
+
+def zero_non_finite(x: torch.Tensor, *, in_place: bool = False) -> torch.Tensor:
+    """``x`` with its NaN and infinite entries set to 0, its finite ones untouched (bit for bit).
+
+    With the clip factor of a non-finite example set to 0, its terms of a clipped sum are then
+    exactly 0 (``0 * NaN`` and ``0 * inf`` are NaN): one vectorized pass (``nan_to_num``) whose
+    work is the same whatever the values (module docstring, "Non-finite per-sample
+    gradients"). In place it costs about what the clipped sum's ``einsum`` does (256 x 38,282
+    float32 on one CPU thread: 1.2 ms against 1.4 ms); ``torch.where`` over broadcast rows, into
+    a new tensor, took 20 times as long.
+
+    Args:
+        x: any tensor.
+        in_place: overwrite ``x`` (per-sample gradients the step owns) when its layout allows
+            it (contiguous: no two entries share memory); else, or when False, a copy.
+    """
+    if in_place and x.is_contiguous():  # its layout, not its values
+        return x.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+    return x.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 
 class SparseDPOptimizer(DPOptimizer):
@@ -152,25 +204,65 @@ class SparseDPOptimizer(DPOptimizer):
         return self._kept_index[p]
 
     def clip_and_accumulate(self) -> None:
-        """Sparsify, then clip each per-sample gradient, then sum into ``p.summed_grad``."""
+        """Sparsify, then clip each per-sample gradient, then sum into ``p.summed_grad``.
+
+        An example whose (kept) per-sample gradient has a NaN or infinite norm contributes
+        exactly zero, by the same operations whatever the data (module docstring,
+        "Non-finite per-sample gradients"). The NaN and infinite entries of ``p.grad_sample``
+        (or of the copies of its kept coordinates) are overwritten with 0."""
         if not self._noise_mask and self.clip_per_sample:
-            super().clip_and_accumulate()
+            self._opacus_clip_and_accumulate()
             return
         kept = [self._kept_grad_sample(p) for p in self.params]
         batch = len(kept[0])
-        if self.clip_per_sample and batch > 0:
+        factor = torch.ones(batch, device=kept[0].device)
+        if batch > 0:  # the batch's size, not its values
             norms = torch.stack([k.norm(2, dim=-1) for k in kept], dim=1).norm(2, dim=1)
-            factor = (self.max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
-        else:
-            factor = torch.ones(batch, device=kept[0].device)
+            if self.clip_per_sample:
+                factor = (self.max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
+            factor = torch.where(torch.isfinite(norms), factor, 0.0)
         for p, k in zip(self.params, kept, strict=True):
             _check_processed_flag(p.grad_sample)
+            # Per-sample gradients (or copies of their kept coordinates): 0 * NaN is NaN.
+            k = zero_non_finite(k, in_place=True)
             summed = factor.to(device=k.device, dtype=k.dtype) @ k
             index = self._kept(p)
             if index is not None:
                 full = torch.zeros(p.numel(), device=k.device, dtype=k.dtype)
                 summed = full.index_copy_(0, index, summed)
             grad = summed.view_as(p)
+            if p.summed_grad is not None:
+                p.summed_grad += grad
+            else:
+                p.summed_grad = grad
+            _mark_as_processed(p.grad_sample)
+
+    def _opacus_clip_and_accumulate(self) -> None:
+        """Opacus's ``DPOptimizer.clip_and_accumulate``, with non-finite examples dropped.
+
+        Opacus's operations in Opacus's order (its norms, clip factors and ``einsum``; the
+        sum added to the physical batches accumulated before, ``p.summed_grad``), with two
+        more, run whatever the data: the clip factor of an example whose norm is not finite
+        is set to 0, and the per-sample gradients' non-finite entries are set to 0 (in place)
+        before the sum (``zero_non_finite``). Both leave every finite value as it was, so a
+        finite batch is Opacus's step, bit for bit.
+        """
+        grad_samples = self.grad_samples
+        if len(grad_samples[0]) == 0:  # an empty batch (its size, not its values)
+            factor = torch.zeros((0,), device=grad_samples[0].device)
+        else:
+            per_param_norms = [g.reshape(len(g), -1).norm(2, dim=-1) for g in grad_samples]
+            target_device = per_param_norms[0].device
+            per_param_norms = [norm.to(target_device) for norm in per_param_norms]
+            norms = torch.stack(per_param_norms, dim=1).norm(2, dim=1)
+            factor = (self.max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
+            factor = torch.where(torch.isfinite(norms), factor, 0.0)
+        for p, grad_sample in zip(self.params, grad_samples, strict=True):
+            _check_processed_flag(p.grad_sample)
+            # Opacus: the per-sample gradients in the parameter's dtype (mixed precision).
+            grad_sample = zero_non_finite(grad_sample.to(p.dtype), in_place=True)
+            clip_factor_on_device = factor.to(grad_sample.device).to(p.dtype)
+            grad = torch.einsum("i,i...", clip_factor_on_device, grad_sample)
             if p.summed_grad is not None:
                 p.summed_grad += grad
             else:
@@ -267,6 +359,42 @@ def check_own_wrapping(
             f"grad_sample_mode={grad_sample_mode!r}: {engine} computes per-sample "
             "gradients itself (batch first, wrapped module); leave these at their defaults"
         )
+
+
+def flush_denormals() -> bool:
+    """Has this process's CPU threads treat subnormal floats as zero; whether it took effect.
+
+    Why: the DP step runs the same operations whatever the data (module docstring), but the
+    time of one operation still depends on its values when they are subnormal (float32 below
+    ~1.2e-38): x86 CPUs compute those in microcode, many times slower. A server can craft a
+    model that drives one chosen example's activations or gradients there, and Flower reports
+    each reply's runtime to the server: a slower round would say that the example was in the
+    batch. With the CPU's flush-to-zero and denormals-are-zero modes
+    (``torch.set_flush_denormal(True)``) subnormal inputs and results are 0, at full speed.
+    Results that would have been subnormal become 0, in every example's computation alike;
+    each per-sample gradient is still a function of its own example, clipped to ``C``, so the
+    privacy argument is unchanged.
+
+    Global state, so ``common`` never sets it itself: the caller (the client, at start-up)
+    decides. The mode is a register of each thread (x86's MXCSR), copied to a thread when it is
+    created: call this at process start, from the thread that trains (or creates the one that
+    does), before torch's first parallel operation starts its intra-op threads; threads that
+    exist already keep computing subnormals. The result is checked, not assumed: a product
+    whose value is subnormal, over a tensor every intra-op thread takes a part of, must come out
+    0 everywhere.
+
+    Returns:
+        True if subnormal results are flushed on this thread and every intra-op thread; False
+        where the CPU has no such mode (``torch.set_flush_denormal`` returns False: not x86
+        with SSE3) or some thread was created before the call (the mode stays on where it is).
+    """
+    if not torch.set_flush_denormal(True):
+        return False
+    # Large enough that ATen's parallel_for (grain 32,768) gives every thread a share.
+    size = 4 * 32_768 * max(1, torch.get_num_threads())
+    tiny = torch.full((size,), 1e-30, dtype=torch.float32)
+    product = tiny * 1e-10  # 1e-40: subnormal unless flushed
+    return bool((product == 0).all())
 
 
 def os_entropy_generator() -> torch.Generator:

@@ -34,6 +34,17 @@ of ``dp`` holds unchanged: what changes is only how ``sum_i c_i m * g_i`` and th
 ``||m * g_i||`` are computed, and they equal Opacus's to float32 rounding (the sums run in
 other orders; ``tests/common/test_factored_dp.py`` pins the tolerance after an epoch).
 
+An example whose masked squared norm is NaN or inf contributes exactly zero (``dp``'s rule):
+its clip factor is 0, and the NaN and infinite entries of the kept gradients, activations and
+backpropagations are set to 0 before the products (``0 * inf`` is NaN there), so its terms are
+exactly 0. Branch-free, as in ``dp`` and for the same reason (the runtime a node reports must
+not say whether such an example was in the batch): the same operations run for every batch,
+whatever its values (``dp.zero_non_finite``: in place on the kept gradients, copies of the
+factors). The norms come from the factors, so an example can be dropped where another engine
+would not: a non-finite factor that reaches only dropped coordinates (``inf * 0`` in the masked
+product), or factors whose squares overflow though their product does not. Still a function of
+that example alone: sensitivity stays C.
+
 Layers: every layer with trainable parameters must be a ``Linear`` or a ``Conv2d`` (zero
 padding, ``groups=1``, numeric padding) whose own ``forward`` is the only use of its
 parameters, and no layer may mix the examples of a batch (``BatchNorm``);
@@ -77,6 +88,7 @@ from fedsparse.common.dp import (
     SparseDPEngine,
     SparseDPOptimizer,
     check_own_wrapping,
+    zero_non_finite,
 )
 
 __all__ = [
@@ -352,15 +364,22 @@ class _Prepared:
     weight_mask: torch.Tensor | None  # for a weight summed from the factors
 
     def clipped_sums(self, factor: torch.Tensor) -> dict[nn.Parameter, torch.Tensor]:
-        """``sum_i factor_i * m * g_i`` per parameter, shaped like it."""
-        sums = {p: (factor @ g).view_as(p) for p, g in self.kept.items()}
+        """``sum_i factor_i * m * g_i`` per parameter, shaped like it.
+
+        ``factor`` is 0 for an example whose masked norm is not finite; since ``0 * inf`` and
+        ``0 * NaN`` are NaN, the NaN and infinite entries of the kept gradients (in place) and
+        of the factors (copies) are set to 0 first, for every batch whatever its values, so
+        that that example's terms are exactly 0 and the others' are untouched."""
+        kept = {p: zero_non_finite(g, in_place=True) for p, g in self.kept.items()}
+        sums = {p: (factor @ g).view_as(p) for p, g in kept.items()}
         f = self.factors
         if f.weight is not None and f.weight not in sums:  # from the factors
-            scale = factor.reshape(-1, *([1] * (f.backprops.dim() - 1)))
+            a, b = zero_non_finite(f.activations), zero_non_finite(f.backprops)
+            scale = factor.reshape(-1, *([1] * (b.dim() - 1)))
             if isinstance(f.layer, nn.Conv2d):
-                weight = conv2d_weight_grad(f.layer, f.activations, f.backprops * scale)
+                weight = conv2d_weight_grad(f.layer, a, b * scale)
             else:
-                weight = (f.backprops * scale).t() @ f.activations
+                weight = (b * scale).t() @ a
             if self.weight_mask is not None:
                 weight.mul_(self.weight_mask)
             sums[f.weight] = weight
@@ -563,6 +582,9 @@ class FactoredDPOptimizer(SparseDPOptimizer):
             factor = (self.max_grad_norm / (norms_sq.sqrt() + 1e-6)).clamp(max=1.0)
         else:
             factor = torch.ones_like(norms_sq)
+        # A non-finite (masked) norm: the example contributes exactly zero, by the same
+        # operations whatever the data (``dp``'s docstring).
+        factor = torch.where(torch.isfinite(norms_sq), factor, 0.0)
         sums: dict[nn.Parameter, torch.Tensor] = {}
         for p in prepared:
             sums.update(p.clipped_sums(factor))

@@ -14,7 +14,9 @@ and nothing else. Everything after that is the same object as in ``dp``: the
 the ablations (``mechanism="clipped"``/``"noisy"``) included; Opacus's ``make_private`` builds
 the Poisson data loader (the same sampler, so the same batches for the same generator), the
 noise generator and the accountant's step hook. The privacy argument of ``dp`` therefore
-holds unchanged, and with the same ``q``, ``sigma`` and steps ``get_epsilon`` is the same.
+holds unchanged, and with the same ``q``, ``sigma`` and steps ``get_epsilon`` is the same;
+so does ``dp``'s rule that an example whose (masked) per-sample gradient is not finite
+contributes exactly zero (``vmap`` keeps each example's NaN or inf in its own row).
 
 Equivalence with the Opacus engine. Batches, masks and noise are identical draws. The
 per-sample gradients agree to float32 rounding, not bit for bit: Opacus scales the

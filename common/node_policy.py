@@ -16,6 +16,11 @@ key                        default        meaning
 ``allowed-mechanisms``     "dpsgd"        comma-separated; ``clipped``/``noisy`` are the RS
                                           paper's non-private ablations
 ``max-local-epochs``       10             local epochs per round
+``min-batch-size``         16             smallest ``batch-size`` accepted: ε and σ in a reply
+                                          are functions of ``q = 1/ceil(n/b)`` and the step
+                                          count, so the server, which picks ``b``, learns the
+                                          node's example count ``n`` to within ``b`` (exactly
+                                          at ``b = 1``)
 ``noise``                  "fresh"        ``fresh``: DP noise and Poisson sampling from OS
                                           entropy on every train call; ``seeded``: from the
                                           run seed (simulation only: anyone who knows the run
@@ -30,7 +35,18 @@ key                        default        meaning
 ``release-train-loss``     false          reply with the exact mean training loss
 ``release-example-count``  false          reply with the exact example counts (else 1 and 0;
                                           the server weights updates uniformly by default)
+``evaluate``               false          answer ``evaluate`` messages, on the public test
+                                          split of the node's declared dataset (never on its
+                                          training data); false refuses them
+``allowed-fab-hashes``     ""             comma-separated SHA-256 digests of the FABs (app
+                                          bundles) this node takes part in runs of; "" takes
+                                          any whose ClientApp is fedsparse's. Either way the
+                                          node runs its OWN installed ClientApp, never code
+                                          from the FAB (``client/node.py``)
 =========================  =============  ====================================================
+
+The node's data is declared next to its policy, in the same node config
+(``common/node_data.py``: ``dataset``, ``data-dir``, ``partition-id``, ...).
 
 Pure Python: the sources are plain mappings; the ClientApp passes the node config and the
 ``FEDSPARSE_NODE_POLICY`` environment variable (how a simulation launcher, which cannot set
@@ -47,6 +63,7 @@ from pathlib import Path
 from typing import Any, Final, Literal, get_args
 
 from fedsparse.common.dp import MECHANISMS, MechanismName
+from fedsparse.common.node_data import DATA_KEYS
 
 __all__ = [
     "NOISE_SOURCES",
@@ -62,12 +79,20 @@ NoiseSource = Literal["fresh", "seeded"]
 NOISE_SOURCES: Final[tuple[NoiseSource, ...]] = get_args(NoiseSource)
 #: Environment variable with ``key=value`` policy entries (node config syntax).
 POLICY_ENV: Final = "FEDSPARSE_NODE_POLICY"
-#: Node config keys that belong to Flower or the partitioning, not to the policy.
-_NOT_POLICY: Final = frozenset({"partition-id", "num-partitions", "policy-file"})
+#: Node config keys that belong to Flower or the node's data, not to the policy.
+_NOT_POLICY: Final = frozenset({"policy-file", *DATA_KEYS})
 
 
 class PrivacyRefusal(RuntimeError):
-    """A train request the node's policy does not allow; nothing was trained or released."""
+    """A request the node's policy does not allow; nothing was trained or released.
+
+    Its message is what the server is told: which limit, never a number that depends on the
+    node's data or history. ``detail`` is for the node's own log.
+    """
+
+    def __init__(self, message: str, *, detail: str = "") -> None:
+        super().__init__(message)
+        self.detail = detail
 
 
 @dataclass(frozen=True)
@@ -84,6 +109,9 @@ class TrainingRequest:
     #: GIP: the pure-DP epsilon of this round's index selection (data-independent, known
     #: before training: ``common/gip.py``), composed with the accountant's by addition.
     index_epsilon: float = 0.0
+    #: Whether ``noise_multiplier`` was calibrated on the node (from the run's target
+    #: epsilon and the node's data size) rather than sent by the server.
+    calibrated: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,11 +123,14 @@ class NodePolicy:
     min_noise_multiplier: float = 0.5
     allowed_mechanisms: tuple[MechanismName, ...] = ("dpsgd",)
     max_local_epochs: int = 10
+    min_batch_size: int = 16
     noise: NoiseSource = "fresh"
     ledger_dir: str = "~/.local/state/fedsparse"
     state_dir: str = ""
     release_train_loss: bool = False
     release_example_count: bool = False
+    evaluate: bool = False
+    allowed_fab_hashes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         def fail(key: str, value: Any, expected: str) -> None:
@@ -116,8 +147,13 @@ class NodePolicy:
                 fail("allowed-mechanisms", mechanism, f"names from {', '.join(MECHANISMS)}")
         if self.max_local_epochs < 1:
             fail("max-local-epochs", self.max_local_epochs, ">= 1")
+        if self.min_batch_size < 1:
+            fail("min-batch-size", self.min_batch_size, ">= 1")
         if self.noise not in NOISE_SOURCES:
             fail("noise", self.noise, f"one of {', '.join(NOISE_SOURCES)}")
+        for digest in self.allowed_fab_hashes:
+            if not (len(digest) == 64 and all(c in "0123456789abcdef" for c in digest)):
+                fail("allowed-fab-hashes", digest, "SHA-256 hex digests (64 lowercase hex)")
         if self.state_dir and self.noise != "seeded":
             # Restoring run state follows the server's resume point: only an experimenter's
             # own simulated nodes may take it; a deployed node's ledger is its history.
@@ -152,25 +188,68 @@ class NodePolicy:
                 values[known[key].name] = _coerce(key, value, type(known[key].default))
         return cls(**values)
 
+    def precheck(
+        self,
+        *,
+        mechanism: str,
+        local_epochs: int,
+        noise_multiplier: float | None,
+        batch_size: int | None = None,
+    ) -> None:
+        """Refuses what the server's request alone breaks, before any data or calibration.
+
+        Args:
+            noise_multiplier: the run's fixed σ; None when the node calibrates it (then
+                ``check`` tests it once it is known).
+            batch_size: the instruction's batch size (None: not checked).
+
+        Raises:
+            PrivacyRefusal: naming the field, the value the server sent and the limit.
+        """
+        if mechanism not in self.allowed_mechanisms:
+            allowed = ",".join(self.allowed_mechanisms)
+            raise PrivacyRefusal(f"mechanism={mechanism!r}: this node allows only {allowed}")
+        if local_epochs > self.max_local_epochs:
+            raise PrivacyRefusal(
+                f"local-epochs={local_epochs}: this node allows <= {self.max_local_epochs}"
+            )
+        if batch_size is not None and batch_size < self.min_batch_size:
+            raise PrivacyRefusal(
+                f"batch-size={batch_size}: this node requires >= {self.min_batch_size}"
+            )
+        if (
+            mechanism == "dpsgd"
+            and noise_multiplier is not None
+            and noise_multiplier < self.min_noise_multiplier
+        ):
+            raise PrivacyRefusal(
+                f"noise-multiplier={noise_multiplier:.4g}: this node requires >= "
+                f"{self.min_noise_multiplier:g}"
+            )
+
     def check(self, request: TrainingRequest) -> None:
         """Refuses a request outside the static limits (the budget is the ledger's check).
 
+        A σ the node calibrated is not named in the refusal: it depends on the node's data
+        size.
+
         Raises:
-            PrivacyRefusal: naming the field, the requested value and the limit.
+            PrivacyRefusal: naming the field and the limit.
         """
-        if request.mechanism not in self.allowed_mechanisms:
-            allowed = ",".join(self.allowed_mechanisms)
+        self.precheck(
+            mechanism=request.mechanism,
+            local_epochs=request.local_epochs,
+            noise_multiplier=None if request.calibrated else request.noise_multiplier,
+        )
+        if (
+            request.calibrated
+            and request.mechanism == "dpsgd"
+            and request.noise_multiplier < self.min_noise_multiplier
+        ):
             raise PrivacyRefusal(
-                f"mechanism={request.mechanism!r}: this node allows only {allowed}"
-            )
-        if request.mechanism == "dpsgd" and request.noise_multiplier < self.min_noise_multiplier:
-            raise PrivacyRefusal(
-                f"noise-multiplier={request.noise_multiplier:.4g}: this node requires >= "
-                f"{self.min_noise_multiplier:g}"
-            )
-        if request.local_epochs > self.max_local_epochs:
-            raise PrivacyRefusal(
-                f"local-epochs={request.local_epochs}: this node allows <= {self.max_local_epochs}"
+                "target-epsilon: the noise multiplier it calibrates to on this node is below "
+                f"this node's min-noise-multiplier={self.min_noise_multiplier:g}",
+                detail=f"calibrated noise-multiplier={request.noise_multiplier:.4g}",
             )
 
 

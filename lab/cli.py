@@ -715,6 +715,7 @@ def compose(
     certs: Annotated[str, Opt(help="folder of deploy/certs/generate.sh's files")] = (
         "./deploy/certs"
     ),
+    dataset: Annotated[str, Opt(help="the dataset the SuperNodes declare")] = "digits",
 ) -> None:
     """Writes the compose file for N SuperNodes (TLS + SuperNode auth), or an overlay."""
     from fedsparse.lab.compose import Overlay, write_compose
@@ -722,10 +723,29 @@ def compose(
     overlays: tuple[Overlay, ...] = ("insecure", "gpu")
     try:
         kind = None if overlay is None else _choice("overlay", overlay, overlays)
-        path = write_compose(out, nodes, overlay=kind, certs=certs)
+        path = write_compose(out, nodes, overlay=kind, certs=certs, dataset=dataset)
     except ValueError as err:
         raise typer.BadParameter(str(err)) from err
     console.print(f"wrote {path} ({nodes} SuperNodes{f', {overlay} overlay' if overlay else ''})")
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def node(ctx: typer.Context) -> None:
+    """A SuperNode that runs only its own installed ClientApp, never the server's code.
+
+    Takes flower-supernode's arguments (--superlink, --root-certificates,
+    --auth-supernode-private-key, --node-config, --host/--port of the loopback Runtime API,
+    ...) and runs flower-supernode --isolation process with them, launching every ClientApp
+    task itself with the fedsparse installed here (client/node.py).
+    """
+    from fedsparse.client.node import run_node
+    from fedsparse.lab.flower import tool
+
+    try:
+        code = run_node(ctx.args, supernode=tool("flower-supernode"))
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from err
+    raise typer.Exit(code)
 
 
 @app.command("wire-report")

@@ -10,8 +10,16 @@ addresses (``tests/test_deploy_files.py`` compares them flag by flag). Secure by
 * SuperNode authentication: the SuperLink admits only registered public keys
   (``--enable-supernode-auth``) and node ``i`` signs with ``<certs>/nodes/node-<i>``, mounted
   as ``/app/keys/node-<i>``. ``deploy/certs/generate.sh`` writes all of these;
-* the Control and Runtime HTTP API (9093) and the Fleet API (9092) are published on the host's
-  127.0.0.1 only (``FLEET_API_BIND`` publishes the Fleet API elsewhere, for remote nodes).
+* every SuperNode runs ``fedsparse node`` (``client/node.py``): only the ClientApp installed in
+  its image, never code from the server's FAB; it declares the data it holds in its node
+  config (``dataset``, partition ``i`` of N) and keeps its ledger in its own volume;
+* two networks: the SuperNodes and the SuperLink share ``fleet`` (internal: no route out of
+  it), where the SuperLink serves only the Fleet API; the Control and Runtime HTTP API (9093)
+  listens only on the SuperLink's fixed address on ``control``
+  (``FEDSPARSE_CONTROL_IP``/``FEDSPARSE_CONTROL_SUBNET`` move it), a network no SuperNode is
+  on, so no SuperNode container can reach the API that starts runs (i.e. ships code);
+* 9093 and the Fleet API (9092) are published on the host's 127.0.0.1 only
+  (``FLEET_API_BIND`` publishes the Fleet API elsewhere, for remote nodes).
 
 ``insecure=True`` is the explicit opt-in for neither (``--insecure``, nothing mounted), and
 ``insecure_overlay``/``gpu_overlay`` are the overlay files ``deploy/insecure.yml`` and
@@ -36,6 +44,7 @@ from typing import Any, Literal
 
 import yaml
 
+from fedsparse.common.node_data import NodeData, format_node_config
 from fedsparse.common.records import RoundLog, read_rounds
 
 __all__ = [
@@ -63,6 +72,12 @@ CERT_DIR = "/app/certificates"
 KEY_DIR = "/app/keys"
 #: Files of ``deploy/certs/generate.sh`` the SuperLink mounts (never ``ca/ca.key``).
 SERVER_FILES = ("ca.crt", "server.pem", "server.key")
+#: The SuperLink's address on the ``control`` network, where its Control and Runtime HTTP API
+#: listens (and nothing else does); environment variables move it off a subnet in use.
+CONTROL_SUBNET = "${FEDSPARSE_CONTROL_SUBNET:-10.249.249.0/24}"
+CONTROL_IP = "${FEDSPARSE_CONTROL_IP:-10.249.249.2}"
+#: The dataset the compose SuperNodes declare by default (``--dataset`` writes another).
+DEFAULT_DATASET = "digits"
 #: The CUDA build of torch for ``deploy/gpu.yml`` (pick the tag your driver supports).
 GPU_TORCH_INDEX_URL = "https://download.pytorch.org/whl/cu128"
 
@@ -80,7 +95,9 @@ _SECURE_USAGE = """\
 #   flwr supernode register deploy/certs/nodes/node-<i>.pub docker     # each node, once
 #   flwr run . docker --stream --run-config 'out-dir="/runs/exp1"'
 # Ports (host 127.0.0.1 only): 9093 Control + Runtime HTTP API (`flwr`), 9092 Fleet API
-# (gRPC; FLEET_API_BIND=0.0.0.0 publishes it for SuperNodes on other machines).
+# (gRPC; FLEET_API_BIND=0.0.0.0 publishes it for SuperNodes on other machines). SuperNodes
+# run `fedsparse node` (only their own installed ClientApp) on the internal `fleet` network;
+# 9093 listens only on the `control` network (FEDSPARSE_CONTROL_IP), which they cannot reach.
 # Insecure opt-in: docker compose -f docker-compose.yml -f deploy/insecure.yml up -d
 # The commands mirror fedsparse.lab.deploy.deployment_args (tests/test_deploy_files.py).
 """
@@ -173,7 +190,7 @@ def _superlink_command(*, insecure: bool) -> list[str]:
         "flower-superlink",
         *security,
         "--host",
-        "0.0.0.0",  # in its own network namespace; published on the host's 127.0.0.1
+        CONTROL_IP,  # the control network only (published on the host's 127.0.0.1)
         "--port",
         str(HTTP_PORT),
         "--fleet-api-address",
@@ -182,7 +199,7 @@ def _superlink_command(*, insecure: bool) -> list[str]:
     ]
 
 
-def _supernode_command(index: int, nodes: int, *, insecure: bool) -> list[str]:
+def _supernode_command(index: int, nodes: int, *, insecure: bool, dataset: str) -> list[str]:
     security = (
         ["--insecure"]
         if insecure
@@ -193,17 +210,23 @@ def _supernode_command(index: int, nodes: int, *, insecure: bool) -> list[str]:
             f"{KEY_DIR}/node-{index}",
         ]
     )
+    declared = NodeData(
+        dataset=dataset,  # type: ignore[arg-type]
+        partition_id=index,
+        num_partitions=nodes,
+    )
     return [
-        "flower-supernode",
+        "fedsparse",
+        "node",
         *security,
         "--superlink",
         f"superlink:{FLEET_PORT}",
         "--host",
-        "127.0.0.1",  # the ClientAppIo API stays inside the container
+        "127.0.0.1",  # the Runtime API stays inside the container
         "--port",
         str(NODE_PORT),
         "--node-config",
-        f"partition-id={index} num-partitions={nodes} ledger-dir='{LEDGER_DIR}'",
+        format_node_config(declared, ledger_dir=LEDGER_DIR),
     ]
 
 
@@ -237,12 +260,14 @@ def compose_document(
     runs: str = "runs",
     build_context: str = ".",
     image: str = IMAGE,
+    dataset: str = DEFAULT_DATASET,
 ) -> dict[str, Any]:
     """The compose file (as data) for one SuperLink and ``nodes`` SuperNodes.
 
-    SuperNode ``i`` (service ``supernode-<i>``) holds partition ``i`` of ``nodes``
-    (node config ``partition-id``/``num-partitions``, as in a loopback deployment and a
-    simulation) and keeps its privacy ledger in the named volume ``ledger-<i>``.
+    SuperNode ``i`` (service ``supernode-<i>``) declares it holds partition ``i`` of
+    ``nodes`` of ``dataset`` (node config ``partition-id``/``num-partitions``/``dataset``, as
+    in a loopback deployment and a simulation) and keeps its privacy ledger in the named
+    volume ``ledger-<i>``. Networks: module docstring.
 
     Args:
         nodes: SuperNodes (>= 1).
@@ -256,9 +281,11 @@ def compose_document(
             volume, or a host folder writable by uid 49999.
         build_context: the repository root, as compose sees it (``build.context``).
         image: the image every service runs (and ``build`` tags).
+        dataset: the dataset every SuperNode declares (an embedded one, or mount its files
+            and add ``data-dir``).
 
     Raises:
-        ValueError: ``nodes`` < 1.
+        ValueError: ``nodes`` < 1, or an unknown ``dataset``.
     """
     _check_nodes(nodes)
     certs = certs.rstrip("/") or "/"
@@ -276,17 +303,27 @@ def compose_document(
                 f"${{FLEET_API_BIND:-127.0.0.1}}:{FLEET_PORT}:{FLEET_PORT}",
             ],
             "volumes": _superlink_volumes(runs=runs, certs=certs, insecure=insecure),
+            "networks": {"control": {"ipv4_address": CONTROL_IP}, "fleet": None},
         }
     }
     for i in range(nodes):
         services[f"supernode-{i}"] = {
             **base,
-            "command": _supernode_command(i, nodes, insecure=insecure),
+            "command": _supernode_command(i, nodes, insecure=insecure, dataset=dataset),
             "volumes": _supernode_volumes(i, certs=certs, insecure=insecure),
+            "networks": ["fleet"],
             "depends_on": ["superlink"],
         }
     volumes = ([] if _is_path(runs) else [runs]) + [f"ledger-{i}" for i in range(nodes)]
-    return {"services": services, "volumes": {name: None for name in volumes}}
+    networks = {
+        "control": {"ipam": {"config": [{"subnet": CONTROL_SUBNET}]}},
+        "fleet": {"internal": True},
+    }
+    return {
+        "services": services,
+        "volumes": {name: None for name in volumes},
+        "networks": networks,
+    }
 
 
 def insecure_overlay(nodes: int = DEFAULT_NODES) -> dict[str, Any]:
@@ -350,6 +387,7 @@ def write_compose(
     runs: str = "runs",
     build_context: str = ".",
     image: str = IMAGE,
+    dataset: str = DEFAULT_DATASET,
 ) -> Path:
     """Writes the compose file for ``nodes`` SuperNodes (see ``compose_document``) to ``path``.
 
@@ -364,6 +402,8 @@ def write_compose(
         ValueError: ``nodes`` < 1.
     """
     args = f"--nodes {nodes}" + (" --insecure" if insecure else "")
+    if dataset != DEFAULT_DATASET:
+        args += f" --dataset {dataset}"
     if overlay == "insecure":
         document, args = insecure_overlay(nodes), f"--nodes {nodes} --overlay insecure"
     elif overlay == "gpu":
@@ -376,6 +416,7 @@ def write_compose(
             runs=runs,
             build_context=build_context,
             image=image,
+            dataset=dataset,
         )
     header = _header(nodes, insecure=insecure, overlay=overlay, args=args)
     path = Path(path)
@@ -496,6 +537,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--runs", default="runs", help="volume or host folder for /runs")
     parser.add_argument("--build-context", default=".", help="the repository root")
     parser.add_argument("--image", default=IMAGE, help="image of every service")
+    parser.add_argument("--dataset", default=DEFAULT_DATASET, help="the nodes' declared data")
     parser.add_argument(
         "--compare",
         nargs=2,
@@ -518,6 +560,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             runs=args.runs,
             build_context=args.build_context,
             image=args.image,
+            dataset=args.dataset,
         )
     except ValueError as error:
         parser.error(str(error))

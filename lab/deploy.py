@@ -23,6 +23,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from fedsparse.client.data import run_declaration
+from fedsparse.common.node_data import NodeData, format_node_config
 from fedsparse.common.records import RunSummary, read_rounds
 from fedsparse.lab.flower import fab_size, tool
 from fedsparse.lab.launch import (
@@ -61,13 +63,15 @@ def deployment_args(
     auth_keys: Sequence[Path] | None = None,
     ledger_dirs: Sequence[str] | None = None,
     superlink_hosts: Sequence[str] | None = None,
+    data: Sequence[NodeData] | None = None,
 ) -> tuple[list[str], list[list[str]]]:
-    """``flower-superlink`` and ``flower-supernode`` argument lists for a loopback deployment.
+    """``flower-superlink`` and ``fedsparse node`` argument lists for a loopback deployment.
 
     The SuperLink serves the Runtime and Control HTTP APIs on ``http_port`` and the gRPC
-    (grpc-rere) Fleet API on ``fleet_port``; SuperNode ``i`` serves its ClientAppIo (Runtime
-    HTTP API) on ``node_ports[i]`` and holds partition ``i`` of ``num_nodes``. Everything
-    listens on 127.0.0.1 only. (SuperNodes install no runtime dependencies unless asked.)
+    (grpc-rere) Fleet API on ``fleet_port``; SuperNode ``i`` (``fedsparse node``:
+    ``flower-supernode`` running only the node's own ClientApp, ``client/node.py``) serves its
+    Runtime API on ``node_ports[i]`` and holds ``data[i]``. Everything listens on 127.0.0.1
+    only. (SuperNodes install no runtime dependencies.)
 
     Args:
         superlink_ports: port SuperNode ``i`` dials for the Fleet API (a relay in front of
@@ -80,6 +84,8 @@ def deployment_args(
             link); default 127.0.0.1 for all.
         ledger_dirs: SuperNode ``i``'s privacy-ledger directory (node config ``ledger-dir``);
             default: the node policy's own default.
+        data: what SuperNode ``i`` declares it holds (``common/node_data.py``); default:
+            partition ``i`` of ``num_nodes`` of digits.
     """
     targets = list(superlink_ports) if superlink_ports is not None else [fleet_port] * num_nodes
     if len(targets) != num_nodes:
@@ -92,13 +98,24 @@ def deployment_args(
     hosts = list(superlink_hosts) if superlink_hosts is not None else ["127.0.0.1"] * num_nodes
     if len(hosts) != num_nodes:
         raise ValueError(f"superlink_hosts has {len(hosts)} addresses: expected {num_nodes}")
+    declared = (
+        list(data)
+        if data is not None
+        else [
+            NodeData(dataset="digits", partition_id=i, num_partitions=num_nodes)
+            for i in range(num_nodes)
+        ]
+    )
+    if len(declared) != num_nodes:
+        raise ValueError(f"data has {len(declared)} declarations: expected {num_nodes}")
     auth = ["--enable-supernode-auth"] if auth_keys is not None else []
     superlink = superlink_args(
         [*security_args(tls, server=True), *auth], http_port=http_port, fleet_port=fleet_port
     )
     supernodes = [
         [
-            tool("flower-supernode"),
+            tool("fedsparse"),
+            "node",
             *security_args(tls, server=False),
             *(["--auth-supernode-private-key", str(auth_keys[i])] if auth_keys else []),
             "--superlink",
@@ -108,8 +125,9 @@ def deployment_args(
             "--port",
             str(node_ports[i]),
             "--node-config",
-            f"partition-id={i} num-partitions={num_nodes}"
-            + (f" ledger-dir='{ledger_dirs[i]}'" if ledger_dirs is not None else ""),
+            format_node_config(
+                declared[i], ledger_dir=None if ledger_dirs is None else ledger_dirs[i]
+            ),
         ]
         for i in range(num_nodes)
     ]
@@ -366,6 +384,8 @@ def run_deployment(
                 auth_keys=keys,
                 # Each node's own ledger, kept with the run: the nodes' budgets span this run.
                 ledger_dirs=[str(run.out / "ledgers" / f"node-{i}") for i in range(num_nodes)],
+                # The experimenter owns the nodes: they declare the run's own partitions.
+                data=[run_declaration(run.config, i, num_nodes) for i in range(num_nodes)],
             )
             if links:
                 supernode_commands = [

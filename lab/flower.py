@@ -66,6 +66,7 @@ SIMULATION_NODE_POLICY: dict[str, Any] = {
     "min-noise-multiplier": 0.0,
     "allowed-mechanisms": "dpsgd,clipped,noisy",
     "max-local-epochs": 1000,
+    "min-batch-size": 1,
     "release-train-loss": True,
     "release-example-count": True,
 }

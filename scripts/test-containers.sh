@@ -11,6 +11,8 @@
 #               into a temporary directory (never the repository)
 #   5. up       `python -m fedsparse.lab.compose --nodes N` (TLS + SuperNode auth), up -d
 #   6. register `flwr supernode register` for each public key; wait until all are online
+#   6b. isolate from a SuperNode container: the Fleet API is reachable, the Control API
+#               (which starts runs, i.e. ships code) and the SuperLink's key are not
 #   7. run      `flwr run <app bundle> containers --stream`, rounds.jsonl in a bind-mounted
 #               /runs
 #   8. simulate the same run config, `fedsparse simulate --clients N`
@@ -210,6 +212,26 @@ until [[ $("$FLWR" supernode list containers 2>/dev/null | grep -c online) -ge $
   sleep 2
 done
 "$FLWR" supernode list containers
+
+# --- 6b. what a SuperNode container can reach -----------------------------------------------
+phase isolate
+PROBE='import socket, sys
+host, port = sys.argv[1], int(sys.argv[2])
+try:
+    socket.create_connection((host, port), timeout=5).close()
+except OSError as err:
+    print(f"{host}:{port} unreachable ({err})"); sys.exit(1)
+print(f"{host}:{port} reachable")'
+probe() { "$PODMAN_COMPOSE" -p "$PROJECT" -f "$COMPOSE_FILE" exec -T supernode-0 python -c "$PROBE" "$@"; }
+probe superlink 9092 || { echo "a SuperNode cannot reach the Fleet API" >&2; exit 1; }
+for target in "superlink 9093" "10.249.249.2 9093"; do
+  # shellcheck disable=SC2086
+  if probe $target; then echo "a SuperNode reaches the Control API ($target)" >&2; exit 1; fi
+done
+if "$PODMAN_COMPOSE" -p "$PROJECT" -f "$COMPOSE_FILE" exec -T supernode-0 test -e /app/certificates/server.key; then
+  echo "the SuperLink's key is in a SuperNode container" >&2; exit 1
+fi
+echo "isolation: Fleet API reachable; Control API and server.key not, from supernode-0"
 
 # --- 7. the run on the containers ---------------------------------------------------------
 phase run

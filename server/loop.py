@@ -129,7 +129,12 @@ def run_federated(grid: Grid, cfg: FederatedConfig, *, expected_nodes: int = 0) 
     )
     # method=lf: the first freeze-layers layers' coordinates (a bad count fails here, first).
     frozen = frozen_prefix(layout, cfg.freeze_layers) if cfg.method == "lf" else 0
-    strategy = SparseFedAvg(cfg, num_parameters=d, frozen_prefix=frozen, layout=layout)
+    # The most examples a client can hold (dp-norm-bound): the whole training split, since a
+    # deployed node may declare all of it, also when this run holds out a validation slice.
+    full_train = len(train) + (len(test) if cfg.eval_split == "validation" else 0)
+    strategy = SparseFedAvg(
+        cfg, num_parameters=d, frozen_prefix=frozen, layout=layout, train_examples=full_train
+    )
     out = Path(cfg.out_dir or "runs/latest")
     # Nothing in out-dir is touched before the nodes are there (recorder.begin): a start that
     # fails (a bad checkpoint, too few nodes) leaves the previous records as they were.

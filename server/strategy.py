@@ -14,8 +14,11 @@ add centralized evaluation, run records and checkpoints.
 * ``aggregate_train`` survives its clients, in this order: (1) every reply is validated
   (``server/validation.py``; a bad reply, a reply from a node not selected and a second reply
   are dropped with their reason; selected nodes without a reply are counted missing); (2) the
-  round's norm bound (``max-norm-ratio`` x the median norm of the valid updates, from 3 on;
-  ``max-update-norm``) rejects or clips each update above it (``norm-action``); (3) the rest
+  round's norm bound, the smallest of ``max-norm-ratio`` x the median norm of the valid
+  updates (from 3 on), ``max-update-norm`` and ``dp-norm-bound`` (the largest norm an honest
+  client's public DP parameters allow, ``common/robust.py: HonestClientBound``: it needs no
+  honest majority, so it bounds rounds of one or two updates too), rejects or clips each
+  update above it (``norm-action``; ``RoundStats.norm_bound``/``norm_bound_how``); (3) the rest
   are aggregated with weight 1 each (``weighting="uniform"``) or their claimed example counts,
   by ``SparseAggregator`` (per-coordinate weighted mean over the clients covering it; equal to
   FedAvg under one shared mask) or a coordinate-wise trimmed mean / median (``aggregator``);
@@ -38,6 +41,7 @@ nothing): clients hold only private training data, and the server evaluates cent
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import secrets
@@ -63,7 +67,8 @@ from fedsparse.common.central_dp import (
     user_sample_rate,
 )
 from fedsparse.common.config import FederatedConfig
-from fedsparse.common.gip import INDEX_METHODS
+from fedsparse.common.data import load_eval_splits
+from fedsparse.common.gip import INDEX_METHODS, group_sizes
 from fedsparse.common.layout import ParamLayout
 from fedsparse.common.masks import keep_count, sample_mask
 from fedsparse.common.methods import (
@@ -76,7 +81,7 @@ from fedsparse.common.payload.indices import indices_to_bytes
 from fedsparse.common.privacy import compute_epsilon_of_history
 from fedsparse.common.protocol import TrainInstruction, client_mask_seed, round_seed
 from fedsparse.common.records import NoiseOrigin, epsilon_stats, round_noise
-from fedsparse.common.robust import clip_to_norm, l2_norm
+from fedsparse.common.robust import HonestClientBound, clip_to_norm, l2_norm
 from fedsparse.common.seeds import Stream, stream_seed
 from fedsparse.server.downlink import DownlinkCache
 from fedsparse.server.messages import message_bytes, train_message
@@ -149,6 +154,10 @@ class RoundStats:
     client_support: bool = False
     #: dp-level=user: the run's user-level epsilon after this round (0: sample-level run)
     user_epsilon: float = 0.0
+    #: the L2 bound the round's updates were held to (inf: none, or no valid update) and how
+    #: it was set (``NormBound.bound``: "dp-norm-bound=...", "max-norm-ratio=...", ...)
+    norm_bound: float = math.inf
+    norm_bound_how: str = ""
 
     @property
     def failed(self) -> bool:
@@ -167,6 +176,7 @@ class RoundStats:
                 "num-missing": self.missing,
                 "num-accepted": self.accepted,
                 "num-clipped": len(self.clipped),
+                "norm-bound": self.norm_bound,
                 "failed": int(self.failed),
                 "train-loss": self.train_loss,
                 "epsilon-max": self.epsilon_max,
@@ -200,6 +210,10 @@ class SparseFedAvg(Strategy):
     Args:
         cfg: the run's configuration (schedule, codec, sampling, local hyperparameters).
         num_parameters: ``d``, the flat model size.
+        train_examples: the size of the training split the clients' partitions come from,
+            the most examples an honest client holds (``dp-norm-bound``). None: the split
+            is loaded (once per process) when the bound is first needed, unless
+            ``max-client-examples`` > 0 replaces it.
     """
 
     def __init__(
@@ -209,9 +223,15 @@ class SparseFedAvg(Strategy):
         num_parameters: int,
         frozen_prefix: int = 0,
         layout: ParamLayout | None = None,
+        train_examples: int | None = None,
     ) -> None:
         self.cfg = cfg
         self.d = num_parameters
+        self._train_examples = train_examples
+        # dp-norm-bound's caps, resolved on first use (honest_bound); None: it does not apply
+        self._honest: HonestClientBound | None = None
+        self._honest_resolved = False
+        self._honest_how = ""  # the last DP-derived bound logged
         self.layout = layout  # method=dpssgd: its layers
         self._selected: torch.Tensor | None = None  # method=dpssgd: the selected coordinates
         if cfg.method == "lf" and not 0 < frozen_prefix < num_parameters:
@@ -327,6 +347,52 @@ class SparseFedAvg(Strategy):
         connected = set(nodes)
         self._epsilons = {n: eps for n, eps in self._epsilons.items() if n in connected}
 
+    def honest_bound(self) -> HonestClientBound | None:
+        """``dp-norm-bound``'s public caps for this run (None: off, or it does not apply).
+
+        Resolved once: the worst-case sigma, and the most examples a client holds
+        (``max-client-examples``, else ``train_examples``, else the training split's size).
+
+        Raises:
+            ValueError: the training split does not load (the message says what to set
+                instead), or the target epsilon is out of reach.
+        """
+        if not self._honest_resolved:
+            cfg = self.cfg
+            caps = None
+            if cfg.dp_norm_bound_applies:
+                examples = cfg.max_client_examples or self._train_examples
+                caps = cfg.honest_client_bound(examples or _train_split_size(cfg))
+            self._honest, self._honest_resolved = caps, True
+        return self._honest
+
+    def _noise_keep(self, stats: RoundStats) -> int:
+        """How many coordinates each DP step's noise covers this round: the round's ``keep``;
+        under gip/random-k each step keeps ``keep_count`` per group (``common/mallows.py``)."""
+        if not stats.client_support:
+            return stats.keep
+        keep_fraction = 1.0 - stats.rate  # as the client computes it (client/app.py)
+        if keep_fraction == 1.0:
+            return self.d
+        return sum(
+            keep_count(size, rate=1.0 - keep_fraction)
+            for size in group_sizes(self.d, self.cfg.group_size)
+        )
+
+    def _derived_bound(self, stats: RoundStats) -> tuple[float, str] | None:
+        """This round's ``dp-norm-bound`` and its description (None: it does not apply)."""
+        caps = self.honest_bound()
+        if caps is None:
+            return None
+        keep = self._noise_keep(stats)
+        bound = caps.bound(keep)
+        how = (
+            f"dp-norm-bound={bound:.4g}: sigma<={caps.noise_multiplier:.4g}, <={caps.max_steps} "
+            f"steps, keep {keep}, clients of >={caps.smallest_covered_examples(keep)} of "
+            f"<={caps.max_examples} examples"
+        )
+        return bound, how
+
     def summary(self) -> None:
         """Logs the strategy's configuration."""
         cfg = self.cfg
@@ -351,6 +417,23 @@ class SparseFedAvg(Strategy):
             cfg.norm_action,
             cfg.max_failed_rounds,
         )
+        caps = None if self.user_level else self.honest_bound()
+        if caps is not None:
+            log(
+                INFO,
+                "SparseFedAvg: dp-norm-bound=auto: lr %g, momentum %g, max-grad-norm %g, "
+                "sigma <= %.4g, <= %d steps a round (batch-size %d, <= %d examples a client), "
+                "value-dtype %s: %.4g at keep=d",
+                caps.lr,
+                caps.momentum,
+                caps.max_grad_norm,
+                caps.noise_multiplier,
+                caps.max_steps,
+                caps.batch_size,
+                caps.max_examples,
+                caps.value_dtype,
+                caps.bound(self.d),
+            )
 
     def _dpssgd_support(
         self, server_round: int, weights: torch.Tensor, rate: float
@@ -581,7 +664,14 @@ class SparseFedAvg(Strategy):
 
     def _bound_norms(self, stats: RoundStats, candidates: list[_Candidate]) -> list[_Candidate]:
         """The candidates within the round's norm bound; the others rejected or clipped."""
-        bound, how = self.norm_bound.bound([c.norm for c in candidates])
+        if not candidates:
+            return []
+        derived = self._derived_bound(stats)
+        if derived is not None and derived[1] != self._honest_how:
+            log(INFO, "round %d: %s", stats.server_round, derived[1])
+            self._honest_how = derived[1]
+        bound, how = self.norm_bound.bound([c.norm for c in candidates], honest=derived)
+        stats.norm_bound, stats.norm_bound_how = bound, how
         kept = []
         for candidate in candidates:
             if candidate.norm <= bound:
@@ -713,3 +803,32 @@ class SparseFedAvg(Strategy):
     ) -> MetricRecord | None:
         """Nothing to aggregate (``configure_evaluate`` sends nothing)."""
         return None
+
+
+@functools.lru_cache(maxsize=8)
+def _split_size(dataset: str, data_dir: str, seed: int, eval_split: str, split_seed: int) -> int:
+    train, _ = load_eval_splits(
+        dataset,  # type: ignore[arg-type]
+        data_dir=data_dir or None,
+        seed=seed,
+        eval_split=eval_split,  # type: ignore[arg-type]
+        split_seed=split_seed,
+    )
+    return len(train)
+
+
+def _train_split_size(cfg: FederatedConfig) -> int:
+    """The size of the whole training split (a validation slice held out or not: a deployed
+    node may declare all of it).
+
+    Raises:
+        ValueError: it does not load; the message names the keys that replace it.
+    """
+    try:
+        return _split_size(cfg.dataset, cfg.data_dir, cfg.seed, "test", cfg.data_seed)
+    except (OSError, ValueError) as err:
+        raise ValueError(
+            f"dp-norm-bound='auto' needs the most examples a client holds: dataset="
+            f"{cfg.dataset!r} data-dir={cfg.data_dir!r} did not load ({err}); set "
+            "max-client-examples, or dp-norm-bound='off'"
+        ) from err

@@ -30,6 +30,8 @@ INSECURE = ROOT / "deploy" / "insecure.yml"
 GPU = ROOT / "deploy" / "gpu.yml"
 DOCKERFILE = ROOT / "deploy" / "docker" / "fedsparse" / "Dockerfile"
 HTTP_PORT, FLEET_PORT, NODE_PORT = 9093, 9092, 9094
+#: The SuperLink's address on the control network, the only one its HTTP API listens on.
+CONTROL_IP = "${FEDSPARSE_CONTROL_IP:-10.249.249.2}"
 NUM_NODES = 3
 NODES = tuple(f"supernode-{i}" for i in range(NUM_NODES))
 #: Where the compose SuperNodes keep their privacy ledgers (a named volume each).
@@ -73,7 +75,7 @@ def _reference(*, secure: bool) -> tuple[dict[str, str | None], list[dict[str, s
         ledger_dirs=[LEDGER_DIR] * NUM_NODES,
     )
     assert Path(superlink[0]).name == "flower-superlink"
-    assert all(Path(node[0]).name == "flower-supernode" for node in supernodes)
+    assert all(Path(node[0]).name == "fedsparse" and node[1] == "node" for node in supernodes)
     return _options(superlink), [_options(node) for node in supernodes]
 
 
@@ -131,15 +133,15 @@ def _check_mirrors(services: dict[str, dict[str, Any]], *, secure: bool) -> None
     assert link[0] == "flower-superlink"
     link_opts = _options(link)
     assert link_opts.keys() == link_ref.keys()
-    # in a container the SuperLink binds all interfaces (published on the host's 127.0.0.1)
-    assert link_opts.pop("--host") == "0.0.0.0"
+    # in a container the SuperLink's HTTP API binds its control-network address only
+    assert link_opts.pop("--host") == CONTROL_IP
     assert link_opts.pop("--fleet-api-address") == f"0.0.0.0:{FLEET_PORT}"
     assert link_opts == {k: v for k, v in link_ref.items() if k in link_opts}
     assert link_opts["--port"] == str(HTTP_PORT)
 
     for name, ref in zip(NODES, node_refs, strict=True):
         command = services[name]["command"]
-        assert command[0] == "flower-supernode"
+        assert command[:2] == ["fedsparse", "node"]  # only the node's own ClientApp runs
         opts, ref = _options(command), dict(ref)
         # the SuperLink's service name on the compose network instead of loopback
         assert (opts.pop("--superlink"), ref.pop("--superlink")) == (
@@ -150,7 +152,7 @@ def _check_mirrors(services: dict[str, dict[str, Any]], *, secure: bool) -> None
         assert ref["--host"] == "127.0.0.1"
     partitions = [_options(services[n]["command"])["--node-config"] for n in NODES]
     assert partitions == [
-        f"partition-id={i} num-partitions={NUM_NODES} ledger-dir='{LEDGER_DIR}'"
+        f"partition-id={i} num-partitions={NUM_NODES} dataset='digits' ledger-dir='{LEDGER_DIR}'"
         for i in range(NUM_NODES)
     ]
 
@@ -185,6 +187,24 @@ def test_default_compose_is_tls_with_supernode_auth() -> None:
             assert "ca.key" not in source and not source.endswith(("/ca", "/certs")), volume
             if source.startswith("./"):
                 assert volume.endswith(":ro"), volume
+
+
+def test_no_supernode_is_on_the_network_of_the_control_api() -> None:
+    """The Control API starts runs (ships code): SuperNodes share only the internal `fleet`
+    network with the SuperLink, whose HTTP API listens on its `control` address alone."""
+    document = load_compose(COMPOSE)
+    services = document["services"]
+    assert document["networks"]["fleet"] == {"internal": True}  # no route out of it
+    subnet = document["networks"]["control"]["ipam"]["config"][0]["subnet"]
+    assert subnet == "${FEDSPARSE_CONTROL_SUBNET:-10.249.249.0/24}"
+    link = services["superlink"]
+    assert link["networks"] == {"control": {"ipv4_address": CONTROL_IP}, "fleet": None}
+    assert _options(link["command"])["--host"] == CONTROL_IP
+    for name in NODES:
+        assert services[name]["networks"] == ["fleet"]
+        assert "ports" not in services[name]
+    insecure = _services(COMPOSE, INSECURE)["superlink"]["command"]
+    assert _options(insecure)["--host"] == CONTROL_IP
 
 
 def test_insecure_overlay_is_the_explicit_opt_out() -> None:

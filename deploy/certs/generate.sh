@@ -6,7 +6,9 @@
 # Writes into DIR:
 #   ca/ca.key           the CA's private key: 0600 in a 0700 folder, mounted into NO container
 #   ca.crt              the CA certificate (SuperNodes and `flwr` trust it)
-#   server.pem          SuperLink certificate (SANs: superlink, localhost, 127.0.0.1)
+#   server.pem          SuperLink certificate (SANs: superlink, localhost, 127.0.0.1 and the
+#                       SuperLink's control-network address, FEDSPARSE_CONTROL_IP, default
+#                       10.249.249.2: its own ServerApp launcher dials the Runtime API there)
 #   server.key          its private key, 0600
 #   nodes/node-<i>      SuperNode i's authentication key (ECDSA P-384, OpenSSH format), 0600
 #   nodes/node-<i>.pub  its public key: `flwr supernode register nodes/node-<i>.pub <conn>`
@@ -19,6 +21,7 @@ set -euo pipefail
 DIR=${1:-$(dirname "$0")}
 NODES=${2:-3}
 APP_UID=${APP_UID:-49999}
+CONTROL_IP=${FEDSPARSE_CONTROL_IP:-10.249.249.2}
 umask 077
 mkdir -p "$DIR/ca" "$DIR/nodes"
 cd "$DIR"
@@ -30,7 +33,7 @@ openssl req -newkey rsa:4096 -sha256 -nodes \
   -keyout server.key -out server.csr -subj "/CN=superlink"
 openssl x509 -req -in server.csr -CA ca.crt -CAkey ca/ca.key -CAcreateserial \
   -out server.pem -days 365 -sha256 \
-  -extfile <(printf "subjectAltName=DNS:superlink,DNS:localhost,IP:127.0.0.1")
+  -extfile <(printf "subjectAltName=DNS:superlink,DNS:localhost,IP:127.0.0.1,IP:%s" "$CONTROL_IP")
 rm -f server.csr ca.srl ca/ca.srl
 
 for ((i = 0; i < NODES; i++)); do

@@ -67,7 +67,7 @@ def charges(ledger_dir: Path, *, memo: bool) -> list[float | str]:
             try:
                 spent.append(authorize(policy, ledger, request, history=[], last_round=0))
             except PrivacyRefusal as refusal:
-                spent.append(str(refusal))
+                spent.append(f"{refusal} | {refusal.detail.rsplit(' (', 1)[0]}")
                 break
         spent.append(ledger.epsilon(policy.delta))
     return spent
@@ -78,6 +78,8 @@ def test_ledger_charges_and_refusal_equal_with_and_without_memos(tmp_path: Path)
     on = charges(tmp_path / "on", memo=True)
     off = charges(tmp_path / "off", memo=False)
     assert on == off
-    assert "over this node's budget 4" in str(on[-2])  # the budget ran out: a refusal
+    refusal, detail = str(on[-2]).split(" | ")  # the budget ran out: a refusal
+    assert refusal == "this round would take the node's data past its privacy budget"
+    assert "budget 4," in detail  # the numbers go to the node's log only
     assert all(isinstance(e, float) and 0 < e <= 4.0 for e in on[:-2])
     assert len(on) > 10  # several rounds fit before it

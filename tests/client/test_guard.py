@@ -9,79 +9,32 @@ import pytest
 import torch
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 
-from fedsparse.client.app import app as client_app
 from fedsparse.client.data import local_data, public_test_data
-from fedsparse.client.guard import released_error
+from fedsparse.client.guard import CLIENT_FAILURE, released_error
 from fedsparse.common.config import FederatedConfig
 from fedsparse.common.layout import ParamLayout
+from fedsparse.common.ledger import ledger_path
 from fedsparse.common.masks import keep_count, sample_mask
 from fedsparse.common.models import build_model
-from fedsparse.common.payload import decode_update, encode_update
+from fedsparse.common.node_data import data_identity
+from fedsparse.common.node_policy import PrivacyRefusal
+from fedsparse.common.payload import encode_update
 from fedsparse.common.privacy import sample_rate, steps_per_epoch
 from fedsparse.common.protocol import (
     CONFIG_RECORD,
     METRICS_RECORD,
     EvaluateInstruction,
     EvaluateReply,
-    TrainInstruction,
     TrainReply,
     round_seed,
 )
 from fedsparse.lab.attacks import rebuild_seeded_noise
-from fedsparse.lab.inprocess import InProcessGrid
-from fedsparse.server.messages import train_message
-
-NODE = 1001
-RATE = 0.5
-DEPLOYED = {"ledger-dir": ""}  # a deployed node's defaults (fresh noise), without a ledger
-
-
-def _cfg(**kwargs) -> FederatedConfig:
-    return FederatedConfig(**{"num_rounds": 3, "final_rate": RATE, **kwargs})
-
-
-def _weights(cfg: FederatedConfig, shift: float = 0.0) -> torch.Tensor:
-    model = build_model(cfg.model_name, seed=cfg.seed)
-    return ParamLayout.from_module(model).flatten_module(model) + shift
-
-
-def _ask(grid: InProcessGrid, cfg: FederatedConfig, weights: torch.Tensor, rnd: int = 1):
-    """Sends one dense-model train instruction for round ``rnd``; returns the reply message."""
-    d = weights.numel()
-    task = TrainInstruction(
-        server_round=rnd,
-        num_rounds=cfg.num_rounds,
-        mask_seed=round_seed(cfg.seed, rnd),
-        keep=keep_count(d, rate=RATE),
-        mask_scope="round",
-        local_epochs=cfg.local_epochs,
-        batch_size=cfg.batch_size,
-        lr=cfg.lr,
-        momentum=0.0,
-        base_version=-1,
-        model_version=rnd - 1,
-        model=encode_update(weights, dense_size=d, round=rnd),
-    )
-    (reply,) = grid.send_and_receive([train_message(task, node=NODE)])
-    return reply
-
-
-def _parse(reply: Message) -> tuple[TrainReply, torch.Tensor]:
-    assert not reply.has_error(), reply.error.reason
-    parsed = TrainReply.from_records(
-        reply.content.config_records[CONFIG_RECORD], reply.content.metric_records[METRICS_RECORD]
-    )
-    return parsed, decode_update(parsed.update).to_dense()
-
-
-def _grid(cfg: FederatedConfig, node_config=None, run_id: int = 1) -> InProcessGrid:
-    return InProcessGrid(
-        client_app,
-        num_nodes=1,
-        run_config=cfg.to_run_config(),
-        node_config=node_config,
-        run_id=run_id,
-    )
+from tests.client.node_helpers import DEPLOYED, NODE, RATE
+from tests.client.node_helpers import ask as _ask
+from tests.client.node_helpers import cfg as _cfg
+from tests.client.node_helpers import grid as _grid
+from tests.client.node_helpers import parse as _parse
+from tests.client.node_helpers import weights as _weights
 
 
 def _rebuilt_noise(cfg: FederatedConfig, reply: TrainReply) -> torch.Tensor:
@@ -177,10 +130,11 @@ def test_a_repeated_round_is_refused_and_nothing_is_released() -> None:
             "mechanism='clipped': this node allows only dpsgd",
         ),
         (dict(local_epochs=3), {"max-local-epochs": 2}, "local-epochs=3: this node allows <= 2"),
+        (dict(batch_size=1), {}, "batch-size=1: this node requires >= 16"),
         (
             dict(target_epsilon=8.0),
             {"epsilon-budget": 5.0},
-            r"epsilon=.* at delta=1e-05 after this round: over this node's budget 5",
+            r"^PrivacyRefusal: this round would take the node's data past its privacy budget$",
         ),
     ],
 )
@@ -194,17 +148,18 @@ def test_the_node_policy_refuses_what_its_owner_does_not_allow(run, policy, reas
 def test_the_ledger_spans_runs_and_restarts(tmp_path: Path) -> None:
     """Budget 3.2 at delta 1e-5; a run spends 3 over its 2 rounds (a third: 3.32); on disk."""
     cfg = _cfg(num_rounds=2, target_epsilon=3.0)
-    node = {"ledger-dir": str(tmp_path), "epsilon-budget": 3.2}
+    node = {**DEPLOYED, "ledger-dir": str(tmp_path), "epsilon-budget": 3.2}
     grid = _grid(cfg, node, run_id=1)
     first = [_parse(_ask(grid, cfg, _weights(cfg), rnd=r))[0] for r in (1, 2)]
     assert first[-1].epsilon == pytest.approx(3.0, abs=0.02)
     (ledger,) = tmp_path.glob("*.json")
-    assert ledger.name == "digits-partition-0-of-1.json"
+    assert ledger == ledger_path(tmp_path, data_identity(local_data(cfg, 0, 1)))
     assert oct(ledger.stat().st_mode & 0o777) == "0o600"
-    # A restarted SuperNode (a fresh Context) in a new run: the ledger still has run 1.
+    # A restarted SuperNode (a fresh Context) in a new run: the ledger still has run 1. The
+    # refusal names the limit, not the spend (3.318 after the round, 2.994 before it).
     again = _ask(_grid(cfg, node, run_id=2), cfg, _weights(cfg), rnd=1)
-    assert again.has_error() and "over this node's budget 3.2" in again.error.reason
-    assert "epsilon=3.318 " in again.error.reason and "spent so far 2.994" in again.error.reason
+    assert again.has_error() and "past its privacy budget" in again.error.reason
+    assert not re.search(r"[0-9]", again.error.reason), again.error.reason
     # Its owner raises the budget: run 2 trains, and the ledger has all three rounds.
     more = _parse(_ask(_grid(cfg, {**node, "epsilon-budget": 10.0}, run_id=2), cfg, _weights(cfg)))
     assert more[0].epsilon == pytest.approx(first[0].epsilon)  # the reply reports this run's ε
@@ -231,9 +186,7 @@ def test_a_deployed_node_releases_no_loss_and_no_exact_counts() -> None:
     assert 0 < simulated.train_loss < 10
 
 
-def test_evaluation_uses_the_public_test_split_never_the_partition() -> None:
-    cfg = _cfg()
-    grid = _grid(cfg, DEPLOYED)
+def _evaluate(cfg: FederatedConfig, node_config) -> Message:
     d = _weights(cfg).numel()
     task = EvaluateInstruction(model=encode_update(_weights(cfg), dense_size=d, round=1))
     msg = Message(
@@ -241,12 +194,80 @@ def test_evaluation_uses_the_public_test_split_never_the_partition() -> None:
         dst_node_id=NODE,
         message_type=MessageType.EVALUATE,
     )
-    (reply,) = grid.send_and_receive([msg])
+    (reply,) = _grid(cfg, node_config).send_and_receive([msg])
+    return reply
+
+
+def test_a_deployed_node_evaluates_nothing_unless_its_owner_allows_it() -> None:
+    cfg = _cfg()
+    refused = _evaluate(cfg, DEPLOYED)
+    assert refused.has_error() and "evaluate=false" in refused.error.reason
+    assert _evaluate(cfg, None).has_error()  # the simulation policy does not evaluate either
+
+
+def test_evaluation_uses_the_public_test_split_never_the_partition() -> None:
+    cfg = _cfg()
+    reply = _evaluate(cfg, {**DEPLOYED, "evaluate": True})
     result = EvaluateReply.from_record(reply.content.metric_records[METRICS_RECORD])
     assert result.num_examples == len(public_test_data(cfg)) != len(local_data(cfg, 0, 1))
 
 
-def test_errors_from_private_work_are_reported_by_type_only() -> None:
+def test_the_server_cannot_point_evaluation_at_other_files(tmp_path: Path) -> None:
+    """The run config's data-dir and eval-split choose nothing on a node that declares data."""
+    cfg = _cfg(eval_split="validation", data_dir=str(tmp_path))
+    reply = _evaluate(cfg, {**DEPLOYED, "evaluate": True})
+    result = EvaluateReply.from_record(reply.content.metric_records[METRICS_RECORD])
+    assert result.num_examples == len(public_test_data(_cfg()))
+
+
+def test_errors_from_private_work_are_one_fixed_line() -> None:
     withheld = released_error(ValueError("partition has 143 examples of class 7"))
-    assert str(withheld) == "client error: ValueError (details in the node's log)"
-    assert "143" not in str(withheld)
+    assert str(withheld) == CLIENT_FAILURE == "client error (details in the node's log)"
+    refusal = PrivacyRefusal("this node allows only dpsgd")
+    assert released_error(refusal) is refusal  # before the data is read: the limit, by name
+    assert str(released_error(refusal, data_read=True)) == CLIENT_FAILURE
+    assert str(released_error(FloatingPointError("x"), data_read=True)) == CLIENT_FAILURE
+
+
+def test_a_deployed_node_trains_only_on_data_its_owner_declares() -> None:
+    cfg = _cfg()
+    undeclared = _ask(_grid(cfg, {"ledger-dir": ""}), cfg, _weights(cfg))
+    assert undeclared.has_error() and "this node declares no data" in undeclared.error.reason
+    other = _ask(_grid(cfg, {**DEPLOYED, "dataset": "mnist-5k"}), cfg, _weights(cfg))
+    assert other.has_error()
+    assert "dataset='digits': this node holds 'mnist-5k'" in other.error.reason
+
+
+def test_no_run_config_opens_a_second_budget_for_the_same_examples(tmp_path: Path) -> None:
+    """The split attack: once the node's budget is spent, no other seed, partitioner,
+    data-dir, eval-split or split-seed in the run config reaches the same examples under a
+    fresh ledger: the node's declaration alone chooses them, and the ledger is their hash."""
+    node = {**DEPLOYED, "ledger-dir": str(tmp_path), "epsilon-budget": 2.0}
+    cfg = _cfg(num_rounds=2, target_epsilon=1.9)
+    grid = _grid(cfg, node, run_id=1)
+    for rnd in (1, 2):
+        _parse(_ask(grid, cfg, _weights(cfg), rnd=rnd))
+    aliases = [
+        dict(seed=5),
+        dict(partitioner="dirichlet"),
+        dict(data_dir=str(tmp_path)),
+        dict(eval_split="validation"),
+        dict(split_seed=3),
+    ]
+    for run_id, alias in enumerate(aliases, start=2):
+        other = _cfg(num_rounds=2, target_epsilon=1.9, **alias)
+        reply = _ask(_grid(other, node, run_id=run_id), other, _weights(other))
+        assert reply.has_error(), alias
+        assert "past its privacy budget" in reply.error.reason, (alias, reply.error.reason)
+    (ledger,) = tmp_path.glob("data-*.json")
+    assert [e["run_id"] for e in json.loads(ledger.read_text())["entries"]] == [1, 1]
+
+
+def test_an_unreadable_ledger_is_refused_without_naming_the_data(tmp_path: Path) -> None:
+    """The ledger's file name is the digest of the node's examples: never in a reply."""
+    cfg = _cfg()
+    digest = data_identity(local_data(cfg, 0, 1))
+    ledger_path(tmp_path, digest).mkdir(parents=True)  # a folder where the file belongs
+    reply = _ask(_grid(cfg, {**DEPLOYED, "ledger-dir": str(tmp_path)}), cfg, _weights(cfg))
+    assert reply.has_error() and "privacy ledger is unreadable" in reply.error.reason
+    assert digest not in reply.error.reason and str(tmp_path) not in reply.error.reason

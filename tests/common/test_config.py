@@ -11,7 +11,13 @@ from opacus.accountants import create_accountant
 
 from fedsparse.common.aggregate import AGGREGATORS, WEIGHTINGS
 from fedsparse.common.central_dp import CENTRAL_NOISE_SOURCES, DP_LEVELS
-from fedsparse.common.config import CODECS, MASK_SCOPES, RESUME_MAY_DIFFER, FederatedConfig
+from fedsparse.common.config import (
+    ADDED_KEYS,
+    CODECS,
+    MASK_SCOPES,
+    RESUME_MAY_DIFFER,
+    FederatedConfig,
+)
 from fedsparse.common.data import DATASET_INPUT_SHAPES, DATASET_NAMES, EVAL_SPLITS, load_dataset
 from fedsparse.common.dp import MECHANISMS
 from fedsparse.common.engines import ENGINES
@@ -20,7 +26,7 @@ from fedsparse.common.models import DEFAULT_MODELS, MODEL_INPUT_SHAPES, MODEL_NA
 from fedsparse.common.partition import PARTITIONER_NAMES
 from fedsparse.common.payload import COMPRESSIONS, VALUE_DTYPES
 from fedsparse.common.privacy import ACCOUNTANTS
-from fedsparse.common.robust import NORM_ACTIONS
+from fedsparse.common.robust import DP_NORM_BOUNDS, NORM_ACTIONS, worst_case_noise_multiplier
 from fedsparse.common.schedules import SCHEDULES
 from fedsparse.common.training import DEVICES
 
@@ -48,6 +54,7 @@ NAMED_KEYS = {
     "weighting": WEIGHTINGS,
     "aggregator": AGGREGATORS,
     "norm-action": NORM_ACTIONS,
+    "dp-norm-bound": DP_NORM_BOUNDS,
     "model": MODEL_NAMES,
 }
 
@@ -235,6 +242,74 @@ def test_robustness_defaults_protect_and_can_be_turned_off() -> None:
     # per-client masks combine with a robust aggregator (per coordinate over the coverers)
     both = FederatedConfig.from_run_config({"mask-scope": "client", "aggregator": "median"})
     assert (both.mask_scope, both.aggregator) == ("client", "median")
+
+
+@pytest.mark.parametrize(
+    ("run_config", "message"),
+    [
+        ({"dp-norm-bound": "on"}, "dp-norm-bound='on': expected one of auto, off"),
+        ({"max-client-examples": -1}, "max-client-examples=-1: expected >= 0 (0: the training"),
+        ({"max-client-examples": "many"}, "max-client-examples='many': expected int"),
+        ({"max-client-examples": 1.5}, "max-client-examples=1.5: expected int"),
+        (
+            {"target-epsilon": 0.02},
+            "target-epsilon=0.02: expected > 0.03 with dp-norm-bound='auto' (its worst-case "
+            "sigma), or dp-norm-bound='off'",
+        ),
+    ],
+)
+def test_dp_norm_bound_keys_are_checked_at_parse_time(run_config: dict, message: str) -> None:
+    with pytest.raises(ValueError) as info:
+        FederatedConfig.from_run_config(run_config)
+    assert str(info.value).startswith(message) and "\n" not in str(info.value)
+
+
+def test_dp_norm_bound_keys_parse() -> None:
+    cfg = FederatedConfig()
+    assert (cfg.dp_norm_bound, cfg.max_client_examples) == ("auto", 0)
+    cfg = FederatedConfig.from_run_config({"dp-norm-bound": "off", "max-client-examples": "600"})
+    assert (cfg.dp_norm_bound, cfg.max_client_examples) == ("off", 600)
+    assert cfg.to_run_config()["max-client-examples"] == 600
+    # a tiny target is fine where no worst-case sigma is needed
+    for other in ({"dp-norm-bound": "off"}, {"mechanism": "noisy"}):
+        FederatedConfig.from_run_config({"target-epsilon": 0.02, **other})
+    assert ADDED_KEYS["dp-norm-bound"] == "auto" and ADDED_KEYS["max-client-examples"] == 0
+
+
+@pytest.mark.filterwarnings("ignore:Optimal order is the:UserWarning")
+def test_the_dp_norm_bound_applies_where_the_dp_parameters_bound_an_update() -> None:
+    caps = FederatedConfig().honest_client_bound(1437)
+    assert caps is not None
+    assert caps.noise_multiplier == worst_case_noise_multiplier(
+        target_epsilon=3.0, delta=1e-5, epochs=10, accountant="rdp"
+    )
+    assert (caps.lr, caps.momentum, caps.max_grad_norm) == (0.25, 0.0, 1.0)
+    assert (caps.batch_size, caps.local_epochs, caps.max_examples) == (32, 1, 1437)
+    assert (caps.value_dtype, caps.adaptive_support) == ("fp32", False)
+    assert caps.bound(38_282) == pytest.approx(67.32421636003357, rel=1e-9)  # digits' default
+    # max-client-examples replaces the training split's size
+    assert FederatedConfig(max_client_examples=100).honest_client_bound(1437).max_examples == 100
+    # the fixed noise multiplier when there is no target (and for the clipped mechanism)
+    fixed = FederatedConfig(target_epsilon=0.0, noise_multiplier=1.3, local_epochs=3)
+    assert fixed.honest_client_bound(10).noise_multiplier == 1.3
+    assert fixed.honest_client_bound(10).local_epochs == 3
+    clipped = FederatedConfig(mechanism="clipped", target_epsilon=0.0)
+    assert clipped.honest_client_bound(10).noise_multiplier == 0.0
+    # GIP calibrates for eps1 = 0.99 epsilon: more noise; its supports depend on the data
+    gip = FederatedConfig(method="gip").honest_client_bound(10)
+    assert gip.adaptive_support and gip.noise_multiplier > caps.noise_multiplier
+    # epochs = num-rounds x local-epochs; PRV's error is allowed for
+    longer = FederatedConfig(num_rounds=5, local_epochs=2).worst_case_noise_multiplier()
+    assert longer == caps.noise_multiplier
+    assert FederatedConfig(accountant="prv").worst_case_noise_multiplier() > longer
+    assert FederatedConfig(value_dtype="int8").honest_client_bound(10).value_dtype == "int8"
+    # nothing bounds a noisy (unclipped) update; under dp-level=user the server clips
+    for off in (
+        FederatedConfig(dp_norm_bound="off"),
+        FederatedConfig(mechanism="noisy", target_epsilon=0.0),
+        FederatedConfig(dp_level="user", clients_per_round=2),
+    ):
+        assert off.honest_client_bound(1437) is None and not off.dp_norm_bound_applies
 
 
 def test_resume_is_a_run_config_flag_and_its_free_keys_are_real_keys() -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fedsparse.common.ledger import PrivacyLedger, ledger_key
+from fedsparse.common.ledger import PrivacyLedger, ledger_key, ledger_path
 from fedsparse.common.node_policy import (
     NodePolicy,
     PrivacyRefusal,
@@ -112,11 +112,12 @@ def test_the_ledger_refuses_replays_and_overspending_without_recording(tmp_path:
         ledger.charge(request(3), budget=10, delta=1e-5)
     with pytest.raises(PrivacyRefusal, match="round=2"):
         ledger.charge(request(2), budget=10, delta=1e-5)
-    with pytest.raises(PrivacyRefusal, match="over this node's budget"):
+    with pytest.raises(PrivacyRefusal, match="^this round would take .* past its privacy budget$"):
         ledger.charge(request(4), budget=spent * 1.1, delta=1e-5)
     assert len(ledger.entries()) == 1
-    with pytest.raises(PrivacyRefusal, match="over this node's budget"):
+    with pytest.raises(PrivacyRefusal, match="past its privacy budget") as refused:
         ledger.charge(request(4, mechanism="clipped"), budget=1e9, delta=1e-5)  # inf
+    assert "epsilon=inf" in refused.value.detail  # the numbers: for the node's log only
 
 
 def test_a_damaged_ledger_is_never_read_as_empty(tmp_path: Path) -> None:
@@ -125,8 +126,9 @@ def test_a_damaged_ledger_is_never_read_as_empty(tmp_path: Path) -> None:
     with pytest.raises(PrivacyRefusal, match="unreadable"):
         PrivacyLedger(path).charge(request(1), budget=10, delta=1e-5)
     path.write_text(json.dumps({"format": 99, "entries": []}))
-    with pytest.raises(PrivacyRefusal, match="format=99"):
+    with pytest.raises(PrivacyRefusal, match="ledger is unreadable") as refused:
         PrivacyLedger(path).epsilon(1e-5)
+    assert "format=99" in refused.value.detail and str(path) not in str(refused.value)
 
 
 def _charge_many(path: str, run_id: int) -> None:
@@ -150,3 +152,48 @@ def test_concurrent_processes_lose_no_entry(tmp_path: Path) -> None:
 def test_ledger_keys_are_safe_file_names() -> None:
     assert ledger_key("digits", 0, 10) == "digits-partition-0-of-10"
     assert "/" not in ledger_key("../../etc", 1, 2)
+    digest = "ab" * 32
+    assert ledger_path(Path("/l"), digest) == Path(f"/l/data-{digest}.json")
+    for bad in ("../x", "AB" * 32, "ab" * 31, ""):
+        with pytest.raises(ValueError, match="expected a SHA-256 hex digest"):
+            ledger_path(Path("/l"), bad)
+
+
+def test_a_content_keyed_ledger_starts_from_the_legacy_one(tmp_path: Path) -> None:
+    """An upgraded node keeps what its name-keyed ledger spent; the old file is not charged."""
+    legacy = PrivacyLedger(tmp_path / "digits-partition-0-of-2.json")
+    legacy.charge(request(1), budget=math.inf, delta=1e-5)
+    before = legacy.epsilon(1e-5)
+    ledger = PrivacyLedger(tmp_path / f"data-{'0' * 64}.json", legacy=[legacy.path])
+    assert ledger.entries() == legacy.entries() and ledger.epsilon(1e-5) == before
+    with pytest.raises(PrivacyRefusal, match="round=1: this node already trained round 1"):
+        ledger.charge(request(1), budget=math.inf, delta=1e-5)  # the replay guard too
+    ledger.charge(request(2), budget=math.inf, delta=1e-5)
+    assert [e.server_round for e in PrivacyLedger(ledger.path).entries()] == [1, 2]
+    assert len(legacy.entries()) == 1
+    with pytest.raises(PrivacyRefusal, match="past its privacy budget"):
+        PrivacyLedger(tmp_path / f"data-{'1' * 64}.json", legacy=[legacy.path]).charge(
+            request(2), budget=before * 1.01, delta=1e-5
+        )
+
+
+def test_static_limits_are_checked_before_anything_is_computed() -> None:
+    policy = NodePolicy(min_noise_multiplier=0.8, max_local_epochs=2)
+    policy.precheck(mechanism="dpsgd", local_epochs=2, noise_multiplier=None)  # calibrated later
+    with pytest.raises(PrivacyRefusal, match="noise-multiplier=0.5: this node requires >= 0.8"):
+        policy.precheck(mechanism="dpsgd", local_epochs=1, noise_multiplier=0.5)
+    with pytest.raises(PrivacyRefusal, match="local-epochs=3"):
+        policy.precheck(mechanism="dpsgd", local_epochs=3, noise_multiplier=None)
+    # A σ the node calibrated depends on its data size: the refusal does not name it.
+    with pytest.raises(PrivacyRefusal, match="calibrates to on this node is below") as refused:
+        policy.check(request(sigma=0.7312, calibrated=True))
+    assert "0.7312" not in str(refused.value) and "0.7312" in refused.value.detail
+
+
+def test_fab_hashes_must_be_sha256_digests() -> None:
+    digest = "0f" * 32
+    policy = NodePolicy.from_sources({"allowed-fab-hashes": f"{digest}, {'a1' * 32}"})
+    assert policy.allowed_fab_hashes == (digest, "a1" * 32)
+    with pytest.raises(ValueError, match="allowed-fab-hashes='xyz': expected SHA-256"):
+        NodePolicy.from_sources({"allowed-fab-hashes": "xyz"})
+    assert NodePolicy().allowed_fab_hashes == () and not NodePolicy().evaluate

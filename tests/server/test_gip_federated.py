@@ -20,9 +20,10 @@ from fedsparse.client.data import local_data
 from fedsparse.common.config import FederatedConfig
 from fedsparse.common.gip import IndexBudget
 from fedsparse.common.layout import ParamLayout
-from fedsparse.common.ledger import PrivacyLedger, ledger_key
+from fedsparse.common.ledger import PrivacyLedger, ledger_path
 from fedsparse.common.masks import keep_count
 from fedsparse.common.models import build_model
+from fedsparse.common.node_data import data_identity
 from fedsparse.common.payload import EXPLICIT_ENCODINGS, decode_update
 from fedsparse.common.privacy import (
     calibrate_noise_multiplier,
@@ -75,7 +76,9 @@ def test_gip_federated_supports_bytes_and_ledger(tmp_path: Path) -> None:
         n = len(local_data(cfg, pid, NODES))
         q, per_round = sample_rate(n, cfg.batch_size), steps_per_epoch(n, cfg.batch_size)
         planned = ROUNDS * per_round
-        ledger = PrivacyLedger(tmp_path / "ledger" / f"{ledger_key('digits', pid, NODES)}.json")
+        ledger = PrivacyLedger(
+            ledger_path(tmp_path / "ledger", data_identity(local_data(cfg, pid, NODES)))
+        )
         entries = ledger.entries()
         assert [e.index_epsilon for e in entries] == pytest.approx(
             [0.0, 0.03 * per_round / planned, 0.03 * per_round / planned], rel=1e-12
@@ -90,9 +93,9 @@ def test_gip_federated_supports_bytes_and_ledger(tmp_path: Path) -> None:
     assert rounds[-1]["epsilon_max"] <= 3.0
     assert rounds[-1]["epsilon_max"] == pytest.approx(
         max(
-            PrivacyLedger(tmp_path / "ledger" / f"{ledger_key('digits', p, NODES)}.json").epsilon(
-                1e-5
-            )
+            PrivacyLedger(
+                ledger_path(tmp_path / "ledger", data_identity(local_data(cfg, p, NODES)))
+            ).epsilon(1e-5)
             for p in range(NODES)
         ),
         rel=1e-9,

@@ -17,8 +17,10 @@ import torch
 from flwr.app import Message
 
 from fedsparse.client.app import app as client_app
+from fedsparse.client.data import local_data
 from fedsparse.common.config import FederatedConfig
-from fedsparse.common.ledger import PrivacyLedger, ledger_key
+from fedsparse.common.ledger import PrivacyLedger, ledger_path
+from fedsparse.common.node_data import data_identity
 from fedsparse.common.privacy import compute_epsilon_of_history
 from fedsparse.lab.flower import SIMULATION_NODE_POLICY
 from fedsparse.lab.inprocess import InProcessGrid
@@ -59,6 +61,11 @@ class KilledInRound(InProcessGrid):
 
 def _cfg(out: Path, **kwargs: Any) -> FederatedConfig:
     return FederatedConfig(out_dir=str(out), **{**BASE, **kwargs})
+
+
+def _ledger(ledgers: Path, partition: int) -> Path:
+    """The ledger file of a node holding ``partition`` (keyed on its examples' content)."""
+    return ledger_path(ledgers, data_identity(local_data(_cfg(ledgers), partition, NODES)))
 
 
 def _grid(
@@ -172,7 +179,7 @@ def test_a_deployed_node_counts_its_ledger_across_the_resume(tmp_path: Path) -> 
     _killed_then_resumed(tmp_path / "run", policy)
     per_node = []
     for partition in range(NODES):
-        ledger = PrivacyLedger(ledgers / f"{ledger_key('digits', partition, NODES)}.json")
+        ledger = PrivacyLedger(_ledger(ledgers, partition))
         per_node.append([(e.run_id, e.server_round) for e in ledger.entries()])
     # 2 of 3 nodes a round; the killed run's round 3 stays charged (the data was used).
     assert sum(len(entries) for entries in per_node) == 2 * (3 + 2)
@@ -195,7 +202,7 @@ def test_a_deployed_node_refuses_a_resume_past_its_budget(tmp_path: Path) -> Non
         run_federated(_grid(cfg, policy, kill=3), cfg)
     # The owners now allow just what the checkpointed rounds 1-2 spent plus one round: the
     # resumed round 3 would be each node's 4th charge, over the budget.
-    ledger = PrivacyLedger(ledgers / f"{ledger_key('digits', 0, NODES)}.json")
+    ledger = PrivacyLedger(_ledger(ledgers, 0))
     entries = ledger.entries()
     assert len(entries) == 3
     history = [(e.noise_multiplier, e.sample_rate, e.steps) for e in entries]
@@ -207,7 +214,7 @@ def test_a_deployed_node_refuses_a_resume_past_its_budget(tmp_path: Path) -> Non
         run_federated(_grid(resumed, spent, run_id=2), resumed)
     failed = _lines(out)[2]
     assert failed["round"] == 3 and failed["failed"] and failed["num_rejected"] == NODES
-    assert all("over this node's budget" in reason for reason in failed["rejected"])
+    assert all("past its privacy budget" in reason for reason in failed["rejected"])
 
 
 def test_a_config_mismatch_is_refused_naming_the_key(uninterrupted: Path, tmp_path: Path) -> None:

@@ -115,3 +115,73 @@ def test_aggregate_without_configure_is_an_error() -> None:
     strategy = SparseFedAvg(cfg, num_parameters=10)
     with pytest.raises(RuntimeError, match="without configure_train"):
         strategy.aggregate_train(1, [])
+
+
+# --- dp-norm-bound: the caps the strategy resolves ---------------------------------------------
+
+
+def test_the_dp_bound_caps_come_from_the_training_split_or_the_config() -> None:
+    from fedsparse.common.data import load_eval_splits
+
+    loaded = SparseFedAvg(FederatedConfig(), num_parameters=10).honest_bound()
+    assert loaded is not None and loaded.max_examples == 1437  # digits' training split
+    # A run holding out a validation slice still covers a node that declares the whole split.
+    validation = FederatedConfig(eval_split="validation")
+    train, _ = load_eval_splits("digits", seed=0, eval_split="validation")
+    caps = SparseFedAvg(validation, num_parameters=10).honest_bound()
+    assert caps is not None and caps.max_examples == 1437 > len(train)
+    given = SparseFedAvg(FederatedConfig(), num_parameters=10, train_examples=500).honest_bound()
+    assert given is not None and given.max_examples == 500
+    override = FederatedConfig(max_client_examples=100)
+    caps = SparseFedAvg(override, num_parameters=10, train_examples=500).honest_bound()
+    assert caps is not None and caps.max_examples == 100
+
+
+def test_a_split_that_does_not_load_names_the_keys_that_replace_it() -> None:
+    cfg = FederatedConfig(dataset="mnist")  # a file dataset without data-dir
+    with pytest.raises(ValueError, match="dataset='mnist' data-dir='' did not load") as info:
+        SparseFedAvg(cfg, num_parameters=10).honest_bound()
+    assert "set max-client-examples, or dp-norm-bound='off'" in str(info.value)
+    caps = SparseFedAvg(
+        FederatedConfig(dataset="mnist", max_client_examples=60_000), num_parameters=10
+    ).honest_bound()
+    assert caps is not None and caps.max_batches == 1875  # ceil(60000 / 32)
+    off = FederatedConfig(dataset="mnist", dp_norm_bound="off")
+    assert SparseFedAvg(off, num_parameters=10).honest_bound() is None
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"dp_norm_bound": "off"},
+        {"mechanism": "noisy", "target_epsilon": 0.0},  # nothing bounds an unclipped update
+        {"dp_level": "user", "clients_per_round": 2},  # the server clips (central-clip)
+    ],
+)
+def test_no_dp_bound_where_it_does_not_apply(kw: dict) -> None:
+    assert SparseFedAvg(FederatedConfig(**kw), num_parameters=10).honest_bound() is None
+
+
+def test_gip_and_random_k_noise_covers_each_steps_groups() -> None:
+    """Per-step supports (``common/mallows.py``): keep_count of each group of group-size."""
+    from fedsparse.common.masks import keep_count
+    from fedsparse.server.strategy import RoundStats
+
+    for method in ("gip", "random-k"):
+        cfg = FederatedConfig(method=method, final_rate=0.9, group_size=100)
+        strategy = SparseFedAvg(cfg, num_parameters=1050)
+        stats = RoundStats(1, 0.9, 105, 0, [], 0.0, 0.0, client_support=True)
+        # 10 groups of 100 keep 10 each, the last of 50 keeps 5
+        assert strategy._noise_keep(stats) == 10 * keep_count(100, rate=0.9) + 5 == 105
+        stats = RoundStats(1, 0.0, 1050, 0, [], 0.0, 0.0, client_support=True)
+        assert strategy._noise_keep(stats) == 1050
+    plain = SparseFedAvg(FederatedConfig(), num_parameters=1050)
+    assert plain._noise_keep(RoundStats(1, 0.9, 105, 0, [], 0.0, 0.0)) == 105
+
+
+def test_summary_logs_how_the_dp_bound_is_set(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("INFO", logger="flwr"):
+        SparseFedAvg(FederatedConfig(), num_parameters=38_282).summary()
+    (line,) = [r.getMessage() for r in caplog.records if "dp-norm-bound=auto" in r.getMessage()]
+    assert "sigma <= 4.905" in line and "<= 45 steps a round" in line
+    assert line.endswith(": 67.32 at keep=d")
