@@ -21,6 +21,7 @@ from typing import Any, Final, Literal, get_args
 
 from fedsparse.common.aggregate import AGGREGATORS, WEIGHTINGS, AggregatorName, Weighting
 from fedsparse.common.central_dp import CENTRAL_NOISE_SOURCES, DP_LEVELS, CentralNoise, DPLevel
+from fedsparse.common.coerce import coerce
 from fedsparse.common.data import (
     DATASET_INPUT_SHAPES,
     DATASET_NAMES,
@@ -428,7 +429,7 @@ class FederatedConfig:
             if name not in fields:
                 known = ", ".join(sorted(k.replace("_", "-") for k in fields))
                 raise ValueError(f"run config key {key!r} is unknown; known keys: {known}")
-            kwargs[name] = _coerce(key, value, type(fields[name].default))
+            kwargs[name] = coerce(key, value, type(fields[name].default))
         return cls(**kwargs)
 
     @property
@@ -520,23 +521,3 @@ _MIN_TARGET: Final = 0.03
 
 def _shape(shape: tuple[int, ...]) -> str:
     return "x".join(map(str, shape))
-
-
-def _coerce(key: str, value: Any, kind: type) -> Any:
-    """Converts a run-config value to the field's type, naming the key on failure."""
-    if kind is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
-            return value.lower() in ("true", "1")
-        raise ValueError(f"{key}={value!r}: expected true or false")
-    try:
-        if kind is int:
-            if isinstance(value, float) and not value.is_integer():
-                raise ValueError
-            return int(value)
-        if kind is float:
-            return float(value)
-        return str(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{key}={value!r}: expected {kind.__name__}") from None

@@ -45,6 +45,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Final
 
+from fedsparse.common.coerce import coerce
 from fedsparse.common.data import DATASET_NAMES, DatasetName, Split
 from fedsparse.common.partition import PARTITIONER_NAMES, PartitionerName
 
@@ -65,6 +66,17 @@ DATA_KEYS: Final = frozenset(
         "public-fraction",
     }
 )
+
+
+#: Field annotations (strings: ``from __future__ import annotations``) -> the type coerced to.
+_KINDS: Final[dict[str, type]] = {
+    "int": int,
+    "float": float,
+    "bool": bool,
+    "str": str,
+    "DatasetName": str,
+    "PartitionerName": str,
+}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -125,34 +137,12 @@ class NodeData:
             entries.update({k: v for k, v in source.items() if k in DATA_KEYS})
         if "dataset" not in entries:
             return None
-        kinds = {f.name: f.type for f in fields(cls)}
+        kinds = {f.name: _KINDS[str(f.type)] for f in fields(cls)}
         values: dict[str, Any] = {}
         for key, value in entries.items():
             name = key.replace("-", "_")
-            values[name] = _coerce(key, value, str(kinds[name]))
+            values[name] = coerce(key, value, kinds[name], where="node data")
         return cls(**values)
-
-
-def _coerce(key: str, value: Any, kind: str) -> Any:
-    """``value`` as the field's type (``kind`` is its annotation, as a string)."""
-    if kind == "bool":
-        if isinstance(value, bool):
-            return value
-        if str(value).lower() in ("true", "false"):
-            return str(value).lower() == "true"
-        raise ValueError(f"node data: {key}={value!r}: expected true or false")
-    if isinstance(value, bool):
-        raise ValueError(f"node data: {key}={value!r}: expected {kind}")
-    try:
-        if kind == "int":
-            if isinstance(value, float) and not value.is_integer():
-                raise ValueError
-            return int(value)
-        if kind == "float":
-            return float(value)
-        return str(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"node data: {key}={value!r}: expected {kind}") from None
 
 
 def data_identity(split: Split) -> str:

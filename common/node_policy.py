@@ -62,6 +62,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Final, Literal, get_args
 
+from fedsparse.common.coerce import coerce
 from fedsparse.common.dp import MECHANISMS, MechanismName
 from fedsparse.common.node_data import DATA_KEYS
 
@@ -185,7 +186,9 @@ class NodePolicy:
                     raise ValueError(
                         f"node policy: unknown key {key!r}; known keys: {', '.join(sorted(known))}"
                     )
-                values[known[key].name] = _coerce(key, value, type(known[key].default))
+                values[known[key].name] = coerce(
+                    key, value, type(known[key].default), where="node policy"
+                )
         return cls(**values)
 
     def precheck(
@@ -251,30 +254,6 @@ class NodePolicy:
                 f"this node's min-noise-multiplier={self.min_noise_multiplier:g}",
                 detail=f"calibrated noise-multiplier={request.noise_multiplier:.4g}",
             )
-
-
-def _coerce(key: str, value: Any, kind: type) -> Any:
-    if kind is tuple:
-        items = value if isinstance(value, list | tuple) else str(value).split(",")
-        return tuple(str(item).strip() for item in items if str(item).strip())
-    if kind is bool:
-        if isinstance(value, bool):
-            return value
-        if str(value).lower() in ("true", "false"):
-            return str(value).lower() == "true"
-        raise ValueError(f"node policy: {key}={value!r}: expected true or false")
-    try:
-        if kind is int and not isinstance(value, bool):
-            if isinstance(value, float) and not value.is_integer():
-                raise ValueError
-            return int(value)
-        if kind is float and not isinstance(value, bool):
-            return float(value)
-        if kind is str:
-            return str(value)
-    except (TypeError, ValueError):
-        pass
-    raise ValueError(f"node policy: {key}={value!r}: expected {kind.__name__}")
 
 
 def parse_assignments(text: str) -> dict[str, Any]:

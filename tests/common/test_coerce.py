@@ -1,0 +1,60 @@
+"""One coercion rule for the run config, the node policy and the node's data declaration."""
+
+import pytest
+
+from fedsparse.common.coerce import coerce
+from fedsparse.common.config import FederatedConfig
+from fedsparse.common.node_data import NodeData
+from fedsparse.common.node_policy import NodePolicy
+
+
+@pytest.mark.parametrize(
+    ("value", "kind", "expected"),
+    [
+        (True, bool, True),
+        ("TRUE", bool, True),
+        ("0", bool, False),
+        ("false", bool, False),
+        (3, int, 3),
+        (3.0, int, 3),
+        ("7", int, 7),
+        (2, float, 2.0),
+        ("1e-5", float, 1e-5),
+        ("a, b,,c", tuple, ("a", "b", "c")),
+        (["a", " b"], tuple, ("a", "b")),
+        ("digits", str, "digits"),
+        (5, str, "5"),
+    ],
+)
+def test_values_convert_by_one_rule(value, kind, expected) -> None:
+    result = coerce("k", value, kind)
+    assert result == expected and type(result) is type(expected)
+
+
+@pytest.mark.parametrize(
+    ("value", "kind", "expected"),
+    [
+        ("yes", bool, "k='yes': expected true or false"),
+        (2, bool, "k=2: expected true or false"),
+        (True, int, "k=True: expected int"),
+        (1.5, int, "k=1.5: expected int"),
+        ("x", float, "k='x': expected float"),
+        (False, float, "k=False: expected float"),
+        (True, str, "k=True: expected str"),
+    ],
+)
+def test_a_value_that_does_not_convert_names_the_key(value, kind, expected) -> None:
+    with pytest.raises(ValueError, match=f"^where: {expected}$".replace("(", r"\(")):
+        coerce("k", value, kind, where="where")
+
+
+def test_the_run_config_the_policy_and_the_declaration_agree() -> None:
+    """The copies used to disagree: the policy refused "1"/"0" that the run config took."""
+    assert FederatedConfig.from_run_config({"secure-mode": "1"}).secure_mode is True
+    assert NodePolicy.from_sources({"release-train-loss": "1"}).release_train_loss is True
+    declared = NodeData.from_sources({"dataset": "digits", "hold-out-validation": "1"})
+    assert declared is not None and declared.hold_out_validation is True
+    with pytest.raises(ValueError, match="num-rounds=True: expected int"):
+        FederatedConfig.from_run_config({"num-rounds": True})
+    with pytest.raises(ValueError, match="node policy: max-local-epochs=True: expected int"):
+        NodePolicy.from_sources({"max-local-epochs": True})
