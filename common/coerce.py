@@ -8,14 +8,17 @@ field's type, shared by the run config, the node policy and the node's data decl
 * ``str``: a string, or a number written as one; never a bool.
 
 A value that does not convert is a ``ValueError`` naming the key and the value, in the form
-every config error takes: ``key=value: expected kind``.
+every config error takes: ``key=value: expected kind``. An unknown key's error names the
+closest known keys (``unknown_key``), or all of them when none is close.
 """
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["coerce"]
+__all__ = ["coerce", "unknown_key"]
 
 _TRUE, _FALSE = ("true", "1"), ("false", "0")
 
@@ -53,3 +56,13 @@ def coerce(key: str, value: Any, kind: type, *, where: str = "") -> Any:
         except (TypeError, ValueError):
             pass
     raise ValueError(f"{prefix}{key}={value!r}: expected {kind.__name__}")
+
+
+def unknown_key(what: str, key: str, known: Iterable[str]) -> str:
+    """The error for an unknown ``key`` among ``known`` (dashes or underscores alike): the
+    closest known keys when there are any (``did you mean``), else all of them."""
+    names = sorted(k.replace("_", "-") for k in known)
+    close = difflib.get_close_matches(key.replace("_", "-"), names, n=3, cutoff=0.7)
+    if close:
+        return f"{what} {key!r} is unknown; did you mean {' or '.join(map(repr, close))}?"
+    return f"{what} {key!r} is unknown; known keys: {', '.join(names)}"

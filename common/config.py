@@ -21,7 +21,7 @@ from typing import Any, Final, Literal, get_args
 
 from fedsparse.common.aggregate import AGGREGATORS, WEIGHTINGS, AggregatorName, Weighting
 from fedsparse.common.central_dp import CENTRAL_NOISE_SOURCES, DP_LEVELS, CentralNoise, DPLevel
-from fedsparse.common.coerce import coerce
+from fedsparse.common.coerce import coerce, unknown_key
 from fedsparse.common.data import (
     DATASET_INPUT_SHAPES,
     DATASET_NAMES,
@@ -427,8 +427,7 @@ class FederatedConfig:
         for key, value in run_config.items():
             name = key.replace("-", "_")
             if name not in fields:
-                known = ", ".join(sorted(k.replace("_", "-") for k in fields))
-                raise ValueError(f"run config key {key!r} is unknown; known keys: {known}")
+                raise ValueError(unknown_key("run config key", key, fields))
             kwargs[name] = coerce(key, value, type(fields[name].default))
         return cls(**kwargs)
 

@@ -62,7 +62,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Final, Literal, get_args
 
-from fedsparse.common.coerce import coerce
+from fedsparse.common.coerce import coerce, unknown_key
 from fedsparse.common.dp import MECHANISMS, MechanismName
 from fedsparse.common.node_data import DATA_KEYS
 
@@ -183,9 +183,7 @@ class NodePolicy:
                 if key in _NOT_POLICY:
                     continue
                 if key not in known:
-                    raise ValueError(
-                        f"node policy: unknown key {key!r}; known keys: {', '.join(sorted(known))}"
-                    )
+                    raise ValueError(unknown_key("node policy: key", key, known))
                 values[known[key].name] = coerce(
                     key, value, type(known[key].default), where="node policy"
                 )

@@ -10,12 +10,13 @@ paper, Algorithm 1) and writes ``epochs.jsonl`` and ``summary.json``.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 import signal
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Final, TypeVar
 
@@ -74,6 +75,8 @@ Choice = TypeVar("Choice", bound=str)
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
+    context_settings={"help_option_names": ["-h", "--help"]},
+    suggest_commands=False,  # click suggests already: once is enough
     help=__doc__,
     pretty_exceptions_show_locals=False,  # locals can hold keys and data; --debug shows frames
 )
@@ -189,16 +192,25 @@ TRAIN_DEFAULTS: Final[dict[str, tuple[int, int, float]]] = {
 }
 
 
-def _choice(field: str, value: str, choices: Sequence[Choice]) -> Choice:
-    """``value`` as the one of ``choices`` it names.
+#: Backend names every command accepts: one vocabulary, ``simulate``'s and ``sweep``'s.
+#: ``flower`` (``simulate``) and ``simulation`` (``sweep``) are Flower's simulation engine.
+BACKEND_ALIASES: dict[str, str] = {"simulation": "flower", "flower": "simulation"}
+
+
+def _choice(
+    field: str, value: str, choices: Sequence[Choice], *, aliases: Mapping[str, str] = {}
+) -> Choice:
+    """``value`` as the one of ``choices`` it names (directly or through ``aliases``).
 
     Raises:
-        ValueError: none of them (naming ``field`` and ``value``).
+        ValueError: none of them (naming ``field`` and ``value``, and the closest choice).
     """
     for choice in choices:
-        if value == choice:
+        if aliases.get(value, value) == choice or value == choice:
             return choice
-    raise ValueError(f"{field}={value!r}: expected one of {', '.join(choices)}")
+    close = difflib.get_close_matches(value, list(choices), n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise ValueError(f"{field}={value!r}: expected one of {', '.join(choices)}{hint}")
 
 
 @app.command()
@@ -363,7 +375,8 @@ def simulate(
         bool, Opt(help="continue the run in OUT from its checkpoint (same --set values)")
     ] = False,
     backend: Annotated[
-        str, Opt(help="flower (Flower's simulation engine) | ray (many clients per worker)")
+        str,
+        Opt(help="flower (alias simulation): Flower's engine | ray: many clients per worker"),
     ] = "flower",
 ) -> None:
     """Federated DP-SGD + RS on Flower's simulation engine (Ray backend).
@@ -390,7 +403,7 @@ def simulate(
             timeout=timeout,
             console=console,
             resume=resume,
-            backend=_choice("backend", backend, ENGINES),
+            backend=_choice("backend", backend, ENGINES, aliases=BACKEND_ALIASES),
         )
     except ValueError as err:
         raise typer.BadParameter(str(err)) from err
@@ -416,7 +429,9 @@ def sweep(
     set_: Annotated[list[str] | None, Opt("--set", help="fixed override key=value")] = None,
     seeds: Annotated[int, Opt(help="seeds per config: base+0..N-1 (base: --set seed)")] = 1,
     clients: Annotated[int, Opt(help="clients (SuperNodes) per run")] = 10,
-    backend: Annotated[str, Opt(help="simulation | inprocess | deploy | ray")] = "simulation",
+    backend: Annotated[
+        str, Opt(help="simulation (alias flower) | inprocess | deploy | ray")
+    ] = "simulation",
     jobs: Annotated[int, Opt(help="runs at a time")] = 1,
     timeout: Annotated[float, Opt(help="seconds per simulation run")] = 3600.0,
     cpus_per_client: Annotated[float, Opt(help="Ray CPUs per virtual client")] = 1.0,
@@ -471,7 +486,7 @@ def sweep(
 
     try:
         settings = RunSettings(
-            backend=_choice("backend", backend, BACKENDS),
+            backend=_choice("backend", backend, BACKENDS, aliases=BACKEND_ALIASES),
             clients=clients,
             cpus_per_client=cpus_per_client,
             gpus_per_client=gpus_per_client,
@@ -758,9 +773,34 @@ def wire_report_command(
     _print_wire_report(run_dir)
 
 
+def _print_version(value: bool) -> None:
+    if not value:
+        return
+    from importlib.metadata import PackageNotFoundError, version
+
+    def of(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    parts = ", ".join(f"{name} {of(name)}" for name in ("flwr", "opacus", "torch"))
+    console.print(f"fedsparse {of('fedsparse')} ({parts})")
+    raise typer.Exit()
+
+
 @app.callback()
 def _options(
     debug: Annotated[bool, Opt(help="show full tracebacks of errors")] = False,
+    version: Annotated[
+        bool,
+        Opt(
+            "--version",
+            help="print the versions of fedsparse, Flower, Opacus and torch, and exit",
+            callback=_print_version,
+            is_eager=True,
+        ),
+    ] = False,
 ) -> None:
     """Options of every command."""
     _STATE["debug"] = debug

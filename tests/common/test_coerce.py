@@ -2,7 +2,7 @@
 
 import pytest
 
-from fedsparse.common.coerce import coerce
+from fedsparse.common.coerce import coerce, unknown_key
 from fedsparse.common.config import FederatedConfig
 from fedsparse.common.node_data import NodeData
 from fedsparse.common.node_policy import NodePolicy
@@ -58,3 +58,15 @@ def test_the_run_config_the_policy_and_the_declaration_agree() -> None:
         FederatedConfig.from_run_config({"num-rounds": True})
     with pytest.raises(ValueError, match="node policy: max-local-epochs=True: expected int"):
         NodePolicy.from_sources({"max-local-epochs": True})
+
+
+def test_an_unknown_key_names_the_closest_ones_else_all() -> None:
+    known = ["num_rounds", "num_partitions", "seed"]
+    assert unknown_key("run config key", "num-round", known) == (
+        "run config key 'num-round' is unknown; did you mean 'num-rounds'?"
+    )
+    assert unknown_key("k", "zzz", known) == (
+        "k 'zzz' is unknown; known keys: num-partitions, num-rounds, seed"
+    )
+    with pytest.raises(ValueError, match="did you mean 'num-rounds'"):
+        FederatedConfig.from_run_config({"num-round": 2})

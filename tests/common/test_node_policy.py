@@ -51,7 +51,10 @@ def test_sources_override_in_order_and_flower_keys_are_ignored(tmp_path: Path) -
 @pytest.mark.parametrize(
     ("entries", "match"),
     [
-        ({"epsilon-budgte": 1.0}, "unknown key 'epsilon-budgte'"),
+        (
+            {"epsilon-budgte": 1.0},
+            "key 'epsilon-budgte' is unknown; did you mean 'epsilon-budget'",
+        ),
         ({"epsilon-budget": "lots"}, "epsilon-budget='lots': expected float"),
         ({"epsilon-budget": -1.0}, r"epsilon-budget=-1.0: expected a value >= 0"),
         ({"noise": "random"}, "noise='random': expected one of fresh, seeded"),

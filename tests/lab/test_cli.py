@@ -155,3 +155,35 @@ def test_train_takes_the_datasets_tuned_defaults(
     assert result.exit_code == 0, result.output
     train = json.loads((tmp_path / "summary.json").read_text())["train"]
     assert (train["epochs"], train["batch_size"], train["lr"]) == (1, batch, lr)
+
+
+def test_version_and_short_help() -> None:
+    from importlib.metadata import version
+
+    runner = CliRunner()
+    result = runner.invoke(app, ["--version"])
+    assert result.exit_code == 0
+    assert f"fedsparse {version('fedsparse')} (flwr {version('flwr')}" in result.output
+    short = runner.invoke(app, ["-h"])
+    assert short.exit_code == 0 and "simulate" in short.output
+    assert runner.invoke(app, ["simulate", "-h"]).exit_code == 0
+
+
+def test_an_unknown_command_is_suggested_once() -> None:
+    result = CliRunner().invoke(app, ["report"])
+    assert result.exit_code != 0
+    assert result.output.count("Did you mean 'wire-report'?") == 1
+
+
+def test_one_backend_vocabulary_in_every_command() -> None:
+    from fedsparse.lab.cli import BACKEND_ALIASES, _choice
+    from fedsparse.lab.simulate import ENGINES
+    from fedsparse.lab.sweep import BACKENDS
+
+    assert _choice("backend", "simulation", ENGINES, aliases=BACKEND_ALIASES) == "flower"
+    assert _choice("backend", "flower", BACKENDS, aliases=BACKEND_ALIASES) == "simulation"
+    assert _choice("backend", "ray", BACKENDS, aliases=BACKEND_ALIASES) == "ray"
+    with pytest.raises(
+        ValueError, match=r"backend='rya': expected one of .* \(did you mean 'ray'\?\)"
+    ):
+        _choice("backend", "rya", ENGINES, aliases=BACKEND_ALIASES)
