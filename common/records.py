@@ -18,13 +18,14 @@ Pure Python (no Flower): a record is plain data.
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import json
 import math
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Self
+from typing import Any, Final, Literal, Self
 
 __all__ = [
     "BITS_PER_PARAM_REFERENCES",
@@ -34,11 +35,13 @@ __all__ = [
     "RoundLog",
     "RunSummary",
     "SEEDED_RUN",
+    "SOFTWARE",
     "epsilon_stats",
     "per_round_fields",
     "read_rounds",
     "round_noise",
     "run_noise",
+    "software_versions",
     "summary_metrics",
     "uplink_bits_per_param",
 ]
@@ -127,8 +130,9 @@ class RoundLog:
     clipped: list[str] = field(default_factory=list)  # one reason per update scaled down
     #: uplink payload bits per parameter per answering client (derived: ``32 * up / dense``)
     uplink_bits_per_param: float = field(default=math.nan, metadata=_PER_ROUND)
-    #: dp-level=user: the run's user-level epsilon after this round (0: sample-level run)
-    user_epsilon: float = 0.0
+    #: dp-level=user: the run's user-level epsilon after this round (None, ``null``: a
+    #: sample-level run, where no user-level figure applies; older records wrote 0)
+    user_epsilon: float | None = None
 
     def __post_init__(self) -> None:
         bits = uplink_bits_per_param(self.uplink_payload_bytes, self.dense_uplink_bytes)
@@ -204,8 +208,12 @@ class RunSummary:
     #: over every answering client-round (``RoundLog.keep_fraction`` weighted by the round's
     #: answering clients); nan in summaries older than the field
     total_density: float = field(default=math.nan, metadata=_METRIC)
-    #: dp-level=user: the user-level epsilon at ``delta`` after the last round (0: sample-level)
-    user_epsilon: float = 0.0
+    #: dp-level=user: the user-level epsilon at ``delta`` after the last round (None,
+    #: ``null``: a sample-level run; older summaries wrote 0)
+    user_epsilon: float | None = None
+    #: the software that ran the server: fedsparse, flwr, opacus, torch (empty in summaries
+    #: older than the field)
+    versions: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         bits = uplink_bits_per_param(self.total_uplink_payload_bytes, self.total_dense_uplink_bytes)
@@ -242,6 +250,7 @@ class RunSummary:
             noise=run_noise([entry.noise for entry in logs]),
             total_density=_total_density(logs),
             user_epsilon=last.user_epsilon,
+            versions=software_versions(),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -257,6 +266,21 @@ class RunSummary:
         """Parses ``summary.json`` (text or decoded mapping); extra keys are ignored."""
         mapping = json.loads(data) if isinstance(data, str) else data
         return _from_mapping(cls, mapping, "summary.json")  # type: ignore[no-any-return]
+
+
+#: The distributions whose versions a run records.
+SOFTWARE: Final = ("fedsparse", "flwr", "opacus", "torch")
+
+
+def software_versions() -> dict[str, str]:
+    """The installed versions of ``SOFTWARE`` ("" for one that is not installed)."""
+    found = {}
+    for name in SOFTWARE:
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            found[name] = ""
+    return found
 
 
 def _total_density(logs: Sequence[RoundLog]) -> float:

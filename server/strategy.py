@@ -152,8 +152,8 @@ class RoundStats:
     #: method=gip or random-k: each reply carries its own support (the union of its DP
     #: steps' supports), explicitly
     client_support: bool = False
-    #: dp-level=user: the run's user-level epsilon after this round (0: sample-level run)
-    user_epsilon: float = 0.0
+    #: dp-level=user: the run's user-level epsilon after this round (None: sample-level run)
+    user_epsilon: float | None = None
     #: the L2 bound the round's updates were held to (inf: none, or no valid update) and how
     #: it was set (``NormBound.bound``: "dp-norm-bound=...", "max-norm-ratio=...", ...)
     norm_bound: float = math.inf

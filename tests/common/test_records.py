@@ -75,3 +75,42 @@ def test_sweeps_keep_the_field_per_round_and_per_run() -> None:
 def test_reference_points_are_the_published_ones() -> None:
     assert sorted(BITS_PER_PARAM_REFERENCES.values()) == [1.2, 16.0, 32.0]
     assert uplink_bits_per_param(4, 4) == 32.0
+
+
+def test_a_summary_records_the_software_and_null_for_figures_that_do_not_apply() -> None:
+    import importlib.metadata
+
+    from fedsparse.common.records import SOFTWARE, RoundLog, RunSummary
+
+    log = RoundLog(
+        round=1,
+        num_clients=1,
+        num_replies=1,
+        num_rejected=0,
+        rate=0.0,
+        keep=4,
+        keep_fraction=1.0,
+        test_accuracy=0.5,
+        test_loss=1.0,
+        epsilon_max=1.0,
+        epsilon_median=1.0,
+        train_loss=1.0,
+        uplink_payload_bytes=16,
+        uplink_message_bytes=20,
+        downlink_payload_bytes=16,
+        downlink_message_bytes=20,
+        dense_uplink_bytes=16,
+        dense_downlink_bytes=16,
+        wall_seconds=1.0,
+        started_at=0.0,
+        ended_at=1.0,
+        rejected=[],
+    )
+    summary = RunSummary.from_rounds([log], parameters=4, delta=1e-5, config={})
+    assert summary.versions == {n: importlib.metadata.version(n) for n in SOFTWARE}
+    data = json.loads(summary.to_json())
+    assert data["user_epsilon"] is None  # a sample-level run: no user-level figure, not 0
+    assert json.loads(log.to_json())["user_epsilon"] is None
+    assert RunSummary.from_json(data) == summary
+    older = {k: v for k, v in data.items() if k != "versions"} | {"user_epsilon": 0.0}
+    assert RunSummary.from_json(older).versions == {}  # summaries written before still read
