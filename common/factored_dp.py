@@ -542,7 +542,16 @@ class FactoredDPOptimizer(SparseDPOptimizer):
         return self._iterations
 
     def clip_and_accumulate(self) -> None:
-        """Sparsify, clip each example's gradient on its masked norm, sum into ``summed_grad``."""
+        """Sparsify, clip each example's gradient on its masked norm, sum into ``summed_grad``.
+
+        Without autograd: the recorded layer inputs are part of the forward graph, and sums
+        built from them would carry it into ``p.grad`` (memory held until the next step, and
+        ``zero_grad(set_to_none=False)`` -- Opacus's and torch's default -- fails on such a
+        gradient: "Can't detach views in-place")."""
+        with torch.no_grad():
+            self._clip_and_accumulate()
+
+    def _clip_and_accumulate(self) -> None:
         if self.source is None:
             raise RuntimeError("FactoredDPOptimizer: attach(module) before the first step")
         batches = self.source.pending

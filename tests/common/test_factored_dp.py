@@ -407,3 +407,42 @@ def test_accumulated_batches_equal_opacus_s_accumulation() -> None:
         results.append((grad, list(engine.accountant.history)))
     torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-6)
     assert results[1][1] == results[0][1]
+
+
+@pytest.mark.parametrize("rate", [0.0, 0.7])
+def test_the_readmes_loop_runs_with_opacus_default_zero_grad(rate: float) -> None:
+    """``optimizer.zero_grad()`` with Opacus's default (``set_to_none=False``) on the DP-CNN:
+    the gradients carry no graph (they used to, and the second step failed)."""
+    import warnings
+
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from fedsparse.common.factored_dp import FactoredDPEngine
+    from fedsparse.common.masks import keep_count, sample_mask
+    from fedsparse.common.models import build_model
+
+    g = torch.Generator().manual_seed(0)
+    model = build_model("dpcnn", seed=0)
+    data = TensorDataset(torch.randn(48, 3, 32, 32, generator=g), torch.randint(0, 10, (48,)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = FactoredDPEngine(accountant="rdp")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        module, optimizer, loader = engine.make_private(
+            module=model,
+            optimizer=optimizer,
+            data_loader=DataLoader(data, batch_size=16),
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+        )
+    if rate:
+        d = engine.layout.numel
+        engine.set_mask(sample_mask(d, keep=keep_count(d, rate=rate), seed=1))
+    steps = 0
+    for x, y in loader:
+        optimizer.zero_grad()
+        module.backward_per_sample(x, y, criterion=torch.nn.CrossEntropyLoss())
+        optimizer.step()
+        steps += 1
+        assert all(p.grad is None or p.grad.grad_fn is None for p in model.parameters())
+    assert steps >= 2
