@@ -30,7 +30,7 @@ mean: per coordinate over the updates covering it, unweighted. It holds ``n x ke
 from __future__ import annotations
 
 import math
-from typing import Final, Literal, Protocol, get_args
+from typing import Final, Literal, get_args
 
 import torch
 
@@ -39,7 +39,6 @@ from fedsparse.common.robust import coordinate_median, trimmed_mean
 __all__ = [
     "AGGREGATORS",
     "WEIGHTINGS",
-    "Aggregator",
     "AggregatorName",
     "RobustAggregator",
     "SparseAggregator",
@@ -56,18 +55,6 @@ Weighting = Literal["uniform", "examples"]
 """Aggregation weights: 1 per accepted update, or the client's claimed ``num-examples``."""
 
 WEIGHTINGS: Final[tuple[Weighting, ...]] = get_args(Weighting)
-
-
-class Aggregator(Protocol):
-    """What the server's round needs of an aggregator."""
-
-    num_updates: int
-
-    def add(self, values: torch.Tensor, *, support: torch.Tensor | None, weight: float) -> None:
-        """Adds one client's values on ``support`` (``None`` = dense)."""
-
-    def apply_(self, weights: torch.Tensor) -> torch.Tensor:
-        """Moves the flat model in place; returns the mask of touched coordinates."""
 
 
 class SparseAggregator:

@@ -31,7 +31,7 @@ from fedsparse.common.data import (
 )
 from fedsparse.common.dp import MECHANISMS, MechanismName
 from fedsparse.common.engines import ENGINES, EngineName
-from fedsparse.common.gip import split_budget
+from fedsparse.common.gip import DEFAULT_INDEX_FRACTION, split_budget
 from fedsparse.common.methods import (
     FEDERATED_METHODS,
     SELECTION_MODES,
@@ -52,6 +52,7 @@ from fedsparse.common.payload import (
     ValueDType,
 )
 from fedsparse.common.privacy import ACCOUNTANTS, AccountantName
+from fedsparse.common.protocol import MASK_SCOPES, MaskScope
 from fedsparse.common.robust import (
     DP_NORM_BOUNDS,
     NORM_ACTIONS,
@@ -75,11 +76,6 @@ __all__ = [
     "MaskScope",
     "wire_encoding",
 ]
-
-MaskScope = Literal["round", "client"]
-"""One mask per round for every client, or one per (round, client)."""
-
-MASK_SCOPES: Final[tuple[MaskScope, ...]] = get_args(MaskScope)
 
 CodecName = Literal["values", "coo", "delta", "bitmap", "auto"]
 """How a sparse update's support travels (payload): "values" sends values only and lets the
@@ -115,7 +111,7 @@ ADDED_KEYS: Final[dict[str, Any]] = {
     "public-epochs": 5,
     "selection": "magnitude",
     "selection-mode": "freeze",
-    "index-budget-fraction": 0.01,
+    "index-budget-fraction": DEFAULT_INDEX_FRACTION,
     "group-size": 256,
     "eval-split": "test",
     "split-seed": -1,
@@ -200,7 +196,7 @@ class FederatedConfig:
     public_epochs: int = 5  # dpssgd: the server's non-private pretraining on it
     selection: SelectionName = "magnitude"  # dpssgd: largest |w| per layer, or random
     selection_mode: SelectionMode = "freeze"  # dpssgd: once after pretraining, or each round
-    index_budget_fraction: float = 0.01  # gip: share of target-epsilon spent on the indices
+    index_budget_fraction: float = DEFAULT_INDEX_FRACTION  # gip: target-epsilon's share for indices
     group_size: int = 256  # gip, random-k: GIP's group length l
     # transport
     codec: CodecName = "values"

@@ -75,7 +75,6 @@ __all__ = [
     "METHODS",
     "SELECTIONS",
     "SELECTION_MODES",
-    "METHOD_PAPERS",
     "MethodConfig",
     "FederatedMethodName",
     "MethodName",
@@ -102,17 +101,6 @@ FederatedMethodName = Literal["rs", "random-freeze", "lf", "ranked", "dpssgd", "
 """The methods a federation runs (run-config ``method``): all of them."""
 
 FEDERATED_METHODS: Final[tuple[FederatedMethodName, ...]] = get_args(FederatedMethodName)
-
-#: The paper each method comes from (``../shared/papers``).
-METHOD_PAPERS: Final[dict[MethodName, str]] = {
-    "rs": "rs-random-sparsification-dpsgd.txt (Algorithm 1)",
-    "random-freeze": "random-freeze-dpsgd.txt (Algorithm 1)",
-    "lf": "dpsgd-lf-layer-freezing.txt (Algorithm 1)",
-    "ranked": "rs-random-sparsification-dpsgd.txt (Algorithm 4, App. I)",
-    "dpssgd": "dpssgd-pruning-public-data.txt (Sec. 3)",
-    "gip": "gip-gradient-index-pruning.txt (Algorithms 1-2)",
-    "random-k": "gip-gradient-index-pruning.txt (Proposition 1, per group)",
-}
 
 SelectionName = Literal["magnitude", "random"]
 """DP-SSGD's pruning criterion: largest ``|w|`` per layer, or uniformly random per layer."""

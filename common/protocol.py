@@ -26,12 +26,14 @@ import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Self
+from typing import Any, ClassVar, Final, Literal, Self, get_args
 
 from fedsparse.common.seeds import Stream, stream_seed
 
 __all__ = [
     "CONFIG_RECORD",
+    "MASK_SCOPES",
+    "MaskScope",
     "EXPECTED_NODES_ENV",
     "STOP_FILE",
     "METRICS_RECORD",
@@ -66,7 +68,10 @@ EXPECTED_NODES_ENV = "FEDSPARSE_EXPECTED_NODES"
 #: a round aggregated while the clients were being killed never reaches the checkpoint.
 STOP_FILE = "stop-requested"
 
-MASK_SCOPES = ("round", "client")
+MaskScope = Literal["round", "client"]
+"""One mask per round for every client, or one per (round, client)."""
+
+MASK_SCOPES: Final[tuple[MaskScope, ...]] = get_args(MaskScope)
 _INT64 = 2**63
 
 
