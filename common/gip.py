@@ -1,6 +1,7 @@
 """Per-step index selection inside DP-SGD: GIP's noisy top-k and its random-k baseline.
 
-GIP (``shared/papers/gip-gradient-index-pruning.txt``, Alg. 2) differs from the other methods
+GIP ("Improving Differentially-Private Deep Learning with Gradients Index Pruning", an
+OpenReview submission; Alg. 2) differs from the other methods
 in *where* the support is chosen: after per-sample clipping, from the data, at every DP step::
 
     g_i   = clip(grad_i, C)                       # 1. clip the whole per-sample gradient

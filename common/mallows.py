@@ -1,6 +1,7 @@
 """GIP's noisy top-k pruning: index selection perturbed by a Mallows model.
 
-GIP (Gradient Index Pruning; ``shared/papers/gip-gradient-index-pruning.txt``) keeps, in each
+GIP (Gradient Index Pruning: "Improving Differentially-Private Deep Learning with Gradients
+Index Pruning", an OpenReview submission) keeps, in each
 group of ``l = group_size`` consecutive coordinates of the clipped batch gradient, the ``k``
 largest by magnitude, and makes that data-dependent choice differentially private by drawing
 the kept set from a Mallows model centred on it (Alg. 1)::

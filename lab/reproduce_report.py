@@ -814,8 +814,8 @@ def write_report(
         command or COMMAND,
         "```",
         "",
-        "Sources: *Random sparsification for DP-SGD* (the RS paper; line numbers refer to "
-        "`shared/papers/rs-random-sparsification-dpsgd.txt`). Verdict rules are fixed in "
+        "Sources: *Improving Differentially Private SGD via Randomly Sparsified Gradients* "
+        "(the RS paper, arXiv:2112.00845). Verdict rules are fixed in "
         "`lab/reproduce_report.py` before the numbers: *reproduced*, *not reproduced*, or "
         "*inconclusive* when our interval holds both the paper's effect and none.",
         "",
