@@ -108,6 +108,17 @@ _MNIST_SUBDIRS: Final = {"mnist": "MNIST/raw", "fmnist": "FashionMNIST/raw"}
 _CIFAR_TRAIN_FILES: Final = tuple(f"data_batch_{i}" for i in range(1, 6))
 _CIFAR_FILES: Final = (*_CIFAR_TRAIN_FILES, "test_batch")
 _SVHN_FILES: Final = ("train_32x32.mat", "test_32x32.mat")
+#: What a non-embedded dataset's folder holds, and where such files come from (error texts).
+_EXPECTED_FILES: Final = {
+    "mnist": "train-images-idx3-ubyte, train-labels-idx1-ubyte, t10k-images-idx3-ubyte and "
+    "t10k-labels-idx1-ubyte (raw or .gz; also in MNIST/raw, as torchvision downloads them)",
+    "fmnist": "Fashion-MNIST's train-images-idx3-ubyte, train-labels-idx1-ubyte, "
+    "t10k-images-idx3-ubyte and t10k-labels-idx1-ubyte (raw or .gz; also in "
+    "FashionMNIST/raw, as torchvision downloads them)",
+    "cifar10": "data_batch_1 .. data_batch_5 and test_batch (the python version of "
+    "CIFAR-10; also in cifar-10-batches-py, as its archive unpacks)",
+    "svhn": "train_32x32.mat and test_32x32.mat (SVHN's cropped digits, format 2)",
+}
 _NUM_CLASSES: Final = 10
 _DIGITS_TEST_FRACTION: Final = 0.2
 
@@ -187,8 +198,9 @@ def load_dataset(
         return _load_mnist_5k(None if data_dir is None else Path(data_dir))
     if data_dir is None:
         raise ValueError(
-            f"data_dir=None: dataset {name!r} is not embedded; pass data_dir, the directory "
-            "holding its files (only 'digits' and 'mnist-5k' need none)"
+            f"data-dir is not set: dataset {name!r} is not embedded (only 'digits' and "
+            f"'mnist-5k' are); give the folder holding {_EXPECTED_FILES[name]} "
+            "(--data-dir, or the run-config key data-dir)"
         )
     root = Path(data_dir)
     if name in _MNIST_SUBDIRS:

@@ -325,6 +325,8 @@ def train(
         dataset_name = _choice("dataset", dataset, DATASET_NAMES)
         split = _choice("eval-split", eval_split, EVAL_SPLITS)
         model_name = None if model is None else _choice("model", model, MODEL_NAMES)
+        if out.exists() and not out.is_dir():
+            raise ValueError(f"--out {out}: exists and is not a directory")
     except ValueError as err:
         raise typer.BadParameter(str(err)) from err
     if retain_memory:

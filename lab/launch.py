@@ -129,7 +129,9 @@ def prepare_run(out: Path, overrides: Mapping[str, Any], *, check_data: bool = T
         try:
             load_dataset(config.dataset, data_dir=config.data_dir or None, seed=config.seed)
         except (OSError, DatasetFormatError, ValueError) as err:
-            where = f"dataset={config.dataset!r} data-dir={config.data_dir!r}"
+            where = f"dataset={config.dataset!r}"
+            if config.data_dir:
+                where += f" data-dir={config.data_dir!r}"
             raise ValueError(f"{where}: {err}") from None
     if out.exists() and not out.is_dir():
         raise ValueError(f"out={out}: exists and is not a directory")

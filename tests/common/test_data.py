@@ -595,8 +595,11 @@ def test_mnist_5k_corrupt_gzip_names_file(tmp_path: Path, payload: bytes) -> Non
 
 @pytest.mark.parametrize("name", ["mnist", "fmnist", "cifar10", "svhn"])
 def test_data_dir_required(name: str) -> None:
-    with pytest.raises(ValueError, match="data_dir"):
+    """The error names the option as the user spells it and the files the folder needs."""
+    first_file = {"mnist": "train-images", "fmnist": "train-images", "cifar10": "data_batch_1"}
+    with pytest.raises(ValueError, match="^data-dir is not set: .*--data-dir") as info:
         load_dataset(name)
+    assert first_file.get(name, "train_32x32.mat") in str(info.value)
 
 
 def test_unknown_dataset_lists_names() -> None:

@@ -187,3 +187,17 @@ def test_one_backend_vocabulary_in_every_command() -> None:
         ValueError, match=r"backend='rya': expected one of .* \(did you mean 'ray'\?\)"
     ):
         _choice("backend", "rya", ENGINES, aliases=BACKEND_ALIASES)
+
+
+def test_train_names_a_bad_out_and_the_files_a_dataset_needs(tmp_path: Path) -> None:
+    file = tmp_path / "out.txt"
+    file.write_text("")
+    result = CliRunner().invoke(app, ["train", "--out", str(file)])
+    assert result.exit_code == 2 and "exists and is not a directory" in result.output
+    assert "Errno" not in result.output
+    missing = CliRunner().invoke(
+        app, ["train", "--out", str(tmp_path / "c"), "--dataset", "cifar10"]
+    )
+    message = str(missing.exception)
+    assert "data-dir is not set" in message and "--data-dir" in message
+    assert "data_batch_1" in message and "data_dir=None" not in message

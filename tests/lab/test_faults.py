@@ -149,7 +149,7 @@ def test_prepare_keeps_the_previous_results_and_read_summary_ignores_them(
     ("overrides", "match"),
     [
         ({"dataset": "mnist", "data-dir": "/nonexistent"}, "dataset='mnist' data-dir='/nonex"),
-        ({"dataset": "mnist"}, "dataset='mnist' data-dir=''"),
+        ({"dataset": "mnist"}, "dataset='mnist': data-dir is not set"),
         ({"no-such-key": "1"}, "'no-such-key' is unknown"),
     ],
 )
