@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -24,6 +26,18 @@ from fedsparse.common.training import (
 
 def flat(module: nn.Module) -> torch.Tensor:
     return ParamLayout.from_module(module).flatten_module(module).clone()
+
+
+@contextlib.contextmanager
+def exact_cudnn() -> Iterator[None]:
+    """cuDNN without TF32 (PyTorch's default on Ampere and later keeps it on for convolutions)
+    and with deterministic kernels: CUDA runs comparable to the CPU's float32 to ~1e-6."""
+    tf32, deterministic = torch.backends.cudnn.allow_tf32, torch.backends.cudnn.deterministic
+    torch.backends.cudnn.allow_tf32, torch.backends.cudnn.deterministic = False, True
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cudnn.deterministic = tf32, deterministic
 
 
 @functools.cache

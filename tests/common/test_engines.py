@@ -36,7 +36,7 @@ from fedsparse.common.training import (
     resolve_device,
     round_mask,
 )
-from tests.common.engine_helpers import flat, linear_step, one_epoch, private
+from tests.common.engine_helpers import exact_cudnn, flat, linear_step, one_epoch, private
 
 warnings.filterwarnings("ignore", message="Secure RNG turned off")
 
@@ -88,10 +88,12 @@ def test_physical_batches_give_the_same_epoch(engine: str) -> None:
 @pytest.mark.parametrize("rate", [0.0, 0.9])
 def test_an_epoch_equals_opacus_on_cuda(engine: str, rate: float) -> None:
     privacy = PrivacyConfig(noise_multiplier=1.0)
-    opacus = one_epoch("opacus", privacy=privacy, rate=rate, device="cuda")
-    faster = one_epoch(engine, privacy=privacy, rate=rate, device="cuda")
+    # With cuDNN's TF32 on (PyTorch's default), func's per-sample convolution gradients differ
+    # from Opacus's unfolded float32 ones by ~1e-4 after an epoch: the math, not the engine.
+    with exact_cudnn():
+        opacus = one_epoch("opacus", privacy=privacy, rate=rate, device="cuda")
+        faster = one_epoch(engine, privacy=privacy, rate=rate, device="cuda")
     assert faster[0].device.type == "cuda"
-    # cuDNN's kernels may differ more than the CPU's; still far below one noise draw.
     torch.testing.assert_close(faster[0], opacus[0], rtol=0, atol=10 * ATOL)
     assert faster[2:4] == opacus[2:4]
 
