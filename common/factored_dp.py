@@ -450,14 +450,39 @@ class FactoredGradSampleModule(PerSampleModule):
                 forbidden; a layer ran twice in the forward pass, or its output was modified
                 in place.
         """
+        self._check_accumulation()
+        if len(x) == 0:
+            self.pending.append([])
+            return torch.tensor(math.nan)
+        output, state = self._hooked_forward(x)
+        loss = criterion(output, y)
+        self._record_factors(x, state, loss)
+        return loss.detach()
+
+    def _check_accumulation(self) -> None:
         if self.pending and not self._accumulation_allowed:
             raise ValueError(
                 "per-sample gradients of two batches before one step: Poisson sampling forbids "
                 "gradient accumulation (call optimizer.zero_grad() between steps)"
             )
+
+    def _record_forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        if len(x) == 0:
+            with torch.no_grad():
+                return self._module(x), None
+        return self._hooked_forward(x)
+
+    def _backward_recorded(
+        self, x: torch.Tensor, y: torch.Tensor, state: Any, loss: torch.Tensor, criterion: Any
+    ) -> None:
+        self._check_accumulation()
         if len(x) == 0:
             self.pending.append([])
-            return torch.tensor(math.nan)
+            return
+        self._record_factors(x, state, loss)
+
+    def _hooked_forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """The forward pass with hooks keeping each trainable layer's input and output."""
         layers = self._trainable_layers()
         seen: dict[nn.Module, list[tuple[torch.Tensor, int, torch.Tensor, int]]] = {}
 
@@ -467,7 +492,7 @@ class FactoredGradSampleModule(PerSampleModule):
 
         handles = [layer.register_forward_hook(keep) for _, layer in layers]
         try:
-            loss = criterion(self._module(x), y)
+            result = self._module(x)
         finally:
             for handle in handles:
                 handle.remove()
@@ -496,6 +521,11 @@ class FactoredGradSampleModule(PerSampleModule):
                     f"engine='factored': the output of layer {name!r} was modified in place "
                     "by a later layer (inplace=True?); expected an out-of-place activation"
                 )
+        return result, (layers, seen)
+
+    def _record_factors(self, x: torch.Tensor, state: Any, loss: torch.Tensor) -> None:
+        """The backpropagations of ``loss`` at the recorded layer outputs, kept as factors."""
+        layers, seen = state
         outputs = [seen[layer][0][2] for _, layer in layers]
         # Each example's own loss gradient: a mean-reduced loss times B (Opacus's scaling).
         total = loss * len(x) if self.loss_reduction == "mean" else loss
@@ -516,7 +546,6 @@ class FactoredGradSampleModule(PerSampleModule):
                 )
             )
         self.pending.append(factors)
-        return loss.detach()
 
 
 class FactoredDPOptimizer(SparseDPOptimizer):
@@ -627,10 +656,13 @@ class FactoredDPEngine(SparseDPEngine):
 
     ``make_private`` takes and returns what ``SparseDPEngine.make_private`` does; the module
     it returns is a ``FactoredGradSampleModule``, trained with ``backward_per_sample`` in
-    place of ``loss.backward()`` (the loop of ``func_dp.FuncDPEngine``'s docstring).
+    place of ``loss.backward()`` (the loop of ``func_dp.FuncDPEngine``'s docstring), or, with
+    ``criterion=`` and ``grad_sample_mode="ghost"``, with Opacus's own loop through the
+    criterion it returns (``dp.PerSampleCriterion``; the same forward pass, no extra one).
     """
 
     optimizer_class = FactoredDPOptimizer
+    per_sample_criterion = True
 
     def _prepare_model(
         self,
@@ -658,7 +690,9 @@ class FactoredDPEngine(SparseDPEngine):
         return FactoredGradSampleModule(module, loss_reduction=loss_reduction)
 
     def make_private(self, *, module: nn.Module, noise_multiplier: float, **kwargs: Any) -> Any:
-        """Opacus's ``make_private``; returns ``(module, optimizer, data_loader)``."""
+        """Opacus's ``make_private``; returns ``(module, optimizer, data_loader)``, or with
+        ``grad_sample_mode="ghost"`` (func and factored engines) ``(module, optimizer,
+        criterion, data_loader)`` (``PerSampleCriterion``)."""
         result = super().make_private(module=module, noise_multiplier=noise_multiplier, **kwargs)
         wrapped, optimizer = result[0], result[1]
         optimizer.attach(wrapped)

@@ -150,6 +150,16 @@ class FuncGradSampleModule(PerSampleModule):
             self._store(p, grads[name])
         return losses.mean()
 
+    def _record_forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        # The output only reports the loss: vmap recomputes each example's forward pass.
+        with torch.no_grad():
+            return self._module(x), None
+
+    def _backward_recorded(
+        self, x: torch.Tensor, y: torch.Tensor, state: Any, loss: torch.Tensor, criterion: Any
+    ) -> None:
+        self.backward_per_sample(x, y, criterion=criterion)
+
     def _store(self, p: nn.Parameter, grad_sample: torch.Tensor) -> None:
         previous = getattr(p, "grad_sample", None)
         if previous is None:
@@ -179,7 +189,13 @@ class FuncDPEngine(SparseDPEngine):
             optimizer.zero_grad()
             module.backward_per_sample(x, y, criterion=nn.CrossEntropyLoss())
             optimizer.step()
+
+    With ``criterion=`` and ``grad_sample_mode="ghost"`` it returns ``(module, optimizer,
+    criterion, loader)`` and Opacus's loop, ``criterion(module(x), y).backward()``, does the
+    same (``dp.PerSampleCriterion``; one extra forward pass per step, for the loss it reports).
     """
+
+    per_sample_criterion = True
 
     def _prepare_model(
         self,
