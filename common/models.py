@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Final, Literal, get_args
 import torch
 from torch import nn
 
+from fedsparse.common import plugins
 from fedsparse.common.scattering import Scattering2D
 
 if TYPE_CHECKING:
@@ -60,6 +61,7 @@ __all__ = [
     "build_model",
     "count_parameters",
     "make_activation",
+    "model_input_shape",
 ]
 
 _ACTIVATIONS: Final = ("tanh", "tempered_sigmoid")
@@ -365,7 +367,10 @@ def build_model(
 
     Args:
         name: One of :data:`MODEL_NAMES` (``"dpcnn"``, ``"dpcnn-mnist"``, ``"digits-cnn"``,
-            ``"cifar10-hcnn"``, ``"mnist-hcnn"``).
+            ``"cifar10-hcnn"``, ``"mnist-hcnn"``), or a user's model as
+            ``package.module:factory``, a callable ``factory(num_classes=...)`` returning an
+            ``nn.Module`` (``common/plugins.py``; an ``input_shape`` attribute on it, ``C x H
+            x W``, lets configs check it against the dataset).
         num_classes: Number of output logits, >= 2.
         activation: Nonlinearity; ``None`` means ``tanh``.
         seed: Seed for the initial weights. The same seed gives bit-identical weights (so a
@@ -377,11 +382,16 @@ def build_model(
         The model, in training mode, on CPU, float32.
 
     Raises:
-        ValueError: ``name`` is unknown (the message lists the valid names) or
-            ``num_classes`` < 2.
+        ValueError: ``name`` is unknown (the message lists the valid names), a reference
+            cannot be loaded or builds no module, or ``num_classes`` < 2.
     """
+    if plugins.is_reference(name):
+        return _build_user_model(name, num_classes=num_classes, activation=activation, seed=seed)
     if name not in _REGISTRY:
-        raise ValueError(f"model name={name!r}: expected one of {', '.join(MODEL_NAMES)}")
+        raise ValueError(
+            f"model name={name!r}: expected one of {', '.join(MODEL_NAMES)} "
+            f"or {plugins.REFERENCE_FORMAT}"
+        )
     factory = _REGISTRY[name]
     if seed is None:
         return factory(num_classes=num_classes, activation=activation)
@@ -392,6 +402,41 @@ def build_model(
         # of building the digits CNN, once per client call).
         torch.default_generator.manual_seed(seed)
         return factory(num_classes=num_classes, activation=activation)
+
+
+def _build_user_model(
+    reference: str, *, num_classes: int, activation: ActivationConfig | None, seed: int | None
+) -> nn.Module:
+    """A user's model: ``factory(num_classes=...)`` from ``package.module:factory``, seeded
+    as the built-in ones are (every party builds the same round-0 weights)."""
+    if activation is not None:
+        raise ValueError(
+            f"model={reference!r} with an activation: the activation applies to the built-in "
+            "models only (a user's factory chooses its own)"
+        )
+    factory = plugins.load(reference, field="model")
+    if not callable(factory):
+        raise ValueError(f"model={reference!r}: expected a callable returning an nn.Module")
+    _check_num_classes(num_classes)
+    with torch.random.fork_rng(devices=[]):
+        if seed is not None:
+            torch.default_generator.manual_seed(seed)
+        model = factory(num_classes=num_classes)
+    if not isinstance(model, nn.Module):
+        raise ValueError(
+            f"model={reference!r}: the factory returned {type(model).__name__}, expected an "
+            "nn.Module"
+        )
+    return model
+
+
+def model_input_shape(name: str) -> tuple[int, int, int] | None:
+    """The ``C x H x W`` input the model takes: ``MODEL_INPUT_SHAPES`` for a built-in name,
+    a user factory's ``input_shape`` attribute if it has one, else None (unknown)."""
+    if plugins.is_reference(name):
+        shape = getattr(plugins.load(name, field="model"), "input_shape", None)
+        return None if shape is None else (int(shape[0]), int(shape[1]), int(shape[2]))
+    return MODEL_INPUT_SHAPES[name]  # type: ignore[index]
 
 
 def count_parameters(model: nn.Module, *, trainable_only: bool = True) -> int:

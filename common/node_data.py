@@ -9,7 +9,8 @@ declares in its node config (or its policy file, or ``$FEDSPARSE_NODE_POLICY``):
 =====================  ===========  ======================================================
 key                    default      meaning
 =====================  ===========  ======================================================
-``dataset``            (required)   one of ``common/data.py``'s dataset names
+``dataset``            (required)   one of ``common/data.py``'s dataset names, or the
+                                    node's own loader, ``package.module:loader``
 ``data-dir``           ""           the folder holding its files ("" for the embedded ones)
 ``partition-id``       0            which part of the dataset's training split this node
 ``num-partitions``     1            holds, and into how many parts it is split
@@ -45,6 +46,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Final
 
+from fedsparse.common import plugins
 from fedsparse.common.coerce import coerce
 from fedsparse.common.data import DATASET_NAMES, DatasetName, Split
 from fedsparse.common.partition import PARTITIONER_NAMES, PartitionerName
@@ -98,8 +100,13 @@ class NodeData:
         def fail(key: str, value: Any, expected: str) -> None:
             raise ValueError(f"node data: {key}={value!r}: expected {expected}")
 
-        if self.dataset not in DATASET_NAMES:
-            fail("dataset", self.dataset, f"one of {', '.join(DATASET_NAMES)}")
+        if self.dataset not in DATASET_NAMES and not plugins.is_reference(self.dataset):
+            fail(
+                "dataset",
+                self.dataset,
+                f"one of {', '.join(DATASET_NAMES)} or {plugins.REFERENCE_FORMAT} (the node's "
+                "own loader)",
+            )
         if self.num_partitions < 1:
             fail("num-partitions", self.num_partitions, ">= 1")
         if not 0 <= self.partition_id < self.num_partitions:

@@ -1,0 +1,166 @@
+"""A user's model and dataset from a package outside the repository (``common/plugins.py``)."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from fedsparse.common import plugins
+from fedsparse.common.data import Split, dataset_input_shape, load_dataset
+from fedsparse.common.layout import ParamLayout
+from fedsparse.common.models import build_model, model_input_shape
+from fedsparse.common.node_data import NodeData
+from fedsparse.common.training import (
+    PrivacyConfig,
+    SparsityConfig,
+    TrainConfig,
+    train_centralized,
+)
+
+USER_PACKAGE = '''
+"""A lab's own model and data, installed beside fedsparse (not part of it)."""
+import torch
+from torch import nn
+
+from fedsparse.common.data import Split
+
+
+def tiny_cnn(*, num_classes):
+    return nn.Sequential(
+        nn.Conv2d(1, 4, 3, padding=1), nn.Tanh(), nn.Flatten(), nn.Linear(4 * 6 * 6, num_classes)
+    )
+
+
+tiny_cnn.input_shape = (1, 6, 6)
+
+
+def stripes(*, data_dir, seed):
+    """Class k: a bright row k (of 6) on noise; 60 train and 30 test images."""
+    g = torch.Generator().manual_seed(seed)
+
+    def split(n):
+        y = torch.arange(n) % 6
+        x = 0.1 * torch.randn(n, 1, 6, 6, generator=g)
+        x[torch.arange(n), 0, y, :] += 1.0
+        return Split(x=x, y=y)
+
+    return split(60), split(30)
+
+
+not_a_factory = 3
+
+
+def returns_a_tensor(*, num_classes):
+    return torch.zeros(num_classes)
+
+
+def returns_one_split(*, data_dir, seed):
+    return stripes(data_dir=data_dir, seed=seed)[0]
+'''
+
+
+@pytest.fixture
+def lab(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A package ``mylab_<n>`` on the import path, outside the repository."""
+    name = f"mylab_{abs(hash(tmp_path)) % 10**8}"
+    (tmp_path / name).mkdir()
+    (tmp_path / name / "__init__.py").write_text(textwrap.dedent(USER_PACKAGE))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield name
+    sys.modules.pop(name, None)
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("pkg.mod:factory", True),
+        ("pkg:Cls.make", True),
+        ("mod_1:_f", True),
+        ("digits-cnn", False),
+        ("pkg.mod", False),
+        ("pkg.mod:", False),
+        (":f", False),
+        ("pkg/mod:f", False),
+        ("pkg.mod:f; import os", False),
+    ],
+)
+def test_references_are_told_from_names_without_importing(name: str, expected: bool) -> None:
+    assert plugins.is_reference(name) is expected
+
+
+def test_a_user_model_is_seeded_like_the_built_in_ones(lab: str) -> None:
+    flat = lambda m: ParamLayout.from_module(m).flatten_module(m)  # noqa: E731
+    one = build_model(f"{lab}:tiny_cnn", num_classes=6, seed=4)
+    again = build_model(f"{lab}:tiny_cnn", num_classes=6, seed=4)
+    other = build_model(f"{lab}:tiny_cnn", num_classes=6, seed=5)
+    assert torch.equal(flat(one), flat(again))
+    assert not torch.equal(flat(one), flat(other))
+    assert one(torch.zeros(2, 1, 6, 6)).shape == (2, 6)
+    state = torch.get_rng_state()
+    build_model(f"{lab}:tiny_cnn", num_classes=6, seed=4)
+    assert torch.equal(torch.get_rng_state(), state)  # the global generator is left alone
+    assert model_input_shape(f"{lab}:tiny_cnn") == (1, 6, 6)
+    assert model_input_shape("digits-cnn") == (1, 8, 8)
+
+
+def test_a_user_dataset_loads_as_splits(lab: str) -> None:
+    train, test = load_dataset(f"{lab}:stripes", seed=1)  # type: ignore[arg-type]
+    assert isinstance(train, Split) and (len(train), len(test)) == (60, 30)
+    again, _ = load_dataset(f"{lab}:stripes", seed=1)  # type: ignore[arg-type]
+    assert torch.equal(train.x, again.x)
+    assert dataset_input_shape(f"{lab}:stripes") == (1, 6, 6)
+    assert NodeData(dataset=f"{lab}:stripes").dataset == f"{lab}:stripes"  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("field", "attribute", "match"),
+    [
+        ("model", "not_a_factory", "expected a callable"),
+        ("model", "returns_a_tensor", "returned Tensor, expected an nn.Module"),
+        ("model", "missing", "has no attribute 'missing'"),
+        ("dataset", "returns_one_split", r"returned Split, expected \(train, test\)"),
+        ("dataset", "not_a_factory", "expected a callable"),
+    ],
+)
+def test_a_bad_user_object_is_named(lab: str, field: str, attribute: str, match: str) -> None:
+    reference = f"{lab}:{attribute}"
+    with pytest.raises(ValueError, match=f"{field}='{reference}': .*{match}"):
+        if field == "model":
+            build_model(reference)
+        else:
+            load_dataset(reference)  # type: ignore[arg-type]
+
+
+def test_an_uninstalled_module_and_a_bad_name_are_named() -> None:
+    with pytest.raises(ValueError, match="model='no_such_lab.nets:cnn': cannot import"):
+        build_model("no_such_lab.nets:cnn")
+    with pytest.raises(ValueError, match="expected one of .* or package.module:attribute"):
+        build_model("digit-cnn")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="node data: dataset='mnist.gz'"):
+        NodeData(dataset="mnist.gz")  # type: ignore[arg-type]
+
+
+def test_an_activation_is_refused_for_a_user_model(lab: str) -> None:
+    from fedsparse.common.models import ActivationConfig
+
+    with pytest.raises(ValueError, match="activation applies to the built-in models only"):
+        build_model(f"{lab}:tiny_cnn", activation=ActivationConfig(name="tanh"))
+
+
+def test_a_user_model_and_dataset_train_centralized(lab: str) -> None:
+    train, test = load_dataset(f"{lab}:stripes", seed=0)  # type: ignore[arg-type]
+    model = build_model(f"{lab}:tiny_cnn", num_classes=6, seed=0)
+    history = train_centralized(
+        model,
+        (train.x, train.y),
+        (test.x, test.y),
+        privacy=PrivacyConfig(noise_multiplier=0.5),
+        sparsity=SparsityConfig(schedule="gradual", final_rate=0.5, mask_seed=1),
+        train=TrainConfig(epochs=4, batch_size=20, lr=0.5, seed=0),
+    )
+    assert history[-1].test_accuracy >= 0.9  # 6 bright rows: easy, even with noise
+    assert 0 < history[-1].epsilon < float("inf")
