@@ -214,6 +214,8 @@ def test_the_readmes_python_federation_runs(
 ) -> None:
     text = (ROOT / "README.md").read_text()
     (source,) = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    tutorial = (DOCS / "tutorial" / "first-federation.md").read_text()
+    assert f"```python\n{source}```" in tutorial  # the tutorial shows the same example
     monkeypatch.chdir(tmp_path)
     scope: dict[str, object] = {}
     exec(compile(source, "README.md", "exec"), scope)  # noqa: S102
