@@ -224,3 +224,16 @@ def test_the_readmes_python_federation_runs(
     assert summary.epsilon_max <= 3.0 + 1e-6  # type: ignore[attr-defined]
     assert summary.uplink_savings > 1.0  # type: ignore[attr-defined]
     assert (tmp_path / "runs" / "python" / "summary.json").is_file()
+
+
+def test_make_test_builds_the_docs_strictly() -> None:
+    """`make test` depends on the strict build; --quiet would hide the warnings --strict counts
+    (mkdocs 1.6: a broken link then passes)."""
+    makefile = (ROOT / "Makefile").read_text()
+    (test_deps,) = re.findall(r"^test:(.*)$", makefile, flags=re.M)
+    assert "docs-build" in test_deps.split()
+    (recipe,) = re.findall(r"^docs-build:.*\n\t(.*)$", makefile, flags=re.M)
+    assert "mkdocs build --strict" in recipe
+    assert "--quiet" not in recipe and " -q" not in recipe
+    config = (ROOT / "mkdocs.yml").read_text()
+    assert re.search(r"^strict: true$", config, flags=re.M)
