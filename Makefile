@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 DEMO_OUT ?= runs/demo
 
-.PHONY: demo test lint typecheck bench clean test-containers
+.PHONY: demo test lint typecheck docs docs-build bench clean test-containers
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -32,7 +32,16 @@ typecheck: $(STAMP)
 	@ln -s $(CURDIR)/protos/fedsparse/v1 $(TYPECHECK)/fedsparse/v1
 	cd $(TYPECHECK) && $(abspath $(BIN))/mypy --config-file $(CURDIR)/pyproject.toml -p fedsparse
 
-test: $(STAMP) lint typecheck
+# The docs site (mkdocs.yml, docs/): `make docs` serves it on 127.0.0.1:8000; `make test`
+# builds it with --strict (a broken link or a page missing from the nav fails) into build/.
+# (not --quiet: it hides the warnings that --strict counts, and a broken link would pass)
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve
+
+docs-build: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir build/site
+
+test: $(STAMP) lint typecheck docs-build
 	$(BIN)/python -m pytest -q
 
 # Real containers (podman, root): TLS + SuperNode auth, 3 nodes vs a simulation. Not in `test`.
