@@ -77,7 +77,7 @@ from fedsparse.common.privacy import (
     sample_rate,
     steps_per_epoch,
 )
-from fedsparse.lab.report import mean_se
+from fedsparse.lab.stats import mean_se
 
 __all__ = [
     "AttackRow",
