@@ -813,13 +813,13 @@ def _noise(d: int, keep: int | None, seed: int) -> torch.Tensor:
     from torch.utils.data import DataLoader, TensorDataset
 
     from fedsparse.common.dp import SparseDPEngine
+    from fedsparse.common.known_warnings import quiet_known_warnings
     from fedsparse.common.masks import sample_mask
 
     model = _ZeroGrad(d)
     x = torch.zeros(4, d)
     engine = SparseDPEngine()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with quiet_known_warnings():
         module, optimizer, _ = engine.make_private(
             module=model,
             optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
