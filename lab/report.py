@@ -29,7 +29,7 @@ from fedsparse.common.records import (
     per_round_fields,
     read_rounds,
 )
-from fedsparse.lab.stats import mean_se
+from fedsparse.lab.stats import column_standard_errors, mean_se
 from fedsparse.lab.sweep import METRICS, RunSettings, SweepPlan, point_label
 
 __all__ = [
@@ -122,7 +122,7 @@ def _band(ax: Axes, x: np.ndarray, y: np.ndarray, label: str) -> None:
     mean = y.mean(axis=0)
     (line,) = ax.plot(x, mean, marker="o", markersize=3, label=label)
     if y.shape[0] > 1:
-        se = y.std(axis=0, ddof=1) / math.sqrt(y.shape[0])
+        se = column_standard_errors(y)
         ax.fill_between(x, mean - se, mean + se, color=line.get_color(), alpha=0.2)
 
 

@@ -1,9 +1,10 @@
 """The statistics every report shares: mean and standard error, Student-t intervals, and the
 bootstrap interval of a median ratio.
 
-- ``mean_se`` and ``standard_error``: the standard error of the mean is the sample standard
-  deviation (``ddof=1``) over ``sqrt(n)``; it is NaN for fewer than 2 values (one value says
-  nothing about the spread), and the mean is NaN for none.
+- ``mean_se``, ``standard_error`` and ``column_standard_errors`` (per column, for curves over
+  runs): the standard error of the mean is the sample standard deviation (``ddof=1``) over
+  ``sqrt(n)``; it is NaN for fewer than 2 values (one value says nothing about the spread),
+  and the mean is NaN for none.
 - ``t_interval`` and ``paired_t_interval``: the two-sided Student-t confidence interval of a
   mean, ``mean ± t_{(1+c)/2, n-1} · SE``, as ``scipy.stats.ttest_1samp(...).confidence_interval``
   computes it. Paired, the values are the differences ``a[k] - b[k]`` over the keys (seeds)
@@ -29,9 +30,10 @@ import numpy as np
 from scipy import stats
 
 __all__ = [
-    "CONFIDENCE",
     "BOOTSTRAP_DRAWS",
+    "CONFIDENCE",
     "Interval",
+    "column_standard_errors",
     "mean_se",
     "paired_t_interval",
     "ratio_interval",
@@ -68,6 +70,14 @@ def standard_error(values: Sequence[float] | np.ndarray) -> float:
     if n < 2:
         return math.nan
     return float(np.std(values, ddof=1)) / math.sqrt(n)
+
+
+def column_standard_errors(rows: np.ndarray) -> np.ndarray:
+    """``standard_error`` of every column of ``rows`` (runs x rounds, say); NaN below 2 rows."""
+    n = rows.shape[0]
+    if n < 2:
+        return np.full(rows.shape[1:], math.nan)
+    return np.asarray(rows.std(axis=0, ddof=1) / math.sqrt(n), dtype=np.float64)
 
 
 def t_interval(values: Iterable[float], *, confidence: float = CONFIDENCE) -> Interval:

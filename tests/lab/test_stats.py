@@ -14,6 +14,7 @@ from scipy import stats as scipy_stats
 
 from fedsparse.lab.stats import (
     CONFIDENCE,
+    column_standard_errors,
     mean_se,
     paired_t_interval,
     ratio_interval,
@@ -41,6 +42,15 @@ def test_standard_error_is_scipys_sem(n: int) -> None:
     assert standard_error(x) == pytest.approx(float(scipy_stats.sem(x)), rel=1e-13)
     assert standard_error(list(x)) == standard_error(x)
     assert mean_se(x) == (float(np.mean(x)), standard_error(x))
+
+
+def test_column_standard_errors_are_each_columns() -> None:
+    rows = np.random.default_rng(5).normal(size=(4, 6))
+    got = column_standard_errors(rows)
+    assert got.shape == (6,)
+    assert got == pytest.approx([standard_error(c) for c in rows.T], rel=1e-13)
+    assert got == pytest.approx(scipy_stats.sem(rows, axis=0), rel=1e-13)
+    assert np.isnan(column_standard_errors(rows[:1])).all()
 
 
 def test_standard_error_needs_two_values() -> None:
