@@ -2,8 +2,8 @@
 
 ``quiet_known_warnings()`` ignores exactly these while its block runs and restores the
 process's filters after it: nothing is silenced at import time, and a warning not listed here
-(a new one, or one of these from another package) still shows. A filter matches the start of
-the warning's text and its category, as ``warnings.filterwarnings`` does.
+(a new one, or one of these texts in another category) still shows. A filter matches the start
+of the warning's text and its category, as ``warnings.filterwarnings`` does.
 
 To silence another warning, add it here with its reason rather than a filter at the call site.
 """
@@ -11,7 +11,6 @@ To silence another warning, add it here with its reason rather than a filter at 
 from __future__ import annotations
 
 import contextlib
-import re
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -24,7 +23,7 @@ __all__ = ["KNOWN_WARNINGS", "KnownWarning", "quiet_known_warnings"]
 class KnownWarning:
     """A warning to ignore: the start of its text, its category, its source and the reason."""
 
-    message: str  # literal text the warning starts with (not a pattern)
+    message: str  # the text the warning starts with (plain: no regular-expression syntax)
     category: type[Warning]
     source: str
     why: str
@@ -67,5 +66,5 @@ def quiet_known_warnings() -> Iterator[None]:
     """Ignores ``KNOWN_WARNINGS`` inside the block; the warning filters are restored after."""
     with warnings.catch_warnings():
         for known in KNOWN_WARNINGS:
-            warnings.filterwarnings("ignore", re.escape(known.message), known.category)
+            warnings.filterwarnings("ignore", known.message, known.category)
         yield
