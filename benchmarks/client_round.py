@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import random
 import statistics
 import time
 import warnings
@@ -45,6 +44,7 @@ from fedsparse.common.models import build_model
 from fedsparse.common.payload import encode_update
 from fedsparse.common.protocol import CONFIG_RECORD, METRICS_RECORD, TrainInstruction, round_seed
 from fedsparse.lab.inprocess import InProcessGrid
+from fedsparse.lab.stats import ratio_interval
 from fedsparse.server.messages import train_message
 
 warnings.filterwarnings("ignore")
@@ -94,16 +94,6 @@ def configured(name: str) -> Iterator[None]:
         privacy.clear_accounting_caches()
     with privacy.accounting_cache(enabled=name != "memo off"):
         yield
-
-
-def ratio_interval(
-    num: list[float], den: list[float], *, draws: int = 2000, seed: int = 0
-) -> tuple[float, float, float]:
-    """Median of the paired ratios ``num[i] / den[i]`` and its 95% bootstrap interval."""
-    ratios = [a / b for a, b in zip(num, den, strict=True)]
-    rng = random.Random(seed)
-    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(draws))
-    return statistics.median(ratios), medians[int(0.025 * draws)], medians[int(0.975 * draws)]
 
 
 def main() -> None:

@@ -36,11 +36,12 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE / "stock_flower")]
 
-from client_round import client_app, node_before, ratio_interval  # noqa: E402
+from client_round import client_app, node_before  # noqa: E402
 from stock_opacus.client_app import app as stock_app  # noqa: E402
 from stock_opacus.task import StockConfig, build_net  # noqa: E402
 
 from fedsparse.common.config import FederatedConfig  # noqa: E402
+from fedsparse.lab.stats import ratio_interval  # noqa: E402
 
 warnings.filterwarnings("ignore")
 

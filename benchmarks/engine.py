@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import multiprocessing as mp
-import random
 import statistics
 import time
 import warnings
@@ -50,6 +49,7 @@ from fedsparse.common.func_dp import FuncDPEngine, FuncGradSampleModule
 from fedsparse.common.masks import keep_count, sample_mask
 from fedsparse.common.models import MODEL_INPUT_SHAPES, MODEL_NAMES, build_model
 from fedsparse.lab.memory import retain_freed_memory
+from fedsparse.lab.stats import ratio_interval
 
 warnings.filterwarnings("ignore")
 
@@ -148,16 +148,6 @@ def worker(conn: Connection, kind: str, rate: float | None, args: dict) -> None:
         for _ in range(args["steps"]):
             step()
         conn.send((time.perf_counter() - start) / args["steps"])
-
-
-def ratio_interval(
-    num: list[float], den: list[float], *, draws: int = 2000, seed: int = 0
-) -> tuple[float, float, float]:
-    """Median of the paired ratios ``num[i] / den[i]`` and its 95% bootstrap interval."""
-    ratios = [a / b for a, b in zip(num, den, strict=True)]
-    rng = random.Random(seed)
-    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(draws))
-    return statistics.median(ratios), medians[int(0.025 * draws)], medians[int(0.975 * draws)]
 
 
 def main() -> None:

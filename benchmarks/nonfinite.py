@@ -50,7 +50,6 @@ import argparse
 import contextlib
 import math
 import multiprocessing as mp
-import random
 import statistics
 import time
 import warnings
@@ -59,6 +58,8 @@ from multiprocessing.connection import Connection
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+
+from fedsparse.lab.stats import ratio_interval
 
 warnings.filterwarnings("ignore")
 
@@ -197,16 +198,6 @@ def worker(conn: Connection, code: str, engine: str, rate: float | None, args: d
 
 
 # --- statistics and the report ---------------------------------------------------------------
-
-
-def ratio_interval(
-    num: list[float], den: list[float], *, draws: int = 2000, seed: int = 0
-) -> tuple[float, float, float]:
-    """Median of the paired ratios ``num[i] / den[i]`` and its 95% bootstrap interval."""
-    ratios = [a / b for a, b in zip(num, den, strict=True)]
-    rng = random.Random(seed)
-    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(draws))
-    return statistics.median(ratios), medians[int(0.025 * draws)], medians[int(0.975 * draws)]
 
 
 def auc(poisoned: list[float], clean: list[float]) -> float:

@@ -26,11 +26,12 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE)]
 
-from client_round import client_app, node_before, ratio_interval  # noqa: E402
+from client_round import client_app, node_before  # noqa: E402
 
 import fedsparse.client.app as client_module  # noqa: E402
 from fedsparse.common.config import FederatedConfig  # noqa: E402
 from fedsparse.common.protocol import CONFIG_RECORD  # noqa: E402
+from fedsparse.lab.stats import ratio_interval  # noqa: E402
 
 warnings.filterwarnings("ignore")
 

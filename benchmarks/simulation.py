@@ -59,7 +59,6 @@ import dataclasses
 import json
 import math
 import os
-import random
 import signal
 import statistics
 import subprocess
@@ -68,6 +67,8 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from fedsparse.lab.stats import ratio_interval
 
 REPO = Path(__file__).resolve().parents[1]
 STOCK_LAUNCHER = REPO / "benchmarks" / "stock_flower" / "launch.py"
@@ -343,20 +344,6 @@ def run_one(config: str, clients: int, rep: int, out: Path, settings: Settings) 
 
 
 # --------------------------------------------------------------------------- statistics
-
-
-def ratio_interval(
-    num: Sequence[float], den: Sequence[float], *, draws: int = 2000, seed: int = 0
-) -> tuple[float, float, float]:
-    """Median of the paired ratios ``num[i] / den[i]`` and its 95% bootstrap interval.
-
-    The same estimator as ``benchmarks/engine.py``'s (kept here so that this script does
-    not import torch and Opacus with it).
-    """
-    ratios = [a / b for a, b in zip(num, den, strict=True)]
-    rng = random.Random(seed)
-    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(draws))
-    return statistics.median(ratios), medians[int(0.025 * draws)], medians[int(0.975 * draws)]
 
 
 METRICS = (  # (label, RunResult field, scale, format)

@@ -29,6 +29,7 @@ from typing import Any, Final
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context
 
+from fedsparse.common.atomic import PRIVATE, write_atomically
 from fedsparse.common.masks import sample_mask
 from fedsparse.common.payload import decode_update
 from fedsparse.common.privacy import history_from_record, history_to_record
@@ -123,19 +124,15 @@ class StateFiles:
         return sorted(int(m.group(1)) for m in found if m)
 
     def save(self, state: NodeState) -> None:
-        """Writes ``state`` as the file of round ``state.last_round`` (atomically: rename)."""
+        """Writes ``state`` as the file of round ``state.last_round`` (atomically, private to the
+        node: ``fedsparse.common.atomic``)."""
         self.folder.mkdir(parents=True, exist_ok=True)
         data: dict[str, Any] = {"format": _STATE_FORMAT, "last-round": state.last_round}
         if state.index_epsilon:  # GIP only: other methods' files stay as they were
             data["index-epsilon"] = state.index_epsilon
         data.update(history_to_record(state.history))
         path = self.folder / f"round-{state.last_round}.json"
-        tmp = path.with_name(path.name + ".tmp")
-        # Atomic against a killed process (the rename), which is what resume guards against;
-        # not fsynced: a simulation's node state is not meant to survive a power cut.
-        with open(tmp, "w") as fh:
-            json.dump(data, fh)  # floats as repr: exact
-        tmp.replace(path)
+        write_atomically(path, json.dumps(data), mode=PRIVATE)  # floats as repr: exact
 
     def discard_after(self, server_round: int) -> None:
         """Deletes the files of rounds after ``server_round`` (0: every file)."""

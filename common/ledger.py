@@ -34,6 +34,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from fedsparse.common.atomic import PRIVATE, write_atomically
 from fedsparse.common.node_policy import PrivacyRefusal, TrainingRequest
 from fedsparse.common.privacy import AccountantName, compute_epsilon_of_history
 
@@ -154,14 +155,8 @@ class PrivacyLedger:
         return spent
 
     def _write(self, entries: list[LedgerEntry]) -> None:
-        tmp = self.path.with_suffix(".tmp")
         payload = {"format": _FORMAT, "entries": [asdict(e) for e in entries]}
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            json.dump(payload, fh, indent=1)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, self.path)
+        write_atomically(self.path, json.dumps(payload, indent=1), mode=PRIVATE)
 
 
 def _read(path: Path) -> list[LedgerEntry]:

@@ -28,10 +28,11 @@ Partitioners:
 from __future__ import annotations
 
 import math
-import warnings
 from typing import TYPE_CHECKING, Final, Literal, get_args
 
 import numpy as np
+
+from fedsparse.common.known_warnings import quiet_known_warnings
 
 if TYPE_CHECKING:
     from flwr_datasets.partitioner import Partitioner
@@ -121,9 +122,7 @@ def partition_indices(
     )
     part.dataset = table
     try:
-        with warnings.catch_warnings():
-            # datasets' Dataset.sort (ShardPartitioner) trips a pyarrow>=25 deprecation.
-            warnings.filterwarnings("ignore", "Specifying null_placement", FutureWarning)
+        with quiet_known_warnings():  # datasets' Dataset.sort trips a pyarrow deprecation
             return [
                 np.sort(np.asarray(part.load_partition(pid)["index"], dtype=np.int64))
                 for pid in range(int(num_partitions))

@@ -56,7 +56,6 @@ import enum
 import math
 import sys
 import time
-import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -69,6 +68,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from fedsparse.common.data import load_dataset
 from fedsparse.common.dp import MechanismName, SparseDPEngine
+from fedsparse.common.known_warnings import quiet_known_warnings
 from fedsparse.common.masks import derive_seed, keep_count, sample_mask
 from fedsparse.common.models import build_model
 from fedsparse.common.privacy import (
@@ -77,7 +77,7 @@ from fedsparse.common.privacy import (
     sample_rate,
     steps_per_epoch,
 )
-from fedsparse.lab.report import mean_se
+from fedsparse.lab.stats import mean_se
 
 __all__ = [
     "AttackRow",
@@ -428,8 +428,7 @@ def victim_update(
     local = copy.deepcopy(model)
     before = torch.cat([p.detach().reshape(-1) for p in local.parameters() if p.requires_grad])
     labels = torch.tensor([label])
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Secure RNG turned off")
+    with quiet_known_warnings():
         engine = SparseDPEngine(accountant="rdp", mechanism=privacy.mechanism)
         module, optimizer, _ = engine.make_private(
             module=local,
@@ -442,9 +441,7 @@ def victim_update(
         )
     engine.set_mask(mask)
     optimizer.zero_grad(set_to_none=True)
-    with warnings.catch_warnings():
-        # Opacus's hooks on a first layer whose input needs no gradient: harmless, and noisy.
-        warnings.filterwarnings("ignore", message="Full backward hook is firing")
+    with quiet_known_warnings():  # Opacus's hooks on a first layer: its input needs no gradient
         nn.functional.cross_entropy(module(image), labels).backward()
     optimizer.step()
     after = torch.cat([p.detach().reshape(-1) for p in local.parameters() if p.requires_grad])

@@ -1,10 +1,11 @@
 """A sweep's outputs: ``results.csv``, ``summary.csv``, ``rounds.csv``, PNG plots, ``report.md``.
 
 ``results.csv`` has one row per run (``fedsparse.lab.sweep``); ``summary.csv`` one row per
-grid point with the mean and standard error over its successful seeds (SE = sample std /
-sqrt(n), blank for n = 1); ``rounds.csv`` every run's ``rounds.jsonl`` lines, so the plots can
-be redrawn without the run directories. Plots are drawn on matplotlib ``Figure`` objects,
-without pyplot: no display, and no change to the process's matplotlib backend.
+grid point with the mean and standard error over its successful seeds
+(``fedsparse.lab.stats.mean_se``: SE = sample std / sqrt(n), blank for n = 1); ``rounds.csv``
+every run's ``rounds.jsonl`` lines, so the plots can be redrawn without the run directories.
+Plots are drawn on matplotlib ``Figure`` objects, without pyplot: no display, and no change to
+the process's matplotlib backend.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import csv
 import math
 import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,12 +29,13 @@ from fedsparse.common.records import (
     per_round_fields,
     read_rounds,
 )
+from fedsparse.lab.stats import column_standard_errors, mean_se
 from fedsparse.lab.sweep import METRICS, RunSettings, SweepPlan, point_label
 
 __all__ = [
     "PLOTS",
     "ROUND_KEYS",
-    "mean_se",
+    "mean_se",  # re-exported from fedsparse.lab.stats, where it is defined
     "summarize",
     "write_csv",
     "write_outputs",
@@ -50,15 +52,6 @@ PLOTS = {
     "uplink_per_round.png": "Uplink bytes per round",
     "accuracy_vs_time.png": "Test accuracy vs wall-clock time",
 }
-
-
-def mean_se(values: Iterable[float]) -> tuple[float, float]:
-    """Mean and standard error (sample std / sqrt(n)); SE is NaN for n = 1, both for n = 0."""
-    x = np.asarray([float(v) for v in values], dtype=np.float64)
-    if x.size == 0:
-        return math.nan, math.nan
-    se = float(x.std(ddof=1) / math.sqrt(x.size)) if x.size > 1 else math.nan
-    return float(x.mean()), se
 
 
 @dataclass
@@ -129,7 +122,7 @@ def _band(ax: Axes, x: np.ndarray, y: np.ndarray, label: str) -> None:
     mean = y.mean(axis=0)
     (line,) = ax.plot(x, mean, marker="o", markersize=3, label=label)
     if y.shape[0] > 1:
-        se = y.std(axis=0, ddof=1) / math.sqrt(y.shape[0])
+        se = column_standard_errors(y)
         ax.fill_between(x, mean - se, mean + se, color=line.get_color(), alpha=0.2)
 
 

@@ -40,8 +40,8 @@ from typing import Any, Final, cast
 
 import numpy as np
 import torch
-from scipy import stats
 
+from fedsparse.lab.stats import mean_se, paired_t_interval
 from fedsparse.lab.sweep import SweepPlan, SweepRun, _stop_pool, point_label
 from fedsparse.lab.tuning import (
     CONFIDENCE,
@@ -313,21 +313,14 @@ def _row_text(row: Mapping[str, Any]) -> str:
 # Statistics and verdicts
 
 
-def _mean_se(values: Sequence[float]) -> tuple[float, float]:
-    if not values:
-        return math.nan, math.nan
-    mean = float(np.mean(values))
-    se = float(np.std(values, ddof=1)) / math.sqrt(len(values)) if len(values) > 1 else math.nan
-    return mean, se
+#: The report's names for the shared statistics (``fedsparse.lab.stats``).
+_mean_se = mean_se
 
 
 def _paired(a: Mapping[int, float], b: Mapping[int, float]) -> PairedDifference:
     """``a - b`` paired by seed, with a Student-t interval at ``CONFIDENCE``."""
-    diffs = [a[s] - b[s] for s in sorted(set(a) & set(b))]
-    mean, se = _mean_se(diffs)
-    n = len(diffs)
-    half = float(stats.t.ppf(0.5 + CONFIDENCE / 2, n - 1)) * se if n >= 2 else math.nan
-    return PairedDifference(arm="", baseline="", n=n, mean=mean, low=mean - half, high=mean + half)
+    n, mean, low, high = paired_t_interval(a, b, confidence=CONFIDENCE)
+    return PairedDifference(arm="", baseline="", n=n, mean=mean, low=low, high=high)
 
 
 def gain_verdict(diff: PairedDifference, paper_gain_points: float) -> str:
@@ -355,7 +348,7 @@ def still_rising(curves: Sequence[Sequence[float]]) -> tuple[float, float, bool]
         if len(curve) < 2 * w:
             continue
         gains.append(float(np.mean(curve[-w:]) - np.mean(curve[-2 * w : -w])))
-    mean, se = _mean_se(gains)
+    mean, se = mean_se(gains)
     rising = bool(gains) and mean > RISING_TOLERANCE and (math.isnan(se) or mean > 2 * se)
     return mean, se, rising
 
@@ -390,7 +383,7 @@ class ArmResult:
 
     @property
     def mean_se(self) -> tuple[float, float]:
-        return _mean_se(list(self.accuracy.values()))
+        return mean_se(self.accuracy.values())
 
 
 @dataclass
@@ -820,13 +813,13 @@ def _noise(d: int, keep: int | None, seed: int) -> torch.Tensor:
     from torch.utils.data import DataLoader, TensorDataset
 
     from fedsparse.common.dp import SparseDPEngine
+    from fedsparse.common.known_warnings import quiet_known_warnings
     from fedsparse.common.masks import sample_mask
 
     model = _ZeroGrad(d)
     x = torch.zeros(4, d)
     engine = SparseDPEngine()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with quiet_known_warnings():
         module, optimizer, _ = engine.make_private(
             module=model,
             optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
@@ -860,7 +853,7 @@ def measure_noise_ratio(
             )
             for t in range(trials)
         ]
-        mean, se = _mean_se(ratios)
+        mean, se = mean_se(ratios)
         predicted = math.sqrt(keep_count(d, rate=rate) / d)
         # relative s.e. of a chi norm with k dof ~ 1/sqrt(2k), quadrature sum for the ratio
         keep = keep_count(d, rate=rate)

@@ -14,8 +14,8 @@ phases, both ordinary sweep runs (resumable, reused when finished):
 
 ``paired_differences`` compares every arm with the first (the baseline): per seed, the
 difference of final test accuracies; its mean, a Student-t 95% confidence interval over the
-paired seeds, and whether the interval excludes 0. A difference whose interval holds 0 is
-reported as not significant, in words.
+paired seeds (``fedsparse.lab.stats.paired_t_interval``), and whether the interval excludes
+0. A difference whose interval holds 0 is reported as not significant, in words.
 """
 
 from __future__ import annotations
@@ -26,10 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
-import numpy as np
-from scipy import stats
-
 from fedsparse.lab.report import write_csv
+from fedsparse.lab.stats import CONFIDENCE, mean_se, paired_t_interval
 from fedsparse.lab.sweep import (
     RESERVED,
     RunSettings,
@@ -62,8 +60,6 @@ __all__ = [
 
 #: Tuning seeds start here above the base seed: never the seeds the final comparison uses.
 TUNE_SEED_OFFSET: Final = 1000
-#: Two-sided confidence level of the paired intervals.
-CONFIDENCE: Final = 0.95
 #: What tuning maximizes (under ``eval-split=validation`` the run's accuracy is on validation).
 METRIC: Final = "final_test_accuracy"
 
@@ -97,13 +93,6 @@ class PairedDifference:
     def significant(self) -> bool:
         """Whether the interval excludes 0 (``False`` for fewer than 2 pairs)."""
         return self.n >= 2 and (self.low > 0 or self.high < 0)
-
-
-def _se(values: Sequence[float]) -> float:
-    """Standard error of the mean: sample std (ddof 1) / sqrt(n); NaN below 2 values."""
-    if len(values) < 2:
-        return math.nan
-    return float(np.std(values, ddof=1)) / math.sqrt(len(values))
 
 
 def _check_tune_keys(
@@ -175,8 +164,10 @@ def choose_best(
         candidates = []
         for combo, scores in combos.items():
             done = [s for s in scores if not math.isnan(s)]
-            mean = sum(done) / len(done) if done and len(done) == len(scores) else math.nan
-            candidates.append((combo, mean, float(_se(done)), len(done)))
+            mean, se = mean_se(done)
+            if len(done) < len(scores):  # only combinations finished on every seed compete
+                mean = math.nan
+            candidates.append((combo, mean, se, len(done)))
         finished = [c for c in candidates if not math.isnan(c[1])]
         if not finished:
             raise ValueError(
@@ -256,18 +247,15 @@ def paired_differences(
     out = []
     for choice in choices[1:]:
         mine = accuracy.get(choice.label, {})
-        diffs = [mine[s] - base[s] for s in sorted(set(mine) & set(base))]
-        n = len(diffs)
-        mean = sum(diffs) / n if n else math.nan
-        half = stats.t.ppf(0.5 + confidence / 2, n - 1) * _se(diffs) if n >= 2 else math.nan
+        n, mean, low, high = paired_t_interval(mine, base, confidence=confidence)
         out.append(
             PairedDifference(
                 arm=choice.label,
                 baseline=baseline,
                 n=n,
                 mean=mean,
-                low=mean - half,
-                high=mean + half,
+                low=low,
+                high=high,
             )
         )
     return out

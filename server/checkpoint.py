@@ -26,7 +26,6 @@ field, before any record of the run is touched.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +33,7 @@ from typing import Any, Final
 
 import torch
 
+from fedsparse.common.atomic import SHARED, open_atomic
 from fedsparse.common.config import RESUME_MAY_DIFFER, FederatedConfig, with_added_keys
 from fedsparse.common.layout import ParamLayout
 
@@ -70,10 +70,8 @@ class Checkpoint:
     strategy: dict[str, Any] = field(default_factory=dict)
 
     def save(self, path: Path) -> None:
-        """Writes the checkpoint to ``path`` atomically (temporary file, fsync, rename)."""
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "wb") as fh:
+        """Writes the checkpoint to ``path`` atomically (``fedsparse.common.atomic``)."""
+        with open_atomic(path, mode=SHARED) as fh:
             torch.save(
                 {
                     "format": CHECKPOINT_FORMAT,
@@ -86,9 +84,6 @@ class Checkpoint:
                 },
                 fh,
             )
-            fh.flush()
-            os.fsync(fh.fileno())
-        tmp.replace(path)
 
 
 def load_checkpoint(path: Path, *, cfg: FederatedConfig, layout: ParamLayout) -> Checkpoint:

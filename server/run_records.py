@@ -1,11 +1,12 @@
 """The run's files: ``rounds.jsonl`` (a ``RoundLog`` a round), ``summary.json``, ``checkpoint.pt``.
 
 Each round's line is appended and flushed as soon as the round ends, and the checkpoint is
-replaced atomically (written to a temporary file, then renamed), so a killed run leaves valid
-records of every round it finished. ``summary.json`` is written only when the run completes:
-its presence is how the launchers tell a finished run (``flwr run`` exits 0 whatever happens
-to the ServerApp), so a run that ends on failed rounds leaves only ``rounds.jsonl`` (the
-failed rounds with their reasons) and the checkpoint of the last good model.
+replaced atomically (``fedsparse.common.atomic``: a temporary file, synced, renamed), so a
+killed run leaves valid records of every round it finished. ``summary.json`` is written only
+when the run completes: its presence is how the launchers tell a finished run (``flwr run``
+exits 0 whatever happens to the ServerApp), so a run that ends on failed rounds leaves only
+``rounds.jsonl`` (the failed rounds with their reasons) and the checkpoint of the last good
+model.
 
 A resumed run (``resume_from``: the round of the checkpoint it continues) keeps the lines of
 rounds ``1..resume_from`` and drops any later one (a round the killed run logged but did not
@@ -20,6 +21,7 @@ from typing import Any
 
 import torch
 
+from fedsparse.common.atomic import SHARED, write_atomically
 from fedsparse.common.config import FederatedConfig
 from fedsparse.common.layout import ParamLayout
 from fedsparse.common.protocol import STOP_FILE
@@ -147,6 +149,4 @@ def _kept_rounds(path: Path, resume_from: int) -> list[tuple[RoundLog, str]]:
 
 
 def _replace_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+    write_atomically(path, text, mode=SHARED)
