@@ -20,12 +20,12 @@ The state dict is the model's whole ``state_dict`` (persistent buffers included)
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 from typing import Any, Final
 
 import torch
 
+from fedsparse.common.atomic import SHARED, open_atomic
 from fedsparse.common.config import FederatedConfig
 from fedsparse.common.layout import ParamLayout
 from fedsparse.common.models import build_model
@@ -118,13 +118,5 @@ def save_trained(model: torch.nn.Module, name: str, out_dir: Path) -> Path:
 
 def _write(path: Path, exported: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            torch.save(exported, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with open_atomic(path, mode=SHARED) as fh:
+        torch.save(exported, fh)

@@ -55,6 +55,7 @@ def test_server_holds_only_serverapp_code() -> None:
         "messages",
         "run_records",
         "strategy",
+        "tracking",
         "validation",
     ]
     for path in (ROOT / "server").glob("*.py"):

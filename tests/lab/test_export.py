@@ -78,4 +78,4 @@ def test_what_cannot_be_exported_is_named(tmp_path: Path) -> None:
         export_model(run, tmp_path / "model.pt")
     with pytest.raises(ValueError, match="is a folder"):
         export_model(run, tmp_path)
-    assert not list(tmp_path.glob("*.tmp"))
+    assert not list(tmp_path.glob(".*.tmp"))
