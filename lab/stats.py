@@ -14,8 +14,9 @@ bootstrap interval of a median ratio.
   percentile-bootstrap interval of that median, from a seeded ``random.Random`` so a report
   reprints the same interval for the same timings.
 
-Every function returns plain Python floats. The module imports numpy and scipy, not torch: the
-benchmarks that do not load torch import it too.
+Means are numpy's (pairwise summation); below 8 values that is the left-to-right sum, bit for
+bit. Numbers come back as plain Python floats (``column_standard_errors``: a numpy array). The
+module imports numpy and scipy, not torch: the benchmarks that do not load torch import it too.
 """
 
 from __future__ import annotations
