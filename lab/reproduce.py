@@ -42,7 +42,7 @@ import numpy as np
 import torch
 from scipy import stats
 
-from fedsparse.lab.sweep import SweepPlan, SweepRun, _stop_pool, point_label
+from fedsparse.lab.sweep import SweepPlan, SweepRun, point_label, stop_pool
 from fedsparse.lab.tuning import (
     CONFIDENCE,
     TUNE_SEED_OFFSET,
@@ -154,7 +154,8 @@ def _execute(spec_json: str, run_dir: str, threads: int) -> dict[str, Any]:
     """Runs one spec into ``run_dir`` (in a worker process when ``jobs > 1``)."""
     from fedsparse.common.seeds import Stream, stream_seed
     from fedsparse.common.training import PrivacyConfig, SparsityConfig, TrainConfig
-    from fedsparse.lab.cli import QUIET_WARNINGS, run_train
+    from fedsparse.lab.quiet import QUIET_WARNINGS
+    from fedsparse.lab.train import run_train
 
     if threads > 0:
         torch.set_num_threads(threads)
@@ -297,7 +298,7 @@ def run_specs(
                 if log:
                     log(f"  [{done}/{total}] {spec.slug}: {_row_text(rows[spec.slug])}")
         except BaseException:  # a stop: cancel what is queued, stop the workers by PID
-            _stop_pool(pool)
+            stop_pool(pool)
             raise
         pool.shutdown(wait=True)
     return [rows[spec.slug] for spec in specs]
@@ -1099,10 +1100,11 @@ def run_reproduction(
     parts: Sequence[str] = PARTS,
     jobs: int = 1,
     log: Log | None = None,
-    command: str = "",
 ) -> Reproduction:
-    """Runs the chosen ``parts`` of ``plan`` (finished runs reused) and writes ``out``'s
-    report, CSVs and plots; returns the measurements."""
+    """Runs the chosen ``parts`` of ``plan`` (finished runs reused); returns the measurements.
+
+    ``lab/reproduce_report.py:reproduce_and_report`` runs them and writes ``out``'s report,
+    CSVs and plots."""
     for part in parts:
         if part not in PARTS:
             raise ValueError(f"parts: {part!r}: expected some of {', '.join(PARTS)}")
@@ -1160,7 +1162,4 @@ def run_reproduction(
             log(f"scaling rule: {len(specs)} runs")
         rows = iter(run_specs(specs, runs_dir / "scaling", jobs=jobs, log=log))
         result.scaling = {cell: [next(rows) for _ in group] for cell, group in by_cell.items()}
-    from fedsparse.lab.reproduce_report import write_report
-
-    write_report(result, plan, out, command=command)
     return result
