@@ -58,13 +58,13 @@ def run_train(
     console = console or Console()
     method = method or MethodConfig()
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    out.mkdir(parents=True, exist_ok=True)
     seed = 0 if train.seed is None else train.seed
     train_split, test_split = load_eval_splits(
         dataset, data_dir=data_dir, seed=seed, eval_split=eval_split, split_seed=split_seed
     )
     model_name = model_name or DEFAULT_MODELS[dataset]
     model = build_model(model_name, seed=stream_seed(seed, Stream.MODEL_INIT) % 2**31)
+    out.mkdir(parents=True, exist_ok=True)  # after the data loaded: a failed start leaves none
     console.print(
         f"[bold]{dataset}[/]: {len(train_split)} train / {len(test_split)} test examples; "
         f"model {model_name} with {count_parameters(model):,} trainable parameters"

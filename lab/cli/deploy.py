@@ -12,7 +12,14 @@ from typing import Annotated
 
 import typer
 
-from fedsparse.lab.cli.utils import Opt, console, parse_sets, rate
+from fedsparse.lab.cli.utils import (
+    Opt,
+    check_run_config,
+    console,
+    parse_sets,
+    rate,
+    removed_on_failed_start,
+)
 from fedsparse.lab.cli.wire import print_wire_report
 
 __all__ = ["ACCURACY_TARGETS", "deploy"]
@@ -45,23 +52,28 @@ def deploy(
     --downlink-rate each node sits in its own network namespace behind a tbf-shaped veth pair
     (root; else the byte relays shape, labelled) and the time to each accuracy is reported.
     """
-    from fedsparse.lab.deploy import run_deployment
-
     overrides = parse_sets(set_ or [])
     try:
+        check_run_config(overrides)  # before the import below: it takes seconds
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from err
+    from fedsparse.lab.deploy import run_deployment
+
+    try:
         up, down = rate("uplink-rate", uplink_rate), rate("downlink-rate", downlink_rate)
-        run_deployment(
-            out=out,
-            overrides=overrides,
-            num_nodes=nodes,
-            timeout=timeout,
-            tls=not insecure,
-            node_auth=node_auth and not insecure,
-            idle_seconds=idle_seconds,
-            uplink_bps=up,
-            downlink_bps=down,
-            on_event=lambda line: console.print(f"[yellow]{line}[/]"),
-        )
+        with removed_on_failed_start(out):
+            run_deployment(
+                out=out,
+                overrides=overrides,
+                num_nodes=nodes,
+                timeout=timeout,
+                tls=not insecure,
+                node_auth=node_auth and not insecure,
+                idle_seconds=idle_seconds,
+                uplink_bps=up,
+                downlink_bps=down,
+                on_event=lambda line: console.print(f"[yellow]{line}[/]"),
+            )
     except ValueError as err:
         raise typer.BadParameter(str(err)) from err
     except RuntimeError as err:

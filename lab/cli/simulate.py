@@ -7,6 +7,11 @@ closing line.
 
 from __future__ import annotations
 
+import math
+import shlex
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
@@ -19,9 +24,10 @@ from fedsparse.lab.cli.utils import (
     choice,
     console,
     parse_sets,
+    removed_on_failed_start,
 )
 
-__all__ = ["demo", "simulate"]
+__all__ = ["SHORTCUTS", "demo", "resume_command", "shortcuts", "simulate"]
 
 
 def simulate(
@@ -40,6 +46,8 @@ def simulate(
         str,
         Opt(help="flower (alias simulation): Flower's engine | ray: many clients per worker"),
     ] = "flower",
+    rounds: Annotated[int | None, Opt(help="rounds: --set num-rounds=N in short")] = None,
+    seed: Annotated[int | None, Opt(help="base seed: --set seed=S in short")] = None,
 ) -> None:
     """Federated DP-SGD + RS on Flower's simulation engine (Ray backend).
 
@@ -50,27 +58,41 @@ def simulate(
 
     With --resume, a run that was stopped (signal, crash, timeout) continues from its last
     checkpoint (OUT/checkpoint.pt, the nodes' states in OUT/node-state) and ends with the
-    same model as the run that was never stopped; give it the same --set values.
+    same model as the run that was never stopped; give it the same --set values. A run
+    stopped by Ctrl-C (or another signal) prints the command that resumes it.
     """
     overrides = parse_sets(set_ or [])
     try:
+        overrides |= shortcuts(overrides, rounds=rounds, seed=seed)
         check_run_config(overrides)  # before the imports below: they take seconds
     except ValueError as err:
         raise typer.BadParameter(str(err)) from err
     from fedsparse.lab.simulate import ENGINES, run_simulation
 
+    again = resume_command(
+        out=out,
+        clients=clients,
+        sets=set_ or [],
+        rounds=rounds,
+        seed=seed,
+        cpus_per_client=cpus_per_client,
+        gpus_per_client=gpus_per_client,
+        timeout=timeout,
+        backend=backend,
+    )
     try:
-        summary = run_simulation(
-            out=out,
-            overrides=overrides,
-            clients=clients,
-            cpus_per_client=cpus_per_client,
-            gpus_per_client=gpus_per_client,
-            timeout=timeout,
-            console=console,
-            resume=resume,
-            backend=choice("backend", backend, ENGINES, aliases=BACKEND_ALIASES),
-        )
+        with removed_on_failed_start(out), stop_hint(out, again, resume=resume):
+            summary = run_simulation(
+                out=out,
+                overrides=overrides,
+                clients=clients,
+                cpus_per_client=cpus_per_client,
+                gpus_per_client=gpus_per_client,
+                timeout=timeout,
+                console=console,
+                resume=resume,
+                backend=choice("backend", backend, ENGINES, aliases=BACKEND_ALIASES),
+            )
     except ValueError as err:
         raise typer.BadParameter(str(err)) from err
     except RuntimeError as err:
@@ -97,4 +119,78 @@ def demo(out: Annotated[Path, Opt(help="output directory")] = Path("runs/demo"))
         timeout=3600.0,
         resume=False,
         backend="flower",
+        rounds=None,
+        seed=None,
     )
+
+
+#: ``simulate``'s shortcut options and the run-config key each one sets.
+SHORTCUTS = {"rounds": "num-rounds", "seed": "seed"}
+
+
+def shortcuts(overrides: Mapping[str, str], **values: int | None) -> dict[str, str]:
+    """The run-config overrides of the shortcut options given (``SHORTCUTS``).
+
+    Raises:
+        ValueError: a shortcut whose key ``--set`` sets too (dashes or underscores alike).
+    """
+    given = {key.replace("_", "-"): (key, value) for key, value in overrides.items()}
+    out = {}
+    for option, value in values.items():
+        if value is None:
+            continue
+        key = SHORTCUTS[option]
+        if key in given:
+            set_key, set_value = given[key]
+            raise ValueError(
+                f"--{option} {value}: --set {set_key}={set_value} sets {key} too; give one"
+            )
+        out[key] = str(value)
+    return out
+
+
+def resume_command(
+    *,
+    out: Path,
+    clients: int,
+    sets: Sequence[str],
+    rounds: int | None,
+    seed: int | None,
+    cpus_per_client: float,
+    gpus_per_client: float,
+    timeout: float,
+    backend: str,
+) -> str:
+    """The ``fedsparse simulate ... --resume`` line that continues this run (options at their
+    defaults left out)."""
+    args = ["fedsparse", "simulate", "--out", str(out), "--clients", str(clients)]
+    args += [a for item in sets for a in ("--set", item)]
+    args += ["--rounds", str(rounds)] if rounds is not None else []
+    args += ["--seed", str(seed)] if seed is not None else []
+    args += ["--backend", backend] if backend != "flower" else []
+    args += ["--cpus-per-client", f"{cpus_per_client:g}"] if cpus_per_client != 1.0 else []
+    args += ["--gpus-per-client", f"{gpus_per_client:g}"] if gpus_per_client else []
+    args += ["--timeout", f"{timeout:g}"] if timeout != 3600.0 else []
+    return shlex.join([*args, "--resume"])
+
+
+@contextmanager
+def stop_hint(out: Path, command: str, *, resume: bool) -> Iterator[None]:
+    """On a stop (Ctrl-C, a signal: ``KeyboardInterrupt``), prints how to go on: ``command``
+    when ``out`` holds this run's checkpoint (written since the command started, or the one
+    a ``--resume`` started from), else that there is nothing to resume yet."""
+    started = math.floor(time.time())  # file times may be whole seconds
+    try:
+        yield
+    except KeyboardInterrupt:
+        checkpoint = out / "checkpoint.pt"
+        if checkpoint.exists() and (resume or checkpoint.stat().st_mtime >= started):
+            console.print(
+                f"stopped; to continue from the last checkpoint: {command}",
+                markup=False,
+                highlight=False,
+                soft_wrap=True,
+            )
+        else:
+            console.print("stopped before the first checkpoint: nothing to resume", markup=False)
+        raise

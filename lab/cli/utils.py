@@ -7,7 +7,9 @@ and rich; torch, Flower, Opacus and Ray load inside the commands that run someth
 from __future__ import annotations
 
 import difflib
-from collections.abc import Mapping, Sequence
+import shutil
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -23,6 +25,7 @@ __all__ = [
     "console",
     "parse_sets",
     "rate",
+    "removed_on_failed_start",
 ]
 
 Choice = TypeVar("Choice", bound=str)
@@ -112,3 +115,17 @@ def check_run_config(overrides: Mapping[str, str]) -> None:
             raise ValueError(unknown_key("run config key", key, declared))
         if isinstance(default, bool | int | float):
             coerce(key, value, type(default))
+
+
+@contextmanager
+def removed_on_failed_start(out: Path) -> Iterator[None]:
+    """Removes ``out`` again if this command created it and then failed to start the run
+    (``ValueError``: a config, resume, data or ``--out`` problem): a failed start leaves
+    nothing behind. An ``out`` that existed before is left as it was."""
+    existed = out.exists()
+    try:
+        yield
+    except ValueError:
+        if not existed:
+            shutil.rmtree(out, ignore_errors=True)
+        raise
