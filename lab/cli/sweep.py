@@ -11,7 +11,15 @@ from typing import Annotated
 
 import typer
 
-from fedsparse.lab.cli.utils import BACKEND_ALIASES, Opt, choice, console, parse_sets, rate
+from fedsparse.lab.cli.utils import (
+    BACKEND_ALIASES,
+    Opt,
+    check_run_config,
+    choice,
+    console,
+    parse_sets,
+    rate,
+)
 
 __all__ = ["sweep"]
 
@@ -67,6 +75,11 @@ def sweep(
     """
     import shlex
 
+    fixed = parse_sets(set_ or [])
+    try:
+        check_run_config(fixed)  # before the imports below: they take seconds
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from err
     from fedsparse.lab.report import write_outputs
     from fedsparse.lab.sweep import (
         BACKENDS,
@@ -90,7 +103,6 @@ def sweep(
             downlink_bps=rate("downlink-rate", downlink_rate),
         )
         check_jobs(settings, jobs)
-        fixed = parse_sets(set_ or [])
         if not tune:
             plan = plan_sweep(
                 parse_grid(grid or []), fixed, seeds=seeds, clients=clients, scale_clip=scale_clip

@@ -61,6 +61,7 @@ def _probe(args: list[str]) -> dict[str, object]:
         (["train", "--no-such-option"], 2),
         (["simulate", "--rounds", "2", "--set", "num-rounds=3"], 2),  # a shortcut set twice
         (["deploy", "--set", "num-round=2"], 2),
+        (["sweep", "--set", "num-round=2"], 2),
     ],
 )
 def test_help_and_usage_errors_import_no_heavy_library(args: list[str], code: int) -> None:
