@@ -30,7 +30,9 @@ TRAIN_DEFAULTS: Final[dict[str, tuple[int, int, float]]] = {
 
 def train(
     out: Annotated[Path, Opt(help="output directory")] = Path("runs/train"),
-    dataset: Annotated[str, Opt(help="digits | mnist | fmnist | cifar10 | svhn")] = "digits",
+    dataset: Annotated[
+        str, Opt(help="digits | mnist | fmnist | cifar10 | svhn | mnist-5k")
+    ] = "digits",
     data_dir: Annotated[Path | None, Opt(help="directory with the dataset's files")] = None,
     model: Annotated[str | None, Opt(help="model name (default: per dataset)")] = None,
     epochs: Annotated[int | None, Opt(help="training epochs E (default: per dataset)")] = None,

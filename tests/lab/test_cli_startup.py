@@ -116,3 +116,39 @@ def test_python_dash_m_runs_the_command_line() -> None:
         timeout=60,
     )
     assert result.returncode == 0 and result.stdout.startswith("fedsparse "), result.stderr
+
+
+def _listed(help_text: str) -> list[str]:
+    """The names an option's help lists: ``a | b (why) | c``, after any ``label:`` prefix."""
+    return [segment.split(":")[-1].split()[0] for segment in help_text.split("|")]
+
+
+def test_train_help_lists_the_names_each_option_accepts() -> None:
+    """Every name ``train --help`` lists is accepted, and every accepted name is listed
+    (schedules: those that need no option train lacks, i.e. all but ``steps``)."""
+    import typer.main
+
+    from fedsparse.common.data import DATASET_NAMES, EVAL_SPLITS
+    from fedsparse.common.dp import MECHANISMS
+    from fedsparse.common.engines import ENGINES
+    from fedsparse.common.methods import METHODS, SELECTION_MODES, SELECTIONS
+    from fedsparse.common.privacy import ACCOUNTANTS
+    from fedsparse.common.schedules import SCHEDULES
+    from fedsparse.common.training import DEVICES
+
+    accepted = {
+        "dataset": DATASET_NAMES,
+        "eval_split": EVAL_SPLITS,
+        "mechanism": MECHANISMS,
+        "engine": ENGINES,
+        "method": METHODS,
+        "selection": SELECTIONS,
+        "selection_mode": SELECTION_MODES,
+        "accountant": ACCOUNTANTS,
+        "device": DEVICES,
+        "schedule": tuple(s for s in SCHEDULES if s != "steps"),  # steps: a list train lacks
+    }
+    command = typer.main.get_command(app).commands["train"]  # type: ignore[attr-defined]
+    helps = {param.name: param.help for param in command.params}
+    for name, names in accepted.items():
+        assert sorted(_listed(helps[name])) == sorted(names), name
