@@ -30,7 +30,6 @@ import dataclasses
 import io
 import json
 import math
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
@@ -42,7 +41,7 @@ import numpy as np
 import torch
 
 from fedsparse.lab.stats import mean_se, paired_t_interval
-from fedsparse.lab.sweep import SweepPlan, SweepRun, _stop_pool, point_label
+from fedsparse.lab.sweep import SweepPlan, SweepRun, point_label, stop_pool
 from fedsparse.lab.tuning import (
     CONFIDENCE,
     TUNE_SEED_OFFSET,
@@ -152,44 +151,46 @@ class CentralSpec:
 
 def _execute(spec_json: str, run_dir: str, threads: int) -> dict[str, Any]:
     """Runs one spec into ``run_dir`` (in a worker process when ``jobs > 1``)."""
+    from fedsparse.common.known_warnings import quiet_known_warnings
     from fedsparse.common.seeds import Stream, stream_seed
     from fedsparse.common.training import PrivacyConfig, SparsityConfig, TrainConfig
-    from fedsparse.lab.cli import QUIET_WARNINGS, run_train
+    from fedsparse.lab.train import run_train
 
     if threads > 0:
         torch.set_num_threads(threads)
     spec = CentralSpec(**json.loads(spec_json))
     out = Path(run_dir)
-    with warnings.catch_warnings():
-        for message in QUIET_WARNINGS:
-            warnings.filterwarnings("ignore", message=message)
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            run_train(
-                out=out,
-                dataset=spec.dataset,  # type: ignore[arg-type]
-                data_dir=None,
-                model_name=spec.model,  # type: ignore[arg-type]
-                privacy=PrivacyConfig(
-                    mechanism=spec.mechanism,  # type: ignore[arg-type]
-                    noise_multiplier=spec.noise_multiplier,
-                    target_epsilon=spec.target_epsilon,
-                    max_grad_norm=spec.max_grad_norm,
-                ),
-                sparsity=SparsityConfig(
-                    schedule="gradual",
-                    final_rate=spec.rate,
-                    mask_seed=stream_seed(spec.seed, Stream.EPOCH_MASKS),
-                ),
-                train=TrainConfig(
-                    epochs=spec.epochs,
-                    batch_size=spec.batch_size,
-                    lr=spec.lr,
-                    momentum=spec.momentum,
-                    seed=spec.seed,
-                ),
-                eval_split=spec.eval_split,  # type: ignore[arg-type]
-                split_seed=spec.split_seed,
-            )
+    with (
+        quiet_known_warnings(),
+        contextlib.redirect_stdout(io.StringIO()),
+        contextlib.redirect_stderr(io.StringIO()),
+    ):
+        run_train(
+            out=out,
+            dataset=spec.dataset,  # type: ignore[arg-type]
+            data_dir=None,
+            model_name=spec.model,  # type: ignore[arg-type]
+            privacy=PrivacyConfig(
+                mechanism=spec.mechanism,  # type: ignore[arg-type]
+                noise_multiplier=spec.noise_multiplier,
+                target_epsilon=spec.target_epsilon,
+                max_grad_norm=spec.max_grad_norm,
+            ),
+            sparsity=SparsityConfig(
+                schedule="gradual",
+                final_rate=spec.rate,
+                mask_seed=stream_seed(spec.seed, Stream.EPOCH_MASKS),
+            ),
+            train=TrainConfig(
+                epochs=spec.epochs,
+                batch_size=spec.batch_size,
+                lr=spec.lr,
+                momentum=spec.momentum,
+                seed=spec.seed,
+            ),
+            eval_split=spec.eval_split,  # type: ignore[arg-type]
+            split_seed=spec.split_seed,
+        )
     (out / "spec.json").write_text(json.dumps(_recorded_spec(spec)) + "\n")
     return _read_row(spec, out, reused=False)
 
@@ -297,7 +298,7 @@ def run_specs(
                 if log:
                     log(f"  [{done}/{total}] {spec.slug}: {_row_text(rows[spec.slug])}")
         except BaseException:  # a stop: cancel what is queued, stop the workers by PID
-            _stop_pool(pool)
+            stop_pool(pool)
             raise
         pool.shutdown(wait=True)
     return [rows[spec.slug] for spec in specs]
@@ -1092,10 +1093,11 @@ def run_reproduction(
     parts: Sequence[str] = PARTS,
     jobs: int = 1,
     log: Log | None = None,
-    command: str = "",
 ) -> Reproduction:
-    """Runs the chosen ``parts`` of ``plan`` (finished runs reused) and writes ``out``'s
-    report, CSVs and plots; returns the measurements."""
+    """Runs the chosen ``parts`` of ``plan`` (finished runs reused); returns the measurements.
+
+    ``lab/reproduce_report.py:reproduce_and_report`` runs them and writes ``out``'s report,
+    CSVs and plots."""
     for part in parts:
         if part not in PARTS:
             raise ValueError(f"parts: {part!r}: expected some of {', '.join(PARTS)}")
@@ -1153,7 +1155,4 @@ def run_reproduction(
             log(f"scaling rule: {len(specs)} runs")
         rows = iter(run_specs(specs, runs_dir / "scaling", jobs=jobs, log=log))
         result.scaling = {cell: [next(rows) for _ in group] for cell, group in by_cell.items()}
-    from fedsparse.lab.reproduce_report import write_report
-
-    write_report(result, plan, out, command=command)
     return result

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from matplotlib.figure import Figure
@@ -31,18 +31,20 @@ from fedsparse.lab.report import write_csv
 from fedsparse.lab.reproduce import (
     EQUIVALENCE_MARGIN,
     PAPER_NOISE_DIM,
+    PARTS,
     RISING_TOLERANCE,
     Comparison,
     Convergence,
+    Log,
+    Reproduction,
+    ReproductionPlan,
     _mean_se,
     _paired,
     gain_verdict,
+    run_reproduction,
 )
 
-if TYPE_CHECKING:
-    from fedsparse.lab.reproduce import Reproduction, ReproductionPlan
-
-__all__ = ["write_report"]
+__all__ = ["reproduce_and_report", "write_report"]
 
 COMMAND = "fedsparse reproduce --out docs/reproduction --runs-dir runs/reproduction --jobs 2"
 
@@ -829,3 +831,21 @@ def write_report(
     path = out / "report.md"
     path.write_text("\n".join(head + body) + "\n")
     return path
+
+
+def reproduce_and_report(
+    plan: ReproductionPlan,
+    *,
+    out: Path,
+    runs_dir: Path,
+    parts: Sequence[str] = PARTS,
+    jobs: int = 1,
+    log: Log | None = None,
+    command: str = "",
+) -> Reproduction:
+    """Runs the chosen ``parts`` of ``plan`` (``run_reproduction``: finished runs reused) and
+    writes ``out``'s report, CSVs and plots (``write_report``, recording ``command``); returns
+    the measurements."""
+    result = run_reproduction(plan, out=out, runs_dir=runs_dir, parts=parts, jobs=jobs, log=log)
+    write_report(result, plan, out, command=command)
+    return result

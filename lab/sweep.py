@@ -69,6 +69,7 @@ __all__ = [
     "parse_grid",
     "plan_sweep",
     "run_sweep",
+    "stop_pool",
 ]
 
 Backend = Literal["simulation", "inprocess", "deploy", "ray"]
@@ -509,7 +510,7 @@ class SweepInterrupted(KeyboardInterrupt):
         self.plan = plan  # the plan whose rows these are, where the raiser knows it
 
 
-def _stop_pool(pool: Executor) -> None:
+def stop_pool(pool: Executor) -> None:
     """Cancels what has not started and stops what runs: worker threads see ``request_stop``
     (their launchers stop every process they started); worker processes are stopped by PID.
     """
@@ -577,7 +578,7 @@ def run_sweep(
                     for future in as_completed(futures):
                         done(future.result())
                 except BaseException:
-                    _stop_pool(pool)
+                    stop_pool(pool)
                     raise
                 pool.shutdown()
         except KeyboardInterrupt:

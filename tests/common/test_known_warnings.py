@@ -151,5 +151,5 @@ def test_no_module_of_ours_writes_its_own_filter_for_them() -> None:
                 if k.message in text
             ]
     # Still their own filters, to switch to quiet_known_warnings() (then leave this set).
-    pending = {"lab/cli.py", "client/app.py", "common/training.py"}
+    pending = {"client/app.py", "common/training.py"}
     assert [f for f in found if f.split(":")[0] not in pending] == []

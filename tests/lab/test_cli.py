@@ -100,7 +100,8 @@ def test_train_runs_layer_freezing_and_reports_total_density(tmp_path: Path) -> 
 _IMPORT_CHECK = """
 import ast, importlib, sys, warnings
 from pathlib import Path
-lab = sorted(Path(sys.argv[1]).glob("*.py"))
+root = Path(sys.argv[1])
+lab = sorted(root.rglob("*.py"))
 for path in lab:
     for node in ast.parse(path.read_text()).body:
         names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
@@ -111,7 +112,10 @@ for path in lab:
 import matplotlib
 filters, backend = list(warnings.filters), dict.__getitem__(matplotlib.rcParams, "backend")
 for path in lab:
-    importlib.import_module(f"fedsparse.lab.{path.stem}")
+    parts = path.relative_to(root).with_suffix("").parts
+    parts = parts[:-1] if parts[-1] == "__init__" else parts
+    if parts[-1:] != ("__main__",):  # runs the command line
+        importlib.import_module(".".join(("fedsparse.lab", *parts)))
 assert warnings.filters == filters, [f for f in warnings.filters if f not in filters]
 assert dict.__getitem__(matplotlib.rcParams, "backend") == backend
 assert "matplotlib.pyplot" not in sys.modules
@@ -124,7 +128,8 @@ def test_importing_lab_changes_no_global_state() -> None:
         [sys.executable, "-c", _IMPORT_CHECK, str(LAB)], capture_output=True, text=True
     )
     assert result.returncode == 0, result.stderr
-    assert int(result.stdout) == len(list(LAB.glob("*.py")))
+    assert int(result.stdout) == len(list(LAB.rglob("*.py")))
+    assert (LAB / "cli" / "app.py").is_file()  # the command line's package is among them
 
 
 def test_main_ignores_the_chatter_only_while_it_runs(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -176,17 +181,17 @@ def test_an_unknown_command_is_suggested_once() -> None:
 
 
 def test_one_backend_vocabulary_in_every_command() -> None:
-    from fedsparse.lab.cli import BACKEND_ALIASES, _choice
+    from fedsparse.lab.cli.utils import BACKEND_ALIASES, choice
     from fedsparse.lab.simulate import ENGINES
     from fedsparse.lab.sweep import BACKENDS
 
-    assert _choice("backend", "simulation", ENGINES, aliases=BACKEND_ALIASES) == "flower"
-    assert _choice("backend", "flower", BACKENDS, aliases=BACKEND_ALIASES) == "simulation"
-    assert _choice("backend", "ray", BACKENDS, aliases=BACKEND_ALIASES) == "ray"
+    assert choice("backend", "simulation", ENGINES, aliases=BACKEND_ALIASES) == "flower"
+    assert choice("backend", "flower", BACKENDS, aliases=BACKEND_ALIASES) == "simulation"
+    assert choice("backend", "ray", BACKENDS, aliases=BACKEND_ALIASES) == "ray"
     with pytest.raises(
         ValueError, match=r"backend='rya': expected one of .* \(did you mean 'ray'\?\)"
     ):
-        _choice("backend", "rya", ENGINES, aliases=BACKEND_ALIASES)
+        choice("backend", "rya", ENGINES, aliases=BACKEND_ALIASES)
 
 
 def test_train_names_a_bad_out_and_the_files_a_dataset_needs(tmp_path: Path) -> None:

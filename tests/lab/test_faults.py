@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -310,7 +311,20 @@ def test_a_simulation_stopped_by_sigterm_resumes_to_the_uninterrupted_model(
     assert all(r.num_accepted == 3 for r in read_rounds(cut / "rounds.jsonl"))
     states = sorted(str(f.relative_to(cut)) for f in (cut / "node-state").rglob("*.json"))
     where = f"killed after {stopped_at} logged rounds, checkpoint round {checkpointed}, {states}"
-    process, _ = _start([*base, "--out", str(cut), "--resume"], tmp_path / "resume.log")
+    # the stopped command printed the line that resumes it: the same options, plus --resume
+    printed = [x for x in (tmp_path / "cut.log").read_text().splitlines() if "to continue" in x]
+    resume = shlex.split(printed[-1].split("checkpoint: ", 1)[1])
+    assert resume == [
+        "fedsparse",
+        "simulate",
+        "--out",
+        str(cut),
+        "--clients",
+        "3",
+        *sets,
+        "--resume",
+    ]
+    process, _ = _start(resume[1:], tmp_path / "resume.log")
     assert process.wait(timeout=400) == 0, (tmp_path / "resume.log").read_text()[-2000:]
     rounds_a, rounds_b = read_rounds(whole / "rounds.jsonl"), read_rounds(cut / "rounds.jsonl")
     assert [r.round for r in rounds_b] == list(range(1, 21)), where

@@ -25,11 +25,14 @@ from fedsparse.lab.reproduce import (
     gain_verdict,
     measure_noise_ratio,
     run_central_study,
-    run_reproduction,
     run_specs,
     still_rising,
 )
-from fedsparse.lab.reproduce_report import _ablation_section, _scaling_section
+from fedsparse.lab.reproduce_report import (
+    _ablation_section,
+    _scaling_section,
+    reproduce_and_report,
+)
 from fedsparse.lab.tuning import ArmChoice, PairedDifference
 
 
@@ -347,7 +350,7 @@ def test_reproduction_report_matches_its_runs(tmp_path: Path) -> None:
         scaling=CentralSpec(epochs=1, rate=0.7),
     )
     out = tmp_path / "report"
-    run_reproduction(plan, out=out, runs_dir=tmp_path / "runs", command="fedsparse reproduce")
+    reproduce_and_report(plan, out=out, runs_dir=tmp_path / "runs", command="fedsparse reproduce")
     report = (out / "report.md").read_text()
     for needle in ("## Verdicts", "Fig. 1c", "Table 2", "Fig. 3", "App. H", "fedsparse reproduce"):
         assert needle in report
@@ -396,7 +399,7 @@ def test_reproduction_report_matches_its_runs(tmp_path: Path) -> None:
         assert len(accs) == 2
         assert float(row["test_accuracy_mean"]) == pytest.approx(sum(accs) / 2)
     # a second run reuses every run (the noise draws are seeded): the same report
-    run_reproduction(plan, out=out, runs_dir=tmp_path / "runs", command="fedsparse reproduce")
+    reproduce_and_report(plan, out=out, runs_dir=tmp_path / "runs", command="fedsparse reproduce")
     assert (out / "report.md").read_text() == report
 
 

@@ -1,0 +1,196 @@
+"""``fedsparse simulate`` and ``fedsparse demo``: one federation on this machine.
+
+The run itself is ``lab/simulate.py:run_simulation`` (Flower's simulation engine, or RayGrid
+with ``--backend ray``); here are its options, the checks that need no heavy import, and the
+closing line.
+"""
+
+from __future__ import annotations
+
+import math
+import shlex
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from fedsparse.lab.cli.utils import (
+    BACKEND_ALIASES,
+    Opt,
+    check_run_config,
+    choice,
+    console,
+    parse_sets,
+    removed_on_failed_start,
+)
+
+__all__ = ["SHORTCUTS", "demo", "resume_command", "shortcuts", "simulate"]
+
+
+def simulate(
+    out: Annotated[Path, Opt(help="output directory")] = Path("runs/simulate"),
+    clients: Annotated[int, Opt(help="number of virtual clients (SuperNodes)")] = 10,
+    set_: Annotated[list[str] | None, Opt("--set", help="run-config override key=value")] = None,
+    cpus_per_client: Annotated[float, Opt(help="Ray CPUs per virtual client")] = 1.0,
+    gpus_per_client: Annotated[
+        float, Opt(help="Ray GPUs per virtual client, fractional (0.25: 4 share a GPU)")
+    ] = 0.0,
+    timeout: Annotated[float, Opt(help="seconds before the run is stopped")] = 3600.0,
+    resume: Annotated[
+        bool, Opt(help="continue the run in OUT from its checkpoint (same --set values)")
+    ] = False,
+    backend: Annotated[
+        str,
+        Opt(help="flower (alias simulation): Flower's engine | ray: many clients per worker"),
+    ] = "flower",
+    rounds: Annotated[int | None, Opt(help="rounds: --set num-rounds=N in short")] = None,
+    seed: Annotated[int | None, Opt(help="base seed: --set seed=S in short")] = None,
+) -> None:
+    """Federated DP-SGD + RS on Flower's simulation engine (Ray backend).
+
+    --backend ray runs the same server loop and ClientApp on a local Ray cluster whose
+    workers (one per CPU, or per --gpus-per-client share of a GPU) each hold many virtual
+    clients and train a batch of them per Ray task: for 1000+ clients. With the same seeds
+    and full participation it ends with the same model as --backend flower, bit for bit.
+
+    With --resume, a run that was stopped (signal, crash, timeout) continues from its last
+    checkpoint (OUT/checkpoint.pt, the nodes' states in OUT/node-state) and ends with the
+    same model as the run that was never stopped; give it the same --set values. A run
+    stopped by Ctrl-C (or another signal) prints the command that resumes it.
+    """
+    overrides = parse_sets(set_ or [])
+    try:
+        overrides |= shortcuts(overrides, rounds=rounds, seed=seed)
+        check_run_config(overrides)  # before the imports below: they take seconds
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from err
+    from fedsparse.lab.simulate import ENGINES, run_simulation
+
+    again = resume_command(
+        out=out,
+        clients=clients,
+        sets=set_ or [],
+        rounds=rounds,
+        seed=seed,
+        cpus_per_client=cpus_per_client,
+        gpus_per_client=gpus_per_client,
+        timeout=timeout,
+        backend=backend,
+    )
+    try:
+        with removed_on_failed_start(out), stop_hint(out, again, resume=resume):
+            summary = run_simulation(
+                out=out,
+                overrides=overrides,
+                clients=clients,
+                cpus_per_client=cpus_per_client,
+                gpus_per_client=gpus_per_client,
+                timeout=timeout,
+                console=console,
+                resume=resume,
+                backend=choice("backend", backend, ENGINES, aliases=BACKEND_ALIASES),
+            )
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from err
+    except RuntimeError as err:
+        console.print(f"[bold red]simulation failed:[/] {err}")
+        raise typer.Exit(1) from err
+    up, dense = summary.total_uplink_payload_bytes, summary.total_dense_uplink_bytes
+    console.print(
+        f"[bold green]final test accuracy {summary.final_test_accuracy:.4f}[/], "
+        f"epsilon max {summary.epsilon_max:.3f} (median {summary.epsilon_median:.3f}) at "
+        f"delta={summary.delta:g}\nuplink {up / 1e6:.3f} MB vs dense {dense / 1e6:.3f} MB "
+        f"({summary.uplink_savings:.2f}x less); Flower messages "
+        f"{summary.total_uplink_message_bytes / 1e6:.3f} MB; wrote {out / 'rounds.jsonl'}"
+    )
+
+
+def demo(out: Annotated[Path, Opt(help="output directory")] = Path("runs/demo")) -> None:
+    """10 clients on the embedded digits: epsilon=3, gradual cooling to r*=0.7, 10 rounds."""
+    simulate(
+        out=out,
+        clients=10,
+        set_=None,
+        cpus_per_client=1.0,
+        gpus_per_client=0.0,
+        timeout=3600.0,
+        resume=False,
+        backend="flower",
+        rounds=None,
+        seed=None,
+    )
+
+
+#: ``simulate``'s shortcut options and the run-config key each one sets.
+SHORTCUTS = {"rounds": "num-rounds", "seed": "seed"}
+
+
+def shortcuts(overrides: Mapping[str, str], **values: int | None) -> dict[str, str]:
+    """The run-config overrides of the shortcut options given (``SHORTCUTS``).
+
+    Raises:
+        ValueError: a shortcut whose key ``--set`` sets too (dashes or underscores alike).
+    """
+    given = {key.replace("_", "-"): (key, value) for key, value in overrides.items()}
+    out = {}
+    for option, value in values.items():
+        if value is None:
+            continue
+        key = SHORTCUTS[option]
+        if key in given:
+            set_key, set_value = given[key]
+            raise ValueError(
+                f"--{option} {value}: --set {set_key}={set_value} sets {key} too; give one"
+            )
+        out[key] = str(value)
+    return out
+
+
+def resume_command(
+    *,
+    out: Path,
+    clients: int,
+    sets: Sequence[str],
+    rounds: int | None,
+    seed: int | None,
+    cpus_per_client: float,
+    gpus_per_client: float,
+    timeout: float,
+    backend: str,
+) -> str:
+    """The ``fedsparse simulate ... --resume`` line that continues this run (options at their
+    defaults left out)."""
+    args = ["fedsparse", "simulate", "--out", str(out), "--clients", str(clients)]
+    args += [a for item in sets for a in ("--set", item)]
+    args += ["--rounds", str(rounds)] if rounds is not None else []
+    args += ["--seed", str(seed)] if seed is not None else []
+    args += ["--backend", backend] if backend != "flower" else []
+    args += ["--cpus-per-client", f"{cpus_per_client:g}"] if cpus_per_client != 1.0 else []
+    args += ["--gpus-per-client", f"{gpus_per_client:g}"] if gpus_per_client else []
+    args += ["--timeout", f"{timeout:g}"] if timeout != 3600.0 else []
+    return shlex.join([*args, "--resume"])
+
+
+@contextmanager
+def stop_hint(out: Path, command: str, *, resume: bool) -> Iterator[None]:
+    """On a stop (Ctrl-C, a signal: ``KeyboardInterrupt``), prints how to go on: ``command``
+    when ``out`` holds this run's checkpoint (written since the command started, or the one
+    a ``--resume`` started from), else that there is nothing to resume yet."""
+    started = math.floor(time.time())  # file times may be whole seconds
+    try:
+        yield
+    except KeyboardInterrupt:
+        checkpoint = out / "checkpoint.pt"
+        if checkpoint.exists() and (resume or checkpoint.stat().st_mtime >= started):
+            console.print(
+                f"stopped; to continue from the last checkpoint: {command}",
+                markup=False,
+                highlight=False,
+                soft_wrap=True,
+            )
+        else:
+            console.print("stopped before the first checkpoint: nothing to resume", markup=False)
+        raise

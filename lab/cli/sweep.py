@@ -1,0 +1,172 @@
+"""``fedsparse sweep``: a grid of runs x seeds (optionally tuned per arm), with its report.
+
+Planning, running and the outputs are ``lab/sweep.py``, ``lab/tuning.py`` and
+``lab/report.py``; here are the options and the command line the report records.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from fedsparse.lab.cli.utils import (
+    BACKEND_ALIASES,
+    Opt,
+    check_run_config,
+    choice,
+    console,
+    parse_sets,
+    rate,
+)
+
+__all__ = ["sweep"]
+
+
+def sweep(
+    out: Annotated[Path, Opt(help="output: CSVs, plots, report.md")] = Path("runs/sweep"),
+    grid: Annotated[
+        list[str] | None, Opt("--grid", help="key=v1,v2,... (repeat for a cartesian product)")
+    ] = None,
+    set_: Annotated[list[str] | None, Opt("--set", help="fixed override key=value")] = None,
+    seeds: Annotated[int, Opt(help="seeds per config: base+0..N-1 (base: --set seed)")] = 1,
+    clients: Annotated[int, Opt(help="clients (SuperNodes) per run")] = 10,
+    backend: Annotated[
+        str, Opt(help="simulation (alias flower) | inprocess | deploy | ray")
+    ] = "simulation",
+    jobs: Annotated[int, Opt(help="runs at a time")] = 1,
+    timeout: Annotated[float, Opt(help="seconds per simulation run")] = 3600.0,
+    cpus_per_client: Annotated[float, Opt(help="Ray CPUs per virtual client")] = 1.0,
+    gpus_per_client: Annotated[
+        float, Opt(help="Ray GPUs per virtual client (simulation, ray), e.g. 0.25")
+    ] = 0.0,
+    runs_dir: Annotated[Path | None, Opt(help="per-run directories (default OUT/runs)")] = None,
+    uplink_rate: Annotated[
+        str | None, Opt(help="deploy: shape each node's uplink, e.g. 1mbit")
+    ] = None,
+    downlink_rate: Annotated[
+        str | None, Opt(help="deploy: shape each node's downlink, e.g. 8mbit")
+    ] = None,
+    tune: Annotated[
+        list[str] | None,
+        Opt("--tune", help="key=v1,v2,...: tune each grid point (arm) over these, on validation"),
+    ] = None,
+    tune_seeds: Annotated[int, Opt(help="--tune: seeds per tuning combination")] = 2,
+    scale_clip: Annotated[
+        bool,
+        Opt(
+            help="scaling rule (RS App. H): max-grad-norm = C (1 - momentum) per run, C the "
+            "--set max-grad-norm tuned at momentum 0, along a --grid momentum=..."
+        ),
+    ] = False,
+) -> None:
+    """Bandwidth vs accuracy: a grid of runs x seeds; results/summary CSVs, plots, report.md.
+
+    With --tune, every grid point (arm) is first tuned over the --tune grid on a validation
+    split (20% of the training split held out; seeds from base + 1000), then each arm runs at
+    its own best on the test split with --seeds paired seeds, and the report compares every
+    arm with the first, best vs best, with 95% intervals (lab/tuning.py).
+
+    --backend ray runs every run on one local Ray cluster and one set of workers
+    (lab/raygrid.py), one run at a time (--jobs 1): each run uses every worker.
+    Finished runs (summary.json with the same config) are reused; failed runs are recorded and
+    the sweep goes on (exit code 1 at the end if any failed).
+    """
+    import shlex
+
+    fixed = parse_sets(set_ or [])
+    try:
+        check_run_config(fixed)  # before the imports below: they take seconds
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from err
+    from fedsparse.lab.report import write_outputs
+    from fedsparse.lab.sweep import (
+        BACKENDS,
+        RunSettings,
+        SweepInterrupted,
+        check_jobs,
+        parse_grid,
+        plan_sweep,
+        run_sweep,
+    )
+    from fedsparse.lab.tuning import render_tuning, run_tuned_sweep
+
+    try:
+        settings = RunSettings(
+            backend=choice("backend", backend, BACKENDS, aliases=BACKEND_ALIASES),
+            clients=clients,
+            cpus_per_client=cpus_per_client,
+            gpus_per_client=gpus_per_client,
+            timeout=timeout,
+            uplink_bps=rate("uplink-rate", uplink_rate),
+            downlink_bps=rate("downlink-rate", downlink_rate),
+        )
+        check_jobs(settings, jobs)
+        if not tune:
+            plan = plan_sweep(
+                parse_grid(grid or []), fixed, seeds=seeds, clients=clients, scale_clip=scale_clip
+            )
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from err
+    args = ["fedsparse", "sweep", "--out", str(out)]
+    args += [a for g in grid or [] for a in ("--grid", g)]
+    args += [a for s in set_ or [] for a in ("--set", s)]
+    args += ["--seeds", str(seeds), "--clients", str(clients), "--backend", backend]
+    args += ["--jobs", str(jobs)] + (["--runs-dir", str(runs_dir)] if runs_dir else [])
+    args += ["--gpus-per-client", str(gpus_per_client)] if gpus_per_client else []
+    args += ["--uplink-rate", uplink_rate] if uplink_rate else []
+    args += ["--downlink-rate", downlink_rate] if downlink_rate else []
+    args += [a for t in tune or [] for a in ("--tune", t)]
+    args += ["--tune-seeds", str(tune_seeds)] if tune else []
+    args += ["--scale-clip"] if scale_clip else []
+    runs_dir = runs_dir or out / "runs"
+    extra: list[str] = []
+    try:
+        if tune:
+            try:
+                result = run_tuned_sweep(
+                    parse_grid(grid or []),
+                    parse_grid(tune),
+                    fixed,
+                    tune_seeds=tune_seeds,
+                    seeds=seeds,
+                    settings=settings,
+                    runs_dir=runs_dir,
+                    jobs=jobs,
+                    scale_clip=scale_clip,
+                    console=console,
+                    tuning_csv=out / "tuning.csv",
+                )
+            except ValueError as err:
+                raise typer.BadParameter(str(err)) from err
+            plan, rows = result.plan, result.rows
+            extra = render_tuning(
+                result.choices, result.differences, tune=parse_grid(tune), tune_seeds=tune_seeds
+            )
+        else:
+            console.print(
+                f"[bold]{len(plan.runs)} runs[/] ({len(plan.runs) // seeds} configs x {seeds} "
+                f"seeds, {clients} clients, {backend}); run directories under {runs_dir}"
+            )
+            rows = run_sweep(plan, runs_dir=runs_dir, settings=settings, jobs=jobs, console=console)
+    except SweepInterrupted as stop:  # the CSVs and report of what finished, then the exit
+        if stop.plan is None and tune:  # stopped while tuning: tuning.csv is not written
+            raise
+        stopped = stop.plan or plan
+        paths = write_outputs(out, stopped, settings, stop.rows, command=shlex.join(args))
+        done = sum(r["status"] == "ok" for r in stop.rows)
+        console.print(
+            f"[bold red]sweep interrupted[/]: {done} of {len(stop.rows)} runs finished; "
+            f"wrote {paths['results.csv']} and {paths['report.md']}"
+        )
+        raise
+    paths = write_outputs(out, plan, settings, rows, command=shlex.join(args), extra=extra)
+    failed = sum(r["status"] != "ok" for r in rows)
+    reused = sum(bool(r["reused"]) for r in rows)
+    console.print(
+        f"[bold]{len(rows) - failed} ok[/] ({reused} reused), [bold]{failed} failed[/]; "
+        f"wrote {paths['results.csv']}, {paths['summary.csv']} and {paths['report.md']}"
+    )
+    if failed:
+        raise typer.Exit(1)

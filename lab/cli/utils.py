@@ -1,0 +1,131 @@
+"""What every command of ``fedsparse`` shares: the console, name checks, ``--set`` parsing.
+
+Light on purpose: ``fedsparse --help`` and a command's usage errors import only this, typer
+and rich; torch, Flower, Opacus and Ray load inside the commands that run something.
+"""
+
+from __future__ import annotations
+
+import difflib
+import shutil
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+import typer
+from rich.console import Console
+
+__all__ = [
+    "BACKEND_ALIASES",
+    "STATE",
+    "check_run_config",
+    "Opt",
+    "choice",
+    "console",
+    "parse_sets",
+    "rate",
+    "removed_on_failed_start",
+]
+
+Choice = TypeVar("Choice", bound=str)
+
+Opt = typer.Option
+
+console = Console()
+if not console.is_terminal:  # logs and CI: do not squeeze the round table into 80 columns
+    console = Console(width=140)
+
+#: What ``main`` needs to know of the command's run: ``--debug``, the stopping signal.
+STATE: dict[str, Any] = {"debug": False, "signal": None}
+
+#: Backend names every command accepts: one vocabulary, ``simulate``'s and ``sweep``'s.
+#: ``flower`` (``simulate``) and ``simulation`` (``sweep``) are Flower's simulation engine.
+BACKEND_ALIASES: dict[str, str] = {"simulation": "flower", "flower": "simulation"}
+
+
+def choice(
+    field: str, value: str, choices: Sequence[Choice], *, aliases: Mapping[str, str] = {}
+) -> Choice:
+    """``value`` as the one of ``choices`` it names (directly or through ``aliases``).
+
+    Raises:
+        ValueError: none of them (naming ``field`` and ``value``, and the closest choice).
+    """
+    for option in choices:
+        if aliases.get(value, value) == option or value == option:
+            return option
+    close = difflib.get_close_matches(value, list(choices), n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise ValueError(f"{field}={value!r}: expected one of {', '.join(choices)}{hint}")
+
+
+def rate(field: str, text: str | None) -> float | None:
+    """A link rate option in bit/s (``lab/netns.py:parse_rate``), or None if not given."""
+    from fedsparse.lab.netns import parse_rate
+
+    return None if text is None else parse_rate(text, field=field)
+
+
+def parse_sets(items: list[str]) -> dict[str, str]:
+    """``--set key=value`` options as a mapping (the last of a repeated key wins).
+
+    Raises:
+        typer.BadParameter: an item without ``=`` or without a key.
+    """
+    overrides = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise typer.BadParameter(f"--set {item!r}: expected key=value")
+        overrides[key.strip()] = value.strip()
+    return overrides
+
+
+#: The app's ``pyproject.toml`` (``lab/flower.py:APP_DIR``'s, found without importing that
+#: module, which loads torch): its ``[tool.flwr.app.config]`` lists every run-config key with a
+#: default of the key's type (``tests/common/test_config.py`` keeps it equal to the config).
+APP_PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
+
+
+def check_run_config(overrides: Mapping[str, str]) -> None:
+    """Fails fast on an unknown run-config key or a value of the wrong scalar type.
+
+    The same errors, word for word, as ``FederatedConfig.from_run_config`` raises for them,
+    found in milliseconds instead of the seconds the config module takes to import (it
+    loads torch and Opacus to list valid names): the full check still runs when the command
+    starts. Without the app's ``pyproject.toml`` (an installed, non-editable package), there
+    is nothing to check here and the full check alone runs.
+
+    Raises:
+        ValueError: ``run config key 'num-round' is unknown; did you mean 'num-rounds'?``,
+            or ``key=value: expected int`` (bool, int and float keys).
+    """
+    import tomllib
+
+    from fedsparse.common.coerce import coerce, unknown_key
+
+    try:
+        declared = tomllib.loads(APP_PYPROJECT.read_text())["tool"]["flwr"]["app"]["config"]
+    except (OSError, KeyError, tomllib.TOMLDecodeError):
+        return
+    for key, value in overrides.items():
+        default = declared.get(key.replace("_", "-"))
+        if default is None:
+            raise ValueError(unknown_key("run config key", key, declared))
+        if isinstance(default, bool | int | float):
+            coerce(key, value, type(default))
+
+
+@contextmanager
+def removed_on_failed_start(out: Path) -> Iterator[None]:
+    """Removes ``out`` again if this command created it and then failed to start the run
+    (``ValueError``: a config, resume, data or ``--out`` problem): a failed start leaves
+    nothing behind. An ``out`` that existed before is left as it was."""
+    existed = out.exists()
+    try:
+        yield
+    except ValueError:
+        if not existed:
+            shutil.rmtree(out, ignore_errors=True)
+        raise
