@@ -30,6 +30,7 @@ from fedsparse.common.training import (
     planned_engine,
     train_centralized,
 )
+from fedsparse.lab.export import save_trained
 
 __all__ = ["run_train"]
 
@@ -122,10 +123,11 @@ def run_train(
         "engine": planned_engine(train.engine, model_name, train.device),  # "auto" resolved
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    model_file = save_trained(model, model_name, out)  # what ``fedsparse export`` reads
     eps = "inf (non-private ablation)" if math.isinf(last.epsilon) else f"{last.epsilon:.3f}"
     console.print(
         f"[bold green]final test accuracy {last.test_accuracy:.4f}[/], epsilon {eps} at "
         f"delta={privacy.delta:g}, mean kept fraction {summary['mean_keep_fraction']:.3f}; "
-        f"wrote {out / 'epochs.jsonl'} and {out / 'summary.json'}"
+        f"wrote {out / 'epochs.jsonl'}, {out / 'summary.json'} and {model_file}"
     )
     return summary

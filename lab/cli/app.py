@@ -13,6 +13,7 @@ import typer
 
 from fedsparse.lab.cli.compose import compose, node
 from fedsparse.lab.cli.deploy import deploy
+from fedsparse.lab.cli.export import export
 from fedsparse.lab.cli.reproduce import reproduce
 from fedsparse.lab.cli.simulate import demo, simulate
 from fedsparse.lab.cli.sweep import sweep
@@ -49,6 +50,7 @@ app.command()(deploy)
 app.command()(compose)
 app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(node)
 app.command("wire-report")(wire_report_command)
+app.command()(export)
 
 
 def _print_version(value: bool) -> None:

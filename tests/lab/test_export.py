@@ -79,3 +79,24 @@ def test_what_cannot_be_exported_is_named(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="is a folder"):
         export_model(run, tmp_path)
     assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_train_saves_its_model_and_the_cli_exports_it(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from fedsparse.lab.cli import app
+
+    run = tmp_path / "train"
+    result = CliRunner().invoke(app, ["train", "--out", str(run), "--epochs", "1"])
+    assert result.exit_code == 0, result.output
+    assert (run / "model.pt").is_file()
+    out = tmp_path / "exported.pt"
+    result = CliRunner().invoke(app, ["export", str(run), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    model = load_exported(out)
+    saved = torch.load(run / "model.pt", weights_only=True)
+    assert torch.equal(flat(model), ParamLayout.from_module(model).flatten(saved["state_dict"]))
+    assert not torch.equal(flat(model), flat(build_model("digits-cnn", seed=0)))
+    result = CliRunner().invoke(app, ["export", str(tmp_path), "--out", str(out)])
+    assert result.exit_code == 2
+    assert "no checkpoint.pt" in " ".join(result.output.replace("│", " ").split())
