@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	@# torch first and exactly: the local CPU wheel satisfies it; a looser pin pulls CUDA wheels.
 	$(BIN)/python -m pip install --quiet "torch==2.13.0"
-	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	$(BIN)/python -m pip install --quiet -e ".[dev,tracking]"
 	@touch $(STAMP)
 
 demo: $(STAMP)

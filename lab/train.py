@@ -12,6 +12,7 @@ import dataclasses
 import json
 import math
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from fedsparse.common.training import (
     train_centralized,
 )
 from fedsparse.lab.export import save_trained
+from fedsparse.server.tracking import Trackers, plot_series
 
 __all__ = ["run_train"]
 
@@ -48,13 +50,16 @@ def run_train(
     eval_split: EvalSplit = "test",
     split_seed: int | None = None,
     console: Console | None = None,
+    log: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Runs centralized training, printing a line per epoch; returns the summary dict.
 
     ``eval_split="validation"`` trains without the validation slice and reports accuracy on
     it (the ``test_*`` fields then hold validation numbers): for tuning. ``split_seed`` fixes
     the train/test split (digits') across runs of different seeds (default: the run seed).
-    ``console`` prints the progress (default: a console on standard output).
+    ``console`` prints the progress (default: a console on standard output). ``log`` names
+    trackers (``server/tracking.py``: tensorboard, mlflow) that get each epoch's accuracy,
+    loss, epsilon and kept fraction; every run also draws ``run.png``.
     """
     console = console or Console()
     method = method or MethodConfig()
@@ -71,11 +76,33 @@ def run_train(
         f"model {model_name} with {count_parameters(model):,} trainable parameters"
     )
     started = time.perf_counter()
-    log = (out / "epochs.jsonl").open("w")
+    trackers = Trackers(
+        log,
+        out,
+        {
+            "dataset": dataset,
+            "model": model_name,
+            **{f"privacy.{k}": v for k, v in dataclasses.asdict(privacy).items()},
+            **{f"sparsity.{k}": v for k, v in dataclasses.asdict(sparsity).items()},
+            **{f"train.{k}": v for k, v in dataclasses.asdict(train).items()},
+            "method": method.name,
+        },
+    )
+    epochs_log = (out / "epochs.jsonl").open("w")
 
     def on_epoch(stats: EpochStats) -> None:
-        log.write(json.dumps(dataclasses.asdict(stats)) + "\n")
-        log.flush()
+        epochs_log.write(json.dumps(dataclasses.asdict(stats)) + "\n")
+        epochs_log.flush()
+        trackers.log_scalars(
+            stats.epoch,
+            {
+                "accuracy/test": stats.test_accuracy,
+                "loss/test": stats.test_loss,
+                "loss/train": stats.train_loss,
+                "privacy/epsilon": stats.epsilon,
+                "sparsity/keep_fraction": stats.keep_fraction,
+            },
+        )
         console.print(
             f"epoch {stats.epoch:>3}  r={stats.rate:.3f}  kept={stats.keep_fraction:.3f}  "
             f"loss={stats.train_loss:.4f}  test_acc={stats.test_accuracy:.4f}  "
@@ -94,7 +121,8 @@ def run_train(
             method=method,
         )
     finally:
-        log.close()
+        epochs_log.close()
+        trackers.close()
     last = history[-1]
     summary = {
         "dataset": dataset,
@@ -124,6 +152,17 @@ def run_train(
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     model_file = save_trained(model, model_name, out)  # what ``fedsparse export`` reads
+    plot_series(
+        [h.epoch for h in history],
+        [
+            ("test accuracy", [h.test_accuracy for h in history]),
+            ("epsilon", [h.epsilon for h in history]),
+            ("kept fraction", [h.keep_fraction for h in history]),
+        ],
+        out / "run.png",
+        xlabel="epoch",
+        title=f"{method.name}, {dataset}, {model_name}",
+    )
     eps = "inf (non-private ablation)" if math.isinf(last.epsilon) else f"{last.epsilon:.3f}"
     console.print(
         f"[bold green]final test accuracy {last.test_accuracy:.4f}[/], epsilon {eps} at "

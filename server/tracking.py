@@ -35,7 +35,9 @@ __all__ = [
     "Trackers",
     "TrackingError",
     "mlflow_uri",
+    "parse_trackers",
     "plot_run",
+    "plot_series",
     "read_rounds",
 ]
 
@@ -64,7 +66,7 @@ class TrackingError(RuntimeError):
 
 
 class _Tracker(Protocol):
-    def log_round(self, entry: RoundLog) -> None: ...
+    def log_scalars(self, step: int, scalars: Mapping[str, float]) -> None: ...
 
     def close(self) -> None: ...
 
@@ -92,9 +94,9 @@ class _TensorBoard:
         lines = "\n".join(f"    {key} = {value!r}" for key, value in sorted(config.items()))
         self._writer.add_text("run-config", lines, global_step=0)
 
-    def log_round(self, entry: RoundLog) -> None:
-        for name, value in _scalars(entry).items():
-            self._writer.add_scalar(name, value, global_step=entry.round)
+    def log_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
+        for name, value in scalars.items():
+            self._writer.add_scalar(name, value, global_step=step)
         self._writer.flush()
 
     def close(self) -> None:
@@ -128,10 +130,10 @@ class _MLflow:
         for key, value in sorted(config.items()):
             self._client.log_param(run_id, key, str(value)[:500])
 
-    def log_round(self, entry: RoundLog) -> None:
+    def log_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
         run_id = self._run.info.run_id
-        for name, value in _scalars(entry).items():
-            self._client.log_metric(run_id, name.replace("/", "."), value, step=entry.round)
+        for name, value in scalars.items():
+            self._client.log_metric(run_id, name.replace("/", "."), value, step=step)
 
     def close(self) -> None:
         self._client.set_terminated(self._run.info.run_id)
@@ -141,6 +143,32 @@ def mlflow_uri(out: Path) -> str:
     """The MLflow tracking URI of the run in ``out``: a SQLite file, ``<out>/mlflow.db``
     (MLflow 3 keeps its plain-folder store in maintenance mode and refuses it by default)."""
     return f"sqlite:///{Path(out).resolve() / 'mlflow.db'}"
+
+
+#: The package each tracker needs (the ``tracking`` extra).
+_PACKAGES: Final = {"tensorboard": "tensorboard", "mlflow": "mlflow"}
+
+
+def parse_trackers(log: str | Iterable[str], *, field: str = "log") -> list[TrackerName]:
+    """The tracker names in ``log`` (comma-separated, or a list), checked without importing
+    them: known names, each package installed.
+
+    Raises:
+        ValueError: an unknown name, or a tracker whose package is not installed.
+    """
+    import importlib.util
+
+    names = [n.strip() for n in (log.split(",") if isinstance(log, str) else log) if n.strip()]
+    unknown = [name for name in names if name not in TRACKERS]
+    if unknown:
+        raise ValueError(f"{field}={','.join(names)!r}: expected some of {', '.join(TRACKERS)}")
+    for name in names:
+        if importlib.util.find_spec(_PACKAGES[name]) is None:
+            raise ValueError(
+                f"{field}={name}: the {_PACKAGES[name]} package is not installed; install "
+                "the tracking extra (pip install 'fedsparse[tracking]')"
+            )
+    return names  # type: ignore[return-value]
 
 
 _FACTORIES: Final[dict[str, type[_TensorBoard] | type[_MLflow]]] = {
@@ -167,14 +195,21 @@ class Trackers:
         unknown = [name for name in names if name not in TRACKERS]
         if unknown:
             raise ValueError(f"log={','.join(names)!r}: expected some of {', '.join(TRACKERS)}")
+        self.names = names
         self._trackers: list[_Tracker] = [_FACTORIES[name](out, config) for name in names]
         self.failures: list[str] = []
 
     def log_round(self, entry: RoundLog) -> None:
-        """Logs one round; a tracker that fails is noted in ``failures`` and dropped."""
+        """Logs one federated round's ``ROUND_SCALARS`` at step = its round."""
+        self.log_scalars(entry.round, _scalars(entry))
+
+    def log_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
+        """Logs named scalars at ``step`` (non-finite ones are left out); a tracker that fails
+        is noted in ``failures`` and dropped."""
+        scalars = {name: float(v) for name, v in scalars.items() if math.isfinite(float(v))}
         for tracker in list(self._trackers):
             try:
-                tracker.log_round(entry)
+                tracker.log_scalars(step, scalars)
             except Exception as err:  # noqa: BLE001 - rounds.jsonl stays the source of truth
                 self.failures.append(f"{type(tracker).__name__.strip('_')}: {err}")
                 self._trackers.remove(tracker)
@@ -199,25 +234,44 @@ def read_rounds(path: Path) -> list[RoundLog]:
 def plot_run(rounds: Sequence[RoundLog], path: Path, *, title: str = "") -> Path:
     """``path``: test accuracy, epsilon (max over clients) and uplink payload bytes per round,
     one panel each (failed rounds marked)."""
+    return plot_series(
+        [entry.round for entry in rounds],
+        [
+            ("test accuracy", [entry.test_accuracy for entry in rounds]),
+            ("epsilon (max over clients)", [entry.epsilon_max for entry in rounds]),
+            ("uplink payload bytes", [float(entry.uplink_payload_bytes) for entry in rounds]),
+        ],
+        path,
+        xlabel="round",
+        marked=[entry.failed for entry in rounds],
+        title=title,
+    )
+
+
+def plot_series(
+    steps: Sequence[int],
+    panels: Sequence[tuple[str, Sequence[float]]],
+    path: Path,
+    *,
+    xlabel: str,
+    marked: Sequence[bool] | None = None,
+    title: str = "",
+) -> Path:
+    """One panel per ``(label, values)`` against ``steps``; ``marked`` steps (failed rounds)
+    drawn in red."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    x = [entry.round for entry in rounds]
-    panels: list[tuple[str, list[float]]] = [
-        ("test accuracy", [entry.test_accuracy for entry in rounds]),
-        ("epsilon (max over clients)", [entry.epsilon_max for entry in rounds]),
-        ("uplink payload bytes", [float(entry.uplink_payload_bytes) for entry in rounds]),
-    ]
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.2))
-    for ax, (label, values) in zip(axes, panels, strict=True):
-        ax.plot(x, values, marker="o", markersize=3)
-        failed = [(r.round, v) for r, v in zip(rounds, values, strict=True) if r.failed]
-        if failed:
-            ax.scatter(*zip(*failed, strict=True), color="red", zorder=3, label="failed round")
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2), squeeze=False)
+    for ax, (label, values) in zip(axes[0], panels, strict=True):
+        ax.plot(steps, values, marker="o", markersize=3)
+        red = [(x, v) for x, v, m in zip(steps, values, marked or [], strict=False) if m]
+        if red:
+            ax.scatter(*zip(*red, strict=True), color="red", zorder=3, label="failed round")
             ax.legend(fontsize=7)
-        ax.set_xlabel("round")
+        ax.set_xlabel(xlabel)
         ax.set_title(label, fontsize=9)
         ax.grid(alpha=0.3)
     if title:

@@ -94,6 +94,10 @@ def train(
         bool,
         Opt(help="keep freed memory for reuse (glibc; faster steps, RSS stays at its peak)"),
     ] = True,
+    log: Annotated[
+        str,
+        Opt(help="tensorboard, mlflow or both, comma-separated: per-epoch metrics in --out"),
+    ] = "",
 ) -> None:
     """Centralized DP-SGD with random sparsification (RS paper, Algorithm 1) or another method."""
     from fedsparse.common.data import DATASET_NAMES, EVAL_SPLITS
@@ -112,6 +116,7 @@ def train(
     from fedsparse.common.seeds import Stream, stream_seed
     from fedsparse.common.training import DEVICES, PrivacyConfig, SparsityConfig, TrainConfig
     from fedsparse.lab.train import run_train
+    from fedsparse.server.tracking import parse_trackers
 
     if noise_multiplier is not None:
         target_epsilon = None
@@ -160,6 +165,7 @@ def train(
         model_name = None if model is None else choice("model", model, MODEL_NAMES)
         if out.exists() and not out.is_dir():
             raise ValueError(f"--out {out}: exists and is not a directory")
+        trackers = parse_trackers(log, field="--log")
     except ValueError as err:
         raise typer.BadParameter(str(err)) from err
     if retain_memory:
@@ -177,4 +183,5 @@ def train(
         method=method_config,
         eval_split=split,
         console=console,
+        log=trackers,
     )

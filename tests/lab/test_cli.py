@@ -177,7 +177,8 @@ def test_version_and_short_help() -> None:
 def test_an_unknown_command_is_suggested_once() -> None:
     result = CliRunner().invoke(app, ["report"])
     assert result.exit_code != 0
-    assert result.output.count("Did you mean 'wire-report'?") == 1
+    assert result.output.count("Did you mean") == 1
+    assert "'wire-report'" in result.output
 
 
 def test_one_backend_vocabulary_in_every_command() -> None:

@@ -100,7 +100,7 @@ def test_a_tracker_that_fails_mid_run_is_dropped_not_fatal(tmp_path: Path) -> No
     trackers = Trackers(["tensorboard"], tmp_path, CONFIG)
 
     class Broken:
-        def log_round(self, entry: RoundLog) -> None:
+        def log_scalars(self, step: int, scalars: object) -> None:
             raise OSError("disk full")
 
         def close(self) -> None:
