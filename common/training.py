@@ -41,9 +41,9 @@ from fedsparse.common.dp import MECHANISMS, MechanismName, SparseDPEngine
 from fedsparse.common.engines import ENGINES, EngineName, select_engine
 from fedsparse.common.factored_dp import FactoredDPEngine, FactoredGradSampleModule
 from fedsparse.common.func_dp import FuncDPEngine, FuncGradSampleModule
-from fedsparse.common.masks import derive_seed, keep_count, sample_mask
 from fedsparse.common.methods import EpochContext, MethodConfig, public_split
 from fedsparse.common.methods.gip import gip_privacy
+from fedsparse.common.methods.selection import round_mask
 from fedsparse.common.models import ModelName, build_model
 from fedsparse.common.privacy import (
     ACCOUNTANTS,
@@ -244,60 +244,6 @@ class EpochStats:
     #: GIP: the index selection's share of ``epsilon`` so far (pure DP,
     #: ``common/methods/index_selection.py``).
     index_epsilon: float = 0.0
-
-
-def round_mask(numel: int, *, rate: float, mask_seed: int, step: int) -> torch.Tensor | None:
-    """The public mask of epoch/round ``step``: ``None`` when nothing is dropped (r = 0)."""
-    keep = keep_count(numel, rate=rate)
-    if keep == numel:
-        return None
-    # A per-step refinement of an already derived mask seed, not a stream of the run's seed.
-    return sample_mask(numel, keep=keep, seed=derive_seed(mask_seed, step))
-
-
-class RankingEstimate:
-    """``z`` of RS Algorithm 4: the sum of an epoch's perturbed gradients (lines 17 and 22).
-
-    After every real optimizer step it adds each parameter's gradient, which ``SparseDPOptimizer``
-    left as ``(sum of clipped masked gradients + m * noise) / B``, plus fresh noise
-    ``(1 - m) * N(0, (sigma C)^2) / B`` on the masked coordinates, from its own generator
-    (``Stream.RANKING_NOISE``: the DP noise stream is untouched). ``clean`` adds the clipped
-    sum alone (NOT private; Figure 12's reference).
-    """
-
-    def __init__(
-        self, engine: SparseDPEngine, optimizer: torch.optim.Optimizer, *, clean: bool, seed: int
-    ) -> None:
-        self.params = list(engine.named_trainable_parameters().values())
-        self.optimizer = optimizer
-        self.clean = clean
-        self.mask: torch.Tensor | None = None
-        self.z = torch.zeros(engine.layout.numel, dtype=torch.float64)
-        self.generator = torch.Generator().manual_seed(stream_seed(seed, Stream.RANKING_NOISE))
-        inner = getattr(optimizer, "original_optimizer", optimizer)
-        inner.register_step_post_hook(self._add)
-
-    def _add(self, *_: object) -> None:
-        opt = self.optimizer
-        batch = float(getattr(opt, "expected_batch_size", 1) or 1)
-        grads = [getattr(p, "summed_grad" if self.clean else "grad", None) for p in self.params]
-        if any(g is None for g in grads):  # every trainable parameter has one after a step
-            raise RuntimeError("ranked sparsification: a parameter without a gradient")
-        flat = torch.cat([g.detach().reshape(-1).cpu() for g in grads if g is not None])
-        if self.clean:
-            flat = flat / batch
-        else:
-            sigma = float(getattr(opt, "noise_multiplier", 0.0) or 0.0)
-            if self.mask is not None and sigma > 0:
-                std = sigma * float(opt.max_grad_norm) / batch  # type: ignore[attr-defined]
-                noise = torch.randn(flat.numel(), generator=self.generator) * std
-                flat = flat + noise * (~self.mask)
-        self.z += flat.to(torch.float64)
-
-    def take(self) -> torch.Tensor:
-        """The last epoch's ``z``; the sum starts again from 0 (Alg. 4, line 2)."""
-        z, self.z = self.z, torch.zeros_like(self.z)
-        return z
 
 
 def pretrain_public(

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from fedsparse.common.masks import keep_count
+from fedsparse.common.methods.selection import round_mask
 from fedsparse.common.payload import PayloadError
 from fedsparse.common.payload.indices import indices_from_bytes
 from fedsparse.common.protocol import SERVER_SUPPORT, ProtocolError, TrainInstruction
@@ -273,8 +274,6 @@ class Method:
     def epoch_mask(self, ctx: EpochContext) -> tuple[float, torch.Tensor | None, bool]:
         """(the epoch's rate, its mask (None: every coordinate), whether the masked-out
         coordinates are frozen: their momentum is cleared so that they move by exactly 0)."""
-        from fedsparse.common.training import round_mask
-
         rate = ctx.schedule.rate(ctx.epoch)
         mask = round_mask(ctx.layout.numel, rate=rate, mask_seed=ctx.mask_seed, step=ctx.epoch)
         return rate, mask, False

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from fedsparse.common.methods.config import MethodConfig
     from fedsparse.common.schedules import RateSchedule
 
-__all__ = ["RankedSparsification"]
+__all__ = ["RankedSparsification", "RankingEstimate"]
 
 
 class RankedSparsification(Method):
@@ -50,7 +50,7 @@ class RankedSparsification(Method):
         # The last accepted aggregate w_r - w_{r-1} and the coordinates it covered; None
         # before the first.
         self._ranking: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._estimate: Any = None  # centralized: ``z``, from ``attach``
+        self._estimate: RankingEstimate | None = None  # centralized: ``z``, from ``attach``
 
     def plan_round(
         self,
@@ -109,17 +109,62 @@ class RankedSparsification(Method):
         self, engine: SparseDPEngine, optimizer: torch.optim.Optimizer, *, seed: int
     ) -> None:
         """Sums each epoch's perturbed gradients, ``z`` (``training.RankingEstimate``)."""
-        from fedsparse.common.training import RankingEstimate  # training imports this package
-
         self._estimate = RankingEstimate(
             engine, optimizer, clean=self.config.clean_ranking, seed=seed
         )
 
     def epoch_mask(self, ctx: EpochContext) -> tuple[float, torch.Tensor | None, bool]:
         """Epoch 0 trains everything (Alg. 4, line 6); then the top-``|z|`` coordinates."""
+        if self._estimate is None:
+            raise RuntimeError("ranked: epoch_mask before attach (the epoch's gradient sums)")
         numel = ctx.layout.numel
         rate = ctx.schedule.rate(ctx.epoch)
         keep = keep_count(numel, rate=rate)
         mask = None if ctx.epoch == 0 or keep == numel else ranked_mask(self._estimate.take(), keep)
         self._estimate.mask = mask
         return rate, mask, False
+
+
+class RankingEstimate:
+    """``z`` of RS Algorithm 4: the sum of an epoch's perturbed gradients (lines 17 and 22).
+
+    After every real optimizer step it adds each parameter's gradient, which ``SparseDPOptimizer``
+    left as ``(sum of clipped masked gradients + m * noise) / B``, plus fresh noise
+    ``(1 - m) * N(0, (sigma C)^2) / B`` on the masked coordinates, from its own generator
+    (``Stream.RANKING_NOISE``: the DP noise stream is untouched). ``clean`` adds the clipped
+    sum alone (NOT private; Figure 12's reference).
+    """
+
+    def __init__(
+        self, engine: SparseDPEngine, optimizer: torch.optim.Optimizer, *, clean: bool, seed: int
+    ) -> None:
+        self.params = list(engine.named_trainable_parameters().values())
+        self.optimizer = optimizer
+        self.clean = clean
+        self.mask: torch.Tensor | None = None
+        self.z = torch.zeros(engine.layout.numel, dtype=torch.float64)
+        self.generator = torch.Generator().manual_seed(stream_seed(seed, Stream.RANKING_NOISE))
+        inner = getattr(optimizer, "original_optimizer", optimizer)
+        inner.register_step_post_hook(self._add)
+
+    def _add(self, *_: object) -> None:
+        opt = self.optimizer
+        batch = float(getattr(opt, "expected_batch_size", 1) or 1)
+        grads = [getattr(p, "summed_grad" if self.clean else "grad", None) for p in self.params]
+        if any(g is None for g in grads):  # every trainable parameter has one after a step
+            raise RuntimeError("ranked sparsification: a parameter without a gradient")
+        flat = torch.cat([g.detach().reshape(-1).cpu() for g in grads if g is not None])
+        if self.clean:
+            flat = flat / batch
+        else:
+            sigma = float(getattr(opt, "noise_multiplier", 0.0) or 0.0)
+            if self.mask is not None and sigma > 0:
+                std = sigma * float(opt.max_grad_norm) / batch  # type: ignore[attr-defined]
+                noise = torch.randn(flat.numel(), generator=self.generator) * std
+                flat = flat + noise * (~self.mask)
+        self.z += flat.to(torch.float64)
+
+    def take(self) -> torch.Tensor:
+        """The last epoch's ``z``; the sum starts again from 0 (Alg. 4, line 2)."""
+        z, self.z = self.z, torch.zeros_like(self.z)
+        return z

@@ -29,6 +29,7 @@ __all__ = [
     "layerwise_mask",
     "public_split",
     "ranked_mask",
+    "round_mask",
     "suffix_mask",
     "total_density",
 ]
@@ -190,3 +191,12 @@ def total_density(kept: Sequence[int], weights: Sequence[float], *, numel: int) 
     if total <= 0 or numel <= 0:
         return float("nan")
     return float(sum(w * k for k, w in zip(kept, weights, strict=True))) / (numel * total)
+
+
+def round_mask(numel: int, *, rate: float, mask_seed: int, step: int) -> torch.Tensor | None:
+    """The public mask of epoch/round ``step``: ``None`` when nothing is dropped (r = 0)."""
+    keep = keep_count(numel, rate=rate)
+    if keep == numel:
+        return None
+    # A per-step refinement of an already derived mask seed, not a stream of the run's seed.
+    return sample_mask(numel, keep=keep, seed=derive_seed(mask_seed, step))
