@@ -68,9 +68,8 @@ from fedsparse.common.central_dp import (
 )
 from fedsparse.common.config import FederatedConfig
 from fedsparse.common.data import load_eval_splits
-from fedsparse.common.gip import group_sizes
 from fedsparse.common.layout import ParamLayout
-from fedsparse.common.masks import keep_count, sample_mask
+from fedsparse.common.masks import sample_mask
 from fedsparse.common.payload.indices import indices_to_bytes
 from fedsparse.common.privacy import compute_epsilon_of_history
 from fedsparse.common.protocol import TrainInstruction, client_mask_seed, round_seed
@@ -338,17 +337,9 @@ class SparseFedAvg(Strategy):
         return self._honest
 
     def _noise_keep(self, stats: RoundStats) -> int:
-        """How many coordinates each DP step's noise covers this round: the round's ``keep``;
-        under gip/random-k each step keeps ``keep_count`` per group (``common/mallows.py``)."""
-        if not stats.client_support:
-            return stats.keep
-        keep_fraction = 1.0 - stats.rate  # as the client computes it (client/app.py)
-        if keep_fraction == 1.0:
-            return self.d
-        return sum(
-            keep_count(size, rate=1.0 - keep_fraction)
-            for size in group_sizes(self.d, self.cfg.group_size)
-        )
+        """How many coordinates each DP step's noise covers this round (``Method.noise_keep``:
+        the round's ``keep``; under gip/random-k, ``keep_count`` per group)."""
+        return self.method.noise_keep(self.d, keep=stats.keep, rate=stats.rate)
 
     def _derived_bound(self, stats: RoundStats) -> tuple[float, str] | None:
         """This round's ``dp-norm-bound`` and its description (None: it does not apply)."""

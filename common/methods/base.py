@@ -152,6 +152,11 @@ class Method:
 
     # --- server -------------------------------------------------------------------------
 
+    def noise_keep(self, numel: int, *, keep: int, rate: float) -> int:
+        """How many coordinates each DP step's noise covers in a round of ``keep`` at ``rate``
+        (the DP norm bound's count): ``keep``."""
+        return keep
+
     def frozen_prefix(self, layout: ParamLayout) -> int:
         """The coordinates frozen once the method freezes (a prefix; 0: none)."""
         return 0

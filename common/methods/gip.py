@@ -18,7 +18,12 @@ import torch
 
 from fedsparse.common.masks import keep_count
 from fedsparse.common.methods.base import EpochContext, Method
-from fedsparse.common.methods.index_selection import IndexBudget, StepSelector, split_budget
+from fedsparse.common.methods.index_selection import (
+    IndexBudget,
+    StepSelector,
+    group_sizes,
+    split_budget,
+)
 from fedsparse.common.protocol import ProtocolError, TrainInstruction
 
 if TYPE_CHECKING:
@@ -81,6 +86,17 @@ class RandomK(Method):
             )
         cost = 0.0 if budget is None else steps * budget.step_cost(numel, 1.0 - rate)
         return 1.0 - rate, cost
+
+    def noise_keep(self, numel: int, *, keep: int, rate: float) -> int:
+        """Each step keeps ``keep_count`` of every group at ``k = 1 - rate`` (the client's
+        ``k``; every coordinate at ``k = 1``)."""
+        keep_fraction = 1.0 - rate  # as the client computes it (index_charge)
+        if keep_fraction == 1.0:
+            return numel
+        return sum(
+            keep_count(size, rate=1.0 - keep_fraction)
+            for size in group_sizes(numel, self.config.group_size)
+        )
 
     def step_selector(
         self,
