@@ -202,6 +202,9 @@ class FederatedConfig:
     selection_mode: SelectionMode = "freeze"  # dpssgd: once after pretraining, or each round
     index_budget_fraction: float = DEFAULT_INDEX_FRACTION  # gip: target-epsilon's share for indices
     group_size: int = 256  # gip, random-k: GIP's group length l
+    # a plug-in method's own run-config keys (its ``Method.options``), as (key, value) pairs;
+    # they travel as top-level keys (``to_run_config``), this field never does
+    method_options: tuple[tuple[str, Any], ...] = ()
     # transport
     codec: CodecName = "values"
     value_dtype: ValueDType = "fp32"
@@ -283,7 +286,13 @@ class FederatedConfig:
             fail("dirichlet_alpha", "> 0")
         self._check_robustness(fail)
         self._check_dp_level(fail)
-        self.method_class().check_run(self)
+        method = self.method_class()
+        for key, _ in self.method_options:
+            if key not in method.options:
+                raise ValueError(
+                    unknown_key(f"method={self.method!r}: run config key", key, method.options)
+                )
+        method.check_run(self)
         try:
             self.method_config()
             self.privacy()
@@ -358,6 +367,7 @@ class FederatedConfig:
             selection_mode=self.selection_mode,
             index_budget_fraction=self.index_budget_fraction,
             group_size=self.group_size,
+            options=self.method_options,
         )
 
     @property
@@ -425,15 +435,29 @@ class FederatedConfig:
 
     @classmethod
     def from_run_config(cls, run_config: Mapping[str, Any]) -> FederatedConfig:
-        """Builds the config from Flower's run config (dashed keys); unknown keys are errors."""
-        fields = {f.name: f for f in dataclasses.fields(cls)}
+        """Builds the config from Flower's run config (dashed keys); unknown keys are errors.
+
+        A key the run's method declares (``Method.options``: a plug-in's own keys) goes to
+        ``method_options``; resolving the method imports a plug-in's module (a deployed node
+        checks its policy first: ``NodePolicy.check_method``).
+        """
+        fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "method_options"}
         kwargs: dict[str, Any] = {}
+        options: dict[str, Any] = {}
+        declared: Mapping[str, Any] | None = None
         for key, value in run_config.items():
             name = key.replace("-", "_")
-            if name not in fields:
-                raise ValueError(unknown_key("run config key", key, fields))
-            kwargs[name] = coerce(key, value, type(fields[name].default))
-        return cls(**kwargs)
+            if name in fields:
+                kwargs[name] = coerce(key, value, type(fields[name].default))
+                continue
+            if declared is None:
+                method = str(run_config.get("method", fields["method"].default))
+                check_method_name(method)
+                declared = method_class(method).options
+            if key not in declared:
+                raise ValueError(unknown_key("run config key", key, {**fields, **declared}))
+            options[key] = coerce(key, value, type(declared[key]))
+        return cls(**kwargs, method_options=tuple(sorted(options.items())))
 
     @property
     def model_name(self) -> ModelName:
@@ -443,8 +467,14 @@ class FederatedConfig:
         return self.model
 
     def to_run_config(self) -> dict[str, Any]:
-        """The dashed-key mapping (what ``[tool.flwr.app.config]`` holds)."""
-        return {k.replace("_", "-"): v for k, v in dataclasses.asdict(self).items()}
+        """The dashed-key mapping (what ``[tool.flwr.app.config]`` holds), a plug-in method's
+        own keys (``method_options``) at the top level like the others."""
+        mapping = {
+            k.replace("_", "-"): v
+            for k, v in dataclasses.asdict(self).items()
+            if k != "method_options"
+        }
+        return {**mapping, **dict(self.method_options)}
 
     def privacy(self) -> PrivacyConfig:
         """Local DP settings; target-epsilon > 0 wins over noise-multiplier.

@@ -99,9 +99,20 @@ class Method:
     sends_support: ClassVar[bool] = False
     #: The server pretrains the initial model on the public slice of the data (DP-SSGD).
     pretrains_on_public: ClassVar[bool] = False
+    #: A plug-in's own run-config keys (dashed) and their defaults; their values type them
+    #: (``coerce``). The built-ins' keys are ``FederatedConfig`` fields instead.
+    options: ClassVar[Mapping[str, Any]] = {}
 
     def __init__(self, config: MethodConfig) -> None:
         self.config = config
+
+    def option(self, key: str) -> Any:
+        """The run's value of this method's own key ``key`` (its default if unset).
+
+        Raises:
+            KeyError: ``key`` is not in ``options``.
+        """
+        return dict(self.config.options).get(key, self.options[key])
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.config!r})"

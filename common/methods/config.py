@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final, Literal, get_args
+from typing import TYPE_CHECKING, Any, Final, Literal, get_args
 
+from fedsparse.common.coerce import unknown_key
 from fedsparse.common.methods.base import Method
 from fedsparse.common.methods.registry import check_method_name, method_class
 from fedsparse.common.methods.selection import SELECTIONS, SelectionName
@@ -78,6 +79,9 @@ class MethodConfig:
     index_budget_fraction: float = 0.01
     #: ``gip`` and ``random-k``: GIP's group length ``l``.
     group_size: int = 256
+    #: A plug-in's own keys (``Method.options``) as (key, value) pairs; unset ones take
+    #: the class's defaults (``Method.option``).
+    options: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
         check_method_name(self.name)
@@ -111,9 +115,14 @@ class MethodConfig:
         """A fresh instance of the method (its server state, if any, starts empty).
 
         Raises:
-            ValueError: a plug-in name that does not resolve (``registry.method_class``).
+            ValueError: a plug-in name that does not resolve (``registry.method_class``), or
+                an option the method does not declare.
         """
-        return method_class(self.name)(self)
+        cls = method_class(self.name)
+        for key, _ in self.options:
+            if key not in cls.options:
+                raise ValueError(unknown_key(f"method={self.name!r}: key", key, cls.options))
+        return cls(self)
 
     @property
     def selects_per_step(self) -> bool:

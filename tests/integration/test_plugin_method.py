@@ -37,7 +37,7 @@ PACKAGE = "fedsparse_example_plugin"
 SPEC = f"{PACKAGE}.even:EvenCoordinates"
 
 PLUGIN = '''
-"""A user's method: the even coordinates train, every round and epoch; the odd ones never."""
+"""A user's method: every stride-th coordinate trains, every round and epoch; no other."""
 
 import torch
 
@@ -48,31 +48,31 @@ from fedsparse.common.protocol import ProtocolError
 LOADED = True
 
 
-def even(numel):
-    return torch.arange(0, numel, 2)
-
-
 class EvenCoordinates(Method):
     sends_support = True  # the server sends the support (a bitmap) with each instruction
+    options = {"stride": 2}  # its own run-config key, and its default
+
+    def coordinates(self, numel):
+        return torch.arange(0, numel, self.option("stride"))
 
     def plan_round(self, *, server_round, weights, schedule, frozen, layout, seed):
-        support = even(weights.numel())
+        support = self.coordinates(weights.numel())
         rate = 1.0 - support.numel() / weights.numel()
         return RoundPlan(rate=rate, keep=support.numel(), support=support)
 
     def client_support(self, task, raw, layout, *, rate, final_rate):
-        expected = even(layout.numel)
+        expected = self.coordinates(layout.numel)
         support = explicit_support(
             task, raw, layout, expected=expected.numel(), detail="even coordinates"
         )
         if support is None or not torch.equal(support, expected):
-            raise ProtocolError("train instruction: expected the even coordinates")
+            raise ProtocolError("train instruction: expected every stride-th coordinate")
         return support
 
     def epoch_mask(self, ctx):
         mask = torch.zeros(ctx.layout.numel, dtype=torch.bool)
-        mask[even(ctx.layout.numel)] = True
-        return 0.5, mask, False
+        mask[self.coordinates(ctx.layout.numel)] = True
+        return 1.0 - 1.0 / self.option("stride"), mask, False
 '''
 
 
@@ -96,30 +96,40 @@ def _initial(cfg: FederatedConfig) -> torch.Tensor:
     return ParamLayout.from_module(model).flatten_module(model)
 
 
-def test_a_plugin_method_runs_federated(plugin: str, tmp_path: Path) -> None:
-    cfg = FederatedConfig(
-        method=plugin,
-        num_rounds=2,
-        target_epsilon=0.0,
-        noise_multiplier=1.0,
-        seed=3,
-        out_dir=str(tmp_path / "run"),
-    )
+def _moved(start: torch.Tensor, end: torch.Tensor, stride: int) -> tuple[bool, float]:
+    """(whether a coordinate off the stride moved, the share of the stride's that did)."""
+    on = torch.zeros(start.numel(), dtype=torch.bool)
+    on[::stride] = True
+    return bool((end[~on] != start[~on]).any()), float((end[on] != start[on]).float().mean())
+
+
+def test_a_plugin_method_runs_federated_with_its_own_key(plugin: str, tmp_path: Path) -> None:
+    base = FederatedConfig(num_rounds=2, target_epsilon=0.0, noise_multiplier=1.0, seed=3)
+    # what `fedsparse simulate --set method=... --set stride=3` hands the apps
+    run_config = {
+        **base.to_run_config(),
+        "method": plugin,
+        "stride": 3,
+        "out-dir": str(tmp_path / "run"),
+    }
+    cfg = FederatedConfig.from_run_config(run_config)
+    assert cfg.method_options == (("stride", 3),)
+    assert cfg.to_run_config() == run_config  # the key travels to every node
     grid = InProcessGrid(
-        client_app, num_nodes=2, run_config=cfg.to_run_config(), node_config=SIMULATION_NODE_POLICY
+        client_app, num_nodes=2, run_config=run_config, node_config=SIMULATION_NODE_POLICY
     )
     run_federated(grid, cfg)
     start = _initial(cfg)
     end = torch.load(tmp_path / "run" / "checkpoint.pt")["weights"]
     d = start.numel()
-    assert torch.equal(end[1::2], start[1::2])  # no odd coordinate moved, bit for bit
-    assert bool((end[0::2] != start[0::2]).float().mean() > 0.9)  # the even ones trained
+    off_moved, on_share = _moved(start, end, 3)
+    assert not off_moved and on_share > 0.9  # bit for bit: only the stride trained
     rounds = [json.loads(x) for x in (tmp_path / "run" / "rounds.jsonl").read_text().splitlines()]
-    assert [r["keep"] for r in rounds] == [(d + 1) // 2] * 2
+    assert [r["keep"] for r in rounds] == [len(range(0, d, 3))] * 2
     assert [(r["num_accepted"], r["num_rejected"]) for r in rounds] == [(2, 0)] * 2
 
 
-def test_a_plugin_method_runs_centralized(plugin: str) -> None:
+def test_a_plugin_method_runs_centralized_with_its_own_key(plugin: str) -> None:
     train, test = load_dataset("digits", seed=0)
     model = build_model("digits-cnn", seed=0)
     layout = ParamLayout.from_module(model)
@@ -132,17 +142,27 @@ def test_a_plugin_method_runs_centralized(plugin: str) -> None:
         privacy=PrivacyConfig(noise_multiplier=1.0, target_epsilon=None, max_grad_norm=1.0),
         sparsity=SparsityConfig(schedule="constant", final_rate=0.0, mask_seed=3),
         train=TrainConfig(epochs=2, batch_size=64, lr=0.5, momentum=0.9, seed=1),
-        method=MethodConfig(name=plugin),
+        method=MethodConfig(name=plugin, options=(("stride", 3),)),
         on_mask=lambda _, mask: masks.append(mask),
     )
-    end = layout.flatten_module(model)
-    assert [s.rate for s in stats] == [0.5, 0.5]
-    assert all(
-        m is not None and torch.equal(torch.nonzero(m).flatten(), torch.arange(0, start.numel(), 2))
-        for m in masks
-    )
-    assert torch.equal(end[1::2], start[1::2])
-    assert bool((end[0::2] != start[0::2]).float().mean() > 0.9)
+    assert [s.rate for s in stats] == [pytest.approx(2 / 3)] * 2
+    stride = torch.arange(0, start.numel(), 3)
+    assert all(m is not None and torch.equal(torch.nonzero(m).flatten(), stride) for m in masks)
+    off_moved, on_share = _moved(start, layout.flatten_module(model), 3)
+    assert not off_moved and on_share > 0.9
+
+
+def test_a_plugin_key_is_checked_against_the_method(plugin: str) -> None:
+    with pytest.raises(
+        ValueError, match="run config key 'strid' is unknown; did you mean 'stride'"
+    ):
+        FederatedConfig.from_run_config({"method": plugin, "strid": 3})
+    with pytest.raises(ValueError, match="run config key 'stride' is unknown"):
+        FederatedConfig.from_run_config({"method": "rs", "stride": 3})
+    with pytest.raises(ValueError, match=r"method='.*': run config key 'other' is unknown"):
+        FederatedConfig(method=plugin, method_options=(("other", 1),))
+    with pytest.raises(ValueError, match=r"method='.*': key 'other' is unknown"):
+        MethodConfig(name=plugin, options=(("other", 1),)).method()
 
 
 def _ask(node_config: dict[str, object], run_config: dict[str, object]) -> object:
