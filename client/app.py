@@ -163,7 +163,8 @@ def _index_charge(
     Raises:
         ProtocolError: another ``keep`` (checked before anything private is touched).
     """
-    return cfg.make_method().index_charge(task, numel, budget, steps, rate=_round_rate(cfg, task))
+    schedule = cfg.sparsity().rate_schedule(cfg.num_rounds)
+    return cfg.make_method().index_charge(task, numel, budget, steps, schedule=schedule)
 
 
 def _round_rate(cfg: FederatedConfig, task: TrainInstruction) -> float:

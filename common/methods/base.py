@@ -264,9 +264,10 @@ class Method:
         budget: IndexBudget | None,
         steps: int,
         *,
-        rate: float,
+        schedule: RateSchedule,
     ) -> tuple[float, float]:
-        """(this round's keep ratio, the index epsilon of its ``steps``): (1, 0) here."""
+        """(this round's keep ratio, the index epsilon of its ``steps``): (1, 0) here
+        (``schedule``: the run's public rate schedule over rounds)."""
         return 1.0, 0.0
 
     def step_selector(

@@ -29,6 +29,7 @@ from fedsparse.common.protocol import ProtocolError, TrainInstruction
 if TYPE_CHECKING:
     from fedsparse.common.config import FederatedConfig
     from fedsparse.common.methods.config import MethodConfig
+    from fedsparse.common.schedules import RateSchedule
     from fedsparse.common.training import PrivacyConfig
 
 __all__ = ["GIP", "RandomK", "gip_privacy"]
@@ -69,7 +70,7 @@ class RandomK(Method):
         budget: IndexBudget | None,
         steps: int,
         *,
-        rate: float,
+        schedule: RateSchedule,
     ) -> tuple[float, float]:
         """(``k = 1 - r``, the index epsilon of ``steps`` at that ``k``).
 
@@ -79,6 +80,7 @@ class RandomK(Method):
         Raises:
             ProtocolError: another ``keep`` (checked before anything private is touched).
         """
+        rate = schedule.rate(task.server_round - 1)
         if task.keep != keep_count(numel, rate=rate):
             raise ProtocolError(
                 f"train instruction: keep={task.keep}: expected {keep_count(numel, rate=rate)} "
