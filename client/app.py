@@ -167,11 +167,6 @@ def _index_charge(
     return cfg.make_method().index_charge(task, numel, budget, steps, schedule=schedule)
 
 
-def _round_rate(cfg: FederatedConfig, task: TrainInstruction) -> float:
-    """The public schedule's rate of the instruction's round."""
-    return cfg.sparsity().rate_schedule(cfg.num_rounds).rate(task.server_round - 1)
-
-
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     """One round of local DP-SGD + RS; replies with a values-only sparse update.
@@ -385,12 +380,12 @@ def _server_support(
         ProtocolError: a support under a method that takes none, an undecodable bitmap, or
             counts other than the public config's (checked before anything private is touched).
     """
-    raw = record.get(SERVER_SUPPORT)
-    method = cfg.make_method()
-    if raw is None and not method.sends_support:
-        return None
-    return method.client_support(
-        task, raw, layout, rate=_round_rate(cfg, task), final_rate=cfg.final_rate
+    return cfg.make_method().client_support(
+        task,
+        record.get(SERVER_SUPPORT),
+        layout,
+        schedule=cfg.sparsity().rate_schedule(cfg.num_rounds),
+        final_rate=cfg.final_rate,
     )
 
 

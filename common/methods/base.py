@@ -229,7 +229,7 @@ class Method:
         raw: object,
         layout: ParamLayout,
         *,
-        rate: float,
+        schedule: RateSchedule,
         final_rate: float,
     ) -> torch.Tensor | None:
         """The server's support this round (None: the seeded mask or every coordinate).
@@ -237,8 +237,8 @@ class Method:
         With ``sends_support`` the support's count must be the public schedule's ``keep``
         (or every coordinate, without a support); without, the instruction carries none.
 
-        ``raw`` is the instruction's ``SERVER_SUPPORT`` entry (None if absent); ``rate`` the
-        public schedule's rate of the round, ``final_rate`` the run's (for messages).
+        ``raw`` is the instruction's ``SERVER_SUPPORT`` entry (None if absent); ``schedule``
+        the run's public rate schedule over rounds, ``final_rate`` the run's (for messages).
 
         Raises:
             ProtocolError: a support this method does not take, or one that does not fit.
@@ -249,6 +249,7 @@ class Method:
                     f"train instruction: {SERVER_SUPPORT}: only with method='ranked' or 'dpssgd'"
                 )
             return None
+        rate = schedule.rate(task.server_round - 1)
         return explicit_support(
             task,
             raw,

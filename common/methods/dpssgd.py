@@ -122,10 +122,11 @@ class DPSSGD(Method):
         raw: object,
         layout: ParamLayout,
         *,
-        rate: float,
+        schedule: RateSchedule,
         final_rate: float,
     ) -> torch.Tensor | None:
         """The server's selection: every layer must hold its own ``keep_count(n_layer, r)``."""
+        rate = schedule.rate(task.server_round - 1)
         expected = layerwise_keep(layout, rate)
         support = explicit_support(
             task,

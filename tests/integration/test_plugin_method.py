@@ -60,7 +60,7 @@ class EvenCoordinates(Method):
         rate = 1.0 - support.numel() / weights.numel()
         return RoundPlan(rate=rate, keep=support.numel(), support=support)
 
-    def client_support(self, task, raw, layout, *, rate, final_rate):
+    def client_support(self, task, raw, layout, *, schedule, final_rate):
         expected = self.coordinates(layout.numel)
         support = explicit_support(
             task, raw, layout, expected=expected.numel(), detail="even coordinates"
