@@ -5,15 +5,21 @@ In the spirit of pfl-research's ``FederatedAlgorithm`` (the server step and the 
 of an algorithm together), one subclass holds all of it:
 
 - **config**: the rate schedule it runs (``resolve_schedule``), its checks of the run
-  (``check_run``) and of the model (``check_layout``);
+  (``check_run``) and of the model (``check_layout``), a plug-in's own run-config keys
+  (``options``, read with ``option``);
 - **accounting**: what it spends besides DP-SGD's steps (``split_privacy``: GIP's index
   budget; ``local_target``: the target epsilon sigma is calibrated for);
 - **server**: the round's plan (``plan_round``: rate, keep, frozen prefix, the support the
-  server sends), what it keeps between rounds (``after_round``, ``state_dict``) and
-  what it prepares before round 1 (``pretrains_on_public``);
+  server sends), what it keeps between rounds (``after_round``, ``state_dict``), what it
+  prepares before round 1 (``pretrains_on_public``) and the coordinates each DP step's noise
+  covers (``noise_keep``, for the DP norm bound);
 - **client**: the checks of an instruction against the public config (``client_frozen``,
   ``client_support``, ``index_charge``), the per-step selector (``step_selector``) and,
-  centralized, the mask of each epoch (``epoch_mask``).
+  centralized, the mask of each epoch (``epoch_mask``, after ``attach``).
+
+A plug-in subclass usually overrides ``plan_round`` (and, with ``sends_support``,
+``client_support``) for the federation and ``epoch_mask`` for centralized training; whatever
+it sends is checked by the client against the public config before any data is read.
 
 The base class is RS ("Differentially Private Federated Learning with Random
 Sparsification", arXiv:2112.00845, Algorithm 1): the rate schedule's ``keep`` coordinates,
