@@ -42,15 +42,14 @@ from fedsparse.client.guard import (
 from fedsparse.client.state import NodeState, StateFiles, apply_downlink, resumed_from
 from fedsparse.common.config import FederatedConfig, wire_encoding
 from fedsparse.common.data import Split
-from fedsparse.common.gip import INDEX_METHODS, IndexBudget, StepSelector
+from fedsparse.common.gip import IndexBudget, StepSelector
 from fedsparse.common.layout import ParamLayout
-from fedsparse.common.masks import keep_count, sample_mask
-from fedsparse.common.methods import layer_ranges, layerwise_keep, suffix_mask
+from fedsparse.common.masks import sample_mask
+from fedsparse.common.methods import suffix_mask
 from fedsparse.common.models import build_model
 from fedsparse.common.node_data import NodeData
 from fedsparse.common.node_policy import NodePolicy, PrivacyRefusal, TrainingRequest
-from fedsparse.common.payload import IndexEncoding, PayloadError, decode_update, encode_update
-from fedsparse.common.payload.indices import indices_from_bytes
+from fedsparse.common.payload import IndexEncoding, decode_update, encode_update
 from fedsparse.common.privacy import (
     AccountantName,
     accountant_epsilon,
@@ -74,7 +73,6 @@ from fedsparse.common.training import (
     PrivacyConfig,
     TrainConfig,
     evaluate,
-    gip_privacy,
     make_private,
     resolve_device,
     train_one_epoch,
@@ -92,11 +90,24 @@ def _node_partition(context: Context) -> tuple[int, int]:
     return int(context.node_config["partition-id"]), int(context.node_config["num-partitions"])
 
 
+def _run_config(context: Context, policy: NodePolicy) -> FederatedConfig:
+    """The run config, parsed once the node's policy allows its ``method``: a plug-in method
+    (``package.module:Class``) is imported only if the node's owner lists it
+    (``plugin-methods``) or the node is simulated; else refused before anything is imported.
+
+    Raises:
+        PrivacyRefusal: a plug-in method the policy does not list.
+    """
+    policy.check_method(str(context.run_config.get("method", "rs")))
+    return FederatedConfig.from_run_config(context.run_config)
+
+
 def _calibrated(
     privacy: PrivacyConfig, cfg: FederatedConfig, num_examples: int, accountant: AccountantName
 ) -> tuple[PrivacyConfig, IndexBudget | None]:
     """``privacy`` with sigma calibrated for the whole run's steps, if it has a target epsilon;
-    and, for method=gip, the index budget (``eps2``; sigma then calibrates ``eps1``).
+    and the method's own budget (``Method.split_privacy``: gip's index budget ``eps2``, sigma
+    then calibrating ``eps1``).
 
     Calibrated for the worst case: this client trains in every round. The search depends
     only on the run config and the partition size, so every round after a node's first (and
@@ -108,9 +119,7 @@ def _calibrated(
             server's target (the search's inputs include the node's data size).
     """
     steps = cfg.num_rounds * cfg.local_epochs * steps_per_epoch(num_examples, cfg.batch_size)
-    budget = None
-    if cfg.method == "gip":
-        privacy, budget = gip_privacy(privacy, cfg.method_config(), planned_steps=steps)
+    privacy, budget = cfg.make_method().split_privacy(privacy, planned_steps=steps)
     if privacy.target_epsilon is None:
         return privacy, budget
     try:
@@ -145,24 +154,17 @@ def _index_charge(
     budget: IndexBudget | None,
     steps: int,
 ) -> tuple[float, float]:
-    """method=gip or random-k: (this round's keep ratio k, its index epsilon for ``steps``).
+    """(this round's keep ratio k, its index epsilon for ``steps``): ``Method.index_charge``.
 
-    ``k`` is the public schedule's, ``1 - r(round)``; the instruction's ``keep`` must be
-    ``keep_count(d, r)`` (the server cannot buy a costlier selection). Other methods: (1, 0).
+    gip, random-k: ``k`` is the public schedule's, ``1 - r(round)``; the instruction's
+    ``keep`` must be ``keep_count(d, r)`` (the server cannot buy a costlier selection). The
+    methods with one mask a round: (1, 0).
 
     Raises:
         ProtocolError: another ``keep`` (checked before anything private is touched).
     """
-    if cfg.method not in INDEX_METHODS:
-        return 1.0, 0.0
-    rate = cfg.sparsity().rate_schedule(cfg.num_rounds).rate(task.server_round - 1)
-    if task.keep != keep_count(numel, rate=rate):
-        raise ProtocolError(
-            f"train instruction: keep={task.keep}: expected {keep_count(numel, rate=rate)} "
-            f"(method={cfg.method!r}, round {task.server_round})"
-        )
-    cost = 0.0 if budget is None else steps * budget.step_cost(numel, 1.0 - rate)
-    return 1.0 - rate, cost
+    schedule = cfg.sparsity().rate_schedule(cfg.num_rounds)
+    return cfg.make_method().index_charge(task, numel, budget, steps, schedule=schedule)
 
 
 @app.train()
@@ -177,11 +179,11 @@ def train(msg: Message, context: Context) -> Message:
     fixed ``CLIENT_FAILURE`` (``released_error``).
     """
     torch.set_num_threads(1)
-    cfg = FederatedConfig.from_run_config(context.run_config)
+    policy = node_policy(context)
+    cfg = _run_config(context, policy)
     resolve_device(cfg.device)  # device='cuda' without one: a config error, named in the reply
     record = msg.content.config_records[CONFIG_RECORD]
     task = TrainInstruction.from_record(record)
-    policy = node_policy(context)
     privacy = cfg.privacy()
     policy.precheck(
         mechanism=privacy.mechanism,
@@ -289,22 +291,19 @@ def _private_round(
             last_round=state.last_round,
             index_spent=state.index_epsilon,
         )
-        selector = None
-        if cfg.method in INDEX_METHODS:
-            selector = StepSelector(
-                cfg.method,  # type: ignore[arg-type]
-                numel=layout.numel,
-                keep_fraction=keep_fraction,
-                budget=budget,
-                group_size=cfg.group_size,
-                # Seeded only when the node asks (simulation), like its DP noise.
-                seed=stream_seed(
-                    client_train_seed(cfg.seed, task.server_round, partition[0]),
-                    Stream.INDEX_SELECTION,
-                )
-                if policy.noise == "seeded" and not privacy.secure_mode
-                else None,
+        # gip, random-k: each DP step chooses its support (None: one mask for the round).
+        selector = cfg.make_method().step_selector(
+            numel=layout.numel,
+            keep_fraction=keep_fraction,
+            budget=budget,
+            # Seeded only when the node asks (simulation), like its DP noise.
+            seed=stream_seed(
+                client_train_seed(cfg.seed, task.server_round, partition[0]),
+                Stream.INDEX_SELECTION,
             )
+            if policy.noise == "seeded" and not privacy.secure_mode
+            else None,
+        )
         try:
             with reusable.lock:
                 reply, history = _train_round(
@@ -357,75 +356,37 @@ def _declaration(context: Context, cfg: FederatedConfig, policy: NodePolicy) -> 
 
 
 def _frozen_prefix(cfg: FederatedConfig, task: TrainInstruction, layout: ParamLayout) -> int:
-    """method=lf: the frozen coordinate prefix this round (0 before freeze-after, or not lf).
+    """The frozen coordinate prefix this round (lf from freeze-after on; else 0):
+    ``Method.client_frozen``.
 
     Raises:
         ProtocolError: the instruction's ``keep`` is not the ``d - s`` the public config gives
             (checked before anything private is touched).
     """
-    if cfg.method != "lf":
-        return 0
-    try:
-        frozen = cfg.method_config().frozen(layout, task.server_round - 1)
-    except ValueError as err:
-        raise ProtocolError(f"run config: {err}") from None
-    if task.keep != layout.numel - frozen:
-        raise ProtocolError(
-            f"train instruction: keep={task.keep}: expected {layout.numel - frozen} "
-            f"(method='lf', freeze-layers={cfg.freeze_layers}, freeze-after={cfg.freeze_after}, "
-            f"round {task.server_round})"
-        )
-    return frozen
+    return cfg.make_method().client_frozen(task, layout)
 
 
 def _server_support(
     cfg: FederatedConfig, task: TrainInstruction, record: Mapping[str, Any], layout: ParamLayout
 ) -> torch.Tensor | None:
-    """method=ranked or dpssgd: the server's support this round (None: every coordinate).
+    """The server's support this round (None: every coordinate, or the seeded mask):
+    ``Method.client_support``.
 
-    The server chooses which coordinates, never how many: ``keep`` must be the public
-    schedule's (ranked; or ``d`` when the server has nothing to rank yet), and under dpssgd
-    every layer must hold its own ``keep_count(n_layer, final-rate)``.
+    The server chooses which coordinates, never how many: under ranked ``keep`` must be the
+    public schedule's (or ``d`` when the server has nothing to rank yet), under dpssgd every
+    layer must hold its own ``keep_count(n_layer, final-rate)``.
 
     Raises:
-        ProtocolError: a support under another method, an undecodable bitmap, or counts
-            other than the public config's (checked before anything private is touched).
+        ProtocolError: a support under a method that takes none, an undecodable bitmap, or
+            counts other than the public config's (checked before anything private is touched).
     """
-    raw, numel = record.get(SERVER_SUPPORT), layout.numel
-    if cfg.method not in ("ranked", "dpssgd"):
-        if raw is not None:
-            raise ProtocolError(
-                f"train instruction: {SERVER_SUPPORT}: only with method='ranked' or 'dpssgd'"
-            )
-        return None
-    rate = cfg.sparsity().rate_schedule(cfg.num_rounds).rate(task.server_round - 1)
-    expected = keep_count(numel, rate=rate)
-    if cfg.method == "dpssgd":
-        expected = layerwise_keep(layout, rate)
-    if raw is None:
-        if task.keep != numel or (cfg.method == "dpssgd" and expected != numel):
-            raise ProtocolError(
-                f"train instruction: keep={task.keep} without {SERVER_SUPPORT}: expected {numel}"
-            )
-        return None
-    if task.keep != expected or not isinstance(raw, bytes):
-        raise ProtocolError(
-            f"train instruction: keep={task.keep}: expected {expected} (method={cfg.method!r}, "
-            f"final-rate={cfg.final_rate}, round {task.server_round})"
-        )
-    try:
-        support = indices_from_bytes(raw, "bitmap", keep=task.keep, dense_size=numel)
-    except PayloadError as err:
-        raise ProtocolError(f"train instruction: {SERVER_SUPPORT}: {err}") from None
-    if cfg.method == "dpssgd":
-        for name, start, end in layer_ranges(layout):
-            count = int(((support >= start) & (support < end)).sum())
-            if count != keep_count(end - start, rate=rate):
-                raise ProtocolError(
-                    f"train instruction: {SERVER_SUPPORT}: layer {name}: {count} coordinates: "
-                    f"expected {keep_count(end - start, rate=rate)} (method='dpssgd')"
-                )
-    return support
+    return cfg.make_method().client_support(
+        task,
+        record.get(SERVER_SUPPORT),
+        layout,
+        schedule=cfg.sparsity().rate_schedule(cfg.num_rounds),
+        final_rate=cfg.final_rate,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -515,12 +476,12 @@ def _train_round(
 ) -> tuple[TrainReply, list[tuple[float, float, int]]]:
     """Local DP-SGD + RS from ``global_flat``; (the reply, the run's accountant history).
 
-    With ``frozen`` > 0 (method=lf) the mask keeps ``[frozen, d)`` and the reply carries those
+    With ``frozen`` > 0 (lf) the mask keeps ``[frozen, d)`` and the reply carries those
     values only, as a dense vector of ``d - frozen`` values; with an ``explicit`` support
-    (method=ranked) the mask is that support and the reply its values, in support order.
+    (ranked, dpssgd) the mask is that support and the reply its values, in support order.
     ``model`` is the run's architecture (the process's, ``_process_model``); its weights are
     replaced, and Opacus's hooks and the gradients are taken off it again before returning.
-    With a ``selector`` (method=gip or random-k) every DP step chooses its support and the
+    With a ``selector`` (gip, random-k) every DP step chooses its support and the
     reply carries the union of those supports explicitly (``index_spent``: GIP's index
     epsilon of earlier rounds, for the reported epsilon).
     """
@@ -613,7 +574,7 @@ def _train_round(
 def _selected_payload(
     cfg: FederatedConfig, task: TrainInstruction, delta: torch.Tensor, union: torch.Tensor
 ) -> tuple[bytes, torch.Tensor]:
-    """method=gip / random-k: (the payload, its values): ``delta`` on the union of the
+    """gip / random-k: (the payload, its values): ``delta`` on the union of the
     steps' supports, with that support explicit (``codec``; ``values``/``auto``: the
     smallest of coo, delta and bitmap), or dense when every coordinate was chosen.
 
@@ -655,9 +616,9 @@ def evaluate_global(msg: Message, context: Context) -> Message:
         ProtocolError: the run names another dataset than the declared one.
     """
     torch.set_num_threads(1)
-    cfg = FederatedConfig.from_run_config(context.run_config)
-    task = EvaluateInstruction.from_record(msg.content.config_records[CONFIG_RECORD])
     policy = node_policy(context)
+    cfg = _run_config(context, policy)
+    task = EvaluateInstruction.from_record(msg.content.config_records[CONFIG_RECORD])
     if not policy.evaluate:
         raise PrivacyRefusal("evaluate: this node answers no evaluate messages (evaluate=false)")
     # A simulated node without a declaration evaluates on the run's evaluation split.

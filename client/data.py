@@ -62,7 +62,7 @@ def run_declaration(cfg: FederatedConfig, partition_id: int, num_partitions: int
         data_seed=cfg.seed,
         split_seed=cfg.data_seed,
         hold_out_validation=cfg.eval_split == "validation",
-        public_fraction=cfg.public_fraction if cfg.method == "dpssgd" else 0.0,
+        public_fraction=cfg.make_method().public_fraction,
     )
 
 
@@ -119,7 +119,7 @@ def _partitions(
     split_seed: int | None = None,
 ) -> tuple[np.ndarray, ...]:
     """Each client's indices into the training set; with ``public_fraction`` > 0 (DP-SSGD)
-    drawn from its private examples only (``common/methods.py``: ``public_split``)."""
+    drawn from its private examples only (``common/methods/selection.py``: ``public_split``)."""
     train, _ = _dataset(name, data_dir, seed, eval_split, split_seed)
     labels = train.y.numpy()
     pool = np.arange(len(labels))

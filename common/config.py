@@ -31,15 +31,17 @@ from fedsparse.common.data import (
 )
 from fedsparse.common.dp import MECHANISMS, MechanismName
 from fedsparse.common.engines import ENGINES, EngineName
-from fedsparse.common.gip import DEFAULT_INDEX_FRACTION, split_budget
+from fedsparse.common.gip import DEFAULT_INDEX_FRACTION
 from fedsparse.common.methods import (
-    FEDERATED_METHODS,
     SELECTION_MODES,
     SELECTIONS,
     FederatedMethodName,
+    Method,
     MethodConfig,
     SelectionMode,
     SelectionName,
+    check_method_name,
+    method_class,
     method_schedule,
 )
 from fedsparse.common.models import DEFAULT_MODELS, MODEL_INPUT_SHAPES, MODEL_NAMES, ModelName
@@ -188,7 +190,9 @@ class FederatedConfig:
     final_keep: float = 1.0
     rate_steps: str = ""  # schedule=steps: comma-separated rates, e.g. "0,0.5,0.7,0.9"
     mask_scope: MaskScope = "round"
-    # which coordinates train (common/methods.py): rs, random-freeze (schedule cooling), lf
+    # which coordinates train (common/methods/): a built-in name, or a user's Method subclass
+    # as "package.module:Class" (accepted at run time: a run config's values are strings; the
+    # type names the built-ins, which the parser's tests hold it to)
     method: FederatedMethodName = "rs"
     freeze_layers: int = 1  # lf: m_f, the first layers frozen ...
     freeze_after: int = 0  # lf: ... from this 0-based round on (round freeze-after + 1)
@@ -198,6 +202,9 @@ class FederatedConfig:
     selection_mode: SelectionMode = "freeze"  # dpssgd: once after pretraining, or each round
     index_budget_fraction: float = DEFAULT_INDEX_FRACTION  # gip: target-epsilon's share for indices
     group_size: int = 256  # gip, random-k: GIP's group length l
+    # a plug-in method's own run-config keys (its ``Method.options``), as (key, value) pairs;
+    # they travel as top-level keys (``to_run_config``), this field never does
+    method_options: tuple[tuple[str, Any], ...] = ()
     # transport
     codec: CodecName = "values"
     value_dtype: ValueDType = "fp32"
@@ -259,6 +266,7 @@ class FederatedConfig:
         for field, names in _NAMED_FIELDS.items():
             if getattr(self, field) not in names:
                 fail(field, f"one of {', '.join(names)}")
+        check_method_name(self.method)
         if self.model not in ("", *MODEL_NAMES):
             fail("model", f"one of {', '.join(MODEL_NAMES)} ('' for the dataset's default)")
         model_shape = MODEL_INPUT_SHAPES[self.model_name]
@@ -278,12 +286,13 @@ class FederatedConfig:
             fail("dirichlet_alpha", "> 0")
         self._check_robustness(fail)
         self._check_dp_level(fail)
-        if self.method == "gip" and not (self.mechanism == "dpsgd" and self.target_epsilon > 0):
-            fail(
-                "method",
-                "a method other than 'gip' with mechanism != 'dpsgd' or target-epsilon = 0 "
-                "(GIP's index budget is index-budget-fraction of target-epsilon)",
-            )
+        method = self.method_class()
+        for key, _ in self.method_options:
+            if key not in method.options:
+                raise ValueError(
+                    unknown_key(f"method={self.method!r}: run config key", key, method.options)
+                )
+        method.check_run(self)
         try:
             self.method_config()
             self.privacy()
@@ -328,7 +337,7 @@ class FederatedConfig:
             return
         if self.clients_per_round < 1:
             fail("clients_per_round", ">= 1 with dp-level=user (the expected users per round)")
-        if self.method in ("gip", "random-k"):
+        if self.method_class().selects_per_step:
             fail("dp_level", "'sample' with method gip or random-k (the clients choose supports)")
         if self.mask_scope != "round":
             fail("dp_level", "'sample' with mask-scope=client (the noise needs one public mask)")
@@ -337,8 +346,17 @@ class FederatedConfig:
         if self.secure_mode and self.central_noise != "fresh":
             fail("central_noise", "'fresh' with secure-mode=true (hardened noise takes no seed)")
 
+    def method_class(self) -> type[Method]:
+        """The class of ``method`` (``common/methods/registry.py``; a plug-in's module is
+        imported: a deployed node checks its policy first, ``NodePolicy.check_method``)."""
+        return method_class(self.method)
+
+    def make_method(self) -> Method:
+        """A fresh instance of the run's method, with its parameters."""
+        return self.method_config().method()
+
     def method_config(self) -> MethodConfig:
-        """The method and its parameters (``common/methods.py``)."""
+        """The method and its parameters (``common/methods/``)."""
         return MethodConfig(
             name=self.method,
             freeze_layers=self.freeze_layers,
@@ -349,6 +367,7 @@ class FederatedConfig:
             selection_mode=self.selection_mode,
             index_budget_fraction=self.index_budget_fraction,
             group_size=self.group_size,
+            options=self.method_options,
         )
 
     @property
@@ -384,8 +403,7 @@ class FederatedConfig:
         if privacy.target_epsilon is None:
             return float(privacy.noise_multiplier or 0.0)
         target = privacy.target_epsilon
-        if self.method == "gip":
-            target, _ = split_budget(target, self.index_budget_fraction)
+        target = self.make_method().local_target(target)
         return worst_case_noise_multiplier(
             target_epsilon=target,
             delta=privacy.delta,
@@ -412,20 +430,34 @@ class FederatedConfig:
             local_epochs=self.local_epochs,
             max_examples=self.max_client_examples or train_examples,
             value_dtype=self.value_dtype,
-            adaptive_support=self.method == "gip",  # its supports depend on the data
+            adaptive_support=self.method_class().adaptive_support,  # supports from the data
         )
 
     @classmethod
     def from_run_config(cls, run_config: Mapping[str, Any]) -> FederatedConfig:
-        """Builds the config from Flower's run config (dashed keys); unknown keys are errors."""
-        fields = {f.name: f for f in dataclasses.fields(cls)}
+        """Builds the config from Flower's run config (dashed keys); unknown keys are errors.
+
+        A key the run's method declares (``Method.options``: a plug-in's own keys) goes to
+        ``method_options``; resolving the method imports a plug-in's module (a deployed node
+        checks its policy first: ``NodePolicy.check_method``).
+        """
+        fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "method_options"}
         kwargs: dict[str, Any] = {}
+        options: dict[str, Any] = {}
+        declared: Mapping[str, Any] | None = None
         for key, value in run_config.items():
             name = key.replace("-", "_")
-            if name not in fields:
-                raise ValueError(unknown_key("run config key", key, fields))
-            kwargs[name] = coerce(key, value, type(fields[name].default))
-        return cls(**kwargs)
+            if name in fields:
+                kwargs[name] = coerce(key, value, type(fields[name].default))
+                continue
+            if declared is None:
+                method = str(run_config.get("method", fields["method"].default))
+                check_method_name(method)
+                declared = method_class(method).options
+            if key not in declared:
+                raise ValueError(unknown_key("run config key", key, {**fields, **declared}))
+            options[key] = coerce(key, value, type(declared[key]))
+        return cls(**kwargs, method_options=tuple(sorted(options.items())))
 
     @property
     def model_name(self) -> ModelName:
@@ -435,8 +467,14 @@ class FederatedConfig:
         return self.model
 
     def to_run_config(self) -> dict[str, Any]:
-        """The dashed-key mapping (what ``[tool.flwr.app.config]`` holds)."""
-        return {k.replace("_", "-"): v for k, v in dataclasses.asdict(self).items()}
+        """The dashed-key mapping (what ``[tool.flwr.app.config]`` holds), a plug-in method's
+        own keys (``method_options``) at the top level like the others."""
+        mapping = {
+            k.replace("_", "-"): v
+            for k, v in dataclasses.asdict(self).items()
+            if k != "method_options"
+        }
+        return {**mapping, **dict(self.method_options)}
 
     def privacy(self) -> PrivacyConfig:
         """Local DP settings; target-epsilon > 0 wins over noise-multiplier.
@@ -491,7 +529,6 @@ _NAMED_FIELDS: Final[dict[str, tuple[str, ...]]] = {
     "mechanism": MECHANISMS,
     "accountant": ACCOUNTANTS,
     "schedule": SCHEDULES,
-    "method": FEDERATED_METHODS,
     "selection": SELECTIONS,
     "selection_mode": SELECTION_MODES,
     "mask_scope": MASK_SCOPES,

@@ -43,6 +43,11 @@ key                        default        meaning
                                           any whose ClientApp is fedsparse's. Either way the
                                           node runs its OWN installed ClientApp, never code
                                           from the FAB (``client/node.py``)
+``plugin-methods``         ""             comma-separated ``package.module:Class`` methods
+                                          (``common/methods/``) this node may import when a
+                                          run config names one; "" imports none. A simulated
+                                          node (``noise="seeded"``) imports any: the run is
+                                          the experimenter's own. Built-in names need no entry
 =========================  =============  ====================================================
 
 The node's data is declared next to its policy, in the same node config
@@ -64,6 +69,7 @@ from typing import Any, Final, Literal, get_args
 
 from fedsparse.common.coerce import coerce, unknown_key
 from fedsparse.common.dp import MECHANISMS, MechanismName
+from fedsparse.common.methods.registry import is_plugin
 from fedsparse.common.node_data import DATA_KEYS
 
 __all__ = [
@@ -108,7 +114,8 @@ class TrainingRequest:
     steps: int
     local_epochs: int
     #: GIP: the pure-DP epsilon of this round's index selection (data-independent, known
-    #: before training: ``common/gip.py``), composed with the accountant's by addition.
+    #: before training: ``common/methods/index_selection.py``), composed with the
+    #: accountant's by addition.
     index_epsilon: float = 0.0
     #: Whether ``noise_multiplier`` was calibrated on the node (from the run's target
     #: epsilon and the node's data size) rather than sent by the server.
@@ -132,6 +139,7 @@ class NodePolicy:
     release_example_count: bool = False
     evaluate: bool = False
     allowed_fab_hashes: tuple[str, ...] = ()
+    plugin_methods: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         def fail(key: str, value: Any, expected: str) -> None:
@@ -155,6 +163,9 @@ class NodePolicy:
         for digest in self.allowed_fab_hashes:
             if not (len(digest) == 64 and all(c in "0123456789abcdef" for c in digest)):
                 fail("allowed-fab-hashes", digest, "SHA-256 hex digests (64 lowercase hex)")
+        for name in self.plugin_methods:
+            if not is_plugin(name):
+                fail("plugin-methods", name, "package.module:Class names")
         if self.state_dir and self.noise != "seeded":
             # Restoring run state follows the server's resume point: only an experimenter's
             # own simulated nodes may take it; a deployed node's ledger is its history.
@@ -188,6 +199,20 @@ class NodePolicy:
                     key, value, type(known[key].default), where="node policy"
                 )
         return cls(**values)
+
+    def check_method(self, method: str) -> None:
+        """Refuses a plug-in ``method`` (``package.module:Class``) this node's owner did not
+        list in ``plugin-methods``, unless the node is simulated. Imports nothing: importing a
+        module runs its code, and the run config is the server's.
+
+        Raises:
+            PrivacyRefusal: naming the method and the policy key.
+        """
+        if is_plugin(method) and self.noise != "seeded" and method not in self.plugin_methods:
+            raise PrivacyRefusal(
+                f"method={method!r}: this node imports only the plug-in methods its owner "
+                "lists (node policy plugin-methods)"
+            )
 
     def precheck(
         self,

@@ -41,16 +41,9 @@ from fedsparse.common.dp import MECHANISMS, MechanismName, SparseDPEngine
 from fedsparse.common.engines import ENGINES, EngineName, select_engine
 from fedsparse.common.factored_dp import FactoredDPEngine, FactoredGradSampleModule
 from fedsparse.common.func_dp import FuncDPEngine, FuncGradSampleModule
-from fedsparse.common.gip import IndexBudget, StepSelector, split_budget
-from fedsparse.common.masks import derive_seed, keep_count, sample_mask
-from fedsparse.common.methods import (
-    MethodConfig,
-    layerwise_mask,
-    method_schedule,
-    public_split,
-    ranked_mask,
-    suffix_mask,
-)
+from fedsparse.common.methods import EpochContext, MethodConfig, public_split
+from fedsparse.common.methods.gip import gip_privacy
+from fedsparse.common.methods.selection import round_mask
 from fedsparse.common.models import ModelName, build_model
 from fedsparse.common.privacy import (
     ACCOUNTANTS,
@@ -248,62 +241,9 @@ class EpochStats:
     epsilon: float
     test_loss: float = math.nan
     test_accuracy: float = math.nan
-    #: GIP: the index selection's share of ``epsilon`` so far (pure DP, ``common/gip.py``).
+    #: GIP: the index selection's share of ``epsilon`` so far (pure DP,
+    #: ``common/methods/index_selection.py``).
     index_epsilon: float = 0.0
-
-
-def round_mask(numel: int, *, rate: float, mask_seed: int, step: int) -> torch.Tensor | None:
-    """The public mask of epoch/round ``step``: ``None`` when nothing is dropped (r = 0)."""
-    keep = keep_count(numel, rate=rate)
-    if keep == numel:
-        return None
-    # A per-step refinement of an already derived mask seed, not a stream of the run's seed.
-    return sample_mask(numel, keep=keep, seed=derive_seed(mask_seed, step))
-
-
-class _RankingEstimate:
-    """``z`` of RS Algorithm 4: the sum of an epoch's perturbed gradients (lines 17 and 22).
-
-    After every real optimizer step it adds each parameter's gradient, which ``SparseDPOptimizer``
-    left as ``(sum of clipped masked gradients + m * noise) / B``, plus fresh noise
-    ``(1 - m) * N(0, (sigma C)^2) / B`` on the masked coordinates, from its own generator
-    (``Stream.RANKING_NOISE``: the DP noise stream is untouched). ``clean`` adds the clipped
-    sum alone (NOT private; Figure 12's reference).
-    """
-
-    def __init__(
-        self, engine: SparseDPEngine, optimizer: torch.optim.Optimizer, *, clean: bool, seed: int
-    ) -> None:
-        self.params = list(engine.named_trainable_parameters().values())
-        self.optimizer = optimizer
-        self.clean = clean
-        self.mask: torch.Tensor | None = None
-        self.z = torch.zeros(engine.layout.numel, dtype=torch.float64)
-        self.generator = torch.Generator().manual_seed(stream_seed(seed, Stream.RANKING_NOISE))
-        inner = getattr(optimizer, "original_optimizer", optimizer)
-        inner.register_step_post_hook(self._add)
-
-    def _add(self, *_: object) -> None:
-        opt = self.optimizer
-        batch = float(getattr(opt, "expected_batch_size", 1) or 1)
-        grads = [getattr(p, "summed_grad" if self.clean else "grad", None) for p in self.params]
-        if any(g is None for g in grads):  # every trainable parameter has one after a step
-            raise RuntimeError("ranked sparsification: a parameter without a gradient")
-        flat = torch.cat([g.detach().reshape(-1).cpu() for g in grads if g is not None])
-        if self.clean:
-            flat = flat / batch
-        else:
-            sigma = float(getattr(opt, "noise_multiplier", 0.0) or 0.0)
-            if self.mask is not None and sigma > 0:
-                std = sigma * float(opt.max_grad_norm) / batch  # type: ignore[attr-defined]
-                noise = torch.randn(flat.numel(), generator=self.generator) * std
-                flat = flat + noise * (~self.mask)
-        self.z += flat.to(torch.float64)
-
-    def take(self) -> torch.Tensor:
-        """The last epoch's ``z``; the sum starts again from 0 (Alg. 4, line 2)."""
-        z, self.z = self.z, torch.zeros_like(self.z)
-        return z
 
 
 def pretrain_public(
@@ -353,28 +293,6 @@ def _clear_momentum(
         buffer = optimizer.state.get(param, {}).get("momentum_buffer")
         if buffer is not None:
             buffer.masked_fill_(~views[name].to(buffer.device), 0.0)
-
-
-def gip_privacy(
-    privacy: PrivacyConfig, method: MethodConfig, *, planned_steps: int
-) -> tuple[PrivacyConfig, IndexBudget]:
-    """GIP's budget split (Thm. 2): ``privacy`` calibrating sigma for ``eps1``, and the
-    indices' ``IndexBudget`` of ``eps2 = index-budget-fraction * target-epsilon`` over the
-    ``planned_steps`` (``common/gip.py``).
-
-    Raises:
-        ValueError: no ``target_epsilon`` (a fixed noise multiplier leaves no budget to split),
-            or a non-private mechanism.
-    """
-    if privacy.mechanism != "dpsgd" or privacy.target_epsilon is None:
-        raise ValueError(
-            f"method='gip' with mechanism={privacy.mechanism!r}, "
-            f"target-epsilon={privacy.target_epsilon}: GIP needs mechanism='dpsgd' and a "
-            "target-epsilon (its index budget is index-budget-fraction of it)"
-        )
-    eps1, eps2 = split_budget(privacy.target_epsilon, method.index_budget_fraction)
-    budget = IndexBudget(epsilon=eps2, planned_steps=planned_steps, group_size=method.group_size)
-    return dataclasses.replace(privacy, target_epsilon=eps1), budget
 
 
 def make_private(
@@ -553,7 +471,7 @@ def train_centralized(
     ``freeze_after`` on, their momentum cleared so that they move by exactly 0; ``ranked``:
     RS paper, Algorithm 4, the mask of epoch ``e`` from the last epoch's perturbed gradients;
     ``dpssgd``: pretraining on the public slice of ``train_xy``, then DP-SGD on the rest with
-    the per-layer selection, once or each epoch (``common/methods.py``). ``on_mask(epoch,
+    the per-layer selection, once or each epoch (``common/methods/``). ``on_mask(epoch,
     mask)`` sees each epoch's mask (None: all).
 
     Returns one ``EpochStats`` per epoch (rate, kept fraction, losses, accuracy, epsilon).
@@ -563,12 +481,11 @@ def train_centralized(
             more layers to freeze than the model has.
     """
     method = method or MethodConfig()
-    sparsity = dataclasses.replace(
-        sparsity, schedule=method_schedule(method.name, sparsity.schedule)
-    )
-    if method.name == "dpssgd":  # pretrain on the public slice; DP-SGD on the rest
+    impl = method.method()
+    sparsity = dataclasses.replace(sparsity, schedule=impl.resolve_schedule(sparsity.schedule))
+    if impl.pretrains_on_public:  # dpssgd: pretrain on the public slice; DP-SGD on the rest
         x, y = train_xy
-        public, private = public_split(len(x), method.public_fraction, run_seed=train.seed or 0)
+        public, private = public_split(len(x), impl.public_fraction, run_seed=train.seed or 0)
         pretrain_public(
             model,
             x[torch.from_numpy(public)],
@@ -579,73 +496,50 @@ def train_centralized(
             seed=train.seed or 0,
         )
         train_xy = (x[torch.from_numpy(private)], y[torch.from_numpy(private)])
-    index_budget = None
-    if method.name == "gip":  # the budget split up front: sigma for eps1, theta from eps2
-        privacy, index_budget = gip_privacy(
-            privacy,
-            method,
-            planned_steps=train.epochs
-            * steps_per_epoch(
-                len(train_xy[0]), train.batch_size, poisson_sampling=train.poisson_sampling
-            ),
-        )
+    # gip: the budget split up front (sigma for eps1, theta from eps2); else unchanged
+    privacy, index_budget = impl.split_privacy(
+        privacy,
+        planned_steps=train.epochs
+        * steps_per_epoch(
+            len(train_xy[0]), train.batch_size, poisson_sampling=train.poisson_sampling
+        ),
+    )
     engine, module, optimizer, loader = make_private(
         model, *train_xy, privacy=privacy, train=train, epochs_for_target=train.epochs
     )
-    method.check(engine.layout)
-    selector = None
-    if method.selects_per_step:
-        selector = StepSelector(
-            method.name,  # type: ignore[arg-type]
-            numel=engine.layout.numel,
-            budget=index_budget,
-            group_size=method.group_size,
-            # Private like the noise: OS entropy without a seed or in secure mode.
-            seed=None
-            if train.seed is None or privacy.secure_mode
-            else stream_seed(train.seed, Stream.INDEX_SELECTION),
-        )
+    impl.check_layout(engine.layout)
+    # gip, random-k: every step chooses its support (common/methods/index_selection.py)
+    selector = impl.step_selector(
+        numel=engine.layout.numel,
+        keep_fraction=1.0,
+        budget=index_budget,
+        # Private like the noise: OS entropy without a seed or in secure mode.
+        seed=None
+        if train.seed is None or privacy.secure_mode
+        else stream_seed(train.seed, Stream.INDEX_SELECTION),
+    )
+    if selector is not None:
         engine.set_step_selector(selector)
+    impl.attach(engine, optimizer, seed=train.seed or 0)  # ranked: its gradient sums
     schedule = sparsity.rate_schedule(train.epochs)
     numel = engine.layout.numel
-    ranking = None
-    if method.name == "ranked":
-        ranking = _RankingEstimate(
-            engine, optimizer, clean=method.clean_ranking, seed=train.seed or 0
-        )
-    selected: torch.Tensor | None = None  # dpssgd's selection
     kept_before = steps_before = 0  # gip, random-k: the selector's counts before the epoch
     history = []
     for epoch in range(train.epochs):
-        if method.name == "dpssgd":
-            rate = schedule.rate(epoch)
-            if selected is None or method.selection_mode == "reselect":
-                selected = layerwise_mask(
-                    engine.layout.flatten_module(model).cpu(),
-                    engine.layout,
-                    rate=rate,
-                    selection=method.selection,
-                    seed=derive_seed(sparsity.mask_seed, epoch),
-                )
-            mask = None if bool(selected.all()) else selected
-        elif ranking is not None:
-            rate = schedule.rate(epoch)
-            keep = keep_count(numel, rate=rate)
-            # Epoch 0 trains everything (Alg. 4, line 6); then the top-|z| coordinates.
-            mask = None if epoch == 0 or keep == numel else ranked_mask(ranking.take(), keep)
-            ranking.mask = mask
-        elif selector is not None:  # no public mask: every step chooses (common/gip.py)
-            rate, mask = schedule.rate(epoch), None
+        rate, mask, freezes = impl.epoch_mask(
+            EpochContext(
+                epoch=epoch,
+                schedule=schedule,
+                layout=engine.layout,
+                mask_seed=sparsity.mask_seed,
+                weights=engine.layout.flatten_module(model).cpu(),
+            )
+        )
+        if selector is not None:
             selector.set_keep_fraction(1.0 - rate)
             kept_before, steps_before = selector.kept, selector.steps
-        elif method.uses_rate:
-            rate = schedule.rate(epoch)
-            mask = round_mask(numel, rate=rate, mask_seed=sparsity.mask_seed, step=epoch)
-        else:
-            frozen = method.frozen(engine.layout, epoch)
-            rate, mask = frozen / numel, suffix_mask(numel, frozen)
-            if mask is not None:
-                _clear_momentum(optimizer, engine, mask)
+        if freezes and mask is not None:  # lf: the frozen layers move by exactly 0
+            _clear_momentum(optimizer, engine, mask)
         engine.set_mask(mask)
         if on_mask is not None:
             on_mask(epoch, mask)

@@ -32,7 +32,7 @@ from flwr.serverapp import Grid
 from fedsparse.common.config import FederatedConfig
 from fedsparse.common.data import Split, load_eval_splits
 from fedsparse.common.layout import ParamLayout
-from fedsparse.common.methods import frozen_prefix, public_split
+from fedsparse.common.methods import public_split
 from fedsparse.common.models import build_model
 from fedsparse.common.protocol import EXPECTED_NODES_ENV
 from fedsparse.common.records import RoundLog, RunSummary
@@ -127,8 +127,9 @@ def run_federated(grid: Grid, cfg: FederatedConfig, *, expected_nodes: int = 0) 
         eval_split=cfg.eval_split,
         split_seed=cfg.data_seed,
     )
-    # method=lf: the first freeze-layers layers' coordinates (a bad count fails here, first).
-    frozen = frozen_prefix(layout, cfg.freeze_layers) if cfg.method == "lf" else 0
+    # The coordinates the method may freeze (lf: the first freeze-layers layers'; a bad count
+    # fails here, first), checked by the strategy's own instance of the method.
+    frozen = cfg.make_method().frozen_prefix(layout)
     # The most examples a client can hold (dp-norm-bound): the whole training split, since a
     # deployed node may declare all of it, also when this run holds out a validation slice.
     full_train = len(train) + (len(test) if cfg.eval_split == "validation" else 0)
@@ -141,7 +142,7 @@ def run_federated(grid: Grid, cfg: FederatedConfig, *, expected_nodes: int = 0) 
     checkpoint = _resume(out, cfg, layout, strategy) if cfg.resume else None
     done = checkpoint.round if checkpoint is not None else 0
     recorder = RunRecorder(out, cfg, layout, resume_from=done, strategy_state=strategy.state_dict)
-    if checkpoint is None and cfg.method == "dpssgd":
+    if checkpoint is None and strategy.method.pretrains_on_public:
         _pretrain_on_public(model, train, cfg)
     weights = checkpoint.weights if checkpoint is not None else layout.flatten_module(model)
     arrays = flat_array(weights)

@@ -68,15 +68,8 @@ from fedsparse.common.central_dp import (
 )
 from fedsparse.common.config import FederatedConfig
 from fedsparse.common.data import load_eval_splits
-from fedsparse.common.gip import INDEX_METHODS, group_sizes
 from fedsparse.common.layout import ParamLayout
-from fedsparse.common.masks import keep_count, sample_mask
-from fedsparse.common.methods import (
-    federated_ranking_scores,
-    layerwise_keep,
-    layerwise_mask,
-    ranked_mask,
-)
+from fedsparse.common.masks import sample_mask
 from fedsparse.common.payload.indices import indices_to_bytes
 from fedsparse.common.privacy import compute_epsilon_of_history
 from fedsparse.common.protocol import TrainInstruction, client_mask_seed, round_seed
@@ -144,13 +137,13 @@ class RoundStats:
     failure: str = ""  # why the model was left unchanged ("" if it was not)
     noise: NoiseOrigin = "none"  # the accepted updates' noise origin
     updates: dict[int, bytes] = field(default_factory=dict)  # save-updates: node -> payload
-    #: method=lf: the frozen coordinate prefix ``[0, frozen)``; replies carry ``[frozen, d)``
+    #: the frozen coordinate prefix ``[0, frozen)`` (lf); replies carry ``[frozen, d)``
     frozen: int = 0
-    #: method=ranked or dpssgd: the support the server chose (int64, increasing); replies
-    #: carry its values
+    #: the support the server chose (int64, increasing; ranked, dpssgd); replies carry its
+    #: values
     explicit: torch.Tensor | None = None
-    #: method=gip or random-k: each reply carries its own support (the union of its DP
-    #: steps' supports), explicitly
+    #: each reply carries its own support (the union of its DP steps' supports: gip,
+    #: random-k), explicitly
     client_support: bool = False
     #: dp-level=user: the run's user-level epsilon after this round (None: sample-level run)
     user_epsilon: float | None = None
@@ -232,16 +225,12 @@ class SparseFedAvg(Strategy):
         self._honest: HonestClientBound | None = None
         self._honest_resolved = False
         self._honest_how = ""  # the last DP-derived bound logged
-        self.layout = layout  # method=dpssgd: its layers
-        self._selected: torch.Tensor | None = None  # method=dpssgd: the selected coordinates
-        if cfg.method == "lf" and not 0 < frozen_prefix < num_parameters:
-            raise ValueError(
-                f"frozen_prefix={frozen_prefix}: method='lf' needs 0 < s < d={num_parameters} "
-                "(common/methods.py: frozen_prefix)"
-            )
-        # method=lf: the coordinates of the first freeze-layers layers (frozen from round
-        # freeze-after + 1 on); 0 for the other methods.
-        self.frozen_prefix = frozen_prefix if cfg.method == "lf" else 0
+        self.layout = layout  # the model's layers (dpssgd selects per layer)
+        # The run's method (common/methods/): the round's plan, and its state between rounds.
+        self.method = cfg.make_method()
+        # lf: the coordinates of the first freeze-layers layers (frozen from round
+        # freeze-after + 1 on); 0 for the methods that freeze nothing.
+        self.frozen_prefix = self.method.accept_frozen_prefix(frozen_prefix, num_parameters)
         self.schedule = cfg.sparsity().rate_schedule(cfg.num_rounds)
         self.downlink = DownlinkCache(codec=cfg.codec, compression=cfg.compression)
         self._rng = np.random.default_rng(stream_seed(cfg.seed, Stream.CLIENT_SELECTION))
@@ -251,9 +240,6 @@ class SparseFedAvg(Strategy):
         self._failed_in_a_row: list[int] = []  # rounds
         self.last_round: RoundStats | None = None
         self.resumed_from = 0  # the checkpoint round a resumed run continues (0: not resumed)
-        # method=ranked: the last accepted aggregate w_r - w_{r-1} and the coordinates it
-        # covered (common/methods.py: federated_ranking_scores); None before the first.
-        self._ranking: tuple[torch.Tensor, torch.Tensor] | None = None
         # dp-level=user (common/central_dp.py): the users' sampling rate of the round being
         # run, the accountant history of the rounds so far, and the server's noise stream.
         self.user_level = cfg.dp_level == "user"
@@ -282,10 +268,8 @@ class SparseFedAvg(Strategy):
             "epsilons": dict(self._epsilons),
             "failed-in-a-row": list(self._failed_in_a_row),
         }
-        if self._ranking is not None:  # method=ranked: what the next round ranks
-            state["ranking-delta"], state["ranking-support"] = self._ranking
-        if self._selected is not None:  # method=dpssgd: the selection (freeze keeps it)
-            state["dpssgd-selected"] = self._selected
+        # ranked: what the next round ranks; dpssgd: the selection (freeze keeps it)
+        state.update(self.method.state_dict())
         if self.user_level:  # dp-level=user: the rounds accounted (the noise stays secret)
             state["user-history"] = [list(entry) for entry in self._user_history]
             if self.cfg.central_noise == "seeded":  # a resumed run continues the streams
@@ -304,25 +288,12 @@ class SparseFedAvg(Strategy):
             rng.bit_generator.state = state["sampling-rng"]
             epsilons = {int(k): float(v) for k, v in dict(state["epsilons"]).items()}
             failed = [int(r) for r in state["failed-in-a-row"]]
-            ranking = None
-            if "ranking-delta" in state:
-                delta, covered = state["ranking-delta"], state["ranking-support"]
-                shapes_ok = delta.shape == covered.shape == (self.d,)
-                if not (shapes_ok and delta.dtype == torch.float32 and covered.dtype == torch.bool):
-                    raise ValueError(f"ranking-delta/-support: expected float32/bool ({self.d},)")
-                ranking = (delta, covered)
+            self.method.check_state(state, numel=self.d)
             user_history = [
                 (float(s), float(q), int(n)) for s, q, n in state.get("user-history", [])
             ]
             central_state = state.get("central-noise-state")
             user_sampling = state.get("user-sampling-rng")
-            selected = state.get("dpssgd-selected")
-            if selected is not None and not (
-                isinstance(selected, torch.Tensor)
-                and selected.dtype == torch.bool
-                and selected.shape == (self.d,)
-            ):
-                raise ValueError(f"dpssgd-selected: expected bool ({self.d},)")
         except KeyError as err:
             raise ValueError(f"strategy state: missing key {err}") from None
         except (TypeError, ValueError, AttributeError) as err:
@@ -330,8 +301,7 @@ class SparseFedAvg(Strategy):
         self._rng = rng
         self._epsilons = epsilons
         self._failed_in_a_row = failed
-        self._ranking = ranking
-        self._selected = selected
+        self.method.load_state_dict(state)
         self._user_history = user_history
         if central_state is not None:
             self._central_gen.set_state(central_state)
@@ -367,17 +337,9 @@ class SparseFedAvg(Strategy):
         return self._honest
 
     def _noise_keep(self, stats: RoundStats) -> int:
-        """How many coordinates each DP step's noise covers this round: the round's ``keep``;
-        under gip/random-k each step keeps ``keep_count`` per group (``common/mallows.py``)."""
-        if not stats.client_support:
-            return stats.keep
-        keep_fraction = 1.0 - stats.rate  # as the client computes it (client/app.py)
-        if keep_fraction == 1.0:
-            return self.d
-        return sum(
-            keep_count(size, rate=1.0 - keep_fraction)
-            for size in group_sizes(self.d, self.cfg.group_size)
-        )
+        """How many coordinates each DP step's noise covers this round (``Method.noise_keep``:
+        the round's ``keep``; under gip/random-k, ``keep_count`` per group)."""
+        return self.method.noise_keep(self.d, keep=stats.keep, rate=stats.rate)
 
     def _derived_bound(self, stats: RoundStats) -> tuple[float, str] | None:
         """This round's ``dp-norm-bound`` and its description (None: it does not apply)."""
@@ -435,36 +397,9 @@ class SparseFedAvg(Strategy):
                 caps.bound(self.d),
             )
 
-    def _dpssgd_support(
-        self, server_round: int, weights: torch.Tensor, rate: float
-    ) -> tuple[torch.Tensor | None, bytes, int]:
-        """DP-SSGD's support this round (None if it keeps every coordinate), its bitmap, keep.
-
-        ``freeze``: chosen once, in the run's first round, from the (pretrained) model, and
-        kept (in the checkpoint too); ``reselect``: chosen again each round from the current
-        model. ``random`` draws from the round's public mask seed.
-        """
-        if self.layout is None:
-            raise ValueError("method='dpssgd' needs the model's layout (SparseFedAvg(layout=))")
-        keep = layerwise_keep(self.layout, rate)
-        if keep == self.d:
-            return None, b"", keep
-        if self._selected is None or self.cfg.selection_mode == "reselect":
-            self._selected = layerwise_mask(
-                weights,
-                self.layout,
-                rate=rate,
-                selection=self.cfg.selection,
-                seed=round_seed(self.cfg.seed, server_round),
-            )
-        support = torch.nonzero(self._selected).flatten()
-        return support, indices_to_bytes(support.numpy(), "bitmap", self.d), keep
-
     def frozen_at(self, server_round: int) -> int:
-        """The frozen coordinate prefix of ``server_round`` (method=lf; else 0)."""
-        if server_round - 1 >= self.cfg.freeze_after:
-            return self.frozen_prefix
-        return 0
+        """The frozen coordinate prefix of ``server_round`` (lf; else 0)."""
+        return self.method.frozen_at(server_round - 1, self.frozen_prefix)
 
     def _sample(self, grid: Grid) -> list[int]:
         nodes = sorted(grid.get_node_ids())
@@ -489,35 +424,31 @@ class SparseFedAvg(Strategy):
                 f"arrays[{ARRAY_KEY!r}] has {weights.numel()} values: expected {self.d}"
             )
         self._weights = weights
-        frozen = self.frozen_at(server_round)
-        ranked, support_bytes = None, b""
-        if cfg.method == "lf":  # no random mask: the frozen layers are dropped, nothing else
-            rate, keep = frozen / self.d, self.d - frozen
-        else:
-            rate = self.schedule.rate(server_round - 1)
-            keep = keep_count(self.d, rate=rate)
-        if cfg.method == "ranked" and keep < self.d:
-            if self._ranking is None:  # nothing to rank yet (Alg. 4, line 6): everything
-                rate, keep = 0.0, self.d
-            else:
-                delta, covered = self._ranking
-                seed = stream_seed(cfg.seed, Stream.RANKING_NOISE, server_round)
-                scores = federated_ranking_scores(delta, covered, seed=seed)
-                ranked = torch.nonzero(ranked_mask(scores, keep)).flatten()
-                support_bytes = indices_to_bytes(ranked.numpy(), "bitmap", self.d)
-        if cfg.method == "dpssgd":
-            ranked, support_bytes, keep = self._dpssgd_support(server_round, weights, rate)
+        plan = self.method.plan_round(
+            server_round=server_round,
+            weights=weights,
+            schedule=self.schedule,
+            frozen=self.frozen_at(server_round),
+            layout=self.layout,
+            seed=cfg.seed,
+        )
+        keep = plan.keep
+        support_bytes = (
+            b""
+            if plan.support is None
+            else indices_to_bytes(plan.support.numpy(), "bitmap", self.d)
+        )
         stats = RoundStats(
             server_round=server_round,
-            rate=rate,
+            rate=plan.rate,
             keep=keep,
             mask_seed=round_seed(cfg.seed, server_round),
             selected=self._sample(grid),
             started=started,
             started_at=started_at,
-            frozen=frozen,
-            explicit=ranked,
-            client_support=cfg.method in INDEX_METHODS,
+            frozen=plan.frozen,
+            explicit=plan.support,
+            client_support=self.method.selects_per_step,
         )
         self.last_round = stats
         version = server_round - 1
@@ -584,8 +515,8 @@ class SparseFedAvg(Strategy):
             and not stats.client_support
             and not stats.failed
         )
-        if self.cfg.method == "ranked" and not stats.failed:
-            self._ranking = ((new_weights - weights).to(torch.float32), touched.clone())
+        if not stats.failed:  # ranked: the aggregate the next round ranks
+            self.method.after_round(before=weights, after=new_weights, touched=touched)
         self.downlink.record_version(
             server_round, touched, seeded=(stats.mask_seed, stats.keep) if seeded else None
         )
@@ -625,14 +556,14 @@ class SparseFedAvg(Strategy):
                 else client_mask_seed(stats.mask_seed, node)
             )
             frozen = stats.frozen
-            # method=lf: [frozen, d) dense; method=ranked: the keep values of the sent support
+            # lf: [frozen, d) dense; ranked, dpssgd: the keep values of the sent support
             explicit = stats.explicit is not None
             sub = d - frozen if not explicit else keep
             seeded = keep < d and not frozen and not explicit and not stats.client_support
             if round_support is None and cfg.mask_scope == "round" and seeded:
                 round_support = torch.nonzero(sample_mask(d, keep=keep, seed=scope_seed)).flatten()
             try:
-                # method=lf: the values of the unfrozen coordinates [frozen, d), dense.
+                # lf: the values of the unfrozen coordinates [frozen, d), dense.
                 valid = check_reply(
                     reply,
                     d=sub,

@@ -66,3 +66,56 @@ def test_tests_mirror_the_packages() -> None:
     for package in PACKAGES:
         tests = [p for p in (ROOT / "tests" / package).glob("test_*.py")]
         assert tests, f"tests/{package}/ has no tests"
+
+
+#: The built-in method names (``fedsparse.common.methods.METHOD_CLASSES``), spelled out here so
+#: that the check does not trust the registry it guards.
+_METHOD_NAMES = frozenset({"rs", "random-freeze", "lf", "ranked", "dpssgd", "gip", "random-k"})
+
+
+def _is_method_ref(node: ast.expr) -> bool:
+    """``method``, ``x.method`` or ``x.name``: what holds a method's name."""
+    if isinstance(node, ast.Name):
+        return node.id == "method"
+    return isinstance(node, ast.Attribute) and node.attr in ("method", "name")
+
+
+def _names_a_method(node: ast.expr) -> bool:
+    """A built-in method's name, a collection of them, or a ``*METHODS`` constant."""
+    if isinstance(node, ast.Constant):
+        return node.value in _METHOD_NAMES
+    if isinstance(node, ast.Tuple | ast.List | ast.Set):
+        return any(_names_a_method(e) for e in node.elts)
+    return isinstance(node, ast.Name) and node.id.endswith("METHODS")
+
+
+def _method_branches(source: str, where: str) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(source, filename=where)):
+        if not isinstance(node, ast.Compare):
+            continue
+        operands = [node.left, *node.comparators]
+        if any(map(_is_method_ref, operands)) and any(map(_names_a_method, operands)):
+            found.append(f"{where}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_method_branch_outside_the_methods_package() -> None:
+    """A method's behaviour lives in its class (``common/methods/``), not in ``method ==``."""
+    home = ROOT / "common" / "methods"
+    bad = [
+        branch
+        for folder in ("common", "client", "server", "lab", "benchmarks", "scripts")
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        if home not in path.parents
+        for branch in _method_branches(path.read_text(), str(path.relative_to(ROOT)))
+    ]
+    assert bad == []
+
+
+def test_the_method_branch_check_sees_a_branch() -> None:
+    source = "if cfg.method == 'lf':\n    pass\nif m.name in ('gip', 'x'):\n    pass\n"
+    source += "if cfg.method in INDEX_METHODS:\n    pass\nif model.name == 'tanh':\n    pass\n"
+    source += "x = 'rs' != method\n"
+    found = _method_branches(source, "sample.py")
+    assert [line.split(":")[1] for line in found] == ["1", "3", "5", "9"]

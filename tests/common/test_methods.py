@@ -292,3 +292,64 @@ def test_dpssgd_pretrains_on_public_data_and_freezes_the_unselected() -> None:
         noise_multiplier=1.0, sample_rate=q, steps=steps, delta=1e-5, accountant="rdp"
     )
     assert history[-1].epsilon == pytest.approx(plain, rel=1e-9)
+
+
+# --- the Method interface and its registry ------------------------------------------------
+
+
+def test_the_registry_names_every_builtin_method_by_its_own_name() -> None:
+    from fedsparse.common.methods import FEDERATED_METHODS, METHOD_CLASSES, METHODS, Method
+
+    assert tuple(METHOD_CLASSES) == METHODS == FEDERATED_METHODS
+    for name, cls in METHOD_CLASSES.items():
+        assert issubclass(cls, Method) and cls.name == name
+        assert type(MethodConfig(name=name).method()) is cls
+    # the per-step selectors are exactly GIP's two; only ranked and dpssgd send a support
+    assert {n for n, c in METHOD_CLASSES.items() if c.selects_per_step} == {"gip", "random-k"}
+    assert {n for n, c in METHOD_CLASSES.items() if c.sends_support} == {"ranked", "dpssgd"}
+    assert {n for n, c in METHOD_CLASSES.items() if c.adaptive_support} == {"gip"}
+
+
+def test_plugin_names_are_checked_without_importing() -> None:
+    import sys
+
+    from fedsparse.common.methods import check_method_name, is_plugin
+
+    name = "not_imported_anywhere.sub:Method"
+    assert is_plugin(name) and not is_plugin("rs") and not is_plugin("ranked-x")
+    check_method_name(name)
+    assert MethodConfig(name=name).name == name  # the config holds it; nothing is imported
+    assert "not_imported_anywhere" not in sys.modules
+    for bad in ("ranked-x", "pkg.mod", "pkg.mod:", ":Cls", "pkg-x.mod:Cls", "pkg.mod:Cls.attr"):
+        with pytest.raises(ValueError, match=f"method='{bad}': expected one of rs, "):
+            check_method_name(bad)
+    with pytest.raises(ValueError, match="module 'not_imported_anywhere.sub' does not import"):
+        MethodConfig(name=name).method()
+
+
+def test_the_federated_round_plans_of_the_builtins() -> None:
+    layout = _layout("digits-cnn")
+    d = layout.numel
+    schedule = RateSchedule(kind="constant", final_rate=0.5, total_steps=4)
+    weights = torch.randn(d, generator=torch.Generator().manual_seed(0))
+
+    def plan(name: str, server_round: int = 1, frozen: int = 0, **kw: object):
+        method = MethodConfig(name=name, **kw).method()  # type: ignore[arg-type]
+        return method.plan_round(
+            server_round=server_round,
+            weights=weights,
+            schedule=schedule,
+            frozen=frozen,
+            layout=layout,
+            seed=3,
+        )
+
+    rs = plan("rs")
+    assert (rs.rate, rs.keep, rs.frozen, rs.support) == (0.5, keep_count(d, rate=0.5), 0, None)
+    s = frozen_prefix(layout, 1)
+    lf = plan("lf", frozen=s)
+    assert (lf.rate, lf.keep, lf.frozen, lf.support) == (s / d, d - s, s, None)
+    assert plan("ranked").keep == d  # nothing ranked yet: every coordinate (Alg. 4, line 6)
+    selected = plan("dpssgd")
+    assert selected.keep == layerwise_keep(layout, 0.5) == selected.support.numel()
+    assert plan("gip").support is None and plan("random-k").keep == rs.keep

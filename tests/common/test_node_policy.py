@@ -200,3 +200,27 @@ def test_fab_hashes_must_be_sha256_digests() -> None:
     with pytest.raises(ValueError, match="allowed-fab-hashes='xyz': expected SHA-256"):
         NodePolicy.from_sources({"allowed-fab-hashes": "xyz"})
     assert NodePolicy().allowed_fab_hashes == () and not NodePolicy().evaluate
+
+
+def test_plugin_methods_are_refused_unless_listed_or_simulated() -> None:
+    spec = "their_pkg.methods:Pruning"
+    assert NodePolicy().plugin_methods == ()  # a deployed node imports no plug-in by default
+    with pytest.raises(
+        PrivacyRefusal, match=r"method='their_pkg.methods:Pruning': .*plugin-methods"
+    ):
+        NodePolicy().check_method(spec)
+    listed = NodePolicy.from_sources({"plugin-methods": f"{spec}, other.mod:Cls"})
+    assert listed.plugin_methods == (spec, "other.mod:Cls")
+    listed.check_method(spec)
+    with pytest.raises(PrivacyRefusal, match="plugin-methods"):
+        listed.check_method("their_pkg.methods:Other")
+    NodePolicy(noise="seeded").check_method(spec)  # a simulated node: the experimenter's run
+    for builtin in ("rs", "lf", "gip"):  # built-in names are never plug-ins
+        NodePolicy().check_method(builtin)
+
+
+def test_plugin_method_entries_must_be_module_colon_class() -> None:
+    with pytest.raises(ValueError, match=r"node policy: plugin-methods='rs': expected"):
+        NodePolicy(plugin_methods=("rs",))
+    with pytest.raises(ValueError, match=r"plugin-methods='a-b:C'"):
+        NodePolicy.from_sources({"plugin-methods": "a-b:C"})

@@ -1,0 +1,237 @@
+"""A user's ``Method`` from a package outside the repository, by ``method=package.module:Class``.
+
+The package is written into ``tmp_path`` and put on ``sys.path`` (the federation runs in this
+process: ``InProcessGrid``); fedsparse is not touched. It trains the even coordinates only,
+so its effect is exact: every odd coordinate ends where it started, federated and
+centralized. A deployed node imports it only if its owner lists it (``plugin-methods``) and
+refuses before importing anything otherwise; a simulated node imports it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from fedsparse.client.app import app as client_app
+from fedsparse.common.config import FederatedConfig
+from fedsparse.common.data import load_dataset
+from fedsparse.common.layout import ParamLayout
+from fedsparse.common.methods import MethodConfig, method_class
+from fedsparse.common.models import build_model
+from fedsparse.common.payload import encode_update
+from fedsparse.common.payload.indices import indices_to_bytes
+from fedsparse.common.protocol import CONFIG_RECORD, METRICS_RECORD, TrainInstruction, TrainReply
+from fedsparse.common.training import PrivacyConfig, SparsityConfig, TrainConfig, train_centralized
+from fedsparse.lab.flower import SIMULATION_NODE_POLICY
+from fedsparse.lab.inprocess import InProcessGrid
+from fedsparse.server.app import run_federated
+from fedsparse.server.messages import train_message
+
+PACKAGE = "fedsparse_example_plugin"
+SPEC = f"{PACKAGE}.even:EvenCoordinates"
+
+PLUGIN = '''
+"""A user's method: every stride-th coordinate trains, every round and epoch; no other."""
+
+import torch
+
+from fedsparse.common.methods import Method, RoundPlan
+from fedsparse.common.methods.base import explicit_support
+from fedsparse.common.protocol import ProtocolError
+
+LOADED = True
+
+
+class EvenCoordinates(Method):
+    sends_support = True  # the server sends the support (a bitmap) with each instruction
+    options = {"stride": 2}  # its own run-config key, and its default
+
+    def coordinates(self, numel):
+        return torch.arange(0, numel, self.option("stride"))
+
+    def plan_round(self, *, server_round, weights, schedule, frozen, layout, seed):
+        support = self.coordinates(weights.numel())
+        rate = 1.0 - support.numel() / weights.numel()
+        return RoundPlan(rate=rate, keep=support.numel(), support=support)
+
+    def client_support(self, task, raw, layout, *, schedule, final_rate):
+        expected = self.coordinates(layout.numel)
+        support = explicit_support(
+            task, raw, layout, expected=expected.numel(), detail="even coordinates"
+        )
+        if support is None or not torch.equal(support, expected):
+            raise ProtocolError("train instruction: expected every stride-th coordinate")
+        return support
+
+    def epoch_mask(self, ctx):
+        mask = torch.zeros(ctx.layout.numel, dtype=torch.bool)
+        mask[self.coordinates(ctx.layout.numel)] = True
+        return 1.0 - 1.0 / self.option("stride"), mask, False
+'''
+
+
+@pytest.fixture
+def plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """The plug-in package on ``sys.path``, not yet imported; its name."""
+    root = tmp_path / "site"
+    (root / PACKAGE).mkdir(parents=True)
+    (root / PACKAGE / "__init__.py").write_text("")
+    (root / PACKAGE / "even.py").write_text(textwrap.dedent(PLUGIN))
+    monkeypatch.syspath_prepend(str(root))
+    for name in [m for m in sys.modules if m.startswith(PACKAGE)]:
+        monkeypatch.delitem(sys.modules, name)
+    yield SPEC
+    for name in [m for m in sys.modules if m.startswith(PACKAGE)]:
+        del sys.modules[name]
+
+
+def _initial(cfg: FederatedConfig) -> torch.Tensor:
+    model = build_model(cfg.model_name, seed=cfg.seed)
+    return ParamLayout.from_module(model).flatten_module(model)
+
+
+def _moved(start: torch.Tensor, end: torch.Tensor, stride: int) -> tuple[bool, float]:
+    """(whether a coordinate off the stride moved, the share of the stride's that did)."""
+    on = torch.zeros(start.numel(), dtype=torch.bool)
+    on[::stride] = True
+    return bool((end[~on] != start[~on]).any()), float((end[on] != start[on]).float().mean())
+
+
+def test_a_plugin_method_runs_federated_with_its_own_key(plugin: str, tmp_path: Path) -> None:
+    base = FederatedConfig(num_rounds=2, target_epsilon=0.0, noise_multiplier=1.0, seed=3)
+    # what `fedsparse simulate --set method=... --set stride=3` hands the apps
+    run_config = {
+        **base.to_run_config(),
+        "method": plugin,
+        "stride": 3,
+        "out-dir": str(tmp_path / "run"),
+    }
+    cfg = FederatedConfig.from_run_config(run_config)
+    assert cfg.method_options == (("stride", 3),)
+    assert cfg.to_run_config() == run_config  # the key travels to every node
+    grid = InProcessGrid(
+        client_app, num_nodes=2, run_config=run_config, node_config=SIMULATION_NODE_POLICY
+    )
+    run_federated(grid, cfg)
+    start = _initial(cfg)
+    end = torch.load(tmp_path / "run" / "checkpoint.pt")["weights"]
+    d = start.numel()
+    off_moved, on_share = _moved(start, end, 3)
+    assert not off_moved and on_share > 0.9  # bit for bit: only the stride trained
+    rounds = [json.loads(x) for x in (tmp_path / "run" / "rounds.jsonl").read_text().splitlines()]
+    assert [r["keep"] for r in rounds] == [len(range(0, d, 3))] * 2
+    assert [(r["num_accepted"], r["num_rejected"]) for r in rounds] == [(2, 0)] * 2
+
+
+def test_a_plugin_method_runs_centralized_with_its_own_key(plugin: str) -> None:
+    train, test = load_dataset("digits", seed=0)
+    model = build_model("digits-cnn", seed=0)
+    layout = ParamLayout.from_module(model)
+    start = layout.flatten_module(model).clone()
+    masks: list[torch.Tensor | None] = []
+    stats = train_centralized(
+        model,
+        (train.x[:512], train.y[:512]),
+        (test.x[:128], test.y[:128]),
+        privacy=PrivacyConfig(noise_multiplier=1.0, target_epsilon=None, max_grad_norm=1.0),
+        sparsity=SparsityConfig(schedule="constant", final_rate=0.0, mask_seed=3),
+        train=TrainConfig(epochs=2, batch_size=64, lr=0.5, momentum=0.9, seed=1),
+        method=MethodConfig(name=plugin, options=(("stride", 3),)),
+        on_mask=lambda _, mask: masks.append(mask),
+    )
+    assert [s.rate for s in stats] == [pytest.approx(2 / 3)] * 2
+    stride = torch.arange(0, start.numel(), 3)
+    assert all(m is not None and torch.equal(torch.nonzero(m).flatten(), stride) for m in masks)
+    off_moved, on_share = _moved(start, layout.flatten_module(model), 3)
+    assert not off_moved and on_share > 0.9
+
+
+def test_a_plugin_key_is_checked_against_the_method(plugin: str) -> None:
+    with pytest.raises(
+        ValueError, match="run config key 'strid' is unknown; did you mean 'stride'"
+    ):
+        FederatedConfig.from_run_config({"method": plugin, "strid": 3})
+    with pytest.raises(ValueError, match="run config key 'stride' is unknown"):
+        FederatedConfig.from_run_config({"method": "rs", "stride": 3})
+    with pytest.raises(ValueError, match=r"method='.*': run config key 'other' is unknown"):
+        FederatedConfig(method=plugin, method_options=(("other", 1),))
+    with pytest.raises(ValueError, match=r"method='.*': key 'other' is unknown"):
+        MethodConfig(name=plugin, options=(("other", 1),)).method()
+
+
+def _ask(node_config: dict[str, object], run_config: dict[str, object]) -> object:
+    """One round-1 instruction for the even coordinates to a node; its reply message."""
+    cfg = FederatedConfig(num_rounds=3, target_epsilon=0.0, noise_multiplier=1.0)
+    flat = _initial(cfg)
+    d = flat.numel()
+    support = torch.arange(0, d, 2)
+    task = TrainInstruction(
+        server_round=1,
+        num_rounds=3,
+        mask_seed=1,
+        keep=support.numel(),
+        mask_scope="round",
+        local_epochs=1,
+        batch_size=32,
+        lr=0.5,
+        momentum=0.0,
+        base_version=-1,
+        model_version=0,
+        model=encode_update(flat, dense_size=d, round=1),
+    )
+    grid = InProcessGrid(client_app, num_nodes=1, run_config=run_config, node_config=node_config)
+    bitmap = indices_to_bytes(support.numpy(), "bitmap", d)
+    (reply,) = grid.send_and_receive([train_message(task, node=1001, support=bitmap)])
+    return reply
+
+
+def _run_config(method: str) -> dict[str, object]:
+    """A run config naming ``method``, built without importing it (as a server sends it)."""
+    cfg = FederatedConfig(num_rounds=3, target_epsilon=0.0, noise_multiplier=1.0)
+    return {**cfg.to_run_config(), "method": method}
+
+
+DEPLOYED = {"ledger-dir": "", "dataset": "digits"}
+
+
+def test_a_deployed_node_refuses_an_unlisted_plugin_before_importing_it(plugin: str) -> None:
+    reply = _ask(DEPLOYED, _run_config(plugin))
+    assert reply.has_error()
+    assert f"method={plugin!r}" in reply.error.reason
+    assert "plugin-methods" in reply.error.reason
+    assert PACKAGE not in sys.modules  # nothing of it was imported, not even the package
+
+
+def test_a_deployed_node_runs_a_plugin_its_owner_lists(plugin: str) -> None:
+    reply = _ask({**DEPLOYED, "plugin-methods": plugin}, _run_config(plugin))
+    assert not reply.has_error(), reply.error.reason
+    parsed = TrainReply.from_records(
+        reply.content.config_records[CONFIG_RECORD], reply.content.metric_records[METRICS_RECORD]
+    )
+    assert parsed.keep == (_initial(FederatedConfig()).numel() + 1) // 2
+    assert sys.modules[f"{PACKAGE}.even"].LOADED
+
+
+def test_a_simulated_node_imports_a_plugin_and_builtins_import_nothing(plugin: str) -> None:
+    reply = _ask(dict(SIMULATION_NODE_POLICY), _run_config(plugin))
+    assert not reply.has_error(), reply.error.reason
+    assert f"{PACKAGE}.even" in sys.modules
+    before = set(sys.modules)
+    for name in ("rs", "lf", "ranked", "dpssgd", "gip", "random-k", "random-freeze"):
+        method_class(name)
+    assert set(sys.modules) == before
+
+
+def test_a_plugin_name_must_name_a_method(plugin: str) -> None:
+    with pytest.raises(ValueError, match=r"method='no-such': expected one of rs, "):
+        FederatedConfig(method="no-such")
+    with pytest.raises(ValueError, match=r"module 'fedsparse_missing.mod' does not import"):
+        FederatedConfig(method="fedsparse_missing.mod:Cls")
+    with pytest.raises(ValueError, match="expected a fedsparse.common.methods.Method subclass"):
+        FederatedConfig(method=f"{PACKAGE}.even:even")
