@@ -76,6 +76,7 @@ __all__ = [
     "CodecName",
     "FederatedConfig",
     "MaskScope",
+    "run_config_fields",
     "wire_encoding",
 ]
 
@@ -147,6 +148,17 @@ def wire_encoding(codec: CodecName, *, sparse: bool) -> IndexEncoding:
     if codec == "values":
         return "seeded"
     return codec
+
+
+#: The ``FederatedConfig`` field that is not a run-config key (a plug-in's own keys travel as
+#: top-level keys of their own).
+_NOT_A_KEY: Final = "method_options"
+
+
+def run_config_fields() -> list[dataclasses.Field[Any]]:
+    """The ``FederatedConfig`` fields that are run-config keys (``[tool.flwr.app.config]``),
+    in order: every field but ``method_options``."""
+    return [f for f in dataclasses.fields(FederatedConfig) if f.name != _NOT_A_KEY]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -441,7 +453,7 @@ class FederatedConfig:
         ``method_options``; resolving the method imports a plug-in's module (a deployed node
         checks its policy first: ``NodePolicy.check_method``).
         """
-        fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "method_options"}
+        fields = {f.name: f for f in run_config_fields()}
         kwargs: dict[str, Any] = {}
         options: dict[str, Any] = {}
         declared: Mapping[str, Any] | None = None
@@ -470,9 +482,7 @@ class FederatedConfig:
         """The dashed-key mapping (what ``[tool.flwr.app.config]`` holds), a plug-in method's
         own keys (``method_options``) at the top level like the others."""
         mapping = {
-            k.replace("_", "-"): v
-            for k, v in dataclasses.asdict(self).items()
-            if k != "method_options"
+            k.replace("_", "-"): v for k, v in dataclasses.asdict(self).items() if k != _NOT_A_KEY
         }
         return {**mapping, **dict(self.method_options)}
 

@@ -180,7 +180,7 @@ def run_config_rows() -> list[dict[str, str]]:
     named["model"] = ("", *MODEL_NAMES)
     rows = []
     section = ""
-    for field in dataclasses.fields(config.FederatedConfig):
+    for field in config.run_config_fields():
         key = field.name.replace("_", "-")
         section = SECTIONS.get(key, section)
         values = named.get(field.name)
