@@ -16,7 +16,6 @@ import dataclasses
 import functools
 import math
 import threading
-import warnings
 from collections.abc import Mapping
 from logging import ERROR
 from pathlib import Path
@@ -43,6 +42,7 @@ from fedsparse.client.state import NodeState, StateFiles, apply_downlink, resume
 from fedsparse.common.config import FederatedConfig, wire_encoding
 from fedsparse.common.data import Split
 from fedsparse.common.gip import IndexBudget, StepSelector
+from fedsparse.common.known_warnings import quiet_known_warnings
 from fedsparse.common.layout import ParamLayout
 from fedsparse.common.masks import sample_mask
 from fedsparse.common.methods import suffix_mask
@@ -80,9 +80,6 @@ from fedsparse.common.training import (
 
 __all__ = ["app"]
 
-#: Opacus warnings that say nothing to an operator of this app.
-_QUIET = ("Secure RNG turned off", "Optimal order is the largest alpha", "Full backward hook")
-
 app = ClientApp()
 
 
@@ -93,12 +90,13 @@ def _node_partition(context: Context) -> tuple[int, int]:
 def _run_config(context: Context, policy: NodePolicy) -> FederatedConfig:
     """The run config, parsed once the node's policy allows its ``method``: a plug-in method
     (``package.module:Class``) is imported only if the node's owner lists it
-    (``plugin-methods``) or the node is simulated; else refused before anything is imported.
+    (``plugins``) or the node is simulated; else refused before anything is imported (a
+    plug-in ``model`` likewise).
 
     Raises:
         PrivacyRefusal: a plug-in method the policy does not list.
     """
-    policy.check_method(str(context.run_config.get("method", "rs")))
+    policy.check_plugins(context.run_config)
     return FederatedConfig.from_run_config(context.run_config)
 
 
@@ -266,9 +264,7 @@ def _private_round(
         else None
     )
     exhausted(policy, ledger)
-    with warnings.catch_warnings():
-        for text in _QUIET:
-            warnings.filterwarnings("ignore", message=text)
+    with quiet_known_warnings():
         privacy, budget = _calibrated(privacy, cfg, len(data), node_accountant(policy, privacy))
         steps = task.local_epochs * steps_per_epoch(len(data), task.batch_size)
         keep_fraction, index_epsilon = _index_charge(cfg, task, layout.numel, budget, steps)

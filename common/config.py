@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Literal, get_args
 
+from fedsparse.common import plugins
 from fedsparse.common.aggregate import AGGREGATORS, WEIGHTINGS, AggregatorName, Weighting
 from fedsparse.common.central_dp import CENTRAL_NOISE_SOURCES, DP_LEVELS, CentralNoise, DPLevel
 from fedsparse.common.coerce import coerce, unknown_key
@@ -276,20 +277,33 @@ class FederatedConfig:
         if not (math.isfinite(self.target_epsilon) and self.target_epsilon >= 0):
             fail("target_epsilon", "a finite value >= 0 (0: use noise-multiplier)")
         for field, names in _NAMED_FIELDS.items():
-            if getattr(self, field) not in names:
-                fail(field, f"one of {', '.join(names)}")
+            value = getattr(self, field)
+            if field == "dataset" and plugins.is_reference(value):
+                continue  # a user's loader (common/plugins.py): imported where it is loaded
+            if value not in names:
+                more = " or package.module:loader" if field == "dataset" else ""
+                fail(field, f"one of {', '.join(names)}{more}")
         check_method_name(self.method)
-        if self.model not in ("", *MODEL_NAMES):
-            fail("model", f"one of {', '.join(MODEL_NAMES)} ('' for the dataset's default)")
-        model_shape = MODEL_INPUT_SHAPES[self.model_name]
-        data_shape = DATASET_INPUT_SHAPES[self.dataset]
-        if model_shape != data_shape:
-            fits = [m for m in MODEL_NAMES if MODEL_INPUT_SHAPES[m] == data_shape]
+        user_model = plugins.is_reference(self.model)
+        user_dataset = plugins.is_reference(self.dataset)
+        if self.model not in ("", *MODEL_NAMES) and not user_model:
             fail(
                 "model",
-                f"a model for dataset={self.dataset!r} ({_shape(data_shape)} images; "
-                f"{self.model} takes {_shape(model_shape)}): one of {', '.join(fits)} or ''",
+                f"one of {', '.join(MODEL_NAMES)} ('' for the dataset's default) or "
+                "package.module:factory",
             )
+        if user_dataset and self.model == "":
+            fail("model", f"a model for dataset={self.dataset!r} (a user's dataset has no default)")
+        if not (user_model or user_dataset):  # a user's shapes are checked where they load
+            model_shape = MODEL_INPUT_SHAPES[self.model_name]
+            data_shape = DATASET_INPUT_SHAPES[self.dataset]
+            if model_shape != data_shape:
+                fits = [m for m in MODEL_NAMES if MODEL_INPUT_SHAPES[m] == data_shape]
+                fail(
+                    "model",
+                    f"a model for dataset={self.dataset!r} ({_shape(data_shape)} images; "
+                    f"{self.model} takes {_shape(model_shape)}): one of {', '.join(fits)} or ''",
+                )
         if not 0 <= self.seed < 2**63:
             fail("seed", "0 <= seed < 2**63")
         if not -1 <= self.split_seed < 2**63:
@@ -360,7 +374,7 @@ class FederatedConfig:
 
     def method_class(self) -> type[Method]:
         """The class of ``method`` (``common/methods/registry.py``; a plug-in's module is
-        imported: a deployed node checks its policy first, ``NodePolicy.check_method``)."""
+        imported: a deployed node checks its policy first, ``NodePolicy.check_plugins``)."""
         return method_class(self.method)
 
     def make_method(self) -> Method:
@@ -451,7 +465,7 @@ class FederatedConfig:
 
         A key the run's method declares (``Method.options``: a plug-in's own keys) goes to
         ``method_options``; resolving the method imports a plug-in's module (a deployed node
-        checks its policy first: ``NodePolicy.check_method``).
+        checks its policy first: ``NodePolicy.check_plugins``).
         """
         fields = {f.name: f for f in run_config_fields()}
         kwargs: dict[str, Any] = {}

@@ -43,11 +43,12 @@ key                        default        meaning
                                           any whose ClientApp is fedsparse's. Either way the
                                           node runs its OWN installed ClientApp, never code
                                           from the FAB (``client/node.py``)
-``plugin-methods``         ""             comma-separated ``package.module:Class`` methods
-                                          (``common/methods/``) this node may import when a
-                                          run config names one; "" imports none. A simulated
-                                          node (``noise="seeded"``) imports any: the run is
-                                          the experimenter's own. Built-in names need no entry
+``plugins``                ""             comma-separated ``package.module:attribute`` names
+                                          (``common/plugins.py``) this node may import when a
+                                          run config names one as its ``method`` or ``model``;
+                                          "" imports none. A simulated node
+                                          (``noise="seeded"``) imports any: the run is the
+                                          experimenter's own. Built-in names need no entry
 =========================  =============  ====================================================
 
 The node's data is declared next to its policy, in the same node config
@@ -139,7 +140,7 @@ class NodePolicy:
     release_example_count: bool = False
     evaluate: bool = False
     allowed_fab_hashes: tuple[str, ...] = ()
-    plugin_methods: tuple[str, ...] = ()
+    plugins: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         def fail(key: str, value: Any, expected: str) -> None:
@@ -163,9 +164,9 @@ class NodePolicy:
         for digest in self.allowed_fab_hashes:
             if not (len(digest) == 64 and all(c in "0123456789abcdef" for c in digest)):
                 fail("allowed-fab-hashes", digest, "SHA-256 hex digests (64 lowercase hex)")
-        for name in self.plugin_methods:
+        for name in self.plugins:
             if not is_plugin(name):
-                fail("plugin-methods", name, "package.module:Class names")
+                fail("plugins", name, "package.module:attribute names")
         if self.state_dir and self.noise != "seeded":
             # Restoring run state follows the server's resume point: only an experimenter's
             # own simulated nodes may take it; a deployed node's ledger is its history.
@@ -200,19 +201,25 @@ class NodePolicy:
                 )
         return cls(**values)
 
-    def check_method(self, method: str) -> None:
-        """Refuses a plug-in ``method`` (``package.module:Class``) this node's owner did not
-        list in ``plugin-methods``, unless the node is simulated. Imports nothing: importing a
-        module runs its code, and the run config is the server's.
+    def check_plugins(self, run_config: Mapping[str, Any]) -> None:
+        """Refuses a run config whose ``method`` or ``model`` is a plug-in
+        (``package.module:attribute``) this node's owner did not list in ``plugins``, unless
+        the node is simulated. Imports nothing: importing a module runs its code, and the run
+        config is the server's. (The dataset is the node's own declaration, never the
+        server's choice: ``client/app.py: _declaration``.)
 
         Raises:
-            PrivacyRefusal: naming the method and the policy key.
+            PrivacyRefusal: naming the key, its value and the policy key.
         """
-        if is_plugin(method) and self.noise != "seeded" and method not in self.plugin_methods:
-            raise PrivacyRefusal(
-                f"method={method!r}: this node imports only the plug-in methods its owner "
-                "lists (node policy plugin-methods)"
-            )
+        if self.noise == "seeded":
+            return
+        for key in ("method", "model"):
+            value = str(run_config.get(key, ""))
+            if is_plugin(value) and value not in self.plugins:
+                raise PrivacyRefusal(
+                    f"{key}={value!r}: this node imports only the plug-ins its owner lists "
+                    "(node policy plugins)"
+                )
 
     def precheck(
         self,

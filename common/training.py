@@ -27,7 +27,6 @@ import dataclasses
 import functools
 import math
 import secrets
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final, Literal, get_args
@@ -41,6 +40,7 @@ from fedsparse.common.dp import MECHANISMS, MechanismName, SparseDPEngine
 from fedsparse.common.engines import ENGINES, EngineName, select_engine
 from fedsparse.common.factored_dp import FactoredDPEngine, FactoredGradSampleModule
 from fedsparse.common.func_dp import FuncDPEngine, FuncGradSampleModule
+from fedsparse.common.known_warnings import quiet_known_warnings
 from fedsparse.common.methods import EpochContext, MethodConfig, public_split
 from fedsparse.common.methods.gip import gip_privacy
 from fedsparse.common.methods.selection import round_mask
@@ -353,8 +353,7 @@ def make_private(
     engine = engine_cls(
         accountant=privacy.accountant, secure_mode=privacy.secure_mode, mechanism=privacy.mechanism
     )
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Secure RNG turned off")
+    with quiet_known_warnings():
         private = engine.make_private(
             module=model,
             optimizer=optimizer,

@@ -4,18 +4,17 @@ As Opacus's ``accountants/registry.py`` maps accountant names to classes, ``METH
 maps each built-in ``method`` name to its class. Any other ``method`` value must name a
 subclass of ``Method`` as ``package.module:Class``; ``method_class`` imports that module.
 Importing a module runs its code, so whoever resolves a plug-in name must trust it: a deployed
-node checks the name against its owner's list first (``NodePolicy.check_method``, before
+node checks the name against its owner's list first (``NodePolicy.check_plugins``, before
 anything is imported); ``is_plugin`` and ``check_method_name`` never import.
 """
 
 from __future__ import annotations
 
-import importlib
-import re
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Final
 
+from fedsparse.common import plugins
 from fedsparse.common.methods.base import Method
 from fedsparse.common.methods.dpssgd import DPSSGD
 from fedsparse.common.methods.gip import GIP, RandomK
@@ -41,13 +40,10 @@ METHOD_CLASSES: Final[Mapping[str, type[Method]]] = MappingProxyType(
     }
 )
 
-_IDENTIFIER = r"[A-Za-z_][A-Za-z0-9_]*"
-_PLUGIN: Final = re.compile(rf"{_IDENTIFIER}(\.{_IDENTIFIER})*:{_IDENTIFIER}")
-
 
 def is_plugin(name: str) -> bool:
     """Whether ``name`` is a ``package.module:Class`` (not a built-in). Imports nothing."""
-    return name not in METHOD_CLASSES and _PLUGIN.fullmatch(name) is not None
+    return name not in METHOD_CLASSES and plugins.is_reference(name)
 
 
 def check_method_name(name: str) -> None:
@@ -74,14 +70,7 @@ def method_class(name: str) -> type[Method]:
     if builtin is not None:
         return builtin
     check_method_name(name)
-    module_name, _, attribute = name.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ValueError(
-            f"method={name!r}: module {module_name!r} does not import: {err}"
-        ) from None
-    cls = getattr(module, attribute, None)
+    cls = plugins.load(name, field="method")
     if not (isinstance(cls, type) and issubclass(cls, Method)):
         raise ValueError(
             f"method={name!r}: expected a fedsparse.common.methods.Method subclass, "

@@ -130,7 +130,7 @@ def train(
             accountant=choice("accountant", accountant, ACCOUNTANTS),
         )
         method_config = MethodConfig(
-            name=choice("method", method, METHODS),
+            name=choice("method", method, METHODS, plugin=True),
             freeze_layers=freeze_layers,
             freeze_after=freeze_after,
             public_fraction=public_fraction,
@@ -160,9 +160,11 @@ def train(
             engine=choice("engine", engine, DP_ENGINES),
             device=choice("device", device, DEVICES),
         )
-        dataset_name = choice("dataset", dataset, DATASET_NAMES)
+        dataset_name = choice("dataset", dataset, DATASET_NAMES, plugin=True)
         split = choice("eval-split", eval_split, EVAL_SPLITS)
-        model_name = None if model is None else choice("model", model, MODEL_NAMES)
+        model_name = None if model is None else choice("model", model, MODEL_NAMES, plugin=True)
+        if model_name is None and dataset_name not in DATASET_NAMES:
+            raise ValueError(f"--dataset {dataset_name}: a user's dataset needs --model")
         if out.exists() and not out.is_dir():
             raise ValueError(f"--out {out}: exists and is not a directory")
         trackers = parse_trackers(log, field="--log")

@@ -45,19 +45,31 @@ BACKEND_ALIASES: dict[str, str] = {"simulation": "flower", "flower": "simulation
 
 
 def choice(
-    field: str, value: str, choices: Sequence[Choice], *, aliases: Mapping[str, str] = {}
+    field: str,
+    value: str,
+    choices: Sequence[Choice],
+    *,
+    aliases: Mapping[str, str] = {},
+    plugin: bool = False,
 ) -> Choice:
-    """``value`` as the one of ``choices`` it names (directly or through ``aliases``).
+    """``value`` as the one of ``choices`` it names (directly or through ``aliases``), or with
+    ``plugin`` a user's ``package.module:attribute`` (``common/plugins.py``; not imported here).
 
     Raises:
         ValueError: none of them (naming ``field`` and ``value``, and the closest choice).
     """
+    if plugin:
+        from fedsparse.common.plugins import is_reference
+
+        if is_reference(value):
+            return value  # type: ignore[return-value]
     for option in choices:
         if aliases.get(value, value) == option or value == option:
             return option
     close = difflib.get_close_matches(value, list(choices), n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
-    raise ValueError(f"{field}={value!r}: expected one of {', '.join(choices)}{hint}")
+    more = " or package.module:attribute" if plugin else ""
+    raise ValueError(f"{field}={value!r}: expected one of {', '.join(choices)}{more}{hint}")
 
 
 def rate(field: str, text: str | None) -> float | None:

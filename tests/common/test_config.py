@@ -124,7 +124,9 @@ def test_an_unknown_name_fails_at_parse_time_in_one_line(key: str, value: str) -
     names = ", ".join(NAMED_KEYS[key])
     expected = f"{key}={value!r}: expected one of {names}"
     if key == "model":
-        expected += " ('' for the dataset's default)"
+        expected += " ('' for the dataset's default) or package.module:factory"
+    if key == "dataset":
+        expected += " or package.module:loader"  # a user's own (common/plugins.py)
     assert message == expected
     assert "\n" not in message
 

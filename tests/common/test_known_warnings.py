@@ -150,6 +150,4 @@ def test_no_module_of_ours_writes_its_own_filter_for_them() -> None:
                 for k in KNOWN_WARNINGS
                 if k.message in text
             ]
-    # Still their own filters, to switch to quiet_known_warnings() (then leave this set).
-    pending = {"client/app.py", "common/training.py"}
-    assert [f for f in found if f.split(":")[0] not in pending] == []
+    assert found == []

@@ -202,25 +202,26 @@ def test_fab_hashes_must_be_sha256_digests() -> None:
     assert NodePolicy().allowed_fab_hashes == () and not NodePolicy().evaluate
 
 
-def test_plugin_methods_are_refused_unless_listed_or_simulated() -> None:
+def test_plugins_are_refused_unless_listed_or_simulated() -> None:
     spec = "their_pkg.methods:Pruning"
-    assert NodePolicy().plugin_methods == ()  # a deployed node imports no plug-in by default
-    with pytest.raises(
-        PrivacyRefusal, match=r"method='their_pkg.methods:Pruning': .*plugin-methods"
-    ):
-        NodePolicy().check_method(spec)
-    listed = NodePolicy.from_sources({"plugin-methods": f"{spec}, other.mod:Cls"})
-    assert listed.plugin_methods == (spec, "other.mod:Cls")
-    listed.check_method(spec)
-    with pytest.raises(PrivacyRefusal, match="plugin-methods"):
-        listed.check_method("their_pkg.methods:Other")
-    NodePolicy(noise="seeded").check_method(spec)  # a simulated node: the experimenter's run
+    assert NodePolicy().plugins == ()  # a deployed node imports no plug-in by default
+    with pytest.raises(PrivacyRefusal, match=r"method='their_pkg.methods:Pruning': .*plugins"):
+        NodePolicy().check_plugins({"method": spec})
+    with pytest.raises(PrivacyRefusal, match=r"model='their_pkg.nets:cnn': .*plugins"):
+        NodePolicy().check_plugins({"method": "rs", "model": "their_pkg.nets:cnn"})
+    listed = NodePolicy.from_sources({"plugins": f"{spec}, their_pkg.nets:cnn"})
+    assert listed.plugins == (spec, "their_pkg.nets:cnn")
+    listed.check_plugins({"method": spec, "model": "their_pkg.nets:cnn"})
+    with pytest.raises(PrivacyRefusal, match="plugins"):
+        listed.check_plugins({"method": "their_pkg.methods:Other"})
+    # a simulated node: the experimenter's run
+    NodePolicy(noise="seeded").check_plugins({"method": spec, "model": "x.y:z"})
     for builtin in ("rs", "lf", "gip"):  # built-in names are never plug-ins
-        NodePolicy().check_method(builtin)
+        NodePolicy().check_plugins({"method": builtin, "model": "digits-cnn"})
 
 
 def test_plugin_method_entries_must_be_module_colon_class() -> None:
-    with pytest.raises(ValueError, match=r"node policy: plugin-methods='rs': expected"):
-        NodePolicy(plugin_methods=("rs",))
-    with pytest.raises(ValueError, match=r"plugin-methods='a-b:C'"):
-        NodePolicy.from_sources({"plugin-methods": "a-b:C"})
+    with pytest.raises(ValueError, match=r"node policy: plugins='rs': expected"):
+        NodePolicy(plugins=("rs",))
+    with pytest.raises(ValueError, match=r"plugins='a-b:C'"):
+        NodePolicy.from_sources({"plugins": "a-b:C"})
