@@ -41,9 +41,9 @@ explicitly (``coo``/``delta``/``bitmap``) reveals nothing that the seed does not
 payloads are exactly the canonical (deterministic) serializations, so ``len(data) ==
 payload_size(...)`` for every accepted payload (for zstd, given the compressed section sizes).
 Decoding allocates at most a few times the payload's own size (bitmaps: 8 bytes per payload
-bit; zstd sections: their declared, validated content size), never anything of size
-``dense_size`` unless the sender paid for it; pass ``expected_dense_size`` before calling
-``to_dense`` or ``support`` on an update from an untrusted peer.
+bit; int1 values: about 16; zstd sections: their declared, validated content size), never
+anything of size ``dense_size`` unless the sender paid for it; pass ``expected_dense_size``
+before calling ``to_dense`` or ``support`` on an update from an untrusted peer.
 
 Layers, one module each (each imports only the ones above it):
 

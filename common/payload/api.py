@@ -114,8 +114,9 @@ def encode_update(
         The serialized payload, ``payload_size(...)`` bytes long.
 
     Raises:
-        ValueError: on an invalid argument, non-finite values, or values that overflow
-            ``value_dtype`` (e.g. ``|v| > 65504`` for fp16), naming the field and the value.
+        ValueError: on an invalid argument (e.g. no ``rounding`` generator for a low-bit
+            dtype), non-finite values, or values that overflow ``value_dtype`` (e.g. ``|v| >
+            65504`` for fp16, ``|v|`` past float32 for the others), naming the field and value.
     """
     dense_size = check_int("dense_size", dense_size, 1, U64)
     round = check_int("round", round, 0, U32)
@@ -233,10 +234,14 @@ def decode_update(
     and the lowest that expresses the payload), known enums, ``dense_size > 0`` and the
     ``expected_*`` values given, ``keep <= dense_size``, the encoding's rules (seeded: no
     indices; dense: ``keep == dense_size``; only seeded carries a nonzero ``mask_seed``;
-    delta/bitmap: ``dense_size < 2**62``), the int8 scale, the zstd frames (content size
-    declared and as expected, no dictionary, no trailing bytes), the indices (count, minimal
-    varints, strictly increasing, in range, bitmap popcount and padding), the value byte count,
-    canonical encoding, and that every value is finite. ``expected_mask_seed`` applies to
+    delta/bitmap: ``dense_size < 2**62``), the int8 scale, the low-bit block fields
+    (``value_block >= 1`` and ``ceil(keep / value_block)`` float32 ``value_scales`` for
+    int4/int2/int1, both absent otherwise), the zstd frames (content size declared and as
+    expected, no dictionary, no trailing bytes), the indices (count, minimal varints, strictly
+    increasing, in range, bitmap popcount and padding), the value byte count (packed for the
+    low-bit dtypes), canonical encoding, the low-bit steps (finite, ``>= 0``, not -0.0), padding
+    bits and codes (no most negative pattern, all 0 in a block of step 0), and that every value
+    is finite. ``expected_mask_seed`` applies to
     seeded payloads only: pass ``expected_encoding="seeded"`` to require one;
     ``expected_encoding`` may be one name or a collection of accepted names.
 

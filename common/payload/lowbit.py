@@ -62,7 +62,15 @@ import numpy as np
 
 from fedsparse.common.payload.schema import LowBitDType, PayloadError, first_bad
 
-__all__ = ["BITS", "LEVELS", "dequantize_blocks", "pack_codes", "quantize_blocks", "unpack_codes"]
+__all__ = [
+    "BITS",
+    "LEVELS",
+    "dequantize_blocks",
+    "pack_codes",
+    "per_value",
+    "quantize_blocks",
+    "unpack_codes",
+]
 
 BITS: dict[LowBitDType, int] = {"int4": 4, "int2": 2, "int1": 1}
 LEVELS: dict[LowBitDType, int] = {"int4": 7, "int2": 1, "int1": 1}
@@ -85,7 +93,7 @@ def quantize_blocks(
     v = values.astype(np.float64)
     starts = np.arange(0, keep, block, dtype=np.int64)
     steps = _steps(np.maximum.reduceat(np.abs(values), starts), LEVELS[value_dtype])
-    step = steps[np.arange(keep, dtype=np.int64) // block].astype(np.float64)
+    step = per_value(steps, keep, block).astype(np.float64)
     nonzero = step > 0
     x = np.divide(v, step, out=np.zeros(keep), where=nonzero)
     u = generator.random(keep)
@@ -105,6 +113,14 @@ def _steps(max_abs: np.ndarray, levels: int) -> np.ndarray:
     low = steps.astype(np.float64) * levels < m  # exact: 24 + 3 bits fit a float64
     steps[low] = np.nextafter(steps[low], np.float32(np.inf))
     return steps
+
+
+def per_value(steps: np.ndarray, keep: int, block: int) -> np.ndarray:
+    """Each of the ``keep`` values' block step (``keep`` entries, no index array)."""
+    counts = np.full(steps.size, block, dtype=np.int64)
+    if steps.size:
+        counts[-1] = keep - block * (steps.size - 1)
+    return np.repeat(steps, counts)
 
 
 def pack_codes(codes: np.ndarray, bits: int) -> bytes:
@@ -152,7 +168,7 @@ def dequantize_blocks(
         raise PayloadError(f"value_scales: {float(steps[i])} at block {i}, expected finite >= 0")
     bits = BITS[value_dtype]
     codes = unpack_codes(raw, bits, keep)
-    step = steps[np.arange(keep, dtype=np.int64) // block]
+    step = per_value(steps, keep, block)
     stray = (codes != 0) & (step == 0)
     if stray.any():
         i = first_bad(stray)
