@@ -23,8 +23,8 @@ unbiased: with ``x = v / s`` and ``l = floor(x)``, the code is ``q = l + 1`` wit
   ``P(b = +1) = (1 + v / m) / 2``; variance ``m^2 - v^2`` (``m^2`` for ``v = 0``: with no
   zero level, a zero is sent as ``+-m``). This is the stochastic sign compressor of Jin et al.
   2020, "Stochastic-Sign SGD for Federated Learning with Theoretical Guarantees",
-  arXiv:2002.10940 (signSGD, Bernstein et al. 2018, arXiv:1802.04434, is its deterministic,
-  biased form).
+  arXiv:2002.10940; its deterministic, biased form is signSGD (Bernstein et al. 2018,
+  "signSGD: Compressed Optimisation for Non-Convex Problems", arXiv:1802.04434).
 
 A block whose values are all zero has step 0 and every code 0 (decoded +0.0). Decoding
 computes ``q * s`` in float32: unbiased up to that product's rounding (relative ``2^-24``;
