@@ -79,10 +79,12 @@ def test_generated_module_imports_and_pins_the_schema() -> None:
         "values": 11,
         "value_scale": 12,
         "compression": 13,
+        "value_block": 14,
+        "value_scales": 15,
     }
     proto = descriptor_pb2.DescriptorProto()
     payload_pb2.SparseUpdate.DESCRIPTOR.CopyToProto(proto)
-    assert [(r.start, r.end) for r in proto.reserved_range] == [(14, 16)]  # end exclusive
+    assert list(proto.reserved_range) == []  # 14 and 15 were reserved for the blocked codecs
     assert payload_pb2.SparseUpdate.DESCRIPTOR.fields_by_name["value_scale"].has_presence
     assert dict(payload_pb2.ValueDtype.items()) == {
         "VALUE_DTYPE_UNSPECIFIED": 0,
@@ -90,6 +92,9 @@ def test_generated_module_imports_and_pins_the_schema() -> None:
         "VALUE_DTYPE_FP16": 2,
         "VALUE_DTYPE_BF16": 3,
         "VALUE_DTYPE_INT8": 4,
+        "VALUE_DTYPE_INT4": 5,
+        "VALUE_DTYPE_INT2": 6,
+        "VALUE_DTYPE_INT1": 7,
     }
     assert dict(payload_pb2.IndexEncoding.items()) == {
         "INDEX_ENCODING_UNSPECIFIED": 0,

@@ -22,8 +22,14 @@ Index encodings (how the support travels):
 Value encodings: ``"fp32"``, ``"fp16"``, ``"bf16"`` (round-to-nearest-even casts by torch;
 overflow is an error, never a silent infinity) and ``"int8"``: symmetric quantization with one
 float32 scale per update, ``q = round(v / s)`` with ``s = max|v| / 127``, so the error per value
-is at most ``s / 2``. Everything decodes to float32. Optionally the index and value sections are
-each compressed with Zstandard (``compression="zstd"``).
+is at most ``s / 2``. The low-bit ``"int4"``, ``"int2"`` (ternary) and ``"int1"`` (stochastic
+sign) round each value at random so that ``E[decoded] = value``, with one float32 step per block
+of ``value_block`` values (default ``DEFAULT_VALUE_BLOCK``), packed 2, 4 or 8 codes per byte;
+encoding them needs a ``numpy.random.Generator`` (``rounding=``), see ``lowbit``. They are not
+in ``VALUE_DTYPES`` (the deterministic dtypes a run config accepts today) but in
+``LOWBIT_DTYPES``; ``PAYLOAD_DTYPES`` holds all seven. Everything decodes to float32.
+Optionally the index and value sections are each compressed with Zstandard
+(``compression="zstd"``).
 
 Privacy: encoding, quantizing and compressing happen after the DP noise has been added, on the
 already-privatized update, so they are post-processing and cost no privacy (Dwork & Roth 2014,
@@ -35,15 +41,16 @@ explicitly (``coo``/``delta``/``bitmap``) reveals nothing that the seed does not
 payloads are exactly the canonical (deterministic) serializations, so ``len(data) ==
 payload_size(...)`` for every accepted payload (for zstd, given the compressed section sizes).
 Decoding allocates at most a few times the payload's own size (bitmaps: 8 bytes per payload
-bit; zstd sections: their declared, validated content size), never anything of size
-``dense_size`` unless the sender paid for it; pass ``expected_dense_size`` before calling
-``to_dense`` or ``support`` on an update from an untrusted peer.
+bit; int1 values: about 16; zstd sections: their declared, validated content size), never
+anything of size ``dense_size`` unless the sender paid for it; pass ``expected_dense_size``
+before calling ``to_dense`` or ``support`` on an update from an untrusted peer.
 
 Layers, one module each (each imports only the ones above it):
 
 - ``schema``: the names (``Encoding``, ``ValueDType``, ``Compression`` and their tuples), the
   proto enum numbers, ``PayloadError``, and the checks on a parsed message's header fields.
-- ``values``: fp32/fp16/bf16/int8 value codecs. ``indices``: coo/delta/bitmap index codecs.
+- ``values``: fp32/fp16/bf16/int8 value codecs. ``lowbit``: the blocked int4/int2/int1 codecs.
+  ``indices``: coo/delta/bitmap index codecs.
   ``compression``: the zstd stage.
 - ``sizing``: ``payload_size`` and friends, and ``choose_encoding`` (what ``"auto"`` picks).
 - ``update``: the decoded ``SparseUpdate``. ``api``: ``encode_update`` and ``decode_update``.
@@ -55,16 +62,21 @@ from fedsparse.common.payload.api import decode_update, encode_update
 from fedsparse.common.payload.compression import ZSTD_LEVEL
 from fedsparse.common.payload.schema import (
     COMPRESSIONS,
+    DEFAULT_VALUE_BLOCK,
     ENCODINGS,
     EXPLICIT_ENCODINGS,
     FORMAT_VERSION,
     INDEX_ENCODINGS,
+    LOWBIT_DTYPES,
+    PAYLOAD_DTYPES,
     SUPPORTED_VERSIONS,
     VALUE_DTYPES,
     Compression,
     Encoding,
     ExplicitEncoding,
     IndexEncoding,
+    LowBitDType,
+    PayloadDType,
     PayloadError,
     ValueDType,
 )
@@ -73,15 +85,20 @@ from fedsparse.common.payload.sizing import (
     index_section_size,
     information_limit,
     payload_size,
+    scale_section_size,
 )
 from fedsparse.common.payload.update import SparseUpdate
+from fedsparse.common.payload.values import value_section_size
 
 __all__ = [
     "COMPRESSIONS",
+    "DEFAULT_VALUE_BLOCK",
     "ENCODINGS",
     "EXPLICIT_ENCODINGS",
     "FORMAT_VERSION",
     "INDEX_ENCODINGS",
+    "LOWBIT_DTYPES",
+    "PAYLOAD_DTYPES",
     "SUPPORTED_VERSIONS",
     "VALUE_DTYPES",
     "ZSTD_LEVEL",
@@ -89,6 +106,8 @@ __all__ = [
     "Encoding",
     "ExplicitEncoding",
     "IndexEncoding",
+    "LowBitDType",
+    "PayloadDType",
     "PayloadError",
     "SparseUpdate",
     "ValueDType",
@@ -98,4 +117,6 @@ __all__ = [
     "index_section_size",
     "information_limit",
     "payload_size",
+    "scale_section_size",
+    "value_section_size",
 ]

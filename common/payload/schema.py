@@ -22,6 +22,7 @@ __all__ = [
     "COMPRESSION_NAME",
     "COMPRESSION_WIRE",
     "COO_BOUND",
+    "DEFAULT_VALUE_BLOCK",
     "DELTA_BITMAP_BOUND",
     "DTYPE_NAME",
     "DTYPE_WIRE",
@@ -31,7 +32,9 @@ __all__ = [
     "EXPLICIT_ENCODINGS",
     "FORMAT_VERSION",
     "INDEX_ENCODINGS",
+    "LOWBIT_DTYPES",
     "MAX_VARINT_BYTES",
+    "PAYLOAD_DTYPES",
     "SUPPORTED_VERSIONS",
     "U32",
     "U64",
@@ -40,9 +43,12 @@ __all__ = [
     "Encoding",
     "ExplicitEncoding",
     "IndexEncoding",
+    "LowBitDType",
+    "PayloadDType",
     "PayloadError",
     "ValueDType",
     "check_compression",
+    "check_block_fields",
     "check_encoding",
     "check_int",
     "check_scale",
@@ -55,6 +61,10 @@ __all__ = [
 ]
 
 ValueDType = Literal["fp32", "fp16", "bf16", "int8"]
+"""The deterministic value dtypes (what the run config's ``value-dtype`` accepts today)."""
+LowBitDType = Literal["int4", "int2", "int1"]
+"""The blocked low-bit dtypes: stochastic rounding, so encoding them needs a generator."""
+PayloadDType = Literal[ValueDType, LowBitDType]
 """How each value travels; every one decodes to float32."""
 ExplicitEncoding = Literal["coo", "delta", "bitmap"]
 """Index encodings that put the support on the wire."""
@@ -66,6 +76,8 @@ Compression = Literal["none", "zstd"]
 """Optional compression of the ``indices`` and ``values`` sections."""
 
 VALUE_DTYPES: tuple[ValueDType, ...] = get_args(ValueDType)
+LOWBIT_DTYPES: tuple[LowBitDType, ...] = get_args(LowBitDType)
+PAYLOAD_DTYPES: tuple[PayloadDType, ...] = (*VALUE_DTYPES, *LOWBIT_DTYPES)
 ENCODINGS: tuple[Encoding, ...] = get_args(Encoding)
 INDEX_ENCODINGS: tuple[IndexEncoding, ...] = get_args(IndexEncoding)
 EXPLICIT_ENCODINGS: tuple[ExplicitEncoding, ...] = get_args(ExplicitEncoding)
@@ -80,12 +92,16 @@ U64 = 1 << 64  # exclusive bound of a uint64 field (dense_size, keep, mask_seed)
 COO_BOUND = 1 << 31  # coo indices are int32: each in [0, 2**31)
 DELTA_BITMAP_BOUND = 1 << 62  # delta/bitmap: dense_size bound that keeps index sums in int64
 MAX_VARINT_BYTES = 9  # 63 bits: every gap < dense_size < 2**62 fits
+DEFAULT_VALUE_BLOCK = 256  # values per float32 step of the low-bit dtypes (see lowbit.py)
 
-DTYPE_WIRE: dict[ValueDType, pb.ValueDtype] = {
+DTYPE_WIRE: dict[PayloadDType, pb.ValueDtype] = {
     "fp32": pb.VALUE_DTYPE_FP32,
     "fp16": pb.VALUE_DTYPE_FP16,
     "bf16": pb.VALUE_DTYPE_BF16,
     "int8": pb.VALUE_DTYPE_INT8,
+    "int4": pb.VALUE_DTYPE_INT4,
+    "int2": pb.VALUE_DTYPE_INT2,
+    "int1": pb.VALUE_DTYPE_INT1,
 }
 ENCODING_WIRE: dict[Encoding, pb.IndexEncoding] = {
     "seeded": pb.INDEX_ENCODING_SEEDED_MASK,
@@ -98,7 +114,7 @@ COMPRESSION_WIRE: dict[Compression, pb.Compression] = {
     "none": pb.COMPRESSION_NONE,
     "zstd": pb.COMPRESSION_ZSTD,
 }
-DTYPE_NAME: dict[int, ValueDType] = {int(v): k for k, v in DTYPE_WIRE.items()}
+DTYPE_NAME: dict[int, PayloadDType] = {int(v): k for k, v in DTYPE_WIRE.items()}
 ENCODING_NAME: dict[int, Encoding] = {int(v): k for k, v in ENCODING_WIRE.items()}
 COMPRESSION_NAME: dict[int, Compression] = {int(v): k for k, v in COMPRESSION_WIRE.items()}
 
@@ -125,11 +141,11 @@ def check_int(name: str, value: int, lo: int, hi: int) -> int:
     return int(value)
 
 
-def check_value_dtype(value_dtype: str) -> ValueDType:
-    """``value_dtype`` if it is one of ``VALUE_DTYPES``, else ValueError."""
-    if value_dtype not in VALUE_DTYPES:
-        raise ValueError(f"value_dtype={value_dtype!r}: expected one of {VALUE_DTYPES}")
-    return cast(ValueDType, value_dtype)
+def check_value_dtype(value_dtype: str) -> PayloadDType:
+    """``value_dtype`` if it is one of ``PAYLOAD_DTYPES``, else ValueError."""
+    if value_dtype not in PAYLOAD_DTYPES:
+        raise ValueError(f"value_dtype={value_dtype!r}: expected one of {PAYLOAD_DTYPES}")
+    return cast(PayloadDType, value_dtype)
 
 
 def check_encoding(encoding: str) -> Encoding:
@@ -216,7 +232,7 @@ def check_support_fields(msg: pb.SparseUpdate, encoding: Encoding) -> None:
         )
 
 
-def check_scale(msg: pb.SparseUpdate, dtype: ValueDType) -> float | None:
+def check_scale(msg: pb.SparseUpdate, dtype: PayloadDType) -> float | None:
     """The int8 scale: present iff int8, finite, >= 0 (not -0.0); None for other dtypes."""
     present = msg.HasField("value_scale")
     if dtype != "int8":
@@ -229,3 +245,28 @@ def check_scale(msg: pb.SparseUpdate, dtype: ValueDType) -> float | None:
     if not np.isfinite(scale) or scale < 0 or np.signbit(scale):
         raise PayloadError(f"value_scale: {scale}, expected a finite value >= 0")
     return scale
+
+
+def check_block_fields(msg: pb.SparseUpdate, dtype: PayloadDType) -> int | None:
+    """The low-bit block size: ``value_block >= 1`` and ``ceil(keep / value_block)`` float32
+    ``value_scales`` for int4/int2/int1 (checked before anything is allocated), both absent
+    for every other dtype. Returns the block size, or None. The scales' values are checked by
+    ``lowbit.dequantize_blocks``.
+    """
+    if dtype not in LOWBIT_DTYPES:
+        if msg.value_block:
+            raise PayloadError(f"value_block: {msg.value_block}, expected 0 (absent) for {dtype}")
+        if msg.value_scales:
+            raise PayloadError(
+                f"value_scales: {len(msg.value_scales)} bytes, expected 0 (absent) for {dtype}"
+            )
+        return None
+    if msg.value_block == 0:
+        raise PayloadError(f"value_block: 0, expected >= 1 for {dtype}")
+    blocks = -(-msg.keep // msg.value_block)
+    if len(msg.value_scales) != 4 * blocks:
+        raise PayloadError(
+            f"value_scales: {len(msg.value_scales)} bytes, expected {4 * blocks} "
+            f"(ceil(keep={msg.keep} / value_block={msg.value_block}) x 4 bytes float32)"
+        )
+    return int(msg.value_block)

@@ -13,24 +13,26 @@ from fedsparse.common.payload.indices import gaps, varint_lengths
 from fedsparse.common.payload.schema import (
     COMPRESSION_WIRE,
     COO_BOUND,
+    DEFAULT_VALUE_BLOCK,
     DELTA_BITMAP_BOUND,
     DTYPE_WIRE,
     ENCODING_WIRE,
     ENCODINGS,
     EXPLICIT_ENCODINGS,
+    LOWBIT_DTYPES,
     MAX_VARINT_BYTES,
     U32,
     U64,
     Compression,
     Encoding,
-    ValueDType,
+    PayloadDType,
     check_compression,
     check_encoding,
     check_int,
     check_value_dtype,
     min_version,
 )
-from fedsparse.common.payload.values import DTYPE_BYTES
+from fedsparse.common.payload.values import value_section_size
 
 __all__ = [
     "choose_encoding",
@@ -38,12 +40,26 @@ __all__ = [
     "index_section_size",
     "information_limit",
     "payload_size",
+    "scale_section_size",
 ]
 
 
-def information_limit(*, keep: int, value_dtype: ValueDType) -> int:
-    """Bytes of the values alone, ``keep * sizeof(value_dtype)``: the floor for any payload."""
-    return check_int("keep", keep, 0, U64) * DTYPE_BYTES[check_value_dtype(value_dtype)]
+def information_limit(*, keep: int, value_dtype: PayloadDType) -> int:
+    """Bytes of the values alone, ``ceil(keep * bits(value_dtype) / 8)``: the floor for any
+    payload (the low-bit dtypes add ``scale_section_size`` bytes of steps)."""
+    return value_section_size(check_int("keep", keep, 0, U64), check_value_dtype(value_dtype))
+
+
+def scale_section_size(
+    *, keep: int, value_dtype: PayloadDType, value_block: int = DEFAULT_VALUE_BLOCK
+) -> int:
+    """Bytes of the ``value_scales`` section: ``4 * ceil(keep / value_block)`` float32 steps for
+    int4/int2/int1, 0 for the other dtypes (whatever ``value_block`` is)."""
+    keep = check_int("keep", keep, 0, U64)
+    value_block = check_int("value_block", value_block, 1, U32)
+    if check_value_dtype(value_dtype) not in LOWBIT_DTYPES:
+        return 0
+    return 4 * -(-keep // value_block)
 
 
 def index_section_size(
@@ -85,20 +101,24 @@ def payload_size(
     dense_size: int,
     round: int,
     encoding: Encoding,
-    value_dtype: ValueDType,
+    value_dtype: PayloadDType,
     mask_seed: int = 0,
     indices: torch.Tensor | None = None,
     compression: Compression = "none",
     compressed_sizes: tuple[int, int] | None = None,
+    value_block: int = DEFAULT_VALUE_BLOCK,
 ) -> int:
     """Exact serialized size of ``encode_update``'s output, from the protobuf wire rules.
 
     Every field number is below 16, so each present field costs a 1-byte tag, plus a varint
     (scalars, enums), 4 bytes (the int8 ``value_scale``, always present for int8), or a varint
-    length and the bytes (``indices``, ``values``). proto3 omits zero scalars and empty bytes.
+    length and the bytes (``indices``, ``values``, ``value_scales``). proto3 omits zero scalars
+    and empty bytes. The low-bit dtypes add ``value_block`` (always) and ``value_scales``
+    (``4 * ceil(keep / value_block)`` bytes, never compressed).
 
     Args:
-        keep, dense_size, round, mask_seed, value_dtype: as for ``encode_update``.
+        keep, dense_size, round, mask_seed, value_dtype, value_block: as for ``encode_update``
+            (``value_block`` matters for int4/int2/int1 only).
         encoding: the resolved index encoding (one of ``ENCODINGS``, not ``"auto"``).
         indices: the support; needed for ``"delta"`` only (its size depends on the gaps).
         compression: ``"none"`` or ``"zstd"``.
@@ -112,7 +132,8 @@ def payload_size(
     """
     keep = check_int("keep", keep, 0, U64)
     dense_size = check_int("dense_size", dense_size, 1, U64)
-    nbytes = DTYPE_BYTES[check_value_dtype(value_dtype)]
+    value_dtype = check_value_dtype(value_dtype)
+    scale_bytes = scale_section_size(keep=keep, value_dtype=value_dtype, value_block=value_block)
     check_encoding(encoding)
     check_compression(compression)
     if keep > dense_size or (encoding == "dense" and keep != dense_size):
@@ -122,7 +143,7 @@ def payload_size(
     if compression == "none":
         sections = (
             index_section_size(encoding, keep=keep, dense_size=dense_size, indices=indices),
-            nbytes * keep,
+            value_section_size(keep, value_dtype),
         )
     elif compressed_sizes is None:
         raise ValueError("compressed_sizes: required for compression='zstd'")
@@ -137,6 +158,8 @@ def payload_size(
     size += _bytes_size(sections[0]) + _bytes_size(sections[1])
     size += 5 if value_dtype == "int8" else 0  # tag + fixed32
     size += _scalar_size(int(COMPRESSION_WIRE[compression]))
+    if value_dtype in LOWBIT_DTYPES:
+        size += _scalar_size(value_block) + _bytes_size(scale_bytes)
     return size
 
 
@@ -147,7 +170,8 @@ def choose_encoding(
     indices: torch.Tensor | None = None,
     mask_seed: int | None = None,
     round: int = 0,
-    value_dtype: ValueDType = "fp32",
+    value_dtype: PayloadDType = "fp32",
+    value_block: int = DEFAULT_VALUE_BLOCK,
 ) -> Encoding:
     """The smallest index encoding for a support (what ``encoding="auto"`` picks).
 
@@ -179,6 +203,7 @@ def choose_encoding(
             value_dtype=value_dtype,
             mask_seed=(mask_seed or 0) if encoding == "seeded" else 0,
             indices=indices,
+            value_block=value_block,
         )
 
     return min(candidates, key=lambda e: (size(e), ENCODINGS.index(e)))

@@ -9,9 +9,10 @@ import torch
 from fedsparse.common.masks import sample_mask
 from fedsparse.common.payload.schema import (
     EXPLICIT_ENCODINGS,
+    LOWBIT_DTYPES,
     Compression,
     Encoding,
-    ValueDType,
+    PayloadDType,
     check_compression,
     check_encoding,
     check_value_dtype,
@@ -28,13 +29,16 @@ class SparseUpdate:
         dense_size: length of the dense vector, ``> 0``.
         round: federated round the update belongs to.
         values: float32 1-D tensor of the kept values, in increasing coordinate order
-            (dequantized for ``"int8"``).
+            (dequantized for the integer dtypes).
         encoding: one of ``ENCODINGS`` (see the package docstring).
         mask_seed: the public mask's seed for ``"seeded"``, else None.
         indices: int64 1-D sorted support for the explicit encodings, else None.
-        value_dtype: the wire dtype the values travelled in (one of ``VALUE_DTYPES``).
+        value_dtype: the wire dtype the values travelled in (one of ``PAYLOAD_DTYPES``).
         compression: ``"none"`` or ``"zstd"``.
         value_scale: the int8 scale, else None.
+        value_block: int4/int2/int1: the number of consecutive values per step, else None.
+        value_scales: int4/int2/int1: the float32 step of each block (``ceil(keep /
+            value_block)`` of them), else None.
     """
 
     dense_size: int
@@ -43,9 +47,11 @@ class SparseUpdate:
     encoding: Encoding
     mask_seed: int | None = None
     indices: torch.Tensor | None = None
-    value_dtype: ValueDType = "fp32"
+    value_dtype: PayloadDType = "fp32"
     compression: Compression = "none"
     value_scale: float | None = None
+    value_block: int | None = None
+    value_scales: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         check_encoding(self.encoding)
@@ -63,12 +69,29 @@ class SparseUpdate:
             raise ValueError(f"indices: {len(self.indices)} entries for {self.keep} values")
         if (self.value_scale is None) != (self.value_dtype != "int8"):
             raise ValueError(f"value_scale={self.value_scale}: required iff value_dtype='int8'")
+        self._check_blocks()
         if self.keep > self.dense_size or (
             self.encoding == "dense" and self.keep != self.dense_size
         ):
             raise ValueError(
                 f"values: {self.keep} values for dense_size={self.dense_size} ({self.encoding})"
             )
+
+    def _check_blocks(self) -> None:
+        blocked = self.value_dtype in LOWBIT_DTYPES
+        if (self.value_block is None) == blocked or (self.value_scales is None) == blocked:
+            raise ValueError(
+                f"value_block={self.value_block}, value_scales: required iff value_dtype is "
+                f"one of {LOWBIT_DTYPES}"
+            )
+        if self.value_block is not None and self.value_scales is not None:
+            blocks = -(-self.keep // self.value_block) if self.value_block >= 1 else -1
+            if self.value_scales.dtype != torch.float32 or self.value_scales.shape != (blocks,):
+                raise ValueError(
+                    f"value_scales: {self.value_scales.dtype} {tuple(self.value_scales.shape)}, "
+                    f"expected float32 ({blocks},) for keep={self.keep} and "
+                    f"value_block={self.value_block}"
+                )
 
     @property
     def keep(self) -> int:

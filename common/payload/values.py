@@ -2,7 +2,8 @@
 
 The float casts are torch's round-to-nearest-even; a value that overflows the wire dtype is an
 error, never a silent infinity. ``"int8"`` is symmetric quantization with one float32 scale per
-update (``quantize_int8``). Decoding widens to float32 and rejects anything non-finite.
+update (``quantize_int8``). Decoding widens to float32 and rejects anything non-finite. The
+blocked low-bit dtypes (int4/int2/int1) are in ``lowbit``; ``check_values`` serves both.
 """
 
 from __future__ import annotations
@@ -10,11 +11,32 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fedsparse.common.payload.schema import PayloadError, ValueDType, first_bad
+from fedsparse.common.payload.schema import PayloadDType, PayloadError, ValueDType, first_bad
 
-__all__ = ["DTYPE_BYTES", "quantize_int8", "values_from_bytes", "values_to_bytes"]
+__all__ = [
+    "DTYPE_BITS",
+    "DTYPE_BYTES",
+    "check_values",
+    "quantize_int8",
+    "value_section_size",
+    "values_from_bytes",
+    "values_to_bytes",
+]
 
 DTYPE_BYTES: dict[ValueDType, int] = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1}
+DTYPE_BITS: dict[PayloadDType, int] = {
+    **{name: 8 * n for name, n in DTYPE_BYTES.items()},
+    "int4": 4,
+    "int2": 2,
+    "int1": 1,
+}
+
+
+def value_section_size(keep: int, value_dtype: PayloadDType) -> int:
+    """Bytes of ``keep`` values in ``value_dtype``, packed: ``ceil(keep * bits / 8)``."""
+    return -(-keep * DTYPE_BITS[value_dtype] // 8)
+
+
 _TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -24,6 +46,28 @@ def values_to_bytes(values: torch.Tensor, value_dtype: ValueDType) -> tuple[byte
     Raises:
         ValueError: if ``values`` is not a 1-D float tensor, has a non-finite entry, or has one
             that overflows ``value_dtype`` (e.g. ``|v| > 65504`` for fp16).
+    """
+    values = check_values(values)
+    if value_dtype == "int8":
+        return quantize_int8(values.to(torch.float32).numpy())
+    cast = values.to(_TORCH_DTYPES[value_dtype]).contiguous()
+    if not bool(torch.isfinite(cast).all()):
+        max_abs = float(values.abs().max())
+        limit = float(torch.finfo(cast.dtype).max)
+        raise ValueError(
+            f"values: max |v| = {max_abs:.6g} overflows {value_dtype} (max {limit:.6g})"
+        )
+    if value_dtype == "bf16":  # numpy has no bfloat16: ship the raw 16-bit patterns
+        return cast.view(torch.int16).numpy().astype("<i2", copy=False).tobytes(), None
+    fmt = "<f4" if value_dtype == "fp32" else "<f2"
+    return cast.numpy().astype(fmt, copy=False).tobytes(), None
+
+
+def check_values(values: torch.Tensor) -> torch.Tensor:
+    """``values`` detached on the CPU if it is a 1-D float tensor of finite values.
+
+    Raises:
+        ValueError: naming the shape and dtype, or the count and first non-finite entry.
     """
     if not isinstance(values, torch.Tensor) or values.dim() != 1 or not values.is_floating_point():
         shape = tuple(values.shape) if isinstance(values, torch.Tensor) else type(values).__name__
@@ -38,19 +82,7 @@ def values_to_bytes(values: torch.Tensor, value_dtype: ValueDType) -> tuple[byte
             f"values: {int(bad.sum())} non-finite, first at position {first_bad(bad)} "
             f"({float(values[first_bad(bad)])})"
         )
-    if value_dtype == "int8":
-        return quantize_int8(values.to(torch.float32).numpy())
-    cast = values.to(_TORCH_DTYPES[value_dtype]).contiguous()
-    if not bool(torch.isfinite(cast).all()):
-        max_abs = float(values.abs().max())
-        limit = float(torch.finfo(cast.dtype).max)
-        raise ValueError(
-            f"values: max |v| = {max_abs:.6g} overflows {value_dtype} (max {limit:.6g})"
-        )
-    if value_dtype == "bf16":  # numpy has no bfloat16: ship the raw 16-bit patterns
-        return cast.view(torch.int16).numpy().astype("<i2", copy=False).tobytes(), None
-    fmt = "<f4" if value_dtype == "fp32" else "<f2"
-    return cast.numpy().astype(fmt, copy=False).tobytes(), None
+    return values
 
 
 def quantize_int8(values: np.ndarray) -> tuple[bytes, float]:

@@ -24,9 +24,13 @@ from fedsparse.common.payload import (
 from fedsparse.v1 import payload_pb2 as pb
 
 # This file pins format version 1 (seeded/dense/COO, fp32/fp16/bf16); the version-2 codecs
-# (delta, bitmap, int8, zstd, auto) are tested in test_codecs.py.
+# (delta, bitmap, int8, zstd, auto) are tested in test_codecs.py, the low-bit ones (int4, int2,
+# int1) in payload/test_lowbit.py; the exact-size test, the fuzz and the malformed table here
+# include the low-bit dtypes too.
 ENCODINGS = ("seeded", "dense", "coo")
 VALUE_DTYPES = ("fp32", "fp16", "bf16")
+LOWBIT_DTYPES = ("int4", "int2", "int1")
+BITS = {"fp32": 32, "fp16": 16, "bf16": 16, "int4": 4, "int2": 2, "int1": 1}
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 U32, U64 = 2**32, 2**64
@@ -79,6 +83,7 @@ def size_of(kwargs: dict[str, Any], *, keep: int, encoding: str) -> int:
         encoding=encoding,
         value_dtype=kwargs["value_dtype"],
         mask_seed=kwargs.get("mask_seed", 0),
+        **({"value_block": kwargs["value_block"]} if "value_block" in kwargs else {}),
     )
 
 
@@ -122,7 +127,7 @@ def test_round_trip(case: tuple[torch.Tensor, dict[str, Any], str]) -> None:
     dense_size=st.integers(1, U64 - 1),
     round_=st.integers(0, U32 - 1),
     encoding=st.sampled_from(ENCODINGS),
-    value_dtype=st.sampled_from(VALUE_DTYPES),
+    value_dtype=st.sampled_from((*VALUE_DTYPES, *LOWBIT_DTYPES)),
     mask_seed=st.integers(0, U64 - 1),
     data=st.data(),
 )
@@ -146,9 +151,17 @@ def test_analytic_size_is_exact(
         idx = data.draw(st.sets(st.integers(0, hi - 1), min_size=keep, max_size=keep))
         kwargs["indices"] = torch.tensor(sorted(idx), dtype=torch.int64)
     kwargs["dense_size"] = dense_size
+    if value_dtype in LOWBIT_DTYPES:
+        kwargs["value_block"] = data.draw(st.one_of(st.integers(1, 64), st.integers(1, U32 - 1)))
+        kwargs["rounding"] = np.random.default_rng(data.draw(st.integers(0, U32)))
     payload = encode_update(torch.linspace(-1, 1, keep), **kwargs)
     assert len(payload) == size_of(kwargs, keep=keep, encoding=encoding)
-    assert information_limit(keep=keep, value_dtype=value_dtype) == keep * DTYPE_BYTES[value_dtype]
+    value_bytes = math.ceil(keep * BITS[value_dtype] / 8)  # packed, no padding past the last byte
+    assert information_limit(keep=keep, value_dtype=value_dtype) == value_bytes
+    msg = pb.SparseUpdate.FromString(payload)
+    assert len(msg.values) == value_bytes
+    blocks = math.ceil(keep / kwargs["value_block"]) if value_dtype in LOWBIT_DTYPES else 0
+    assert len(msg.value_scales) == 4 * blocks
 
 
 @settings(max_examples=200, deadline=None)
@@ -318,6 +331,26 @@ def test_valid_fixtures_decode() -> None:
             decode_update(serialize(message(encoding, value_dtype=value_dtype)))
 
 
+def lowbit_with(value_dtype: str = "int4", **fields: Any) -> bytes:
+    """A valid seeded low-bit payload (keep=3, value_block=2: two steps), ``fields`` changed."""
+    data = encode_update(
+        torch.tensor([0.5, -1.0, 0.25]),
+        dense_size=10,
+        round=3,
+        mask_seed=77,
+        value_dtype=value_dtype,
+        value_block=2,
+        rounding=np.random.default_rng(0),
+    )
+    msg = pb.SparseUpdate.FromString(data)
+    for name, value in fields.items():
+        if value is None:
+            msg.ClearField(name)
+        else:
+            setattr(msg, name, value)
+    return serialize(msg)
+
+
 MALFORMED: list[tuple[str, bytes, dict[str, Any], str]] = [
     ("empty", b"", {}, r"^format_version: 0, expected one of \(1, 2\)"),
     ("version 2", with_fields(format_version=2), {}, r"^format_version: 2, expected 1"),
@@ -387,6 +420,35 @@ MALFORMED: list[tuple[str, bytes, dict[str, Any], str]] = [
     ("duplicate field", with_fields() + b"\x18\x03", {}, r"^payload: \d+ bytes not in canonical"),
     ("zero written", b"\x28\x00" + with_fields("coo"), {}, r"canonical"),
     ("overlong varint", b"\x08\x81\x00" + with_fields()[2:], {}, r"^payload: .* canonical"),
+    (
+        "int4 no block",
+        lowbit_with(value_block=None),
+        {},
+        r"^value_block: 0, expected >= 1 for int4",
+    ),
+    (
+        "fp32 block",
+        with_fields(value_block=4),
+        {},
+        r"^value_block: 4, expected 0 \(absent\) for fp32",
+    ),
+    ("fp32 steps", with_fields(value_scales=bytes(4)), {}, r"^value_scales: 4 bytes, expected 0"),
+    ("int2 step count", lowbit_with("int2", value_scales=bytes(4)), {}, r"^value_scales: 4 bytes"),
+    (
+        "int1 negative step",
+        lowbit_with("int1", value_scales=np.array([-1, 1], "<f4").tobytes()),
+        {},
+        r"^value_scales: -1.0 at block 0, expected finite >= 0",
+    ),
+    ("int4 padding", lowbit_with(values=b"\x00\xf0"), {}, r"^values: unused high bits"),
+    ("int4 -8", lowbit_with(values=b"\x08\x00"), {}, r"^values: -8 at position 0"),
+    ("int2 length", lowbit_with("int2", values=b"\x00\x00"), {}, r"^values: 2 bytes, expected 1"),
+    (
+        "int1 version 1",
+        lowbit_with("int1", format_version=1),
+        {},
+        r"^format_version: 1, expected 2",
+    ),
 ]
 
 
@@ -551,6 +613,10 @@ def test_sparse_update_validates_its_fields() -> None:
 @st.composite
 def mutated_payloads(draw: st.DrawFn) -> tuple[bytes, dict[str, Any]]:
     values, kwargs, encoding = draw(update_args(max_keep=16, max_dense=200))
+    if draw(st.booleans()):  # the same call in a low-bit dtype
+        kwargs["value_dtype"] = draw(st.sampled_from(LOWBIT_DTYPES))
+        kwargs["value_block"] = draw(st.integers(1, 20))
+        kwargs["rounding"] = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     data = bytearray(encode_update(values, **kwargs))
     kind = draw(st.sampled_from(["flip", "truncate", "splice", "random"]))
     if kind == "flip":
@@ -580,8 +646,9 @@ def test_fuzzed_payloads_decode_or_raise_payload_error(case: tuple[bytes, dict[s
     except PayloadError as exc:
         event(f"rejected: {str(exc).split(':')[0]}")
         return
-    event("accepted")
-    # Accepted payloads are canonical: exact analytic size, and they re-encode byte for byte.
+    event(f"accepted {update.value_dtype}")
+    # Accepted payloads are canonical: exact analytic size, and they re-encode byte for byte
+    # (the low-bit ones round at random: their size and values are checked instead).
     kwargs: dict[str, Any] = {
         "dense_size": update.dense_size,
         "round": update.round,
@@ -592,7 +659,11 @@ def test_fuzzed_payloads_decode_or_raise_payload_error(case: tuple[bytes, dict[s
         kwargs["mask_seed"] = update.mask_seed
     if update.indices is not None:
         kwargs["indices"] = update.indices
-    assert encode_update(update.values, **kwargs) == data
+    if update.value_block is not None:
+        kwargs["value_block"] = update.value_block
+        assert bool(update.values.isfinite().all())
+    else:
+        assert encode_update(update.values, **kwargs) == data
     assert len(data) == size_of(kwargs, keep=update.keep, encoding=update.encoding)
     if update.dense_size <= 10**6:
         assert update.to_dense().shape == (update.dense_size,)

@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x66\x65\x64sparse/v1/payload.proto\x12\x0c\x66\x65\x64sparse.v1\"\xcf\x02\n\x0cSparseUpdate\x12\x16\n\x0e\x66ormat_version\x18\x01 \x01(\r\x12\x12\n\ndense_size\x18\x02 \x01(\x04\x12\r\n\x05round\x18\x03 \x01(\r\x12\x33\n\x0eindex_encoding\x18\x04 \x01(\x0e\x32\x1b.fedsparse.v1.IndexEncoding\x12\x11\n\tmask_seed\x18\x05 \x01(\x04\x12\x0c\n\x04keep\x18\x06 \x01(\x04\x12-\n\x0bvalue_dtype\x18\x08 \x01(\x0e\x32\x18.fedsparse.v1.ValueDtype\x12\x0f\n\x07indices\x18\n \x01(\x0c\x12\x0e\n\x06values\x18\x0b \x01(\x0c\x12\x18\n\x0bvalue_scale\x18\x0c \x01(\x02H\x00\x88\x01\x01\x12.\n\x0b\x63ompression\x18\r \x01(\x0e\x32\x19.fedsparse.v1.CompressionB\x0e\n\x0c_value_scaleJ\x04\x08\x0e\x10\x10*\x81\x01\n\nValueDtype\x12\x1b\n\x17VALUE_DTYPE_UNSPECIFIED\x10\x00\x12\x14\n\x10VALUE_DTYPE_FP32\x10\x01\x12\x14\n\x10VALUE_DTYPE_FP16\x10\x02\x12\x14\n\x10VALUE_DTYPE_BF16\x10\x03\x12\x14\n\x10VALUE_DTYPE_INT8\x10\x04*\xc3\x01\n\rIndexEncoding\x12\x1e\n\x1aINDEX_ENCODING_UNSPECIFIED\x10\x00\x12\x1e\n\x1aINDEX_ENCODING_SEEDED_MASK\x10\x01\x12\x18\n\x14INDEX_ENCODING_DENSE\x10\x02\x12\x1c\n\x18INDEX_ENCODING_COO_INT32\x10\x03\x12\x1f\n\x1bINDEX_ENCODING_DELTA_VARINT\x10\x04\x12\x19\n\x15INDEX_ENCODING_BITMAP\x10\x05*9\n\x0b\x43ompression\x12\x14\n\x10\x43OMPRESSION_NONE\x10\x00\x12\x14\n\x10\x43OMPRESSION_ZSTD\x10\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x66\x65\x64sparse/v1/payload.proto\x12\x0c\x66\x65\x64sparse.v1\"\xf4\x02\n\x0cSparseUpdate\x12\x16\n\x0e\x66ormat_version\x18\x01 \x01(\r\x12\x12\n\ndense_size\x18\x02 \x01(\x04\x12\r\n\x05round\x18\x03 \x01(\r\x12\x33\n\x0eindex_encoding\x18\x04 \x01(\x0e\x32\x1b.fedsparse.v1.IndexEncoding\x12\x11\n\tmask_seed\x18\x05 \x01(\x04\x12\x0c\n\x04keep\x18\x06 \x01(\x04\x12-\n\x0bvalue_dtype\x18\x08 \x01(\x0e\x32\x18.fedsparse.v1.ValueDtype\x12\x0f\n\x07indices\x18\n \x01(\x0c\x12\x0e\n\x06values\x18\x0b \x01(\x0c\x12\x18\n\x0bvalue_scale\x18\x0c \x01(\x02H\x00\x88\x01\x01\x12.\n\x0b\x63ompression\x18\r \x01(\x0e\x32\x19.fedsparse.v1.Compression\x12\x13\n\x0bvalue_block\x18\x0e \x01(\r\x12\x14\n\x0cvalue_scales\x18\x0f \x01(\x0c\x42\x0e\n\x0c_value_scale*\xc3\x01\n\nValueDtype\x12\x1b\n\x17VALUE_DTYPE_UNSPECIFIED\x10\x00\x12\x14\n\x10VALUE_DTYPE_FP32\x10\x01\x12\x14\n\x10VALUE_DTYPE_FP16\x10\x02\x12\x14\n\x10VALUE_DTYPE_BF16\x10\x03\x12\x14\n\x10VALUE_DTYPE_INT8\x10\x04\x12\x14\n\x10VALUE_DTYPE_INT4\x10\x05\x12\x14\n\x10VALUE_DTYPE_INT2\x10\x06\x12\x14\n\x10VALUE_DTYPE_INT1\x10\x07*\xc3\x01\n\rIndexEncoding\x12\x1e\n\x1aINDEX_ENCODING_UNSPECIFIED\x10\x00\x12\x1e\n\x1aINDEX_ENCODING_SEEDED_MASK\x10\x01\x12\x18\n\x14INDEX_ENCODING_DENSE\x10\x02\x12\x1c\n\x18INDEX_ENCODING_COO_INT32\x10\x03\x12\x1f\n\x1bINDEX_ENCODING_DELTA_VARINT\x10\x04\x12\x19\n\x15INDEX_ENCODING_BITMAP\x10\x05*9\n\x0b\x43ompression\x12\x14\n\x10\x43OMPRESSION_NONE\x10\x00\x12\x14\n\x10\x43OMPRESSION_ZSTD\x10\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'fedsparse.v1.payload_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_VALUEDTYPE']._serialized_start=383
-  _globals['_VALUEDTYPE']._serialized_end=512
-  _globals['_INDEXENCODING']._serialized_start=515
-  _globals['_INDEXENCODING']._serialized_end=710
-  _globals['_COMPRESSION']._serialized_start=712
-  _globals['_COMPRESSION']._serialized_end=769
+  _globals['_VALUEDTYPE']._serialized_start=420
+  _globals['_VALUEDTYPE']._serialized_end=615
+  _globals['_INDEXENCODING']._serialized_start=618
+  _globals['_INDEXENCODING']._serialized_end=813
+  _globals['_COMPRESSION']._serialized_start=815
+  _globals['_COMPRESSION']._serialized_end=872
   _globals['_SPARSEUPDATE']._serialized_start=45
-  _globals['_SPARSEUPDATE']._serialized_end=380
+  _globals['_SPARSEUPDATE']._serialized_end=417
 # @@protoc_insertion_point(module_scope)

@@ -12,6 +12,9 @@ class ValueDtype(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     VALUE_DTYPE_FP16: _ClassVar[ValueDtype]
     VALUE_DTYPE_BF16: _ClassVar[ValueDtype]
     VALUE_DTYPE_INT8: _ClassVar[ValueDtype]
+    VALUE_DTYPE_INT4: _ClassVar[ValueDtype]
+    VALUE_DTYPE_INT2: _ClassVar[ValueDtype]
+    VALUE_DTYPE_INT1: _ClassVar[ValueDtype]
 
 class IndexEncoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -31,6 +34,9 @@ VALUE_DTYPE_FP32: ValueDtype
 VALUE_DTYPE_FP16: ValueDtype
 VALUE_DTYPE_BF16: ValueDtype
 VALUE_DTYPE_INT8: ValueDtype
+VALUE_DTYPE_INT4: ValueDtype
+VALUE_DTYPE_INT2: ValueDtype
+VALUE_DTYPE_INT1: ValueDtype
 INDEX_ENCODING_UNSPECIFIED: IndexEncoding
 INDEX_ENCODING_SEEDED_MASK: IndexEncoding
 INDEX_ENCODING_DENSE: IndexEncoding
@@ -41,7 +47,7 @@ COMPRESSION_NONE: Compression
 COMPRESSION_ZSTD: Compression
 
 class SparseUpdate(_message.Message):
-    __slots__ = ("format_version", "dense_size", "round", "index_encoding", "mask_seed", "keep", "value_dtype", "indices", "values", "value_scale", "compression")
+    __slots__ = ("format_version", "dense_size", "round", "index_encoding", "mask_seed", "keep", "value_dtype", "indices", "values", "value_scale", "compression", "value_block", "value_scales")
     FORMAT_VERSION_FIELD_NUMBER: _ClassVar[int]
     DENSE_SIZE_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +59,8 @@ class SparseUpdate(_message.Message):
     VALUES_FIELD_NUMBER: _ClassVar[int]
     VALUE_SCALE_FIELD_NUMBER: _ClassVar[int]
     COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    VALUE_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    VALUE_SCALES_FIELD_NUMBER: _ClassVar[int]
     format_version: int
     dense_size: int
     round: int
@@ -64,4 +72,6 @@ class SparseUpdate(_message.Message):
     values: bytes
     value_scale: float
     compression: Compression
-    def __init__(self, format_version: _Optional[int] = ..., dense_size: _Optional[int] = ..., round: _Optional[int] = ..., index_encoding: _Optional[_Union[IndexEncoding, str]] = ..., mask_seed: _Optional[int] = ..., keep: _Optional[int] = ..., value_dtype: _Optional[_Union[ValueDtype, str]] = ..., indices: _Optional[bytes] = ..., values: _Optional[bytes] = ..., value_scale: _Optional[float] = ..., compression: _Optional[_Union[Compression, str]] = ...) -> None: ...
+    value_block: int
+    value_scales: bytes
+    def __init__(self, format_version: _Optional[int] = ..., dense_size: _Optional[int] = ..., round: _Optional[int] = ..., index_encoding: _Optional[_Union[IndexEncoding, str]] = ..., mask_seed: _Optional[int] = ..., keep: _Optional[int] = ..., value_dtype: _Optional[_Union[ValueDtype, str]] = ..., indices: _Optional[bytes] = ..., values: _Optional[bytes] = ..., value_scale: _Optional[float] = ..., compression: _Optional[_Union[Compression, str]] = ..., value_block: _Optional[int] = ..., value_scales: _Optional[bytes] = ...) -> None: ...
