@@ -68,7 +68,7 @@ from fedsparse.common.protocol import (
     TrainReply,
     client_mask_seed,
 )
-from fedsparse.common.seeds import Stream, client_train_seed, stream_seed
+from fedsparse.common.seeds import Stream, client_train_seed, stream_seed, value_rounding
 from fedsparse.common.training import (
     PrivacyConfig,
     TrainConfig,
@@ -536,8 +536,13 @@ def _train_round(
     )
 
     delta = layout.flatten_module(model).cpu() - global_flat  # the model trained on cfg.device
+    # int4/int2/int1's rounding: seeded exactly when the DP noise is (simulation), else OS
+    # entropy, so that the server cannot predict it (other dtypes never draw from it)
+    rounding = value_rounding(
+        cfg.seed, task.server_round, partition_id, seeded=seeded and not privacy.secure_mode
+    )
     if selector is not None:  # the union of the steps' supports travels explicitly
-        payload, values = _selected_payload(cfg, task, delta, selector.union)
+        payload, values = _selected_payload(cfg, task, delta, selector.union, rounding)
     else:
         values = delta if mask is None else delta[mask]
         seeded_mask = mask is not None and not frozen and explicit is None
@@ -548,6 +553,8 @@ def _train_round(
             mask_seed=mask_seed if seeded_mask else None,
             encoding=wire_encoding(cfg.codec, sparse=seeded_mask),
             value_dtype=cfg.value_dtype,
+            value_block=cfg.value_block,
+            rounding=rounding,
             compression=cfg.compression,
         )
     counts = policy.release_example_count
@@ -568,7 +575,11 @@ def _train_round(
 
 
 def _selected_payload(
-    cfg: FederatedConfig, task: TrainInstruction, delta: torch.Tensor, union: torch.Tensor
+    cfg: FederatedConfig,
+    task: TrainInstruction,
+    delta: torch.Tensor,
+    union: torch.Tensor,
+    rounding: np.random.Generator,
 ) -> tuple[bytes, torch.Tensor]:
     """gip / random-k: (the payload, its values): ``delta`` on the union of the
     steps' supports, with that support explicit (``codec``; ``values``/``auto``: the
@@ -592,6 +603,8 @@ def _selected_payload(
         indices=None if encoding == "dense" else index,
         encoding=encoding,
         value_dtype=cfg.value_dtype,
+        value_block=cfg.value_block,
+        rounding=rounding,
         compression=cfg.compression,
     )
     return payload, values

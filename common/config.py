@@ -49,10 +49,11 @@ from fedsparse.common.models import DEFAULT_MODELS, MODEL_INPUT_SHAPES, MODEL_NA
 from fedsparse.common.partition import PARTITIONER_NAMES, PartitionerName
 from fedsparse.common.payload import (
     COMPRESSIONS,
-    VALUE_DTYPES,
+    DEFAULT_VALUE_BLOCK,
+    PAYLOAD_DTYPES,
     Compression,
     IndexEncoding,
-    ValueDType,
+    PayloadDType,
 )
 from fedsparse.common.privacy import ACCOUNTANTS, AccountantName
 from fedsparse.common.protocol import MASK_SCOPES, MaskScope
@@ -128,6 +129,8 @@ ADDED_KEYS: Final[dict[str, Any]] = {
     # recorded with it, bit for bit, unless a client sent what no honest client can.
     "dp-norm-bound": "auto",
     "max-client-examples": 0,
+    # Only the low-bit value dtypes (added with it) read it: an earlier run ran at any value.
+    "value-block": DEFAULT_VALUE_BLOCK,
 }
 
 
@@ -220,7 +223,11 @@ class FederatedConfig:
     method_options: tuple[tuple[str, Any], ...] = ()
     # transport
     codec: CodecName = "values"
-    value_dtype: ValueDType = "fp32"
+    # fp32, fp16, bf16, int8 (one scale per update) or the stochastically rounded int4, int2,
+    # int1 (common/payload/lowbit.py), whose rounding draws from OS entropy on a deployed node
+    value_dtype: PayloadDType = "fp32"
+    # int4/int2/int1: values per float32 step (32 / value-block bits per value); else unused
+    value_block: int = DEFAULT_VALUE_BLOCK
     compression: Compression = "none"
     # data and model
     dataset: DatasetName = "digits"
@@ -306,6 +313,8 @@ class FederatedConfig:
                 )
         if not 0 <= self.seed < 2**63:
             fail("seed", "0 <= seed < 2**63")
+        if not 1 <= self.value_block < 2**32:
+            fail("value_block", "1 <= value-block < 2**32")
         if not -1 <= self.split_seed < 2**63:
             fail("split_seed", "-1 (the run's seed) or 0 <= split-seed < 2**63")
         if self.dirichlet_alpha <= 0:
@@ -557,7 +566,7 @@ _NAMED_FIELDS: Final[dict[str, tuple[str, ...]]] = {
     "selection_mode": SELECTION_MODES,
     "mask_scope": MASK_SCOPES,
     "codec": CODECS,
-    "value_dtype": VALUE_DTYPES,
+    "value_dtype": PAYLOAD_DTYPES,
     "compression": COMPRESSIONS,
     "dataset": DATASET_NAMES,
     "eval_split": EVAL_SPLITS,

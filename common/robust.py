@@ -67,6 +67,11 @@ So, with probability ``>= 1 - P_fail`` (``mu = 0``: ``sum a = s``, ``A = sqrt(s)
 The update travels in ``value-dtype``; rounding to fp16/bf16 grows a norm by at most the
 relative unit roundoff (plus ``sqrt(k) 2^-25`` for fp16 subnormals), int8's symmetric
 quantization by at most ``sqrt(k) max|v| / 254 <= ||v|| sqrt(k) / 254`` (``quantized_norm``).
+The stochastically rounded low-bit dtypes (``payload.lowbit``) move a value by less than its
+block's step, and each block's largest magnitude ``m_j <= ||v||``: int4 (step ``s_j <= m_j / 7``
+up to one float32 ulp) gives ``||v|| (1 + sqrt(k) / 7)``; int2 and int1 send each value as at
+most ``m_j`` in magnitude (int1: exactly ``m_j``, a zero included), so ``||v|| sqrt(k)``. These
+hold for every draw of the rounding, not just with high probability.
 float32 arithmetic in training is left out: its errors are orders of magnitude below the
 slack of the tails above.
 
@@ -102,12 +107,13 @@ import numpy as np
 import torch
 from opacus.accountants import RDPAccountant
 
-from fedsparse.common.payload import VALUE_DTYPES, ValueDType
+from fedsparse.common.payload import LOWBIT_DTYPES, PAYLOAD_DTYPES, PayloadDType
 from fedsparse.common.privacy import ACCOUNTANTS, AccountantName, calibrate_noise_multiplier
 
 __all__ = [
     "DP_NORM_BOUNDS",
     "HONEST_FAILURE_PROBABILITY",
+    "LOWBIT_SLACK",
     "NORM_ACTIONS",
     "DPNormBound",
     "HonestClientBound",
@@ -481,20 +487,36 @@ def worst_case_noise_multiplier(
 _RELATIVE_ROUNDING: Final[dict[str, float]] = {"fp32": 0.0, "fp16": 2.0**-11, "bf16": 2.0**-8}
 
 
-def quantized_norm(norm: float, *, value_dtype: ValueDType, keep: int) -> float:
+def quantized_norm(norm: float, *, value_dtype: PayloadDType, keep: int) -> float:
     """An upper bound on the norm of ``keep`` values of L2 norm ``norm`` once in ``value_dtype``.
 
     fp16/bf16 round each value to nearest: ``(1 + u) norm`` (``u``: 2^-11, 2^-8), plus
     ``sqrt(keep) 2^-25`` for fp16's subnormals. int8 (``payload.values.quantize_int8``) moves
     each value by at most half its scale ``max|v| / 127 <= norm / 127``: ``norm (1 +
-    sqrt(keep) / 254)``.
+    sqrt(keep) / 254)``. The low-bit dtypes (``payload.lowbit``), for any rounding draw: int4
+    moves each value by less than its block's step ``s_j``, the smallest float32 with ``7 s_j
+    >= m_j`` (``m_j <= norm`` the block's largest magnitude), and never above ``7 s_j``, so
+    ``norm min(1 + sqrt(keep) / 7, sqrt(keep))``; int2 and int1 send ``q m_j`` with ``|q| <=
+    1``: ``norm sqrt(keep)``. Those bounds are widened by ``LOWBIT_SLACK`` (relative), which
+    covers the step's ulp above ``m_j / 7`` and the float32 product ``q s_j``.
     """
-    if value_dtype not in VALUE_DTYPES:
-        raise ValueError(f"value_dtype={value_dtype!r}: expected one of {', '.join(VALUE_DTYPES)}")
+    if value_dtype not in PAYLOAD_DTYPES:
+        raise ValueError(
+            f"value_dtype={value_dtype!r}: expected one of {', '.join(PAYLOAD_DTYPES)}"
+        )
     if value_dtype == "int8":
         return norm * (1 + math.sqrt(keep) / 254)
+    if value_dtype in LOWBIT_DTYPES:
+        root = math.sqrt(keep)
+        growth = min(1 + root / 7, root) if value_dtype == "int4" else root
+        return norm * growth * (1 + LOWBIT_SLACK)
     grown = norm * (1 + _RELATIVE_ROUNDING[value_dtype])
     return grown + (math.sqrt(keep) * 2.0**-25 if value_dtype == "fp16" else 0.0)
+
+
+#: The low-bit bounds' relative widening: one float32 ulp of the int4 step (2^-23), the
+#: float32 product ``q s`` (2^-24), and the server's own float32 norm, with room to spare.
+LOWBIT_SLACK: Final = 2.0**-16
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -518,7 +540,7 @@ class HonestClientBound:
     batch_size: int
     local_epochs: int
     max_examples: int
-    value_dtype: ValueDType = "fp32"
+    value_dtype: PayloadDType = "fp32"
     adaptive_support: bool = False
     failure_probability: float = HONEST_FAILURE_PROBABILITY
 
@@ -555,7 +577,8 @@ class HonestClientBound:
         return self.local_epochs * self.max_batches
 
     def _at(self, batches: int, keep: int, examples: int | None = None) -> float:
-        """The bound for clients with ``batches`` batches an epoch (``examples``: K = 1's n)."""
+        """The bound before ``value_dtype`` for clients with ``batches`` batches an epoch
+        (``examples``: K = 1's n)."""
         b = self.batch_size
         if batches == 1:  # p = 1: every example in every step, b' = |B_t| = n
             n = min(b, self.max_examples) if examples is None else examples
@@ -563,12 +586,15 @@ class HonestClientBound:
         else:  # the smallest n with this many batches; Opacus's int(n * (1 / K))
             divisor = float(int(((batches - 1) * b + 1) * (1 / batches)))
             mean = min(float(b), divisor + 1)  # n p < int(n p) + 1, and n p <= b
-        norm = self._norm(divisor=divisor, mean=mean, steps=self.local_epochs * batches, keep=keep)
-        return quantized_norm(norm, value_dtype=self.value_dtype, keep=keep)
+        return self._norm(divisor=divisor, mean=mean, steps=self.local_epochs * batches, keep=keep)
 
-    def bound(self, keep: int) -> float:
-        """The bound for a round whose steps keep ``keep`` coordinates (memoized)."""
-        return _client_bound(self, keep)
+    def bound(self, keep: int, *, sent: int | None = None) -> float:
+        """The bound for a round whose steps keep ``keep`` coordinates (memoized), once the
+        update travels as ``sent`` values in ``value_dtype`` (None: ``keep``; gip and
+        random-k send the union of their steps' supports, up to ``d``). ``quantized_norm``
+        grows with the norm, so it applies to the maximum over data sizes."""
+        values = keep if sent is None else sent
+        return quantized_norm(_client_bound(self, keep), value_dtype=self.value_dtype, keep=values)
 
     def smallest_covered_examples(self, keep: int) -> int:
         """The fewest examples ``n`` from which on every honest client is covered.
@@ -577,7 +603,8 @@ class HonestClientBound:
         n``) is covered while its own bound stays under ``bound(keep)``, which falls with
         ``n``: the first such ``n``.
         """
-        limit, top = self.bound(keep), min(self.batch_size, self.max_examples)
+        # compared before value_dtype: quantized_norm is the same increasing map on both sides
+        limit, top = _client_bound(self, keep), min(self.batch_size, self.max_examples)
         low, high = 1, top  # the answer lies in [1, top]; _at(1, keep, n) falls with n
         while low < high:
             mid = (low + high) // 2

@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import enum
 
+import numpy as np
+
 from fedsparse.common.masks import derive_seed
 
-__all__ = ["Stream", "client_train_seed", "stream_seed"]
+__all__ = ["Stream", "client_train_seed", "stream_seed", "value_rounding"]
 
 
 class Stream(enum.IntEnum):
@@ -50,6 +52,10 @@ class Stream(enum.IntEnum):
     #: The server's DP-FedAvg noise under ``central-noise=seeded`` only (reproducible
     #: simulations; the default draws it from OS entropy).
     CENTRAL_NOISE = 9
+    #: Private: the stochastic rounding of a client's int4/int2/int1 values
+    #: (``payload.lowbit``; path: under ``client_train_seed``). Seeded in simulation only, like
+    #: the DP noise: a deployed node rounds from OS entropy (``value_rounding``).
+    VALUE_ROUNDING = 10
     #: Public: the mask seed the server broadcasts each round (path: round).
     ROUND_MASK = 0x5EED
     #: Public: a per-client mask seed under ``mask-scope=client`` (path: node id).
@@ -71,3 +77,20 @@ def client_train_seed(seed: int, server_round: int, partition_id: int) -> int:
     that seeded runs reproduce the results recorded before this registry existed.
     """
     return derive_seed(seed, server_round, partition_id)
+
+
+def value_rounding(
+    seed: int, server_round: int, partition_id: int, *, seeded: bool
+) -> np.random.Generator:
+    """The generator of one client's stochastic value rounding in one round.
+
+    ``seeded`` (a simulated node whose DP noise is seeded): ``Stream.VALUE_ROUNDING`` under
+    ``client_train_seed``, so a simulation's bytes reproduce. Otherwise OS entropy, like the
+    node's noise: the rounding is post-processing of the noised update, so it costs no
+    privacy either way, but a server that could predict it would learn each value's position
+    between two levels, which is the noised value itself up to the step.
+    """
+    if not seeded:
+        return np.random.default_rng()  # seeded from OS entropy
+    base = client_train_seed(seed, server_round, partition_id)
+    return np.random.default_rng(stream_seed(base, Stream.VALUE_ROUNDING))

@@ -347,7 +347,8 @@ class SparseFedAvg(Strategy):
         if caps is None:
             return None
         keep = self._noise_keep(stats)
-        bound = caps.bound(keep)
+        # gip, random-k: the payload holds the union of the steps' supports, up to d values
+        bound = caps.bound(keep, sent=self.d if self.method.selects_per_step else None)
         how = (
             f"dp-norm-bound={bound:.4g}: sigma<={caps.noise_multiplier:.4g}, <={caps.max_steps} "
             f"steps, keep {keep}, clients of >={caps.smallest_covered_examples(keep)} of "
@@ -572,6 +573,7 @@ class SparseFedAvg(Strategy):
                     keep=keep,
                     codec=cfg.codec,
                     value_dtype=cfg.value_dtype,
+                    value_block=cfg.value_block,
                     compression=cfg.compression,
                     weighting=cfg.weighting,
                     mask_support=round_support if cfg.mask_scope == "round" else None,

@@ -3,7 +3,7 @@
 A reply passes only if its records parse as a ``TrainReply`` (types and ranges, see
 ``common/protocol.py``), its payload is no longer than the largest valid payload for the round
 (``max_payload_bytes``, checked before the payload is parsed) and decodes with the round's
-expected size, round, seed, encoding, ``keep``, value dtype and compression
+expected size, round, seed, encoding, ``keep``, value dtype, value block and compression
 (``decode_update``), an explicit support equals the round's public mask (the server never
 aggregates values on coordinates a client chose itself, except under method=gip or random-k,
 whose supports are the clients' by design: ``client_support``), and its ``num-examples`` is
@@ -28,17 +28,19 @@ from fedsparse.common.aggregate import Weighting
 from fedsparse.common.config import CodecName, wire_encoding
 from fedsparse.common.masks import sample_mask
 from fedsparse.common.payload import (
+    DEFAULT_VALUE_BLOCK,
     ENCODINGS,
     EXPLICIT_ENCODINGS,
+    LOWBIT_DTYPES,
     Compression,
     Encoding,
+    PayloadDType,
     PayloadError,
-    ValueDType,
     decode_update,
     payload_size,
+    value_section_size,
 )
 from fedsparse.common.payload.sizing import index_section_bounds
-from fedsparse.common.payload.values import DTYPE_BYTES
 from fedsparse.common.protocol import CONFIG_RECORD, METRICS_RECORD, ProtocolError, TrainReply
 
 __all__ = [
@@ -92,8 +94,9 @@ def max_payload_bytes(
     keep: int,
     expected_seed: int | None,
     encodings: tuple[Encoding, ...],
-    value_dtype: ValueDType,
+    value_dtype: PayloadDType,
     compression: Compression,
+    value_block: int = DEFAULT_VALUE_BLOCK,
 ) -> int:
     """The size of the largest valid payload for the round (an upper bound within 2 bytes).
 
@@ -104,7 +107,7 @@ def max_payload_bytes(
     seed = expected_seed if expected_seed is not None else 0
     for encoding in encodings:
         index_bytes = index_section_bounds(encoding, keep, d)[1]
-        value_bytes = keep * DTYPE_BYTES[value_dtype]
+        value_bytes = value_section_size(keep, value_dtype)  # the low-bit steps: never zstd
         if compression == "zstd":
             index_bytes, value_bytes = _zstd_bound(index_bytes), _zstd_bound(value_bytes)
         sizes.append(
@@ -114,6 +117,7 @@ def max_payload_bytes(
                 round=server_round,
                 encoding=encoding,
                 value_dtype=value_dtype,
+                value_block=value_block,
                 mask_seed=seed if encoding == "seeded" else 0,
                 compression="zstd",
                 compressed_sizes=(index_bytes, value_bytes),
@@ -130,8 +134,9 @@ def check_reply(
     expected_seed: int | None,
     keep: int,
     codec: CodecName = "values",
-    value_dtype: ValueDType = "fp32",
+    value_dtype: PayloadDType = "fp32",
     compression: Compression = "none",
+    value_block: int = DEFAULT_VALUE_BLOCK,
     weighting: Weighting = "uniform",
     mask_support: torch.Tensor | None = None,
     client_support: bool = False,
@@ -143,6 +148,7 @@ def check_reply(
         expected_seed: the mask seed the reply must carry (None: a dense round, ``keep = d``).
         keep: coordinates the round's mask keeps.
         codec, value_dtype, compression: the run's (which payloads are accepted).
+        value_block: the run's values per step (int4/int2/int1 replies must carry it).
         weighting: the run's aggregation weights.
         mask_support: ``torch.nonzero(sample_mask(d, keep=keep, seed=expected_seed))``, the
             mask's int64 support, when the caller has it (a round's replies share one mask:
@@ -170,6 +176,7 @@ def check_reply(
         encodings=encodings,
         value_dtype=value_dtype,
         compression=compression,
+        value_block=value_block,
     )
     try:
         content = message.content
@@ -192,6 +199,7 @@ def check_reply(
     for name, got, wanted in (
         ("value_dtype", update.value_dtype, value_dtype),
         ("compression", update.compression, compression),
+        ("value_block", update.value_block, value_block if value_dtype in LOWBIT_DTYPES else None),
     ):
         if got != wanted:
             raise RejectedReply(f"{name}: {got!r}, expected {wanted!r} (the run's)")

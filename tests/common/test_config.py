@@ -24,7 +24,7 @@ from fedsparse.common.engines import ENGINES
 from fedsparse.common.methods import FEDERATED_METHODS, SELECTION_MODES, SELECTIONS
 from fedsparse.common.models import DEFAULT_MODELS, MODEL_INPUT_SHAPES, MODEL_NAMES, build_model
 from fedsparse.common.partition import PARTITIONER_NAMES
-from fedsparse.common.payload import COMPRESSIONS, VALUE_DTYPES
+from fedsparse.common.payload import COMPRESSIONS, LOWBIT_DTYPES, PAYLOAD_DTYPES, VALUE_DTYPES
 from fedsparse.common.privacy import ACCOUNTANTS
 from fedsparse.common.robust import DP_NORM_BOUNDS, NORM_ACTIONS, worst_case_noise_multiplier
 from fedsparse.common.schedules import SCHEDULES
@@ -44,7 +44,7 @@ NAMED_KEYS = {
     "selection-mode": SELECTION_MODES,
     "mask-scope": MASK_SCOPES,
     "codec": CODECS,
-    "value-dtype": VALUE_DTYPES,
+    "value-dtype": PAYLOAD_DTYPES,
     "compression": COMPRESSIONS,
     "dataset": DATASET_NAMES,
     "eval-split": EVAL_SPLITS,
@@ -323,3 +323,21 @@ def test_resume_is_a_run_config_flag_and_its_free_keys_are_real_keys() -> None:
     assert keys >= RESUME_MAY_DIFFER
     # What the run computes may not change on resume.
     assert not RESUME_MAY_DIFFER & {"num-rounds", "seed", "lr", "clients-per-round", "final-rate"}
+
+
+def test_value_dtype_takes_every_payload_dtype_and_value_block_its_range() -> None:
+    assert (*VALUE_DTYPES, *LOWBIT_DTYPES) == PAYLOAD_DTYPES
+    for name in ("int4", "int2", "int1"):
+        cfg = FederatedConfig.from_run_config({"value-dtype": name, "value-block": "64"})
+        assert (cfg.value_dtype, cfg.value_block) == (name, 64)
+        assert cfg.to_run_config()["value-block"] == 64
+        assert cfg.honest_client_bound(1437).value_dtype == name  # type: ignore[union-attr]
+    assert FederatedConfig().value_block == 256
+    assert FederatedConfig(value_block=1).value_block == 1
+    assert FederatedConfig(value_block=2**32 - 1).value_block == 2**32 - 1
+    for bad in (0, -1, 2**32):
+        with pytest.raises(ValueError) as info:
+            FederatedConfig.from_run_config({"value-block": bad})
+        assert str(info.value) == f"value-block={bad!r}: expected 1 <= value-block < 2**32"
+    # the block changes the bytes and the rounding: a resumed run keeps it
+    assert "value-block" not in RESUME_MAY_DIFFER
