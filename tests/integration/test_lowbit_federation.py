@@ -204,3 +204,54 @@ def test_a_lowbit_update_decodes_to_torch(monkeypatch: pytest.MonkeyPatch) -> No
     values = decode_update(reply.update).values
     assert values.dtype == torch.float32 and values.numel() == reply.keep
     assert bool(torch.isfinite(values).all()) and bool((values != 0).any())
+
+
+def test_a_lowbit_run_resumes_to_the_uninterrupted_run_and_keeps_its_block(
+    tmp_path: Path,
+) -> None:
+    """The rounding stream is a function of (seed, round, partition): a killed and resumed
+    int1 run ends with the uninterrupted run's weights and records; another value-block is
+    refused on resume, naming the key (it changes the bytes and the rounding)."""
+    from fedsparse.server.checkpoint import CheckpointError
+    from tests.server.test_resume import (
+        _assert_same_run,
+        _cfg,
+        _grid,
+        _killed_then_resumed,
+        _sim_policy,
+    )
+
+    lowbit = dict(value_dtype="int1", value_block=64)
+    reference = tmp_path / "uninterrupted"
+    cfg = _cfg(reference, **lowbit)
+    run_federated(_grid(cfg, _sim_policy(reference)), cfg)
+    resumed = tmp_path / "resumed"
+    _killed_then_resumed(resumed, _sim_policy(resumed), **lowbit)
+    _assert_same_run(resumed, reference)
+    other = _cfg(reference, resume=True, value_dtype="int1", value_block=128)
+    with pytest.raises(CheckpointError, match=r"value-block=128, but .* value-block=64"):
+        run_federated(_grid(other, _sim_policy(reference)), other)
+
+
+@pytest.mark.parametrize("method", ["random-k", "gip"])
+def test_a_client_chosen_support_travels_in_int1_and_is_accepted(
+    method: str, tmp_path: Path
+) -> None:
+    """gip and random-k send the union of their steps' supports, explicitly and larger than a
+    step's ``keep``: the DP norm bound quantizes at that size (``HonestClientBound.bound``'s
+    ``sent``), so an honest reply is accepted."""
+    cfg = FederatedConfig(
+        num_rounds=2,
+        final_rate=0.9,
+        schedule="constant",
+        method=method,  # type: ignore[arg-type]
+        value_dtype="int1",
+        value_block=64,
+        seed=2,
+        out_dir=str(tmp_path / "run"),
+    )
+    assert cfg.dp_norm_bound_applies
+    rounds = _run(cfg)
+    assert [(r["num_accepted"], r["rejected"], r["clipped"]) for r in rounds] == [
+        (NODES, [], [])
+    ] * 2
