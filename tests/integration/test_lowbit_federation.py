@@ -114,7 +114,9 @@ def test_a_lowbit_federation_accepts_every_reply_at_the_analytic_bytes(
     assert rounds[-1]["test_accuracy"] >= baseline - loss
 
 
-def _ask(node_config: dict[str, Any], value_dtype: str = "int1") -> TrainReply:
+def _ask(
+    node_config: dict[str, Any], value_dtype: str = "int1", *, secure_mode: bool = False
+) -> TrainReply:
     """One round-1 instruction (seed 4, one node, half the coordinates); the parsed reply."""
     cfg = FederatedConfig(
         num_rounds=3,
@@ -123,6 +125,7 @@ def _ask(node_config: dict[str, Any], value_dtype: str = "int1") -> TrainReply:
         value_dtype=value_dtype,  # type: ignore[arg-type]
         value_block=128,
         seed=4,
+        secure_mode=secure_mode,
     )
     model = build_model(cfg.model_name, seed=cfg.seed)
     flat = ParamLayout.from_module(model).flatten_module(model)
@@ -181,6 +184,15 @@ def test_a_deployed_node_rounds_from_os_entropy(monkeypatch: pytest.MonkeyPatch)
     assert calls == [False, False]  # the generator the server cannot rebuild
     assert first.update != second.update
     assert decode_update(first.update).value_dtype == "int1"
+
+
+def test_secure_mode_rounds_from_os_entropy_even_in_simulation(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls = _spy(monkeypatch)
+    first = _ask(dict(SIMULATION_NODE_POLICY), secure_mode=True)
+    second = _ask(dict(SIMULATION_NODE_POLICY), secure_mode=True)
+    assert calls == [False, False] and first.update != second.update
 
 
 def test_value_rounding_is_seeded_only_when_asked() -> None:
