@@ -603,12 +603,14 @@ class HonestClientBound:
         n``) is covered while its own bound stays under ``bound(keep)``, which falls with
         ``n``: the first such ``n``.
         """
-        # compared before value_dtype: quantized_norm is the same increasing map on both sides
-        limit, top = _client_bound(self, keep), min(self.batch_size, self.max_examples)
+        limit, top = self.bound(keep), min(self.batch_size, self.max_examples)
         low, high = 1, top  # the answer lies in [1, top]; _at(1, keep, n) falls with n
         while low < high:
             mid = (low + high) // 2
-            if self._at(1, keep, mid) <= limit:
+            if (
+                quantized_norm(self._at(1, keep, mid), value_dtype=self.value_dtype, keep=keep)
+                <= limit
+            ):
                 high = mid
             else:
                 low = mid + 1
