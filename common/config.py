@@ -73,6 +73,7 @@ __all__ = [
     "ADDED_KEYS",
     "CODECS",
     "RESUME_MAY_DIFFER",
+    "TRACKERS",
     "MASK_SCOPES",
     "with_added_keys",
     "CodecName",
@@ -96,7 +97,7 @@ CODECS: Final[tuple[CodecName, ...]] = get_args(CodecName)
 #: other key, ``num-rounds`` included (the rate schedule and a calibrated sigma depend on it),
 #: must equal the checkpoint's.
 RESUME_MAY_DIFFER: Final[frozenset[str]] = frozenset(
-    {"resume", "out-dir", "data-dir", "round-timeout", "min-clients", "save-updates"}
+    {"resume", "out-dir", "data-dir", "round-timeout", "min-clients", "save-updates", "log"}
 )
 
 #: Run-config keys added after runs were recorded, with the value under which a run recorded
@@ -107,6 +108,7 @@ RESUME_MAY_DIFFER: Final[frozenset[str]] = frozenset(
 #: every earlier run did. A checkpoint or a finished sweep run written without them is read
 #: through ``with_added_keys``.
 ADDED_KEYS: Final[dict[str, Any]] = {
+    "log": "",
     "engine": "auto",
     "device": "auto",
     "method": "rs",
@@ -153,6 +155,9 @@ def wire_encoding(codec: CodecName, *, sparse: bool) -> IndexEncoding:
         return "seeded"
     return codec
 
+
+#: Experiment trackers a run can log to (``log``; ``server/tracking.py``).
+TRACKERS: Final = ("tensorboard", "mlflow")
 
 #: The ``FederatedConfig`` field that is not a run-config key (a plug-in's own keys travel as
 #: top-level keys of their own).
@@ -260,6 +265,9 @@ class FederatedConfig:
     max_failed_rounds: int = 3  # this many rounds in a row with no accepted update end the run
     # research: keep every valid reply's payload in <out-dir>/updates/ (what the server sees)
     save_updates: bool = False
+    # per-round metrics also to experiment trackers in out-dir: tensorboard, mlflow or both,
+    # comma-separated (server/tracking.py; needs the tracking extra); "": none
+    log: str = ""
     # continue the run in out-dir from its checkpoint.pt (server/checkpoint.py)
     resume: bool = False
 
@@ -291,6 +299,9 @@ class FederatedConfig:
                 more = " or package.module:loader" if field == "dataset" else ""
                 fail(field, f"one of {', '.join(names)}{more}")
         check_method_name(self.method)
+        for target in self.trackers:
+            if target not in TRACKERS:
+                fail("log", f"some of {', '.join(TRACKERS)}, comma-separated ('' for none)")
         user_model = plugins.is_reference(self.model)
         user_dataset = plugins.is_reference(self.dataset)
         if self.model not in ("", *MODEL_NAMES) and not user_model:
@@ -493,6 +504,11 @@ class FederatedConfig:
                 raise ValueError(unknown_key("run config key", key, {**fields, **declared}))
             options[key] = coerce(key, value, type(declared[key]))
         return cls(**kwargs, method_options=tuple(sorted(options.items())))
+
+    @property
+    def trackers(self) -> tuple[str, ...]:
+        """``log``'s tracker names, in order."""
+        return tuple(name.strip() for name in self.log.split(",") if name.strip())
 
     @property
     def model_name(self) -> ModelName:

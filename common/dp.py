@@ -28,12 +28,12 @@ coordinates that a later mask drops (the paper notes this, Sec. 4), and weight d
 every coordinate. The federated client builds a fresh optimizer every round, so its updates
 stay on the round's mask.
 
-GIP (``common/gip.py``) uses the other hook, ``set_step_selector``: no public mask, the whole
-per-sample gradients are clipped (Opacus's own ``clip_and_accumulate``), and between the sum and
-the noise a selector chooses the step's support ``I`` from the noise-free sum; the step's
-gradient is ``(s + N(0, sigma^2 C^2 I_d)) * I / B`` (GIP Alg. 2, line 10), i.e. plain DP-SGD's
-step masked, with the same noise draw. Because ``I`` reads the data, ``get_epsilon`` adds the
-selector's pure epsilon to the accountant's (basic composition, GIP Thm. 2).
+GIP (``common/methods/index_selection.py``) uses the other hook, ``set_step_selector``: no public
+mask, the whole per-sample gradients are clipped (Opacus's own ``clip_and_accumulate``), and
+between the sum and the noise a selector chooses the step's support ``I`` from the noise-free sum;
+the step's gradient is ``(s + N(0, sigma^2 C^2 I_d)) * I / B`` (GIP Alg. 2, line 10), i.e. plain
+DP-SGD's step masked, with the same noise draw. Because ``I`` reads the data, ``get_epsilon`` adds
+the selector's pure epsilon to the accountant's (basic composition, GIP Thm. 2).
 
 Non-finite per-sample gradients. An example whose (masked) per-sample gradient is not finite
 (its norm over the kept coordinates is NaN or inf, as it is when any kept entry is) contributes
@@ -151,7 +151,8 @@ class SparseDPOptimizer(DPOptimizer):
         self._selector: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def set_step_selector(self, selector: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
-        """Chooses every step's support from the clipped sum (GIP, ``common/gip.py``).
+        """Chooses every step's support from the clipped sum (GIP,
+        ``common/methods/index_selection.py``).
 
         ``selector`` gets the flat, clipped, summed, noise-free gradient (parameters
         concatenated in ``self.params`` order) and returns a flat bool mask; the step's
@@ -718,7 +719,8 @@ class SparseDPEngine(PrivacyEngine):
         self.optimizer.set_param_masks({self._params[n]: v for n, v in views.items()})
 
     def set_step_selector(self, selector: StepSelector | None) -> None:
-        """Chooses each step's support from the clipped sum (GIP / random-k, ``common/gip.py``).
+        """Chooses each step's support from the clipped sum (GIP / random-k,
+        ``common/methods/index_selection.py``).
 
         The selector sees the flat gradient in the layout's order (``named_parameters()``
         order of the trainable parameters, as ``set_mask``). Exclusive with ``set_mask``;

@@ -21,7 +21,7 @@ key                    default      meaning
 ``hold-out-validation`` false       leave out the validation slice of the training split
                                     (``common/data.py: hold_out_validation``)
 ``public-fraction``    0.0          leave out this share of the training split, declared
-                                    public (``common/methods.py: public_split``)
+                                    public (``common/methods/selection.py: public_split``)
 =====================  ===========  ======================================================
 
 The run config's ``dataset`` must name the declared dataset (the model's input shape

@@ -156,7 +156,7 @@ def train_message(
     record = instruction.to_record()
     if resumed_from:
         record[RESUMED_FROM] = resumed_from
-    if support:  # method=ranked: the server's mask (common/methods.py)
+    if support:  # method=ranked: the server's mask (common/methods/ranked.py)
         record[SERVER_SUPPORT] = support
     return Message(
         content=RecordDict({CONFIG_RECORD: ConfigRecord(record)}),

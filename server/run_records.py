@@ -11,6 +11,10 @@ model.
 A resumed run (``resume_from``: the round of the checkpoint it continues) keeps the lines of
 rounds ``1..resume_from`` and drops any later one (a round the killed run logged but did not
 checkpoint, or a line cut short by the kill), so ``summary.json`` covers the whole run.
+
+Each round also goes to the run's experiment trackers (``log``: TensorBoard, MLflow;
+``server/tracking.py``), after its records are safe, and a finished run draws ``run.png``
+(accuracy, epsilon and uplink bytes per round).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from fedsparse.common.layout import ParamLayout
 from fedsparse.common.protocol import STOP_FILE
 from fedsparse.common.records import RoundLog, RunSummary
 from fedsparse.server.checkpoint import CHECKPOINT, Checkpoint, CheckpointError
+from fedsparse.server.tracking import Trackers, plot_run
 
 __all__ = ["RunRecorder", "RunStopped"]
 
@@ -59,6 +64,7 @@ class RunRecorder:
         self._strategy_state = strategy_state or dict
         self._kept = _kept_rounds(self.out / "rounds.jsonl", resume_from)
         self.logs: list[RoundLog] = [entry for entry, _ in self._kept]
+        self.trackers = Trackers((), self.out, {})  # started by ``begin`` (``log``)
 
     def begin(self) -> None:
         """Replaces the previous records (a resumed run keeps its rounds): rounds start now.
@@ -69,6 +75,7 @@ class RunRecorder:
         self.out.mkdir(parents=True, exist_ok=True)
         _replace_text(self.out / "rounds.jsonl", "".join(line + "\n" for _, line in self._kept))
         (self.out / "summary.json").unlink(missing_ok=True)  # a stale one would read as success
+        self.trackers = Trackers(self.cfg.trackers, self.out, self.cfg.to_run_config())
 
     def save_updates(self, server_round: int, updates: dict[int, bytes]) -> None:
         """Writes each payload as ``updates/round-<r>-node-<id>.bin`` (``save-updates``).
@@ -105,6 +112,7 @@ class RunRecorder:
             config=self.cfg.to_run_config(),
             strategy=self._strategy_state(),
         ).save(self.out / CHECKPOINT)
+        self.trackers.log_round(entry)  # after the records: a tracker never loses a round
 
     def finish(self) -> RunSummary:
         """Writes and returns the summary of the completed run.
@@ -119,7 +127,13 @@ class RunRecorder:
             config={**self.cfg.to_run_config(), "resume": False},
         )
         (self.out / "summary.json").write_text(summary.to_json())
+        self.trackers.close()
+        plot_run(self.logs, self.out / "run.png", title=_plot_title(self.cfg))
         return summary
+
+
+def _plot_title(cfg: FederatedConfig) -> str:
+    return f"{cfg.method}, {cfg.dataset}, r* = {cfg.final_rate:g}, {cfg.value_dtype} values"
 
 
 class RunStopped(RuntimeError):

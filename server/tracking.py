@@ -26,6 +26,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final, Literal, Protocol, get_args
 
+from fedsparse.common.config import TRACKERS as CONFIG_TRACKERS
 from fedsparse.common.records import RoundLog
 
 __all__ = [
@@ -43,6 +44,7 @@ __all__ = [
 
 TrackerName = Literal["tensorboard", "mlflow"]
 TRACKERS: Final[tuple[TrackerName, ...]] = get_args(TrackerName)
+assert TRACKERS == CONFIG_TRACKERS  # the run config's ``log`` takes the same names
 
 #: RoundLog fields logged each round (tracker name: field).
 ROUND_SCALARS: Final[dict[str, str]] = {

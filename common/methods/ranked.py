@@ -1,5 +1,5 @@
-"""``ranked``: ranked sparsification ("Differentially Private Federated Learning with Random
-Sparsification", arXiv:2112.00845, Algorithm 4, App. I).
+"""``ranked``: ranked sparsification ("Improving Differentially Private SGD via Randomly
+Sparsified Gradients", arXiv:2112.00845, Algorithm 4, App. I).
 
 Epoch 0 trains every coordinate; epoch ``e`` keeps the ``keep`` coordinates of largest
 ``|z^{e-1}|``, where ``z`` sums the last epoch's perturbed (noisy) gradients plus fresh noise

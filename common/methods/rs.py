@@ -1,7 +1,7 @@
 """``rs`` and ``random-freeze``: a uniformly random public mask of the schedule's ``keep``.
 
-- ``rs``: random sparsification ("Differentially Private Federated Learning with Random
-  Sparsification", arXiv:2112.00845, Algorithm 1): a uniformly random mask of ``keep``
+- ``rs``: random sparsification ("Improving Differentially Private SGD via Randomly
+  Sparsified Gradients", arXiv:2112.00845, Algorithm 1): a uniformly random mask of ``keep``
   coordinates per round (federated) or epoch (centralized), ``r(e)`` from the run's
   ``schedule`` (gradual cooling by default). The mask comes from the round's public seed:
   every party regenerates it and the wire carries no index.

@@ -48,6 +48,10 @@ def simulate(
     ] = "flower",
     rounds: Annotated[int | None, Opt(help="rounds: --set num-rounds=N in short")] = None,
     seed: Annotated[int | None, Opt(help="base seed: --set seed=S in short")] = None,
+    log: Annotated[
+        str | None,
+        Opt(help="tensorboard, mlflow or both: per-round metrics in OUT (--set log=...)"),
+    ] = None,
 ) -> None:
     """Federated DP-SGD + RS on Flower's simulation engine (Ray backend).
 
@@ -63,7 +67,8 @@ def simulate(
     """
     overrides = parse_sets(set_ or [])
     try:
-        overrides |= shortcuts(overrides, rounds=rounds, seed=seed)
+        overrides |= shortcuts(overrides, rounds=rounds, seed=seed, log=log)
+        check_trackers(overrides.get("log", ""))
         check_run_config(overrides)  # before the imports below: they take seconds
     except ValueError as err:
         raise typer.BadParameter(str(err)) from err
@@ -75,6 +80,7 @@ def simulate(
         sets=set_ or [],
         rounds=rounds,
         seed=seed,
+        log=log,
         cpus_per_client=cpus_per_client,
         gpus_per_client=gpus_per_client,
         timeout=timeout,
@@ -121,14 +127,15 @@ def demo(out: Annotated[Path, Opt(help="output directory")] = Path("runs/demo"))
         backend="flower",
         rounds=None,
         seed=None,
+        log=None,
     )
 
 
 #: ``simulate``'s shortcut options and the run-config key each one sets.
-SHORTCUTS = {"rounds": "num-rounds", "seed": "seed"}
+SHORTCUTS = {"rounds": "num-rounds", "seed": "seed", "log": "log"}
 
 
-def shortcuts(overrides: Mapping[str, str], **values: int | None) -> dict[str, str]:
+def shortcuts(overrides: Mapping[str, str], **values: int | str | None) -> dict[str, str]:
     """The run-config overrides of the shortcut options given (``SHORTCUTS``).
 
     Raises:
@@ -157,6 +164,7 @@ def resume_command(
     rounds: int | None,
     seed: int | None,
     cpus_per_client: float,
+    log: str | None = None,
     gpus_per_client: float,
     timeout: float,
     backend: str,
@@ -167,11 +175,30 @@ def resume_command(
     args += [a for item in sets for a in ("--set", item)]
     args += ["--rounds", str(rounds)] if rounds is not None else []
     args += ["--seed", str(seed)] if seed is not None else []
+    args += ["--log", log] if log else []
     args += ["--backend", backend] if backend != "flower" else []
     args += ["--cpus-per-client", f"{cpus_per_client:g}"] if cpus_per_client != 1.0 else []
     args += ["--gpus-per-client", f"{gpus_per_client:g}"] if gpus_per_client else []
     args += ["--timeout", f"{timeout:g}"] if timeout != 3600.0 else []
     return shlex.join([*args, "--resume"])
+
+
+def check_trackers(log: str) -> None:
+    """``log``'s tracker names known and their packages installed (nothing imported).
+
+    Raises:
+        ValueError: an unknown name, or a tracker whose package is missing (one line).
+    """
+    import importlib.util
+
+    for name in (n.strip() for n in log.split(",") if n.strip()):
+        if name not in ("tensorboard", "mlflow"):
+            raise ValueError(f"log={log!r}: expected some of tensorboard, mlflow")
+        if importlib.util.find_spec(name) is None:
+            raise ValueError(
+                f"log={name}: the {name} package is not installed; install the tracking "
+                "extra (pip install 'fedsparse[tracking]')"
+            )
 
 
 @contextmanager

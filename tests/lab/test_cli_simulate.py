@@ -58,6 +58,9 @@ def test_shortcuts_set_their_keys() -> None:
         (["--rounds", "3", "--set", "num-rounds=2"], "--rounds 3: --set num-rounds=2 sets"),
         (["--rounds", "3", "--set", "num_rounds=2"], "--rounds 3: --set num_rounds=2 sets"),
         (["--seed", "4", "--set", "seed=1"], "--seed 4: --set seed=1 sets seed too; give one"),
+        (["--log", "mlflow", "--set", "log=tensorboard"], "--log mlflow: --set log=tensorboard"),
+        (["--log", "wandb"], "log='wandb': expected some of tensorboard, mlflow"),
+        (["--set", "log=tensorboard,wandb"], "log='tensorboard,wandb': expected some of"),
     ],
 )
 def test_a_shortcut_and_a_set_of_its_key_conflict(
@@ -71,8 +74,14 @@ def test_a_shortcut_and_a_set_of_its_key_conflict(
 
 def test_shortcuts_reach_the_run_config(tmp_path: Path, recorder: _Recorder) -> None:
     args = ["simulate", "--out", str(tmp_path / "run"), "--rounds", "4", "--seed", "9"]
-    CliRunner().invoke(app, [*args, "--set", "lr=0.5"])
-    assert recorder.calls[0]["overrides"] == {"lr": "0.5", "num-rounds": "4", "seed": "9"}
+    result = CliRunner().invoke(app, [*args, "--set", "lr=0.5", "--log", "tensorboard"])
+    assert recorder.calls[0]["overrides"] == {
+        "lr": "0.5",
+        "num-rounds": "4",
+        "seed": "9",
+        "log": "tensorboard",
+    }
+    assert "--log tensorboard --resume" in _flat(result.output)
 
 
 def test_a_stopped_run_prints_the_command_that_resumes_it(

@@ -123,3 +123,36 @@ def test_the_run_plot_and_rounds_jsonl(tmp_path: Path) -> None:
     path = plot_run(rounds, tmp_path / "run.png", title="rs, 3 clients")
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_a_federated_run_logs_each_round_and_draws_its_plot(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    import json
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from fedsparse.client.app import app as client_app
+    from fedsparse.common.config import FederatedConfig
+    from fedsparse.lab.flower import SIMULATION_NODE_POLICY
+    from fedsparse.lab.inprocess import InProcessGrid
+    from fedsparse.server.app import run_federated
+
+    cfg = FederatedConfig(num_rounds=2, out_dir=str(tmp_path / "run"), log="tensorboard")
+    grid = InProcessGrid(
+        client_app, num_nodes=2, run_config=cfg.to_run_config(), node_config=SIMULATION_NODE_POLICY
+    )
+    run_federated(grid, cfg)
+    rounds = [json.loads(x) for x in (tmp_path / "run" / "rounds.jsonl").read_text().splitlines()]
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    events.Reload()
+    logged = [(e.step, e.value) for e in events.Scalars("bytes/uplink_payload")]
+    assert logged == [(r["round"], r["uplink_payload_bytes"]) for r in rounds]
+    assert (tmp_path / "run" / "run.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_log_takes_tracker_names_only() -> None:
+    from fedsparse.common.config import FederatedConfig
+
+    assert FederatedConfig(log="tensorboard, mlflow").trackers == ("tensorboard", "mlflow")
+    with pytest.raises(ValueError, match="log='wandb': expected some of tensorboard, mlflow"):
+        FederatedConfig.from_run_config({"log": "wandb"})
