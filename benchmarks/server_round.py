@@ -32,6 +32,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import torch
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 
@@ -69,6 +70,8 @@ def synthetic_client(cfg: FederatedConfig, d: int):  # type: ignore[no-untyped-d
             round=task.server_round,
             encoding=wire_encoding(cfg.codec, sparse=sparse),
             value_dtype=cfg.value_dtype,
+            value_block=cfg.value_block,
+            rounding=np.random.default_rng(task.server_round * 1_000_003 + context.node_id),
             compression=cfg.compression,
             **({"mask_seed": seed} if sparse else {}),
         )

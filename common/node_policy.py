@@ -43,12 +43,16 @@ key                        default        meaning
                                           any whose ClientApp is fedsparse's. Either way the
                                           node runs its OWN installed ClientApp, never code
                                           from the FAB (``client/node.py``)
-``plugins``                ""             comma-separated ``package.module:attribute`` names
-                                          (``common/plugins.py``) this node may import when a
-                                          run config names one as its ``method`` or ``model``;
-                                          "" imports none. A simulated node
-                                          (``noise="seeded"``) imports any: the run is the
-                                          experimenter's own. Built-in names need no entry
+``plugin-methods``         ""             comma-separated ``package.module:Class`` methods
+                                          (``common/methods/``) this node may import when a
+                                          run config names one as its ``method``; "" imports
+                                          none. A simulated node (``noise="seeded"``) imports
+                                          any: the run is the experimenter's own. Built-in
+                                          names need no entry. Listing one trusts it with the
+                                          node's privacy accounting (``Method.split_privacy``)
+                                          and with the server's values of its own keys
+``plugin-models``          ""             the same for ``model``: ``package.module:factory``
+                                          model factories (``common/models.py``)
 =========================  =============  ====================================================
 
 The node's data is declared next to its policy, in the same node config
@@ -140,7 +144,8 @@ class NodePolicy:
     release_example_count: bool = False
     evaluate: bool = False
     allowed_fab_hashes: tuple[str, ...] = ()
-    plugins: tuple[str, ...] = ()
+    plugin_methods: tuple[str, ...] = ()
+    plugin_models: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         def fail(key: str, value: Any, expected: str) -> None:
@@ -164,9 +169,13 @@ class NodePolicy:
         for digest in self.allowed_fab_hashes:
             if not (len(digest) == 64 and all(c in "0123456789abcdef" for c in digest)):
                 fail("allowed-fab-hashes", digest, "SHA-256 hex digests (64 lowercase hex)")
-        for name in self.plugins:
-            if not is_plugin(name):
-                fail("plugins", name, "package.module:attribute names")
+        for key, names in (
+            ("plugin-methods", self.plugin_methods),
+            ("plugin-models", self.plugin_models),
+        ):
+            for name in names:
+                if not is_plugin(name):
+                    fail(key, name, "package.module:attribute names")
         if self.state_dir and self.noise != "seeded":
             # Restoring run state follows the server's resume point: only an experimenter's
             # own simulated nodes may take it; a deployed node's ledger is its history.
@@ -203,22 +212,24 @@ class NodePolicy:
 
     def check_plugins(self, run_config: Mapping[str, Any]) -> None:
         """Refuses a run config whose ``method`` or ``model`` is a plug-in
-        (``package.module:attribute``) this node's owner did not list in ``plugins``, unless
-        the node is simulated. Imports nothing: importing a module runs its code, and the run
-        config is the server's. (The dataset is the node's own declaration, never the
-        server's choice: ``client/app.py: _declaration``.)
+        (``package.module:attribute``) this node's owner did not list for that role
+        (``plugin-methods``, ``plugin-models``), unless the node is simulated. Imports nothing:
+        importing a module runs its code, and the run config is the server's. A name listed
+        for one role is refused in the other (a model factory is not a method). The dataset
+        is the node's own declaration, never the server's choice (``client/app.py:
+        _declaration``).
 
         Raises:
             PrivacyRefusal: naming the key, its value and the policy key.
         """
         if self.noise == "seeded":
             return
-        for key in ("method", "model"):
+        for key, listed in (("method", self.plugin_methods), ("model", self.plugin_models)):
             value = str(run_config.get(key, ""))
-            if is_plugin(value) and value not in self.plugins:
+            if is_plugin(value) and value not in listed:
                 raise PrivacyRefusal(
-                    f"{key}={value!r}: this node imports only the plug-ins its owner lists "
-                    "(node policy plugins)"
+                    f"{key}={value!r}: this node imports only the plug-in {key}s its owner "
+                    f"lists (node policy plugin-{key}s)"
                 )
 
     def precheck(

@@ -52,10 +52,13 @@ def load(reference: str, *, field: str) -> Any:
     try:
         target: Any = importlib.import_module(module_name)
     except ImportError as err:
+        # The missing module's name only: the error's own text can hold the node's paths,
+        # and on a deployed node this message is the server's reply (the cause stays local).
+        missing = f" (no module {err.name!r})" if err.name and err.name != module_name else ""
         raise ValueError(
-            f"{field}={reference!r}: cannot import {module_name!r} ({err}); is it installed, "
+            f"{field}={reference!r}: cannot import {module_name!r}{missing}; is it installed, "
             "or on PYTHONPATH, where the run happens?"
-        ) from None
+        ) from err
     for part in attribute.split("."):
         try:
             target = getattr(target, part)

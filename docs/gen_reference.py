@@ -99,7 +99,8 @@ MEANINGS: dict[str, str] = {
     "codec": "How a sparse update's support travels: `values` regenerates it from the "
     "broadcast seed (0 index bytes); `coo`, `delta`, `bitmap` send it; `auto` the smallest.",
     "value-dtype": "Bytes per value on the wire: `fp32` 4, `fp16`/`bf16` 2, `int8` 1 "
-    "(symmetric, one float32 scale per update).",
+    "(symmetric, one float32 scale per update); `int4`/`int2`/`int1` 4/2/1 bits, "
+    "stochastically rounded (unbiased), plus a float32 step per `value-block` values.",
     "compression": "`zstd` packs the index and value sections as one zstd frame each.",
     "dataset": "Training data (see Data and models); digits is embedded.",
     "data-dir": "Folder holding the dataset's files ('' for the embedded ones).",

@@ -20,6 +20,7 @@ The state dict is the model's whole ``state_dict`` (persistent buffers included)
 from __future__ import annotations
 
 import os
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any, Final
 
@@ -29,6 +30,7 @@ from fedsparse.common.atomic import SHARED, open_atomic
 from fedsparse.common.config import FederatedConfig
 from fedsparse.common.layout import ParamLayout
 from fedsparse.common.models import build_model
+from fedsparse.common.plugins import is_reference
 
 __all__ = ["EXPORT_FORMAT", "MODEL_FILE", "export_model", "load_exported"]
 
@@ -64,11 +66,27 @@ def export_model(run: str | os.PathLike[str], out: str | os.PathLike[str]) -> di
     return exported
 
 
-def load_exported(path: str | os.PathLike[str]) -> torch.nn.Module:
-    """The model an ``export_model`` file holds, built and loaded (strictly)."""
+def load_exported(
+    path: str | os.PathLike[str], *, plugins: Collection[str] = ()
+) -> torch.nn.Module:
+    """The model an ``export_model`` file holds, built and loaded (strictly).
+
+    The file names its model; a user's model (``package.module:factory``) is built only if
+    ``plugins`` lists it: building imports and calls it, and a file from someone else must
+    not choose code to run (``weights_only=True`` keeps ``torch.load`` itself safe).
+
+    Raises:
+        ValueError: another format, or a model reference ``plugins`` does not list.
+    """
     saved = torch.load(Path(path), weights_only=True)
     if saved.get("format") != EXPORT_FORMAT:
         raise ValueError(f"{path}: format={saved.get('format')!r}: expected {EXPORT_FORMAT}")
+    name = str(saved["model"])
+    if is_reference(name) and name not in plugins:
+        raise ValueError(
+            f"{path}: model={name!r} is a user's model: pass plugins=[{name!r}] to build it "
+            "(only for a file you trust)"
+        )
     model = build_model(saved["model"], num_classes=saved["num_classes"], seed=0)
     model.load_state_dict(saved["state_dict"])
     return model

@@ -202,18 +202,25 @@ def test_fab_hashes_must_be_sha256_digests() -> None:
     assert NodePolicy().allowed_fab_hashes == () and not NodePolicy().evaluate
 
 
-def test_plugins_are_refused_unless_listed_or_simulated() -> None:
-    spec = "their_pkg.methods:Pruning"
-    assert NodePolicy().plugins == ()  # a deployed node imports no plug-in by default
-    with pytest.raises(PrivacyRefusal, match=r"method='their_pkg.methods:Pruning': .*plugins"):
+def test_plugins_are_refused_unless_listed_for_their_role_or_simulated() -> None:
+    spec, net = "their_pkg.methods:Pruning", "their_pkg.nets:cnn"
+    assert NodePolicy().plugin_methods == () and NodePolicy().plugin_models == ()
+    with pytest.raises(
+        PrivacyRefusal, match=r"method='their_pkg.methods:Pruning': .*plugin-methods"
+    ):
         NodePolicy().check_plugins({"method": spec})
-    with pytest.raises(PrivacyRefusal, match=r"model='their_pkg.nets:cnn': .*plugins"):
-        NodePolicy().check_plugins({"method": "rs", "model": "their_pkg.nets:cnn"})
-    listed = NodePolicy.from_sources({"plugins": f"{spec}, their_pkg.nets:cnn"})
-    assert listed.plugins == (spec, "their_pkg.nets:cnn")
-    listed.check_plugins({"method": spec, "model": "their_pkg.nets:cnn"})
-    with pytest.raises(PrivacyRefusal, match="plugins"):
+    with pytest.raises(PrivacyRefusal, match=r"model='their_pkg.nets:cnn': .*plugin-models"):
+        NodePolicy().check_plugins({"method": "rs", "model": net})
+    listed = NodePolicy.from_sources({"plugin-methods": f"{spec}, x.y:Z", "plugin-models": net})
+    assert listed.plugin_methods == (spec, "x.y:Z") and listed.plugin_models == (net,)
+    listed.check_plugins({"method": spec, "model": net})
+    with pytest.raises(PrivacyRefusal, match="plugin-methods"):
         listed.check_plugins({"method": "their_pkg.methods:Other"})
+    # a name listed for one role is refused in the other: a model factory is not a method
+    with pytest.raises(PrivacyRefusal, match=r"method='their_pkg.nets:cnn'"):
+        listed.check_plugins({"method": net})
+    with pytest.raises(PrivacyRefusal, match=r"model='their_pkg.methods:Pruning'"):
+        listed.check_plugins({"model": spec})
     # a simulated node: the experimenter's run
     NodePolicy(noise="seeded").check_plugins({"method": spec, "model": "x.y:z"})
     for builtin in ("rs", "lf", "gip"):  # built-in names are never plug-ins
@@ -221,7 +228,7 @@ def test_plugins_are_refused_unless_listed_or_simulated() -> None:
 
 
 def test_plugin_method_entries_must_be_module_colon_class() -> None:
-    with pytest.raises(ValueError, match=r"node policy: plugins='rs': expected"):
-        NodePolicy(plugins=("rs",))
-    with pytest.raises(ValueError, match=r"plugins='a-b:C'"):
-        NodePolicy.from_sources({"plugins": "a-b:C"})
+    with pytest.raises(ValueError, match=r"node policy: plugin-methods='rs': expected"):
+        NodePolicy(plugin_methods=("rs",))
+    with pytest.raises(ValueError, match=r"plugin-models='a-b:C'"):
+        NodePolicy.from_sources({"plugin-models": "a-b:C"})

@@ -164,3 +164,18 @@ def test_a_user_model_and_dataset_train_centralized(lab: str) -> None:
     )
     assert history[-1].test_accuracy >= 0.9  # 6 bright rows: easy, even with noise
     assert 0 < history[-1].epsilon < float("inf")
+
+
+def test_an_import_error_names_the_missing_module_not_the_nodes_paths(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # On a deployed node this message is the reply the server reads.
+    (tmp_path / "brokenlab_x1").mkdir()
+    (tmp_path / "brokenlab_x1" / "__init__.py").write_text("import not_installed_dep_x1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError) as info:
+        build_model("brokenlab_x1:cnn")
+    message = str(info.value)
+    assert "cannot import 'brokenlab_x1' (no module 'not_installed_dep_x1')" in message
+    assert str(tmp_path) not in message and "/" not in message
+    sys.modules.pop("brokenlab_x1", None)

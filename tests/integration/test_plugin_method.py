@@ -3,7 +3,7 @@
 The package is written into ``tmp_path`` and put on ``sys.path`` (the federation runs in this
 process: ``InProcessGrid``); fedsparse is not touched. It trains the even coordinates only,
 so its effect is exact: every odd coordinate ends where it started, federated and
-centralized. A deployed node imports it only if its owner lists it (``plugins``) and
+centralized. A deployed node imports it only if its owner lists it (``plugin-methods``) and
 refuses before importing anything otherwise; a simulated node imports it.
 """
 
@@ -204,12 +204,12 @@ def test_a_deployed_node_refuses_an_unlisted_plugin_before_importing_it(plugin: 
     reply = _ask(DEPLOYED, _run_config(plugin))
     assert reply.has_error()
     assert f"method={plugin!r}" in reply.error.reason
-    assert "plugins" in reply.error.reason
+    assert "plugin-methods" in reply.error.reason
     assert PACKAGE not in sys.modules  # nothing of it was imported, not even the package
 
 
 def test_a_deployed_node_runs_a_plugin_its_owner_lists(plugin: str) -> None:
-    reply = _ask({**DEPLOYED, "plugins": plugin}, _run_config(plugin))
+    reply = _ask({**DEPLOYED, "plugin-methods": plugin}, _run_config(plugin))
     assert not reply.has_error(), reply.error.reason
     parsed = TrainReply.from_records(
         reply.content.config_records[CONFIG_RECORD], reply.content.metric_records[METRICS_RECORD]
@@ -303,7 +303,7 @@ def test_a_deployed_node_refuses_a_user_model_it_does_not_list(tmp_path: Path) -
     reply = _ask(DEPLOYED, run_config)
     assert reply.has_error()
     assert "model='fedsparse_never_imported.nets:cnn'" in reply.error.reason
-    assert "plugins" in reply.error.reason
+    assert "plugin-models" in reply.error.reason
     assert "fedsparse_never_imported" not in sys.modules
 
 

@@ -100,3 +100,13 @@ def test_train_saves_its_model_and_the_cli_exports_it(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["export", str(tmp_path), "--out", str(out)])
     assert result.exit_code == 2
     assert "no checkpoint.pt" in " ".join(result.output.replace("│", " ").split())
+
+
+def test_a_file_naming_a_user_model_builds_it_only_if_listed(tmp_path: Path) -> None:
+    # A model file from someone else must not choose code to import and call.
+    trained = build_model("digits-cnn", seed=9)
+    save_trained(trained, "digits-cnn", tmp_path)
+    saved = torch.load(tmp_path / "model.pt", weights_only=True)
+    torch.save({**saved, "model": "os:system"}, tmp_path / "hostile.pt")
+    with pytest.raises(ValueError, match="model='os:system' is a user's model"):
+        load_exported(tmp_path / "hostile.pt")
