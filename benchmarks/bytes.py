@@ -41,9 +41,9 @@ from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.supercore.task_identity import TaskIdentity
 
 from fedsparse.common.masks import derive_seed, keep_count
-from fedsparse.common.models import build_model, count_parameters
-from fedsparse.common.payload import decode_update, encode_update, information_limit
-from fedsparse.common.protocol import CONFIG_RECORD, METRICS_RECORD, TrainReply
+from fedsparse.common.models.classifiers import build_model, count_parameters
+from fedsparse.common.wire.payload import decode_update, encode_update, information_limit
+from fedsparse.common.wire.protocol import CONFIG_RECORD, METRICS_RECORD, TrainReply
 from fedsparse.server.messages import message_bytes
 
 RATES = (0.0, 0.5, 0.7, 0.9)
@@ -163,8 +163,8 @@ def write_synthetic_cifar(root: Path, per_batch: int = 64, test: int = 100) -> P
 
 
 def wire_table(model: str, work: Path, *, tls: bool) -> list[dict[str, Any]]:
-    from fedsparse.lab.deploy import run_deployment
-    from fedsparse.lab.wire import wire_report
+    from fedsparse.lab.launch.deploy import run_deployment
+    from fedsparse.lab.launch.wire import wire_report
 
     dataset = MODELS[model]
     base: dict[str, Any] = {

@@ -8,7 +8,7 @@ engine's median time and its ratio to Opacus's with a 95% bootstrap interval of 
 the paired ratios (two engines' times within one pass).
 
 The engines draw the same batches, mask and noise; their updates agree to float rounding,
-not bit for bit (``tests/common/test_factored_dp.py``), so this checks the payload sizes and
+not bit for bit (``tests/common/dp/test_factored_dp.py``), so this checks the payload sizes and
 that the decoded updates agree within 1e-4 of their largest value.
 
 Usage: python benchmarks/client_engines.py [--nodes 1000] [--rate 0.7] [--reps 200]
@@ -32,9 +32,9 @@ sys.path[:0] = [str(HERE)]
 from client_round import client_app, node_before  # noqa: E402
 
 from fedsparse.common.config import FederatedConfig  # noqa: E402
-from fedsparse.common.payload import decode_update  # noqa: E402
-from fedsparse.common.protocol import CONFIG_RECORD  # noqa: E402
-from fedsparse.lab.stats import ratio_interval  # noqa: E402
+from fedsparse.common.wire.payload import decode_update  # noqa: E402
+from fedsparse.common.wire.protocol import CONFIG_RECORD  # noqa: E402
+from fedsparse.lab.experiments.stats import ratio_interval  # noqa: E402
 
 warnings.filterwarnings("ignore")
 

@@ -36,15 +36,20 @@ from flwr.app import Context, Message
 
 from fedsparse.client.app import app as client_app
 from fedsparse.client.data import local_data
-from fedsparse.common import privacy
 from fedsparse.common.config import FederatedConfig
+from fedsparse.common.dp import accounting as privacy
 from fedsparse.common.layout import ParamLayout
 from fedsparse.common.masks import keep_count
-from fedsparse.common.models import build_model
-from fedsparse.common.payload import encode_update
-from fedsparse.common.protocol import CONFIG_RECORD, METRICS_RECORD, TrainInstruction, round_seed
-from fedsparse.lab.inprocess import InProcessGrid
-from fedsparse.lab.stats import ratio_interval
+from fedsparse.common.models.classifiers import build_model
+from fedsparse.common.wire.payload import encode_update
+from fedsparse.common.wire.protocol import (
+    CONFIG_RECORD,
+    METRICS_RECORD,
+    TrainInstruction,
+    round_seed,
+)
+from fedsparse.lab.experiments.stats import ratio_interval
+from fedsparse.lab.simulation.inprocess import InProcessGrid
 from fedsparse.server.messages import train_message
 
 warnings.filterwarnings("ignore")

@@ -41,7 +41,7 @@ from stock_opacus.client_app import app as stock_app  # noqa: E402
 from stock_opacus.task import StockConfig, build_net  # noqa: E402
 
 from fedsparse.common.config import FederatedConfig  # noqa: E402
-from fedsparse.lab.stats import ratio_interval  # noqa: E402
+from fedsparse.lab.experiments.stats import ratio_interval  # noqa: E402
 
 warnings.filterwarnings("ignore")
 

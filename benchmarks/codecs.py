@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from fedsparse.common.masks import derive_seed, keep_count
-from fedsparse.common.payload import (
+from fedsparse.common.wire.payload import (
     DEFAULT_VALUE_BLOCK,
     LOWBIT_DTYPES,
     PAYLOAD_DTYPES,

@@ -12,7 +12,8 @@ process working at a time): in one shared process the configurations disturbed e
 through the C allocator (a step of non-private SGD ranged 0.44-0.62 s depending on which DP
 engines had run before it, from where glibc placed and returned their large buffers). The
 configurations still run interleaved round-robin, so machine noise hits all alike.
-``--malloc retain`` has each process call ``lab/memory.py``'s ``retain_freed_memory`` first
+``--malloc retain`` has each process call ``lab/simulation/memory.py``'s ``retain_freed_memory``
+first
 (what ``fedsparse train`` does): glibc's mmap and trim thresholds raised, so that freed
 buffers are reused instead of returned to the kernel and faulted in again (on a virtual
 machine each page fault is expensive): the steady state of a long training run.
@@ -43,13 +44,13 @@ from opacus import PrivacyEngine
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from fedsparse.common.dp import SparseDPEngine
-from fedsparse.common.factored_dp import FactoredDPEngine, FactoredGradSampleModule
-from fedsparse.common.func_dp import FuncDPEngine, FuncGradSampleModule
+from fedsparse.common.dp.engines.factored import FactoredDPEngine, FactoredGradSampleModule
+from fedsparse.common.dp.engines.func import FuncDPEngine, FuncGradSampleModule
+from fedsparse.common.dp.optimizer import SparseDPEngine
 from fedsparse.common.masks import keep_count, sample_mask
-from fedsparse.common.models import MODEL_INPUT_SHAPES, MODEL_NAMES, build_model
-from fedsparse.lab.memory import retain_freed_memory
-from fedsparse.lab.stats import ratio_interval
+from fedsparse.common.models.classifiers import MODEL_INPUT_SHAPES, MODEL_NAMES, build_model
+from fedsparse.lab.experiments.stats import ratio_interval
+from fedsparse.lab.simulation.memory import retain_freed_memory
 
 warnings.filterwarnings("ignore")
 

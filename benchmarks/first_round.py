@@ -13,7 +13,8 @@ Per run: **to round 1**, process start to round 1's ``started_at`` in ``rounds.j
 data, the backend's start-up); **round 1 done**, to its ``ended_at``; and the whole run. Also
 ``fedsparse --help`` (median of 5), the first contact. The configurations are interleaved,
 repetition by repetition, and the tables give medians; ``flower`` and ``ray`` against
-``inprocess`` with 95% bootstrap intervals over the paired repetitions (``lab/stats.py``).
+``inprocess`` with 95% bootstrap intervals over the paired repetitions
+(``lab/experiments/stats.py``).
 The goal (issue "The first hour"): <= 5 s to round 1 on this machine on a fast path.
 
 Usage: python benchmarks/first_round.py [--reps 3] [--rounds 2] [--configs inprocess flower ray]
@@ -31,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from fedsparse.lab.stats import ratio_interval
+from fedsparse.lab.experiments.stats import ratio_interval
 
 CONFIGS = ("inprocess", "flower", "ray")
 
@@ -39,8 +40,8 @@ INPROCESS = """
 import sys
 from fedsparse.client.app import app as client_app
 from fedsparse.common.config import FederatedConfig
-from fedsparse.lab.flower import SIMULATION_NODE_POLICY
-from fedsparse.lab.inprocess import InProcessGrid
+from fedsparse.lab.launch.flower import SIMULATION_NODE_POLICY
+from fedsparse.lab.simulation.inprocess import InProcessGrid
 from fedsparse.server.app import run_federated
 
 cfg = FederatedConfig(num_rounds=int(sys.argv[2]), out_dir=sys.argv[1])

@@ -2,7 +2,7 @@
 
 A step's time must not depend on whether one chosen example's per-sample gradient is finite:
 Flower reports every reply's runtime to the server, so a step that did extra work for a
-non-finite example would be a membership oracle (``common/dp.py``'s docstring, "Non-finite
+non-finite example would be a membership oracle (``common/dp/optimizer.py``'s docstring, "Non-finite
 per-sample gradients"). The digits CNN (38,282 parameters) on the first ``--batch`` sklearn
 digits, on each engine (``opacus`` = ``SparseDPEngine``'s Opacus hooks, ``func``,
 ``factored``), without a mask and at r = 0.5, sigma = 1, C = 1, lr 0 (every step starts from
@@ -59,7 +59,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from fedsparse.lab.stats import ratio_interval
+from fedsparse.lab.experiments.stats import ratio_interval
 
 warnings.filterwarnings("ignore")
 
@@ -99,12 +99,12 @@ def crafted_model(model: nn.Module, x: torch.Tensor) -> tuple[nn.Module, int]:
 
 def make_runner(engine_name: str, rate: float | None, batch: int):
     """{batch name: a function running one step on it, returning (step s, iteration s)}."""
-    from fedsparse.common.data import load_dataset
-    from fedsparse.common.dp import SparseDPEngine
-    from fedsparse.common.factored_dp import FactoredDPEngine
-    from fedsparse.common.func_dp import FuncDPEngine
+    from fedsparse.common.data.datasets import load_dataset
+    from fedsparse.common.dp.engines.factored import FactoredDPEngine
+    from fedsparse.common.dp.engines.func import FuncDPEngine
+    from fedsparse.common.dp.optimizer import SparseDPEngine
     from fedsparse.common.masks import keep_count, sample_mask
-    from fedsparse.common.models import build_model
+    from fedsparse.common.models.classifiers import build_model
 
     train, _ = load_dataset("digits")
     x, y = train.x[:batch].clone(), train.y[:batch].clone()
@@ -180,7 +180,7 @@ def worker(conn: Connection, code: str, engine: str, rate: float | None, args: d
     torch.set_num_threads(args["threads"])
     flushed = None
     if code == "new+ftz":
-        from fedsparse.common.dp import flush_denormals
+        from fedsparse.common.dp.optimizer import flush_denormals
 
         flushed = flush_denormals()  # first: before torch's threads start
     runs = make_runner(engine, rate, args["batch"])

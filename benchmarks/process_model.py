@@ -30,8 +30,8 @@ from client_round import client_app, node_before  # noqa: E402
 
 import fedsparse.client.app as client_module  # noqa: E402
 from fedsparse.common.config import FederatedConfig  # noqa: E402
-from fedsparse.common.protocol import CONFIG_RECORD  # noqa: E402
-from fedsparse.lab.stats import ratio_interval  # noqa: E402
+from fedsparse.common.wire.protocol import CONFIG_RECORD  # noqa: E402
+from fedsparse.lab.experiments.stats import ratio_interval  # noqa: E402
 
 warnings.filterwarnings("ignore")
 

@@ -2,7 +2,8 @@
 
 For each population size N (default 100 and 1000; digits, every client in every round), one
 federation runs in a fresh child process, so that each N's peak memory is its own, on the ray
-backend (``lab/raygrid.py``: one worker per CPU, each holding N / workers virtual clients) or,
+backend (``lab/simulation/raygrid.py``: one worker per CPU, each holding N / workers virtual
+clients) or,
 for comparison, on Flower's simulation engine (``--engines flower``). Printed per run:
 
 * start-up: seconds from the child's start (imports included) to round 1's start: the Ray
@@ -36,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fedsparse.lab.processes import descendants
+from fedsparse.lab.launch.processes import descendants
 
 #: Run-config overrides of each ``--config`` (on top of ``num-rounds``).
 CONFIGS = {
@@ -85,7 +86,7 @@ class TreeSampler(threading.Thread):
 
 
 def _rounds(out: Path) -> dict[str, Any]:
-    from fedsparse.common.records import read_rounds
+    from fedsparse.common.wire.run_log import read_rounds
 
     rounds = read_rounds(out / "rounds.jsonl")
     later = [r.wall_seconds for r in rounds[1:]]
@@ -102,7 +103,7 @@ def _rounds(out: Path) -> dict[str, Any]:
 def _child_ray(clients: int, overrides: dict[str, str], cpus: float, out: Path) -> dict[str, Any]:
     from fedsparse.client.app import app as client_app
     from fedsparse.common.config import FederatedConfig
-    from fedsparse.lab.raygrid import RayGrid, RayWorkers, ray_cluster
+    from fedsparse.lab.simulation.raygrid import RayGrid, RayWorkers, ray_cluster
     from fedsparse.server.app import run_federated
 
     logging.getLogger("flwr").setLevel(logging.WARNING)  # after flwr set its own level
@@ -126,7 +127,7 @@ def _child_flower(
 ) -> dict[str, Any]:
     from rich.console import Console
 
-    from fedsparse.lab.simulate import run_simulation
+    from fedsparse.lab.launch.simulate import run_simulation
 
     run_simulation(
         out=out,

@@ -37,16 +37,16 @@ import torch
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 
 from fedsparse.common.config import FederatedConfig, wire_encoding
-from fedsparse.common.models import DEFAULT_MODELS, build_model, count_parameters
-from fedsparse.common.payload import encode_update
-from fedsparse.common.protocol import (
+from fedsparse.common.models.classifiers import DEFAULT_MODELS, build_model, count_parameters
+from fedsparse.common.wire.payload import encode_update
+from fedsparse.common.wire.protocol import (
     CONFIG_RECORD,
     METRICS_RECORD,
     TrainInstruction,
     TrainReply,
     client_mask_seed,
 )
-from fedsparse.lab.inprocess import InProcessGrid
+from fedsparse.lab.simulation.inprocess import InProcessGrid
 from fedsparse.server import strategy as strategy_module
 from fedsparse.server.downlink import DownlinkCache
 from fedsparse.server.messages import serialized_bytes

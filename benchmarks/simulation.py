@@ -68,7 +68,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from fedsparse.lab.stats import ratio_interval
+from fedsparse.lab.experiments.stats import ratio_interval
 
 REPO = Path(__file__).resolve().parents[1]
 STOCK_LAUNCHER = REPO / "benchmarks" / "stock_flower" / "launch.py"

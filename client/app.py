@@ -38,26 +38,35 @@ from fedsparse.client.guard import (
     node_policy,
     released_error,
 )
+from fedsparse.client.node_data import NodeData
+from fedsparse.client.node_policy import NodePolicy, PrivacyRefusal, TrainingRequest
 from fedsparse.client.state import NodeState, StateFiles, apply_downlink, resumed_from
 from fedsparse.common.config import FederatedConfig, wire_encoding
-from fedsparse.common.data import Split
-from fedsparse.common.gip import IndexBudget, StepSelector
-from fedsparse.common.known_warnings import quiet_known_warnings
-from fedsparse.common.layout import ParamLayout
-from fedsparse.common.masks import sample_mask
-from fedsparse.common.methods import suffix_mask
-from fedsparse.common.models import build_model
-from fedsparse.common.node_data import NodeData
-from fedsparse.common.node_policy import NodePolicy, PrivacyRefusal, TrainingRequest
-from fedsparse.common.payload import IndexEncoding, decode_update, encode_update
-from fedsparse.common.privacy import (
+from fedsparse.common.data.datasets import Split
+from fedsparse.common.dp.accounting import (
     AccountantName,
     accountant_epsilon,
     calibrate_noise_multiplier,
     sample_rate,
     steps_per_epoch,
 )
-from fedsparse.common.protocol import (
+from fedsparse.common.gip import IndexBudget, StepSelector
+from fedsparse.common.known_warnings import quiet_known_warnings
+from fedsparse.common.layout import ParamLayout
+from fedsparse.common.masks import sample_mask
+from fedsparse.common.methods import suffix_mask
+from fedsparse.common.models.classifiers import build_model
+from fedsparse.common.seeds import Stream, client_train_seed, stream_seed, value_rounding
+from fedsparse.common.training.local import (
+    PrivacyConfig,
+    TrainConfig,
+    evaluate,
+    make_private,
+    resolve_device,
+    train_one_epoch,
+)
+from fedsparse.common.wire.payload import IndexEncoding, decode_update, encode_update
+from fedsparse.common.wire.protocol import (
     CONFIG_RECORD,
     METRICS_RECORD,
     SERVER_SUPPORT,
@@ -67,15 +76,6 @@ from fedsparse.common.protocol import (
     TrainInstruction,
     TrainReply,
     client_mask_seed,
-)
-from fedsparse.common.seeds import Stream, client_train_seed, stream_seed, value_rounding
-from fedsparse.common.training import (
-    PrivacyConfig,
-    TrainConfig,
-    evaluate,
-    make_private,
-    resolve_device,
-    train_one_epoch,
 )
 
 __all__ = ["app"]
@@ -341,7 +341,7 @@ def _declaration(context: Context, cfg: FederatedConfig, policy: NodePolicy) -> 
         if policy.noise != "seeded":
             raise PrivacyRefusal(
                 "this node declares no data: a deployed node trains only on the data its "
-                "owner declares (node config dataset=..., common/node_data.py)"
+                "owner declares (node config dataset=..., client/node_data.py)"
             )
         return run_declaration(cfg, *_node_partition(context))
     if declared.dataset != cfg.dataset:

@@ -1,6 +1,6 @@
 """A node's training partition: the dataset and its partitioning, cached per process.
 
-What a node holds is a ``NodeData`` declaration (``common/node_data.py``), from one of two
+What a node holds is a ``NodeData`` declaration (``client/node_data.py``), from one of two
 sources (the ClientApp chooses, ``client/app.py``):
 
 * **its owner** (node config): every deployed node (fresh noise) trains only on declared
@@ -20,11 +20,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from fedsparse.client.node_data import NodeData, data_identity
 from fedsparse.common.config import FederatedConfig
-from fedsparse.common.data import DatasetName, EvalSplit, Split, load_eval_splits
+from fedsparse.common.data.datasets import DatasetName, EvalSplit, Split, load_eval_splits
+from fedsparse.common.data.partition import PartitionerName, partition_indices
 from fedsparse.common.methods import public_split
-from fedsparse.common.node_data import NodeData, data_identity
-from fedsparse.common.partition import PartitionerName, partition_indices
 
 __all__ = [
     "Holding",

@@ -12,7 +12,8 @@ only what the server sent or the node's own limits; any other failure, and every
 once the node's data has been read, is one fixed line (``CLIENT_FAILURE``), with the details
 in the node's own log. No observable behaviour of a node may depend on its private data
 except through the accounted release: the DP mechanism itself zeroes a non-finite per-sample
-gradient (``common/dp.py``), so no single example can make a round fail, and what the reply
+gradient (``common/dp/optimizer.py``), so no single example can make a round fail, and what the
+reply
 says about a failure is the same whatever failed.
 """
 
@@ -25,18 +26,18 @@ from pathlib import Path
 from flwr.app import Context
 from flwr.common.logger import log
 
-from fedsparse.common.ledger import PrivacyLedger, ledger_key, ledger_path
-from fedsparse.common.node_data import NodeData
-from fedsparse.common.node_policy import (
+from fedsparse.client.ledger import PrivacyLedger, ledger_key, ledger_path
+from fedsparse.client.node_data import NodeData
+from fedsparse.client.node_policy import (
     POLICY_ENV,
     NodePolicy,
     PrivacyRefusal,
     TrainingRequest,
     parse_assignments,
 )
-from fedsparse.common.payload import PayloadError
-from fedsparse.common.privacy import compute_epsilon_of_history
-from fedsparse.common.protocol import ProtocolError
+from fedsparse.common.dp.accounting import compute_epsilon_of_history
+from fedsparse.common.wire.payload import PayloadError
+from fedsparse.common.wire.protocol import ProtocolError
 
 __all__ = [
     "CLIENT_FAILURE",
@@ -60,7 +61,7 @@ def node_policy(context: Context) -> NodePolicy:
 
 
 def node_data(context: Context) -> NodeData | None:
-    """The data the node's owner declared (``common/node_data.py``), from the same sources
+    """The data the node's owner declared (``client/node_data.py``), from the same sources
     as its policy; None if it declares none."""
     env = parse_assignments(os.environ.get(POLICY_ENV, ""))
     return NodeData.from_sources(env, dict(context.node_config))

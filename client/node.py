@@ -59,7 +59,7 @@ from flwr.supernode.runtime.run_clientapp import (
     push_task_output,
 )
 
-from fedsparse.common.node_policy import NodePolicy
+from fedsparse.client.node_policy import NodePolicy
 
 __all__ = ["CLIENTAPP", "fab_refusal", "run_node", "run_task", "serve_tasks"]
 
@@ -369,10 +369,12 @@ def _main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     import torch
 
-    from fedsparse.common.dp import flush_denormals
+    from fedsparse.common.dp.optimizer import flush_denormals
 
     torch.set_num_threads(1)  # the ClientApp's own setting, before any torch thread starts
-    if not flush_denormals():  # subnormal timing (common/dp.py): a fresh process, so it holds
+    if (
+        not flush_denormals()
+    ):  # subnormal timing (common/dp/optimizer.py): a fresh process, so it holds
         log(ERROR, "fedsparse node: this CPU cannot flush subnormal floats to zero")
     _installed_clientapp()  # imported while waiting: the launcher keeps one process warm
     token = sys.stdin.readline().strip()

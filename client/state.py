@@ -30,10 +30,10 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context
 
 from fedsparse.common.atomic import PRIVATE, write_atomically
+from fedsparse.common.dp.accounting import history_from_record, history_to_record
 from fedsparse.common.masks import sample_mask
-from fedsparse.common.payload import decode_update
-from fedsparse.common.privacy import history_from_record, history_to_record
-from fedsparse.common.protocol import RESUMED_FROM, STATE_MODEL, STATE_RECORD, ProtocolError
+from fedsparse.common.wire.payload import decode_update
+from fedsparse.common.wire.protocol import RESUMED_FROM, STATE_MODEL, STATE_RECORD, ProtocolError
 
 __all__ = ["RESUMED_FROM", "NodeState", "StateFiles", "apply_downlink", "resumed_from"]
 

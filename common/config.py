@@ -20,18 +20,29 @@ from dataclasses import dataclass
 from typing import Any, Final, Literal, get_args
 
 from fedsparse.common import plugins
-from fedsparse.common.aggregate import AGGREGATORS, WEIGHTINGS, AggregatorName, Weighting
-from fedsparse.common.central_dp import CENTRAL_NOISE_SOURCES, DP_LEVELS, CentralNoise, DPLevel
+from fedsparse.common.aggregation.robust import (
+    DP_NORM_BOUNDS,
+    NORM_ACTIONS,
+    DPNormBound,
+    HonestClientBound,
+    NormAction,
+    NormBound,
+    worst_case_noise_multiplier,
+)
+from fedsparse.common.aggregation.sparse import AGGREGATORS, WEIGHTINGS, AggregatorName, Weighting
 from fedsparse.common.coerce import coerce, unknown_key
-from fedsparse.common.data import (
+from fedsparse.common.data.datasets import (
     DATASET_INPUT_SHAPES,
     DATASET_NAMES,
     EVAL_SPLITS,
     DatasetName,
     EvalSplit,
 )
-from fedsparse.common.dp import MECHANISMS, MechanismName
-from fedsparse.common.engines import ENGINES, EngineName
+from fedsparse.common.data.partition import PARTITIONER_NAMES, PartitionerName
+from fedsparse.common.dp.accounting import ACCOUNTANTS, AccountantName
+from fedsparse.common.dp.central import CENTRAL_NOISE_SOURCES, DP_LEVELS, CentralNoise, DPLevel
+from fedsparse.common.dp.engines import ENGINES, EngineName
+from fedsparse.common.dp.optimizer import MECHANISMS, MechanismName
 from fedsparse.common.gip import DEFAULT_INDEX_FRACTION
 from fedsparse.common.methods import (
     SELECTION_MODES,
@@ -45,9 +56,15 @@ from fedsparse.common.methods import (
     method_class,
     method_schedule,
 )
-from fedsparse.common.models import DEFAULT_MODELS, MODEL_INPUT_SHAPES, MODEL_NAMES, ModelName
-from fedsparse.common.partition import PARTITIONER_NAMES, PartitionerName
-from fedsparse.common.payload import (
+from fedsparse.common.methods.schedules import SCHEDULES, ScheduleName
+from fedsparse.common.models.classifiers import (
+    DEFAULT_MODELS,
+    MODEL_INPUT_SHAPES,
+    MODEL_NAMES,
+    ModelName,
+)
+from fedsparse.common.training.local import DEVICES, DeviceName, PrivacyConfig, SparsityConfig
+from fedsparse.common.wire.payload import (
     COMPRESSIONS,
     DEFAULT_VALUE_BLOCK,
     PAYLOAD_DTYPES,
@@ -55,19 +72,7 @@ from fedsparse.common.payload import (
     IndexEncoding,
     PayloadDType,
 )
-from fedsparse.common.privacy import ACCOUNTANTS, AccountantName
-from fedsparse.common.protocol import MASK_SCOPES, MaskScope
-from fedsparse.common.robust import (
-    DP_NORM_BOUNDS,
-    NORM_ACTIONS,
-    DPNormBound,
-    HonestClientBound,
-    NormAction,
-    NormBound,
-    worst_case_noise_multiplier,
-)
-from fedsparse.common.schedules import SCHEDULES, ScheduleName
-from fedsparse.common.training import DEVICES, DeviceName, PrivacyConfig, SparsityConfig
+from fedsparse.common.wire.protocol import MASK_SCOPES, MaskScope
 
 __all__ = [
     "ADDED_KEYS",
@@ -126,7 +131,8 @@ ADDED_KEYS: Final[dict[str, Any]] = {
     "central-noise-multiplier": 1.0,
     "central-clip": 1.0,
     "central-noise": "fresh",
-    # The bound never binds on an honest update (common/robust.py: HonestClientBound, with
+    # The bound never binds on an honest update (common/aggregation/robust.py: HonestClientBound,
+    # with
     # probability 1 - 1e-9 per update), so a run recorded without it is what it would have
     # recorded with it, bit for bit, unless a client sent what no honest client can.
     "dp-norm-bound": "auto",
@@ -197,7 +203,7 @@ class FederatedConfig:
     delta: float = 1e-5
     accountant: AccountantName = "rdp"
     secure_mode: bool = False
-    # user-level DP (common/central_dp.py): "user" = DP-FedAvg, the server clips each update
+    # user-level DP (common/dp/central.py): "user" = DP-FedAvg, the server clips each update
     # to central-clip and adds central noise; the clients add none (mechanism noisy, sigma 0)
     dp_level: DPLevel = "sample"
     central_noise_multiplier: float = 1.0
@@ -229,7 +235,7 @@ class FederatedConfig:
     # transport
     codec: CodecName = "values"
     # fp32, fp16, bf16, int8 (one scale per update) or the stochastically rounded int4, int2,
-    # int1 (common/payload/lowbit.py), whose rounding draws from OS entropy on a deployed node
+    # int1 (common/wire/payload/lowbit.py), whose rounding draws from OS entropy on a deployed node
     value_dtype: PayloadDType = "fp32"
     # int4/int2/int1: values per float32 step (32 / value-block bits per value); else unused
     value_block: int = DEFAULT_VALUE_BLOCK
@@ -248,14 +254,14 @@ class FederatedConfig:
     split_seed: int = -1
     seed: int = 0
     out_dir: str = ""
-    # the server against its clients (server/strategy.py, common/robust.py)
+    # the server against its clients (server/strategy.py, common/aggregation/robust.py)
     weighting: Weighting = "uniform"  # "examples": trust num-examples (trusted/simulated)
     aggregator: AggregatorName = "mean"
     trim_fraction: float = 0.2  # aggregator=trimmed-mean: dropped at each end, per coordinate
     max_norm_ratio: float = 3.0  # x the round's median update norm, from 3 updates on; 0: off
     max_update_norm: float = 0.0  # absolute L2 bound; 0: off
     # "auto": also the bound an honest client's DP parameters imply (dp-level=sample with
-    # mechanism dpsgd or clipped; common/robust.py: HonestClientBound); "off": not
+    # mechanism dpsgd or clipped; common/aggregation/robust.py: HonestClientBound); "off": not
     dp_norm_bound: DPNormBound = "auto"
     # the most examples an honest client holds, for that bound (0: the size of the training
     # split the clients' partitions come from, which the server loads; set it where the

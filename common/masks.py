@@ -13,7 +13,7 @@ al., 2014). For a fixed seed, ``i -> h_i`` is a bijection on 64-bit integers, so
 distinct and the mask is "the ``keep`` coordinates with the smallest scores", uniquely
 defined. Under the standard model of SplitMix64 outputs as i.i.d. uniform, that set is a
 uniform random ``keep``-subset. The mask is data-independent by construction: privacy
-accounting is unchanged by it (the mask is public; see ``fedsparse.common.dp``).
+accounting is unchanged by it (the mask is public; see ``fedsparse.common.dp.optimizer``).
 
 Speed. Scores are computed in cache-sized chunks; coordinates far below the expected
 ``keep``-th order statistic are kept immediately, and only a window of ``O(sqrt(numel))``

@@ -5,7 +5,7 @@
   from the config's own table of named fields, the meaning from the field's comments in the
   source (inline, else the comment directly above it), else from ``MEANINGS`` below.
 - ``docs/reference/node-policy.md`` and ``node-data.md``: ``NodePolicy`` and ``NodeData``'s
-  fields (``common/node_policy.py``, ``common/node_data.py``), the meaning from the key table
+  fields (``client/node_policy.py``, ``client/node_data.py``), the meaning from the key table
   in each module's docstring.
 
 ``python docs/gen_reference.py`` rewrites the pages; ``--check`` exits 1 when a committed page
@@ -26,8 +26,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from fedsparse.common import config, node_data, node_policy
-from fedsparse.common.models import MODEL_NAMES
+from fedsparse.client import node_data, node_policy
+from fedsparse.common import config
+from fedsparse.common.models.classifiers import MODEL_NAMES
 
 OUT = Path(__file__).resolve().parent / "reference"
 
@@ -156,7 +157,7 @@ def pages() -> dict[str, str]:
             node_policy.NodePolicy,
             title="Node policy keys",
             intro="What a data owner allows, whatever the server asks "
-            "(`common/node_policy.py`). Set them as node config keys of `fedsparse node`, "
+            "(`client/node_policy.py`). Set them as node config keys of `fedsparse node`, "
             "in a TOML `policy-file`, or (simulation) in `$FEDSPARSE_NODE_POLICY`; an "
             "unknown key that looks like a policy key is an error.",
         ),
@@ -164,7 +165,7 @@ def pages() -> dict[str, str]:
             node_data,
             node_data.NodeData,
             title="Node data keys",
-            intro="The data a node's owner declares it holds (`common/node_data.py`), in "
+            intro="The data a node's owner declares it holds (`client/node_data.py`), in "
             "the same node config as its policy. On a deployed node the declaration alone "
             "chooses the examples.",
         ),

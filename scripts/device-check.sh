@@ -34,8 +34,8 @@ export PYTHONUNBUFFERED=1
 } 2>&1 | tee "$out/env.txt"
 
 # 1. The CUDA tests.
-"$py" -m pytest -q -p no:cacheprovider --timeout 300 tests/common/test_cuda.py \
-    "tests/common/test_engines.py" "tests/common/test_func_dp.py" \
+"$py" -m pytest -q -p no:cacheprovider --timeout 300 tests/common/dp/test_cuda.py \
+    "tests/common/dp/test_engines.py" "tests/common/dp/test_func_dp.py" \
     -k "cuda or test_cuda" 2>&1 | tee "$out/tests-cuda.log"
 status=${PIPESTATUS[0]}
 

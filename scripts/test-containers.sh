@@ -9,14 +9,14 @@
 #               configured like this machine's pip (its pip.conf, wheel dirs, CA bundle)
 #   4. certs    deploy/certs/generate.sh: CA, server certificate, N SuperNode key pairs,
 #               into a temporary directory (never the repository)
-#   5. up       `python -m fedsparse.lab.compose --nodes N` (TLS + SuperNode auth), up -d
+#   5. up       `python -m fedsparse.lab.launch.compose --nodes N` (TLS + SuperNode auth), up -d
 #   6. register `flwr supernode register` for each public key; wait until all are online
 #   6b. isolate from a SuperNode container: the Fleet API is reachable, the Control API
 #               (which starts runs, i.e. ships code) and the SuperLink's key are not
 #   7. run      `flwr run <app bundle> containers --stream`, rounds.jsonl in a bind-mounted
 #               /runs
 #   8. simulate the same run config, `fedsparse simulate --clients N`
-#   9. compare  rounds and per-round bytes (`python -m fedsparse.lab.compose --compare`)
+#   9. compare  rounds and per-round bytes (`python -m fedsparse.lab.launch.compose --compare`)
 # Containers, networks and volumes are removed however it ends (`podman-compose down -v`).
 #
 # Environment: NODES (3), ROUNDS (3), KEEP_WORK=1 keeps the temporary directory,
@@ -187,7 +187,7 @@ chown 49999:49999 "$WORK/runs" # the image's user `app` writes rounds.jsonl ther
 
 # --- 5. compose up -----------------------------------------------------------------------
 phase up
-"$PY" -m fedsparse.lab.compose --nodes "$NODES" --out "$COMPOSE_FILE" \
+"$PY" -m fedsparse.lab.launch.compose --nodes "$NODES" --out "$COMPOSE_FILE" \
   --certs "$WORK/certs" --runs "$WORK/runs" --build-context "$ROOT" --image "$IMAGE"
 UP=1
 "$PODMAN_COMPOSE" -p "$PROJECT" -f "$COMPOSE_FILE" up -d --no-build >"$WORK/up.log" 2>&1 ||
@@ -196,7 +196,7 @@ UP=1
 # --- 6. register the SuperNodes ----------------------------------------------------------
 phase register
 export FLWR_HOME="$WORK/flwr-home" FLWR_TELEMETRY_ENABLED=0 FLWR_DISABLE_UPDATE_CHECK=1
-"$PY" -c 'import sys; from pathlib import Path; from fedsparse.lab.flower import write_flwr_config
+"$PY" -c 'import sys; from pathlib import Path; from fedsparse.lab.launch.flower import write_flwr_config
 write_flwr_config(Path(sys.argv[1]), name="containers", control_port=9093,
                   root_certificates=Path(sys.argv[2]))' "$FLWR_HOME" "$WORK/certs/ca.crt"
 FLWR="$VENV/bin/flwr"
@@ -235,7 +235,7 @@ echo "isolation: Fleet API reachable; Control API and server.key not, from super
 
 # --- 7. the run on the containers ---------------------------------------------------------
 phase run
-APP=$("$PY" -c 'import sys; from pathlib import Path; from fedsparse.lab.flower import app_bundle_dir
+APP=$("$PY" -c 'import sys; from pathlib import Path; from fedsparse.lab.launch.flower import app_bundle_dir
 print(app_bundle_dir(Path(sys.argv[1])))' "$WORK")
 OVERRIDES=()
 for kv in "${RUN_CONFIG[@]}"; do # `flwr run` wants TOML values: strings quoted
@@ -257,4 +257,4 @@ for kv in "${RUN_CONFIG[@]}"; do SETS+=(--set "$kv"); done
 
 # --- 9. compare ------------------------------------------------------------------------------
 phase compare
-"$PY" -m fedsparse.lab.compose --compare "$WORK/runs/deploy" "$WORK/simulate"
+"$PY" -m fedsparse.lab.launch.compose --compare "$WORK/runs/deploy" "$WORK/simulate"

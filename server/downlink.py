@@ -23,7 +23,7 @@ import torch
 
 from fedsparse.common.config import CodecName, wire_encoding
 from fedsparse.common.masks import sample_mask
-from fedsparse.common.payload import Compression, encode_update
+from fedsparse.common.wire.payload import Compression, encode_update
 
 __all__ = ["DownlinkCache"]
 

@@ -30,13 +30,13 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 
 from fedsparse.common.config import FederatedConfig
-from fedsparse.common.data import Split, load_eval_splits
+from fedsparse.common.data.datasets import Split, load_eval_splits
 from fedsparse.common.layout import ParamLayout
 from fedsparse.common.methods import public_split
-from fedsparse.common.models import build_model
-from fedsparse.common.protocol import EXPECTED_NODES_ENV
-from fedsparse.common.records import RoundLog, RunSummary
-from fedsparse.common.training import evaluate, pretrain_public
+from fedsparse.common.models.classifiers import build_model
+from fedsparse.common.training.local import evaluate, pretrain_public
+from fedsparse.common.wire.protocol import EXPECTED_NODES_ENV
+from fedsparse.common.wire.run_log import RoundLog, RunSummary
 from fedsparse.server.checkpoint import (
     CHECKPOINT,
     Checkpoint,

@@ -29,7 +29,7 @@ from flwr.common.serde_utils import error_to_proto, metadata_to_proto
 from flwr.proto.message_pb2 import Message as ProtoMessage  # pylint: disable=E0611
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 
-from fedsparse.common.protocol import (
+from fedsparse.common.wire.protocol import (
     CONFIG_RECORD,
     RESUMED_FROM,
     SERVER_SUPPORT,

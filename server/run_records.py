@@ -28,8 +28,8 @@ import torch
 from fedsparse.common.atomic import SHARED, write_atomically
 from fedsparse.common.config import FederatedConfig
 from fedsparse.common.layout import ParamLayout
-from fedsparse.common.protocol import STOP_FILE
-from fedsparse.common.records import RoundLog, RunSummary
+from fedsparse.common.wire.protocol import STOP_FILE
+from fedsparse.common.wire.run_log import RoundLog, RunSummary
 from fedsparse.server.checkpoint import CHECKPOINT, Checkpoint, CheckpointError
 from fedsparse.server.tracking import Trackers, plot_run
 
@@ -81,7 +81,7 @@ class RunRecorder:
         """Writes each payload as ``updates/round-<r>-node-<id>.bin`` (``save-updates``).
 
         What the server holds of each client: the material of reconstruction-attack studies
-        (``lab/attacks.py``).
+        (``lab/research/attacks.py``).
         """
         folder = self.out / "updates"
         folder.mkdir(exist_ok=True)

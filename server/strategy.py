@@ -16,7 +16,8 @@ add centralized evaluation, run records and checkpoints.
   are dropped with their reason; selected nodes without a reply are counted missing); (2) the
   round's norm bound, the smallest of ``max-norm-ratio`` x the median norm of the valid
   updates (from 3 on), ``max-update-norm`` and ``dp-norm-bound`` (the largest norm an honest
-  client's public DP parameters allow, ``common/robust.py: HonestClientBound``: it needs no
+  client's public DP parameters allow, ``common/aggregation/robust.py: HonestClientBound``: it
+  needs no
   honest majority, so it bounds rounds of one or two updates too), rejects or clips each
   update above it (``norm-action``; ``RoundStats.norm_bound``/``norm_bound_how``); (3) the rest
   are aggregated with weight 1 each (``weighting="uniform"``) or their claimed example counts,
@@ -59,23 +60,23 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from fedsparse.common.aggregate import make_aggregator
-from fedsparse.common.central_dp import (
+from fedsparse.common.aggregation.robust import HonestClientBound, clip_to_norm, l2_norm
+from fedsparse.common.aggregation.sparse import make_aggregator
+from fedsparse.common.config import FederatedConfig
+from fedsparse.common.data.datasets import load_eval_splits
+from fedsparse.common.dp.accounting import compute_epsilon_of_history
+from fedsparse.common.dp.central import (
     central_aggregate,
     central_noise_generator,
     poisson_sample,
     user_sample_rate,
 )
-from fedsparse.common.config import FederatedConfig
-from fedsparse.common.data import load_eval_splits
 from fedsparse.common.layout import ParamLayout
 from fedsparse.common.masks import sample_mask
-from fedsparse.common.payload.indices import indices_to_bytes
-from fedsparse.common.privacy import compute_epsilon_of_history
-from fedsparse.common.protocol import TrainInstruction, client_mask_seed, round_seed
-from fedsparse.common.records import NoiseOrigin, epsilon_stats, round_noise
-from fedsparse.common.robust import HonestClientBound, clip_to_norm, l2_norm
 from fedsparse.common.seeds import Stream, stream_seed
+from fedsparse.common.wire.payload.indices import indices_to_bytes
+from fedsparse.common.wire.protocol import TrainInstruction, client_mask_seed, round_seed
+from fedsparse.common.wire.run_log import NoiseOrigin, epsilon_stats, round_noise
 from fedsparse.server.downlink import DownlinkCache
 from fedsparse.server.messages import message_bytes, train_message
 from fedsparse.server.validation import RejectedReply, ValidUpdate, check_reply
@@ -240,7 +241,7 @@ class SparseFedAvg(Strategy):
         self._failed_in_a_row: list[int] = []  # rounds
         self.last_round: RoundStats | None = None
         self.resumed_from = 0  # the checkpoint round a resumed run continues (0: not resumed)
-        # dp-level=user (common/central_dp.py): the users' sampling rate of the round being
+        # dp-level=user (common/dp/central.py): the users' sampling rate of the round being
         # run, the accountant history of the rounds so far, and the server's noise stream.
         self.user_level = cfg.dp_level == "user"
         self._user_rate = 1.0

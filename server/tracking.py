@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Final, Literal, Protocol, get_args
 
 from fedsparse.common.config import TRACKERS as CONFIG_TRACKERS
-from fedsparse.common.records import RoundLog
+from fedsparse.common.wire.run_log import RoundLog
 
 __all__ = [
     "ROUND_SCALARS",

@@ -1,7 +1,7 @@
 """Reply validation at the server's trust boundary: every reply is checked before it is used.
 
 A reply passes only if its records parse as a ``TrainReply`` (types and ranges, see
-``common/protocol.py``), its payload is no longer than the largest valid payload for the round
+``common/wire/protocol.py``), its payload is no longer than the largest valid payload for the round
 (``max_payload_bytes``, checked before the payload is parsed) and decodes with the round's
 expected size, round, seed, encoding, ``keep``, value dtype, value block and compression
 (``decode_update``), an explicit support equals the round's public mask (the server never
@@ -14,7 +14,7 @@ reply and aggregates the rest.
 The aggregation weight is the run's ``weighting``: 1 for every update (``"uniform"``: a client
 cannot inflate its influence, and need not release its example count, so 0 is accepted) or
 the claimed ``num-examples`` (``"examples"``: at least 1, at most ``MAX_WEIGHT``).
-Norm bounds need the whole round and are the strategy's (``common/robust.py``).
+Norm bounds need the whole round and are the strategy's (``common/aggregation/robust.py``).
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from dataclasses import dataclass
 import torch
 from flwr.app import Message
 
-from fedsparse.common.aggregate import Weighting
+from fedsparse.common.aggregation.sparse import Weighting
 from fedsparse.common.config import CodecName, wire_encoding
 from fedsparse.common.masks import sample_mask
-from fedsparse.common.payload import (
+from fedsparse.common.wire.payload import (
     DEFAULT_VALUE_BLOCK,
     ENCODINGS,
     EXPLICIT_ENCODINGS,
@@ -40,8 +40,8 @@ from fedsparse.common.payload import (
     payload_size,
     value_section_size,
 )
-from fedsparse.common.payload.sizing import index_section_bounds
-from fedsparse.common.protocol import CONFIG_RECORD, METRICS_RECORD, ProtocolError, TrainReply
+from fedsparse.common.wire.payload.sizing import index_section_bounds
+from fedsparse.common.wire.protocol import CONFIG_RECORD, METRICS_RECORD, ProtocolError, TrainReply
 
 __all__ = [
     "MAX_WEIGHT",

@@ -2,7 +2,7 @@
 
 ``docker-compose.yml`` (TLS + SuperNode authentication) and the opt-in ``deploy/insecure.yml``
 overlay are parsed with PyYAML and their commands compared, flag by flag, with
-``fedsparse.lab.deploy.deployment_args`` given the containers' certificate and key paths;
+``fedsparse.lab.launch.deploy.deployment_args`` given the containers' certificate and key paths;
 ``docker compose config -q`` validates them where a docker CLI with the compose plugin exists
 (no engine needed). ``make test-containers`` runs them for real (``scripts/test-containers.sh``).
 """
@@ -20,9 +20,9 @@ from typing import Any
 import pytest
 import yaml
 
-from fedsparse.lab.compose import load_compose
-from fedsparse.lab.deploy import deployment_args
-from fedsparse.lab.tls import TlsFiles
+from fedsparse.lab.launch.compose import load_compose
+from fedsparse.lab.launch.deploy import deployment_args
+from fedsparse.lab.launch.tls import TlsFiles
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "docker-compose.yml"

@@ -14,9 +14,9 @@ from types import ModuleType
 import pytest
 import yaml
 
+from fedsparse.client.node_data import DATA_KEYS, NodeData
+from fedsparse.client.node_policy import NodePolicy
 from fedsparse.common.config import FederatedConfig, run_config_fields
-from fedsparse.common.node_data import DATA_KEYS, NodeData
-from fedsparse.common.node_policy import NodePolicy
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"

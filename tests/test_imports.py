@@ -4,8 +4,9 @@ module reaching into the command line.
 Every ``import`` counts, at module level or inside a function (a deferred import is still a
 dependency: it runs the first time the function does), except those under
 ``if TYPE_CHECKING:``, which never run. An edge goes to the module a statement names:
-``from fedsparse.lab import cli`` reaches ``fedsparse.lab.cli``, ``from fedsparse.lab.sweep
-import stop_pool`` reaches ``fedsparse.lab.sweep``.
+``from fedsparse.lab import cli`` reaches ``fedsparse.lab.cli``, ``from
+fedsparse.lab.experiments.sweep
+import stop_pool`` reaches ``fedsparse.lab.experiments.sweep``.
 """
 
 from __future__ import annotations
@@ -139,8 +140,9 @@ def test_the_import_graph_has_no_cycle() -> None:
 
 
 def test_no_library_module_imports_the_command_line() -> None:
-    """The CLI calls the library, never the other way: ``lab/reproduce.py`` once borrowed the
-    CLI's ``run_train`` (now ``lab/train.py``)."""
+    """The CLI calls the library, never the other way: ``lab/research/reproduce.py`` once borrowed
+    the
+    CLI's ``run_train`` (now ``lab/experiments/train.py``)."""
     bad = [
         f"{module} imports {name}"
         for module, names in sorted(_graph().items())
@@ -155,9 +157,11 @@ def test_the_graph_sees_every_kind_of_import() -> None:
     """The reader's oracle: deferred, relative and ``from package import module`` imports
     are edges; ``TYPE_CHECKING`` imports are not."""
     graph = _graph()
-    assert "fedsparse.lab.train" in graph["fedsparse.lab.reproduce"]  # inside a function
+    assert (
+        "fedsparse.lab.experiments.train" in graph["fedsparse.lab.research.reproduce"]
+    )  # inside a function
     assert "fedsparse.lab.cli.app" in graph[CLI]
-    assert "fedsparse.lab.sweep" in graph["fedsparse.lab.reproduce"]
+    assert "fedsparse.lab.experiments.sweep" in graph["fedsparse.lab.research.reproduce"]
 
 
 @pytest.mark.parametrize(

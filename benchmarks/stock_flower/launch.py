@@ -1,6 +1,6 @@
 """Runs the stock app on Flower's simulation engine the way ``fedsparse simulate`` runs fedsparse.
 
-Same recipe, same helpers (``fedsparse.lab.launch``/``flower``/``processes``): a simulation
+Same recipe, same helpers (``fedsparse.lab.launch.base``/``flower``/``processes``): a simulation
 SuperLink on free loopback ports with a private ``FLWR_HOME`` and runtime dependency
 installation disabled (offline), ``flwr run <this directory> sim --run-config ...
 --federation-config num-supernodes=N --federation-config client-resources-num-cpus=C
@@ -24,9 +24,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from fedsparse.lab.flower import flwr_env, format_run_config, tool, write_flwr_config
-from fedsparse.lab.launch import log_tail, start_process, superlink_args, wait_for_exit
-from fedsparse.lab.processes import free_port, request_stop, stopping_processes
+from fedsparse.lab.launch.base import log_tail, start_process, superlink_args, wait_for_exit
+from fedsparse.lab.launch.flower import flwr_env, format_run_config, tool, write_flwr_config
+from fedsparse.lab.launch.processes import free_port, request_stop, stopping_processes
 
 APP_DIR = Path(__file__).resolve().parent
 if str(APP_DIR) not in sys.path:  # run as a script from elsewhere, or imported by a test

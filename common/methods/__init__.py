@@ -18,7 +18,7 @@ and its accounting hook together), one module each, and a registry of the built-
 Every method but ``gip`` chooses its coordinates from public information only (the config,
 the model's layout, the step, a public seed, the public global model), never from data, so
 the privacy accounting of DP-SGD is unchanged (the mask is applied before per-sample clipping
-and the noise is added on the kept coordinates only: ``common/dp.py``). GIP pays for its
+and the noise is added on the kept coordinates only: ``common/dp/optimizer.py``). GIP pays for its
 data-dependent choice from its own share of the budget (``Method.split_privacy``).
 
 The total density of a run (non-zero gradient coordinates over the dense count, over the

@@ -42,18 +42,18 @@ import torch
 
 from fedsparse.common.masks import keep_count
 from fedsparse.common.methods.selection import round_mask
-from fedsparse.common.payload import PayloadError
-from fedsparse.common.payload.indices import indices_from_bytes
-from fedsparse.common.protocol import SERVER_SUPPORT, ProtocolError, TrainInstruction
+from fedsparse.common.wire.payload import PayloadError
+from fedsparse.common.wire.payload.indices import indices_from_bytes
+from fedsparse.common.wire.protocol import SERVER_SUPPORT, ProtocolError, TrainInstruction
 
 if TYPE_CHECKING:
     from fedsparse.common.config import FederatedConfig
-    from fedsparse.common.dp import SparseDPEngine
+    from fedsparse.common.dp.optimizer import SparseDPEngine
     from fedsparse.common.gip import IndexBudget, StepSelector
     from fedsparse.common.layout import ParamLayout
     from fedsparse.common.methods.config import MethodConfig
-    from fedsparse.common.schedules import RateSchedule, ScheduleName
-    from fedsparse.common.training import PrivacyConfig
+    from fedsparse.common.methods.schedules import RateSchedule, ScheduleName
+    from fedsparse.common.training.local import PrivacyConfig
 
 __all__ = ["EpochContext", "Method", "RoundPlan", "explicit_support"]
 

@@ -12,7 +12,7 @@ from fedsparse.common.methods.selection import SELECTIONS, SelectionName
 
 if TYPE_CHECKING:
     from fedsparse.common.layout import ParamLayout
-    from fedsparse.common.schedules import ScheduleName
+    from fedsparse.common.methods.schedules import ScheduleName
 
 __all__ = [
     "FEDERATED_METHODS",

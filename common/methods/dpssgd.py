@@ -23,12 +23,17 @@ import torch
 from fedsparse.common.masks import derive_seed, keep_count
 from fedsparse.common.methods.base import EpochContext, Method, RoundPlan, explicit_support
 from fedsparse.common.methods.selection import layer_ranges, layerwise_keep, layerwise_mask
-from fedsparse.common.protocol import SERVER_SUPPORT, ProtocolError, TrainInstruction, round_seed
+from fedsparse.common.wire.protocol import (
+    SERVER_SUPPORT,
+    ProtocolError,
+    TrainInstruction,
+    round_seed,
+)
 
 if TYPE_CHECKING:
     from fedsparse.common.layout import ParamLayout
     from fedsparse.common.methods.config import MethodConfig
-    from fedsparse.common.schedules import RateSchedule, ScheduleName
+    from fedsparse.common.methods.schedules import RateSchedule, ScheduleName
 
 __all__ = ["DPSSGD"]
 

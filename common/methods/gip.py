@@ -24,13 +24,13 @@ from fedsparse.common.methods.index_selection import (
     group_sizes,
     split_budget,
 )
-from fedsparse.common.protocol import ProtocolError, TrainInstruction
+from fedsparse.common.wire.protocol import ProtocolError, TrainInstruction
 
 if TYPE_CHECKING:
     from fedsparse.common.config import FederatedConfig
     from fedsparse.common.methods.config import MethodConfig
-    from fedsparse.common.schedules import RateSchedule
-    from fedsparse.common.training import PrivacyConfig
+    from fedsparse.common.methods.schedules import RateSchedule
+    from fedsparse.common.training.local import PrivacyConfig
 
 __all__ = ["GIP", "RandomK", "gip_privacy"]
 

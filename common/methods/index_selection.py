@@ -10,7 +10,8 @@ in *where* the support is chosen: after per-sample clipping, from the data, at e
     g~    = (s + N(0, sigma^2 C^2 I_d)) * I / B   # 4. noise, then keep I (line 10)
 
 Step 3 reads private data, so it has its own cost: each group's choice is ``theta * s1``-DP
-(Thm. 1, :mod:`fedsparse.common.mallows`), and the run is ``(eps1 + eps_index, delta)``-DP by
+(Thm. 1, :mod:`fedsparse.common.methods.mallows`), and the run is ``(eps1 + eps_index, delta)``-DP
+by
 basic composition (Thm. 2), where ``eps1`` is the Gaussian mechanism's accountant value and
 ``eps_index`` the sum over steps and groups of ``theta * s1``. The budget is split up front
 (:func:`split_budget`): ``eps2 = index-budget-fraction * eps`` for the indices (the paper uses
@@ -40,13 +41,13 @@ from typing import Final, Literal, get_args
 import numpy as np
 import torch
 
-from fedsparse.common.mallows import (
+from fedsparse.common.masks import keep_count
+from fedsparse.common.methods.mallows import (
     DEFAULT_GROUP_SIZE,
     index_sensitivity,
     noisy_top_k_mask,
     random_k_mask,
 )
-from fedsparse.common.masks import keep_count
 
 __all__ = [
     "DEFAULT_INDEX_FRACTION",
@@ -136,7 +137,8 @@ class IndexBudget:
 class StepSelector:
     """Chooses each DP step's support from the clipped, summed, noise-free gradient.
 
-    Called by ``SparseDPOptimizer`` between clipping and noise (``common/dp.py``). Records the
+    Called by ``SparseDPOptimizer`` between clipping and noise (``common/dp/optimizer.py``).
+    Records the
     union of the supports it chose (what a federated client must send) and, for ``gip``, the
     index epsilon spent.
 

@@ -20,11 +20,11 @@ import torch
 
 from fedsparse.common.methods.base import EpochContext, Method, RoundPlan
 from fedsparse.common.methods.selection import frozen_prefix, suffix_mask
-from fedsparse.common.protocol import ProtocolError, TrainInstruction
+from fedsparse.common.wire.protocol import ProtocolError, TrainInstruction
 
 if TYPE_CHECKING:
     from fedsparse.common.layout import ParamLayout
-    from fedsparse.common.schedules import RateSchedule
+    from fedsparse.common.methods.schedules import RateSchedule
 
 __all__ = ["LayerFreezing"]
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, ClassVar
 from fedsparse.common.methods.base import Method
 
 if TYPE_CHECKING:
-    from fedsparse.common.schedules import ScheduleName
+    from fedsparse.common.methods.schedules import ScheduleName
 
 __all__ = ["RandomFreeze", "RandomSparsification"]
 

@@ -2,7 +2,8 @@
 alike).
 
 ``fedsparse simulate`` runs the federated app on Flower's simulation engine (Ray backend), or
-with ``--backend ray`` on Ray workers that each hold many virtual clients (``lab/raygrid.py``),
+with ``--backend ray`` on Ray workers that each hold many virtual clients
+(``lab/simulation/raygrid.py``),
 and writes ``rounds.jsonl`` and ``summary.json``; ``fedsparse demo`` is ``simulate`` on the
 embedded digits; ``fedsparse train`` runs centralized DP-SGD with random sparsification (RS
 paper, Algorithm 1) and writes ``epochs.jsonl`` and ``summary.json``.
@@ -39,7 +40,7 @@ def _on_signal(signum: int, frame: object) -> None:
     signal's number, its results up to then written. Later signals are ignored, so that they
     cannot cut that clean-up short.
     """
-    from fedsparse.lab.processes import request_stop, stopping_processes
+    from fedsparse.lab.launch.processes import request_stop, stopping_processes
 
     if _STATE["signal"] is not None:
         return

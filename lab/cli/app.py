@@ -27,7 +27,8 @@ __all__ = ["HELP", "app"]
 HELP = """The ``fedsparse`` command line.
 
 ``fedsparse simulate`` runs the federated app on Flower's simulation engine (Ray backend), or
-with ``--backend ray`` on Ray workers that each hold many virtual clients (``lab/raygrid.py``),
+with ``--backend ray`` on Ray workers that each hold many virtual clients
+(``lab/simulation/raygrid.py``),
 and writes ``rounds.jsonl`` and ``summary.json``; ``fedsparse demo`` is ``simulate`` on the
 embedded digits; ``fedsparse train`` runs centralized DP-SGD with random sparsification (RS
 paper, Algorithm 1) and writes ``epochs.jsonl`` and ``summary.json``.

@@ -1,6 +1,7 @@
 """``fedsparse compose`` and ``fedsparse node``: containers for a real deployment.
 
-``compose`` writes the compose file (``lab/compose.py``); ``node`` is the SuperNode a container
+``compose`` writes the compose file (``lab/launch/compose.py``); ``node`` is the SuperNode a
+container
 runs, launching its own installed ClientApp (``client/node.py``).
 """
 
@@ -26,7 +27,7 @@ def compose(
     dataset: Annotated[str, Opt(help="the dataset the SuperNodes declare")] = "digits",
 ) -> None:
     """Writes the compose file for N SuperNodes (TLS + SuperNode auth), or an overlay."""
-    from fedsparse.lab.compose import Overlay, write_compose
+    from fedsparse.lab.launch.compose import Overlay, write_compose
 
     overlays: tuple[Overlay, ...] = ("insecure", "gpu")
     try:
@@ -46,7 +47,7 @@ def node(ctx: typer.Context) -> None:
     task itself with the fedsparse installed here (client/node.py).
     """
     from fedsparse.client.node import run_node
-    from fedsparse.lab.flower import tool
+    from fedsparse.lab.launch.flower import tool
 
     try:
         code = run_node(ctx.args, supernode=tool("flower-supernode"))

@@ -1,6 +1,6 @@
 """``fedsparse deploy``: a loopback deployment with on-the-wire byte counts, and its report.
 
-The deployment is ``lab/deploy.py:run_deployment``; afterwards the bytes per round
+The deployment is ``lab/launch/deploy.py:run_deployment``; afterwards the bytes per round
 (``wire-report``'s table) and the time to each accuracy are printed.
 """
 
@@ -57,7 +57,7 @@ def deploy(
         check_run_config(overrides)  # before the import below: it takes seconds
     except ValueError as err:
         raise typer.BadParameter(str(err)) from err
-    from fedsparse.lab.deploy import run_deployment
+    from fedsparse.lab.launch.deploy import run_deployment
 
     try:
         up, down = rate("uplink-rate", uplink_rate), rate("downlink-rate", downlink_rate)
@@ -88,8 +88,8 @@ ACCURACY_TARGETS = (0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
 
 
 def _print_time_to_accuracy(run_dir: Path) -> None:
-    from fedsparse.common.records import read_rounds
-    from fedsparse.lab.timing import time_to_accuracy
+    from fedsparse.common.wire.run_log import read_rounds
+    from fedsparse.lab.experiments.timing import time_to_accuracy
 
     rounds = read_rounds(run_dir / "rounds.jsonl")
     wire = run_dir / "wire.json"

@@ -1,4 +1,5 @@
-"""``fedsparse export``: a finished run's model as a ``state_dict`` file (``lab/export.py``)."""
+"""``fedsparse export``: a finished run's model as a ``state_dict`` file
+(``lab/experiments/export.py``)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ def export(
     Load it with ``torch.load(out, weights_only=True)``: ``build_model(saved["model"])``,
     then ``load_state_dict(saved["state_dict"])``.
     """
-    from fedsparse.lab.export import export_model
+    from fedsparse.lab.experiments.export import export_model
 
     try:
         exported = export_model(run_dir, out)

@@ -1,7 +1,7 @@
 """``fedsparse reproduce``: the RS paper's claims re-run beside the paper's numbers.
 
-The plan, the runs and the verdicts are ``lab/reproduce.py``; the report
-``lab/reproduce_report.py``.
+The plan, the runs and the verdicts are ``lab/research/reproduce.py``; the report
+``lab/research/reproduce_report.py``.
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ def reproduce(
     ] = False,
 ) -> None:
     """The RS paper's claims re-run (Fig. 1c, Table 2 / Fig. 4 best vs best, Fig. 3, App. H),
-    beside the paper's numbers, with verdicts (lab/reproduce.py). The committed report:
+    beside the paper's numbers, with verdicts (lab/research/reproduce.py). The committed report:
     docs/reproduction (about 2 hours on 2 cores)."""
-    from fedsparse.lab.reproduce import PARTS, ReproductionPlan
-    from fedsparse.lab.reproduce_report import reproduce_and_report
+    from fedsparse.lab.research.reproduce import PARTS, ReproductionPlan
+    from fedsparse.lab.research.reproduce_report import reproduce_and_report
 
     chosen = [p.strip() for p in parts.split(",") if p.strip()]
     try:

@@ -1,6 +1,6 @@
 """``fedsparse simulate`` and ``fedsparse demo``: one federation on this machine.
 
-The run itself is ``lab/simulate.py:run_simulation`` (Flower's simulation engine, or RayGrid
+The run itself is ``lab/launch/simulate.py:run_simulation`` (Flower's simulation engine, or RayGrid
 with ``--backend ray``); here are its options, the checks that need no heavy import, and the
 closing line.
 """
@@ -72,7 +72,7 @@ def simulate(
         check_run_config(overrides)  # before the imports below: they take seconds
     except ValueError as err:
         raise typer.BadParameter(str(err)) from err
-    from fedsparse.lab.simulate import ENGINES, run_simulation
+    from fedsparse.lab.launch.simulate import ENGINES, run_simulation
 
     again = resume_command(
         out=out,

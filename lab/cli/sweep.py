@@ -1,7 +1,8 @@
 """``fedsparse sweep``: a grid of runs x seeds (optionally tuned per arm), with its report.
 
-Planning, running and the outputs are ``lab/sweep.py``, ``lab/tuning.py`` and
-``lab/report.py``; here are the options and the command line the report records.
+Planning, running and the outputs are ``lab/experiments/sweep.py``, ``lab/experiments/tuning.py``
+and
+``lab/experiments/report.py``; here are the options and the command line the report records.
 """
 
 from __future__ import annotations
@@ -66,10 +67,10 @@ def sweep(
     With --tune, every grid point (arm) is first tuned over the --tune grid on a validation
     split (20% of the training split held out; seeds from base + 1000), then each arm runs at
     its own best on the test split with --seeds paired seeds, and the report compares every
-    arm with the first, best vs best, with 95% intervals (lab/tuning.py).
+    arm with the first, best vs best, with 95% intervals (lab/experiments/tuning.py).
 
     --backend ray runs every run on one local Ray cluster and one set of workers
-    (lab/raygrid.py), one run at a time (--jobs 1): each run uses every worker.
+    (lab/simulation/raygrid.py), one run at a time (--jobs 1): each run uses every worker.
     Finished runs (summary.json with the same config) are reused; failed runs are recorded and
     the sweep goes on (exit code 1 at the end if any failed).
     """
@@ -80,8 +81,8 @@ def sweep(
         check_run_config(fixed)  # before the imports below: they take seconds
     except ValueError as err:
         raise typer.BadParameter(str(err)) from err
-    from fedsparse.lab.report import write_outputs
-    from fedsparse.lab.sweep import (
+    from fedsparse.lab.experiments.report import write_outputs
+    from fedsparse.lab.experiments.sweep import (
         BACKENDS,
         RunSettings,
         SweepInterrupted,
@@ -90,7 +91,7 @@ def sweep(
         plan_sweep,
         run_sweep,
     )
-    from fedsparse.lab.tuning import render_tuning, run_tuned_sweep
+    from fedsparse.lab.experiments.tuning import render_tuning, run_tuned_sweep
 
     try:
         settings = RunSettings(

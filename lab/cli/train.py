@@ -2,7 +2,7 @@
 
 The options become the config dataclasses (``PrivacyConfig``, ``SparsityConfig``,
 ``MethodConfig``, ``TrainConfig``), every name and value checked before anything runs; the
-run itself is ``lab/train.py:run_train``.
+run itself is ``lab/experiments/train.py:run_train``.
 """
 
 from __future__ import annotations
@@ -100,9 +100,10 @@ def train(
     ] = "",
 ) -> None:
     """Centralized DP-SGD with random sparsification (RS paper, Algorithm 1) or another method."""
-    from fedsparse.common.data import DATASET_NAMES, EVAL_SPLITS
-    from fedsparse.common.dp import MECHANISMS
-    from fedsparse.common.engines import ENGINES as DP_ENGINES
+    from fedsparse.common.data.datasets import DATASET_NAMES, EVAL_SPLITS
+    from fedsparse.common.dp.accounting import ACCOUNTANTS
+    from fedsparse.common.dp.engines import ENGINES as DP_ENGINES
+    from fedsparse.common.dp.optimizer import MECHANISMS
     from fedsparse.common.methods import (
         METHODS,
         SELECTION_MODES,
@@ -110,12 +111,11 @@ def train(
         MethodConfig,
         method_schedule,
     )
-    from fedsparse.common.models import MODEL_NAMES
-    from fedsparse.common.privacy import ACCOUNTANTS
-    from fedsparse.common.schedules import SCHEDULES
+    from fedsparse.common.methods.schedules import SCHEDULES
+    from fedsparse.common.models.classifiers import MODEL_NAMES
     from fedsparse.common.seeds import Stream, stream_seed
-    from fedsparse.common.training import DEVICES, PrivacyConfig, SparsityConfig, TrainConfig
-    from fedsparse.lab.train import run_train
+    from fedsparse.common.training.local import DEVICES, PrivacyConfig, SparsityConfig, TrainConfig
+    from fedsparse.lab.experiments.train import run_train
     from fedsparse.server.tracking import parse_trackers
 
     if noise_multiplier is not None:
@@ -171,9 +171,9 @@ def train(
     except ValueError as err:
         raise typer.BadParameter(str(err)) from err
     if retain_memory:
-        from fedsparse.lab.memory import retain_freed_memory
+        from fedsparse.lab.simulation.memory import retain_freed_memory
 
-        retain_freed_memory()  # lab/memory.py; a C library other than glibc is left alone
+        retain_freed_memory()  # lab/simulation/memory.py; not glibc: left alone
     run_train(
         out=out,
         dataset=dataset_name,

@@ -73,8 +73,8 @@ def choice(
 
 
 def rate(field: str, text: str | None) -> float | None:
-    """A link rate option in bit/s (``lab/netns.py:parse_rate``), or None if not given."""
-    from fedsparse.lab.netns import parse_rate
+    """A link rate option in bit/s (``lab/launch/netns.py:parse_rate``), or None if not given."""
+    from fedsparse.lab.launch.netns import parse_rate
 
     return None if text is None else parse_rate(text, field=field)
 
@@ -94,7 +94,7 @@ def parse_sets(items: list[str]) -> dict[str, str]:
     return overrides
 
 
-#: The app's ``pyproject.toml`` (``lab/flower.py:APP_DIR``'s, found without importing that
+#: The app's ``pyproject.toml`` (``lab/launch/flower.py:APP_DIR``'s, found without importing that
 #: module, which loads torch): its ``[tool.flwr.app.config]`` lists every run-config key with a
 #: default of the key's type (``tests/common/test_config.py`` keeps it equal to the config).
 APP_PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"

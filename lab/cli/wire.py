@@ -14,7 +14,7 @@ __all__ = ["print_wire_report", "wire_report_command"]
 
 def print_wire_report(run_dir: Path) -> None:
     """Prints ``run_dir``'s bytes per round and writes them to ``wire_report.csv``."""
-    from fedsparse.lab.wire import capture_lines, wire_report, wire_table, write_wire_csv
+    from fedsparse.lab.launch.wire import capture_lines, wire_report, wire_table, write_wire_csv
 
     rows = wire_report(run_dir)
     console.print(wire_table(rows, title=f"bytes per round: {run_dir}"))

@@ -9,16 +9,16 @@ from fedsparse.client.app import app as client_app
 from fedsparse.common.config import FederatedConfig
 from fedsparse.common.layout import ParamLayout
 from fedsparse.common.masks import keep_count
-from fedsparse.common.models import build_model
-from fedsparse.common.payload import decode_update, encode_update
-from fedsparse.common.protocol import (
+from fedsparse.common.models.classifiers import build_model
+from fedsparse.common.wire.payload import decode_update, encode_update
+from fedsparse.common.wire.protocol import (
     CONFIG_RECORD,
     METRICS_RECORD,
     TrainInstruction,
     TrainReply,
     round_seed,
 )
-from fedsparse.lab.inprocess import InProcessGrid
+from fedsparse.lab.simulation.inprocess import InProcessGrid
 from fedsparse.server.messages import train_message
 
 __all__ = ["DEPLOYED", "NODE", "RATE", "ask", "cfg", "grid", "parse", "weights"]

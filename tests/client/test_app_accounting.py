@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 
 from fedsparse.client.app import app as client_app
-from fedsparse.common import privacy
 from fedsparse.common.config import FederatedConfig
-from fedsparse.lab.inprocess import InProcessGrid
+from fedsparse.common.dp import accounting as privacy
+from fedsparse.lab.simulation.inprocess import InProcessGrid
 from fedsparse.server.app import run_federated
 
 # What the clock decides; everything else in rounds.jsonl must be equal.
@@ -46,8 +46,8 @@ def test_federation_rounds_equal_with_and_without_memos(tmp_path: Path, kwargs) 
 def charges(ledger_dir: Path, *, memo: bool) -> list[float | str]:
     """ε after each round a ledger charges, then the refusal once the budget is spent."""
     from fedsparse.client.guard import authorize
-    from fedsparse.common.ledger import PrivacyLedger
-    from fedsparse.common.node_policy import NodePolicy, PrivacyRefusal, TrainingRequest
+    from fedsparse.client.ledger import PrivacyLedger
+    from fedsparse.client.node_policy import NodePolicy, PrivacyRefusal, TrainingRequest
 
     policy = NodePolicy(epsilon_budget=4.0, ledger_dir=str(ledger_dir))
     ledger = PrivacyLedger(ledger_dir / "digits.json")

@@ -11,16 +11,16 @@ from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 
 from fedsparse.client.data import local_data, public_test_data
 from fedsparse.client.guard import CLIENT_FAILURE, released_error
+from fedsparse.client.ledger import ledger_path
+from fedsparse.client.node_data import data_identity
+from fedsparse.client.node_policy import PrivacyRefusal
 from fedsparse.common.config import FederatedConfig
+from fedsparse.common.dp.accounting import sample_rate, steps_per_epoch
 from fedsparse.common.layout import ParamLayout
-from fedsparse.common.ledger import ledger_path
 from fedsparse.common.masks import keep_count, sample_mask
-from fedsparse.common.models import build_model
-from fedsparse.common.node_data import data_identity
-from fedsparse.common.node_policy import PrivacyRefusal
-from fedsparse.common.payload import encode_update
-from fedsparse.common.privacy import sample_rate, steps_per_epoch
-from fedsparse.common.protocol import (
+from fedsparse.common.models.classifiers import build_model
+from fedsparse.common.wire.payload import encode_update
+from fedsparse.common.wire.protocol import (
     CONFIG_RECORD,
     METRICS_RECORD,
     EvaluateInstruction,
@@ -28,7 +28,7 @@ from fedsparse.common.protocol import (
     TrainReply,
     round_seed,
 )
-from fedsparse.lab.attacks import rebuild_seeded_noise
+from fedsparse.lab.research.attacks import rebuild_seeded_noise
 from tests.client.node_helpers import DEPLOYED, NODE, RATE
 from tests.client.node_helpers import ask as _ask
 from tests.client.node_helpers import cfg as _cfg
@@ -38,7 +38,8 @@ from tests.client.node_helpers import weights as _weights
 
 
 def _rebuilt_noise(cfg: FederatedConfig, reply: TrainReply) -> torch.Tensor:
-    """The curious server's rebuild of round 1's noise from the run config (lab/attacks.py)."""
+    """The curious server's rebuild of round 1's noise from the run config
+    (lab/research/attacks.py)."""
     layout = ParamLayout.from_module(build_model(cfg.model_name, seed=0))
     n = len(local_data(cfg, 0, 1))
     q = sample_rate(n, cfg.batch_size)

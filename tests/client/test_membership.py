@@ -4,7 +4,8 @@ The attack: the server sends a crafted (finite) global model whose loss is NaN f
 example only. Before the fix the non-finite per-sample gradient survived clipping and noise,
 the encoder refused it, and the node replied with an error exactly when that example was in a
 Poisson batch: members failed, non-members did not. Now the mechanism zeroes that example's
-contribution (``common/dp.py``), so a node holding the example replies like one without it:
+contribution (``common/dp/optimizer.py``), so a node holding the example replies like one without
+it:
 every reply is a finite update of the same size, on every engine.
 """
 
@@ -19,10 +20,10 @@ from flwr.app import Message
 from fedsparse.client import app as client_module
 from fedsparse.client.data import Holding, local_data, run_declaration
 from fedsparse.common.config import FederatedConfig
-from fedsparse.common.data import Split
+from fedsparse.common.data.datasets import Split
 from fedsparse.common.layout import ParamLayout
-from fedsparse.common.models import build_model
-from fedsparse.lab.attacks import single_out
+from fedsparse.common.models.classifiers import build_model
+from fedsparse.lab.research.attacks import single_out
 from tests.client.node_helpers import DEPLOYED, ask, grid, parse
 
 QUERIES = 3

@@ -9,7 +9,7 @@ import torch
 import fedsparse.client.app as client_module
 from fedsparse.client.app import app as client_app
 from fedsparse.common.config import FederatedConfig
-from fedsparse.lab.inprocess import InProcessGrid
+from fedsparse.lab.simulation.inprocess import InProcessGrid
 from fedsparse.server.app import run_federated
 
 TIMING_KEYS = {"wall_seconds", "started_at", "ended_at"}

@@ -7,6 +7,7 @@ import torch
 from flwr.app import Context, RecordDict
 
 from fedsparse.client.app import _node_state
+from fedsparse.client.node_policy import NodePolicy
 from fedsparse.client.state import (
     RESUMED_FROM,
     NodeState,
@@ -14,9 +15,8 @@ from fedsparse.client.state import (
     apply_downlink,
     resumed_from,
 )
-from fedsparse.common.node_policy import NodePolicy
-from fedsparse.common.payload import PayloadError, encode_update
-from fedsparse.common.protocol import STATE_RECORD, ProtocolError
+from fedsparse.common.wire.payload import PayloadError, encode_update
+from fedsparse.common.wire.protocol import STATE_RECORD, ProtocolError
 
 
 def _context() -> Context:

@@ -116,9 +116,9 @@ def test_ledger_state_checkpoint_and_run_log_use_the_helper(
 ) -> None:
     import torch
 
+    from fedsparse.client.ledger import PrivacyLedger
+    from fedsparse.client.node_policy import TrainingRequest
     from fedsparse.client.state import NodeState, StateFiles
-    from fedsparse.common.ledger import PrivacyLedger
-    from fedsparse.common.node_policy import TrainingRequest
     from fedsparse.server.checkpoint import Checkpoint
     from fedsparse.server.run_records import _replace_text
 

@@ -2,10 +2,10 @@
 
 import pytest
 
+from fedsparse.client.node_data import NodeData
+from fedsparse.client.node_policy import NodePolicy
 from fedsparse.common.coerce import coerce, unknown_key
 from fedsparse.common.config import FederatedConfig
-from fedsparse.common.node_data import NodeData
-from fedsparse.common.node_policy import NodePolicy
 
 
 @pytest.mark.parametrize(

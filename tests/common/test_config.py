@@ -9,8 +9,12 @@ import pytest
 import torch
 from opacus.accountants import create_accountant
 
-from fedsparse.common.aggregate import AGGREGATORS, WEIGHTINGS
-from fedsparse.common.central_dp import CENTRAL_NOISE_SOURCES, DP_LEVELS
+from fedsparse.common.aggregation.robust import (
+    DP_NORM_BOUNDS,
+    NORM_ACTIONS,
+    worst_case_noise_multiplier,
+)
+from fedsparse.common.aggregation.sparse import AGGREGATORS, WEIGHTINGS
 from fedsparse.common.config import (
     ADDED_KEYS,
     CODECS,
@@ -18,17 +22,27 @@ from fedsparse.common.config import (
     RESUME_MAY_DIFFER,
     FederatedConfig,
 )
-from fedsparse.common.data import DATASET_INPUT_SHAPES, DATASET_NAMES, EVAL_SPLITS, load_dataset
-from fedsparse.common.dp import MECHANISMS
-from fedsparse.common.engines import ENGINES
+from fedsparse.common.data.datasets import (
+    DATASET_INPUT_SHAPES,
+    DATASET_NAMES,
+    EVAL_SPLITS,
+    load_dataset,
+)
+from fedsparse.common.data.partition import PARTITIONER_NAMES
+from fedsparse.common.dp.accounting import ACCOUNTANTS
+from fedsparse.common.dp.central import CENTRAL_NOISE_SOURCES, DP_LEVELS
+from fedsparse.common.dp.engines import ENGINES
+from fedsparse.common.dp.optimizer import MECHANISMS
 from fedsparse.common.methods import FEDERATED_METHODS, SELECTION_MODES, SELECTIONS
-from fedsparse.common.models import DEFAULT_MODELS, MODEL_INPUT_SHAPES, MODEL_NAMES, build_model
-from fedsparse.common.partition import PARTITIONER_NAMES
-from fedsparse.common.payload import COMPRESSIONS, LOWBIT_DTYPES, PAYLOAD_DTYPES, VALUE_DTYPES
-from fedsparse.common.privacy import ACCOUNTANTS
-from fedsparse.common.robust import DP_NORM_BOUNDS, NORM_ACTIONS, worst_case_noise_multiplier
-from fedsparse.common.schedules import SCHEDULES
-from fedsparse.common.training import DEVICES
+from fedsparse.common.methods.schedules import SCHEDULES
+from fedsparse.common.models.classifiers import (
+    DEFAULT_MODELS,
+    MODEL_INPUT_SHAPES,
+    MODEL_NAMES,
+    build_model,
+)
+from fedsparse.common.training.local import DEVICES
+from fedsparse.common.wire.payload import COMPRESSIONS, LOWBIT_DTYPES, PAYLOAD_DTYPES, VALUE_DTYPES
 
 PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
 

@@ -15,9 +15,9 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from fedsparse.common import partition
+from fedsparse.common.data import partition
+from fedsparse.common.data.partition import partition_indices
 from fedsparse.common.known_warnings import KNOWN_WARNINGS, KnownWarning, quiet_known_warnings
-from fedsparse.common.partition import partition_indices
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -8,9 +8,9 @@ from opacus import GradSampleModule
 from torch import nn
 
 from fedsparse.common.layout import ParamLayout, unwrap_name
-from fedsparse.common.models import MODEL_NAMES, build_model, count_parameters
+from fedsparse.common.models.classifiers import MODEL_NAMES, build_model, count_parameters
 
-# Parameter counts documented in fedsparse.common.models (num_classes=10).
+# Parameter counts documented in fedsparse.common.models.classifiers (num_classes=10).
 DOCUMENTED_NUMEL = {
     "dpcnn": 550_570,
     "dpcnn-mnist": 26_010,

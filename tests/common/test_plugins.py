@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from fedsparse.client.node_data import NodeData
 from fedsparse.common import plugins
-from fedsparse.common.data import Split, dataset_input_shape, load_dataset
+from fedsparse.common.data.datasets import Split, dataset_input_shape, load_dataset
 from fedsparse.common.layout import ParamLayout
-from fedsparse.common.models import build_model, model_input_shape
-from fedsparse.common.node_data import NodeData
-from fedsparse.common.training import (
+from fedsparse.common.models.classifiers import build_model, model_input_shape
+from fedsparse.common.training.local import (
     PrivacyConfig,
     SparsityConfig,
     TrainConfig,
@@ -26,7 +26,7 @@ USER_PACKAGE = '''
 import torch
 from torch import nn
 
-from fedsparse.common.data import Split
+from fedsparse.common.data.datasets import Split
 
 
 def tiny_cnn(*, num_classes):
@@ -145,7 +145,7 @@ def test_an_uninstalled_module_and_a_bad_name_are_named() -> None:
 
 
 def test_an_activation_is_refused_for_a_user_model(lab: str) -> None:
-    from fedsparse.common.models import ActivationConfig
+    from fedsparse.common.models.classifiers import ActivationConfig
 
     with pytest.raises(ValueError, match="activation applies to the built-in models only"):
         build_model(f"{lab}:tiny_cnn", activation=ActivationConfig(name="tanh"))

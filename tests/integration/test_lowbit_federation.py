@@ -20,17 +20,17 @@ from fedsparse.client import app as client_module
 from fedsparse.client.app import app as client_app
 from fedsparse.common.config import FederatedConfig
 from fedsparse.common.layout import ParamLayout
-from fedsparse.common.models import build_model
-from fedsparse.common.payload import decode_update, encode_update, payload_size
-from fedsparse.common.protocol import (
+from fedsparse.common.models.classifiers import build_model
+from fedsparse.common.wire.payload import decode_update, encode_update, payload_size
+from fedsparse.common.wire.protocol import (
     CONFIG_RECORD,
     METRICS_RECORD,
     TrainInstruction,
     TrainReply,
     round_seed,
 )
-from fedsparse.lab.flower import SIMULATION_NODE_POLICY
-from fedsparse.lab.inprocess import InProcessGrid
+from fedsparse.lab.launch.flower import SIMULATION_NODE_POLICY
+from fedsparse.lab.simulation.inprocess import InProcessGrid
 from fedsparse.server.app import run_federated
 from fedsparse.server.messages import train_message
 

@@ -20,16 +20,26 @@ import torch
 
 from fedsparse.client.app import app as client_app
 from fedsparse.common.config import FederatedConfig
-from fedsparse.common.data import load_dataset
+from fedsparse.common.data.datasets import load_dataset
 from fedsparse.common.layout import ParamLayout
 from fedsparse.common.methods import MethodConfig, method_class
-from fedsparse.common.models import build_model
-from fedsparse.common.payload import encode_update
-from fedsparse.common.payload.indices import indices_to_bytes
-from fedsparse.common.protocol import CONFIG_RECORD, METRICS_RECORD, TrainInstruction, TrainReply
-from fedsparse.common.training import PrivacyConfig, SparsityConfig, TrainConfig, train_centralized
-from fedsparse.lab.flower import SIMULATION_NODE_POLICY
-from fedsparse.lab.inprocess import InProcessGrid
+from fedsparse.common.models.classifiers import build_model
+from fedsparse.common.training.local import (
+    PrivacyConfig,
+    SparsityConfig,
+    TrainConfig,
+    train_centralized,
+)
+from fedsparse.common.wire.payload import encode_update
+from fedsparse.common.wire.payload.indices import indices_to_bytes
+from fedsparse.common.wire.protocol import (
+    CONFIG_RECORD,
+    METRICS_RECORD,
+    TrainInstruction,
+    TrainReply,
+)
+from fedsparse.lab.launch.flower import SIMULATION_NODE_POLICY
+from fedsparse.lab.simulation.inprocess import InProcessGrid
 from fedsparse.server.app import run_federated
 from fedsparse.server.messages import train_message
 
@@ -43,7 +53,7 @@ import torch
 
 from fedsparse.common.methods import Method, RoundPlan
 from fedsparse.common.methods.base import explicit_support
-from fedsparse.common.protocol import ProtocolError
+from fedsparse.common.wire.protocol import ProtocolError
 
 LOADED = True
 
@@ -245,7 +255,7 @@ USER_DATA = '''
 import torch
 from torch import nn
 
-from fedsparse.common.data import Split
+from fedsparse.common.data.datasets import Split
 
 
 def tiny_cnn(*, num_classes):

@@ -1,7 +1,7 @@
 """The reconstruction attack on real Flower runs: it works on a simulation, not on a deployment.
 
 A curious server keeps every update (``save-updates``), rebuilds the seeded noise of each
-partition from the run config alone (``lab/attacks.py``), and subtracts it. On the
+partition from the run config alone (``lab/research/attacks.py``), and subtracts it. On the
 simulation engine (seeded noise) what is left is the small noise-free update; on a loopback
 deployment (SuperNodes with their default policy: fresh OS-entropy noise) it is a second
 noise draw, larger than the update itself. (The replay attack and the node's refusal of a
@@ -14,16 +14,16 @@ import pytest
 
 from fedsparse.client.data import local_data
 from fedsparse.common.config import FederatedConfig
+from fedsparse.common.dp.accounting import sample_rate, steps_per_epoch
 from fedsparse.common.layout import ParamLayout
 from fedsparse.common.masks import keep_count, sample_mask
-from fedsparse.common.models import build_model
-from fedsparse.common.payload import decode_update
-from fedsparse.common.privacy import sample_rate, steps_per_epoch
-from fedsparse.common.protocol import round_seed
-from fedsparse.common.records import SEEDED_RUN
-from fedsparse.lab.attacks import rebuild_seeded_noise
-from fedsparse.lab.deploy import run_deployment
-from fedsparse.lab.simulate import run_simulation
+from fedsparse.common.models.classifiers import build_model
+from fedsparse.common.wire.payload import decode_update
+from fedsparse.common.wire.protocol import round_seed
+from fedsparse.common.wire.run_log import SEEDED_RUN
+from fedsparse.lab.launch.deploy import run_deployment
+from fedsparse.lab.launch.simulate import run_simulation
+from fedsparse.lab.research.attacks import rebuild_seeded_noise
 
 NODES = 2
 OVERRIDES = {

@@ -183,8 +183,8 @@ def test_an_unknown_command_is_suggested_once() -> None:
 
 def test_one_backend_vocabulary_in_every_command() -> None:
     from fedsparse.lab.cli.utils import BACKEND_ALIASES, choice
-    from fedsparse.lab.simulate import ENGINES
-    from fedsparse.lab.sweep import BACKENDS
+    from fedsparse.lab.experiments.sweep import BACKENDS
+    from fedsparse.lab.launch.simulate import ENGINES
 
     assert choice("backend", "simulation", ENGINES, aliases=BACKEND_ALIASES) == "flower"
     assert choice("backend", "flower", BACKENDS, aliases=BACKEND_ALIASES) == "simulation"

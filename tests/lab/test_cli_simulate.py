@@ -1,7 +1,8 @@
 """``fedsparse simulate``'s own options: the ``--rounds``/``--seed`` shortcuts, the ``--resume``
 line a stopped run prints, and a failed start that leaves nothing behind.
 
-The run itself (``lab/simulate.py:run_simulation``) is replaced by a recorder where the test is
+The run itself (``lab/launch/simulate.py:run_simulation``) is replaced by a recorder where the test
+is
 about the command line, so these tests start no Flower process.
 """
 
@@ -42,7 +43,7 @@ class _Recorder:
 @pytest.fixture
 def recorder(monkeypatch: pytest.MonkeyPatch) -> _Recorder:
     recorder = _Recorder(checkpoint=True)
-    monkeypatch.setattr("fedsparse.lab.simulate.run_simulation", recorder)
+    monkeypatch.setattr("fedsparse.lab.launch.simulate.run_simulation", recorder)
     return recorder
 
 
@@ -111,7 +112,7 @@ def test_a_run_stopped_before_its_first_checkpoint_has_nothing_to_resume(
     (out / "checkpoint.pt").write_bytes(b"an earlier run's")
     old = out.stat().st_mtime - 60
     os.utime(out / "checkpoint.pt", (old, old))
-    monkeypatch.setattr("fedsparse.lab.simulate.run_simulation", _Recorder(checkpoint=False))
+    monkeypatch.setattr("fedsparse.lab.launch.simulate.run_simulation", _Recorder(checkpoint=False))
     result = CliRunner().invoke(app, ["simulate", "--out", str(out)])
     assert "nothing to resume" in result.output and "--resume" not in result.output
 

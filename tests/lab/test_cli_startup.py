@@ -76,9 +76,9 @@ def test_the_probe_sees_a_command_that_runs(tmp_path: Path) -> None:
 
 def test_fast_config_errors_are_the_configs_own_words(tmp_path: Path) -> None:
     """``check_run_config`` answers as ``FederatedConfig.from_run_config`` does, word for
-    word, and runs against the app's own ``pyproject.toml`` (``lab/flower.py:APP_DIR``)."""
+    word, and runs against the app's own ``pyproject.toml`` (``lab/launch/flower.py:APP_DIR``)."""
     from fedsparse.common.config import FederatedConfig
-    from fedsparse.lab.flower import APP_DIR
+    from fedsparse.lab.launch.flower import APP_DIR
 
     assert APP_PYPROJECT == APP_DIR / "pyproject.toml"
     declared = tomllib.loads(APP_PYPROJECT.read_text())["tool"]["flwr"]["app"]["config"]
@@ -128,13 +128,13 @@ def test_train_help_lists_the_names_each_option_accepts() -> None:
     (schedules: those that need no option train lacks, i.e. all but ``steps``)."""
     import typer.main
 
-    from fedsparse.common.data import DATASET_NAMES, EVAL_SPLITS
-    from fedsparse.common.dp import MECHANISMS
-    from fedsparse.common.engines import ENGINES
+    from fedsparse.common.data.datasets import DATASET_NAMES, EVAL_SPLITS
+    from fedsparse.common.dp.accounting import ACCOUNTANTS
+    from fedsparse.common.dp.engines import ENGINES
+    from fedsparse.common.dp.optimizer import MECHANISMS
     from fedsparse.common.methods import METHODS, SELECTION_MODES, SELECTIONS
-    from fedsparse.common.privacy import ACCOUNTANTS
-    from fedsparse.common.schedules import SCHEDULES
-    from fedsparse.common.training import DEVICES
+    from fedsparse.common.methods.schedules import SCHEDULES
+    from fedsparse.common.training.local import DEVICES
 
     accepted = {
         "dataset": DATASET_NAMES,

@@ -1,4 +1,5 @@
-"""``fedsparse.lab.compose``: the checked-in compose files are its output; N nodes; comparison."""
+"""``fedsparse.lab.launch.compose``: the checked-in compose files are its output; N nodes;
+comparison."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from fedsparse.common.records import RoundLog
-from fedsparse.lab.compose import (
+from fedsparse.common.wire.run_log import RoundLog
+from fedsparse.lab.launch.compose import (
     DEFAULT_NODES,
     compare_rounds,
     compose_document,
@@ -32,8 +33,8 @@ def test_checked_in_files_are_the_generators_output(
 ) -> None:
     written = write_compose(tmp_path / "out.yml", DEFAULT_NODES, overlay=overlay)
     assert (ROOT / checked_in).read_text() == written.read_text(), (
-        f"{checked_in} drifted from lab/compose.py: regenerate it with "
-        f"`python -m fedsparse.lab.compose{' --overlay ' + overlay if overlay else ''} "
+        f"{checked_in} drifted from lab/launch/compose.py: regenerate it with "
+        f"`python -m fedsparse.lab.launch.compose{' --overlay ' + overlay if overlay else ''} "
         f"--out {checked_in}`"
     )
 

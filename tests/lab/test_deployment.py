@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from fedsparse.lab.deploy import run_deployment
-from fedsparse.lab.processes import is_zombie
-from fedsparse.lab.simulate import run_simulation
+from fedsparse.lab.launch.deploy import run_deployment
+from fedsparse.lab.launch.processes import is_zombie
+from fedsparse.lab.launch.simulate import run_simulation
 
 pytestmark = pytest.mark.slow
 

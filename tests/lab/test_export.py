@@ -1,4 +1,4 @@
-"""``lab/export.py``: a run's model as a state_dict that ``build_model`` loads back."""
+"""``lab/experiments/export.py``: a run's model as a state_dict that ``build_model`` loads back."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import torch
 
 from fedsparse.common.config import FederatedConfig
 from fedsparse.common.layout import ParamLayout
-from fedsparse.common.models import build_model
-from fedsparse.lab.export import export_model, load_exported, save_trained
+from fedsparse.common.models.classifiers import build_model
+from fedsparse.lab.experiments.export import export_model, load_exported, save_trained
 from fedsparse.server.checkpoint import Checkpoint
 
 

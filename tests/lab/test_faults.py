@@ -21,10 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from fedsparse.common.records import read_rounds
-from fedsparse.lab.launch import prepare_run, read_summary, wait_for_exit
-from fedsparse.lab.processes import clear_stop, managed_process, request_stop
-from fedsparse.lab.simulate import run_simulation
+from fedsparse.common.wire.run_log import read_rounds
+from fedsparse.lab.launch.base import prepare_run, read_summary, wait_for_exit
+from fedsparse.lab.launch.processes import clear_stop, managed_process, request_stop
+from fedsparse.lab.launch.simulate import run_simulation
 
 FEDSPARSE = Path(sys.executable).parent / "fedsparse"
 QUICK = ["--set", "dataset=digits", "--set", "min-clients=2"]

@@ -1,4 +1,4 @@
-"""Gradient inversion (``lab/inverting.py``): IG works, reads only the mask, Thm 5.1 holds.
+"""Gradient inversion (``lab/research/inversion.py``): IG works, reads only the mask, Thm 5.1 holds.
 
 The IG tests attack ``digits-cnn`` at its initial weights on one digits test image. The
 Thm 5.1 tests run the closed-form linear attack over thousands of masks and noise draws and
@@ -14,10 +14,10 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from fedsparse.common.data import load_dataset
+from fedsparse.common.data.datasets import load_dataset
 from fedsparse.common.masks import derive_seed, keep_count, sample_mask
-from fedsparse.common.models import build_model
-from fedsparse.lab.inverting import (
+from fedsparse.common.models.classifiers import build_model
+from fedsparse.lab.research.inversion import (
     InversionConfig,
     PixelScale,
     PrivacySetting,

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from fedsparse.common.records import RunSummary
-from fedsparse.lab.launch import (
+from fedsparse.common.wire.run_log import RunSummary
+from fedsparse.lab.launch.base import (
     connect,
     log_tails,
     prepare_run,
@@ -21,7 +21,7 @@ from fedsparse.lab.launch import (
     superlink_args,
     wait_for_exit,
 )
-from fedsparse.lab.processes import Process, free_port, is_zombie
+from fedsparse.lab.launch.processes import Process, free_port, is_zombie
 
 ENV = dict(os.environ)
 

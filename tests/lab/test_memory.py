@@ -14,7 +14,7 @@ GLIBC = platform.libc_ver()[0] == "glibc"
 STEPS = """
 import resource, sys, torch
 if sys.argv[1] == "retain":
-    from fedsparse.lab.memory import retain_freed_memory
+    from fedsparse.lab.simulation.memory import retain_freed_memory
     assert retain_freed_memory()
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -49,6 +49,9 @@ def test_retained_memory_is_not_faulted_in_again() -> None:
 
 def test_it_reports_whether_glibc_took_the_settings() -> None:
     # Run in a child: the settings are process-wide and must not leak into the test run.
-    code = "from fedsparse.lab.memory import retain_freed_memory; print(retain_freed_memory())"
+    code = (
+        "from fedsparse.lab.simulation.memory import retain_freed_memory\n"
+        "print(retain_freed_memory())"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == str(GLIBC)

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from fedsparse.lab.netns import (
+from fedsparse.lab.launch.netns import (
     ADDRESS_POOL,
     FRAME_BYTES,
     NodeLink,
@@ -36,7 +36,7 @@ from fedsparse.lab.netns import (
     socket_in,
     wait_for_port_in,
 )
-from fedsparse.lab.relay import ByteRelay
+from fedsparse.lab.launch.relay import ByteRelay
 
 UNAVAILABLE = shaping_unavailable()
 needs_shaping = pytest.mark.skipif(

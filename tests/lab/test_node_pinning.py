@@ -22,12 +22,12 @@ from pathlib import Path
 import pytest
 
 from fedsparse.client.node import CLIENTAPP, fab_refusal, runtime_api_address
-from fedsparse.common.node_policy import NodePolicy
-from fedsparse.lab.deploy import _register_nodes
-from fedsparse.lab.flower import app_bundle_dir, flwr_env, tool, write_flwr_config
-from fedsparse.lab.launch import SuperLinkConnection, start_process, superlink_args
-from fedsparse.lab.processes import free_port, wait_for_port
-from fedsparse.lab.tls import generate_node_keys, generate_tls_files, security_args
+from fedsparse.client.node_policy import NodePolicy
+from fedsparse.lab.launch.base import SuperLinkConnection, start_process, superlink_args
+from fedsparse.lab.launch.deploy import _register_nodes
+from fedsparse.lab.launch.flower import app_bundle_dir, flwr_env, tool, write_flwr_config
+from fedsparse.lab.launch.processes import free_port, wait_for_port
+from fedsparse.lab.launch.tls import generate_node_keys, generate_tls_files, security_args
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -102,20 +102,20 @@ def train(msg, context):
 """
 
 
-#: The membership oracle: fedsparse's own ClientApp, a crafted model (``lab/attacks.py``)
+#: The membership oracle: fedsparse's own ClientApp, a crafted model (``lab/research/attacks.py``)
 #: whose loss is NaN for one example of the training split, q = 1 so it is in every batch.
 ORACLE = """\
 import json, time
 from pathlib import Path
 from flwr.serverapp import ServerApp
 from fedsparse.common.config import FederatedConfig
-from fedsparse.common.data import load_eval_splits
+from fedsparse.common.data.datasets import load_eval_splits
 from fedsparse.common.layout import ParamLayout
 from fedsparse.common.masks import keep_count
-from fedsparse.common.models import build_model
-from fedsparse.common.payload import encode_update
-from fedsparse.common.protocol import CONFIG_RECORD, TrainInstruction, round_seed
-from fedsparse.lab.attacks import single_out
+from fedsparse.common.models.classifiers import build_model
+from fedsparse.common.wire.payload import encode_update
+from fedsparse.common.wire.protocol import CONFIG_RECORD, TrainInstruction, round_seed
+from fedsparse.lab.research.attacks import single_out
 from fedsparse.server.messages import train_message
 
 app = ServerApp()
@@ -398,7 +398,7 @@ def test_a_killed_node_leaves_no_supernode_or_task_process(tmp_path: Path) -> No
     import signal
     import time
 
-    from fedsparse.lab.processes import descendants
+    from fedsparse.lab.launch.processes import descendants
 
     port = free_port()
     args = [

@@ -25,18 +25,18 @@ from typer.testing import CliRunner
 
 from fedsparse.client.app import app as client_app
 from fedsparse.common.config import FederatedConfig
-from fedsparse.common.records import read_rounds
+from fedsparse.common.wire.run_log import read_rounds
 from fedsparse.lab.cli import app as cli_app
-from fedsparse.lab.flower import SIMULATION_NODE_POLICY
-from fedsparse.lab.inprocess import InProcessGrid
-from fedsparse.lab.raygrid import (
+from fedsparse.lab.launch.flower import SIMULATION_NODE_POLICY
+from fedsparse.lab.launch.simulate import run_simulation
+from fedsparse.lab.simulation.inprocess import InProcessGrid
+from fedsparse.lab.simulation.raygrid import (
     RayGrid,
     RayWorkers,
     VirtualClients,
     ray_cluster,
     worker_count,
 )
-from fedsparse.lab.simulate import run_simulation
 from fedsparse.server.app import run_federated
 
 D_DIGITS = 38_282

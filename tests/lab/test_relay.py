@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from fedsparse.lab.relay import ByteRelay, relay_burst_bytes
+from fedsparse.lab.launch.relay import ByteRelay, relay_burst_bytes
 
 Handler = Callable[[socket.socket], None]
 

@@ -13,7 +13,8 @@ import pytest
 from typer.testing import CliRunner
 
 from fedsparse.lab.cli import app
-from fedsparse.lab.reproduce import (
+from fedsparse.lab.experiments.tuning import ArmChoice, PairedDifference
+from fedsparse.lab.research.reproduce import (
     ArmResult,
     CentralSpec,
     CentralStudy,
@@ -28,12 +29,11 @@ from fedsparse.lab.reproduce import (
     run_specs,
     still_rising,
 )
-from fedsparse.lab.reproduce_report import (
+from fedsparse.lab.research.reproduce_report import (
     _ablation_section,
     _scaling_section,
     reproduce_and_report,
 )
-from fedsparse.lab.tuning import ArmChoice, PairedDifference
 
 
 def diff(mean: float, low: float, high: float, n: int = 5) -> PairedDifference:
@@ -419,7 +419,7 @@ def test_specs_sharing_a_directory_are_refused(tmp_path: Path) -> None:
 
 
 def test_a_borrowed_baseline_must_pair_by_seed() -> None:
-    from fedsparse.lab.reproduce import _baseline_source
+    from fedsparse.lab.research.reproduce import _baseline_source
 
     source = FederatedStudy(name="src", dataset="digits", epsilon=3.0)
     other = FederatedStudy(
@@ -459,7 +459,7 @@ def test_a_borrowed_baseline_must_pair_by_seed() -> None:
 
 
 def test_fig4_verdict_uses_the_margin_on_both_sides() -> None:
-    from fedsparse.lab.reproduce_report import _untuned_verdict
+    from fedsparse.lab.research.reproduce_report import _untuned_verdict
 
     assert _untuned_verdict(diff(-0.003, -0.009, 0.003)) == "reproduced"
     assert _untuned_verdict(diff(-0.005, -0.011, -0.001)) == "inconclusive"

@@ -1,7 +1,7 @@
 """A deployment on rate-limited links: the limit is real and the run says how it was made.
 
 Each SuperNode's uplink is shaped to ``RATE`` bit/s, either by the kernel (its own network
-namespace on a ``tbf``-shaped veth pair, ``lab/netns.py``) or, where that is unavailable, by
+namespace on a ``tbf``-shaped veth pair, ``lab/launch/netns.py``) or, where that is unavailable, by
 its byte relay (``relay-fallback``, forced here by monkeypatching the probe). The one round
 sends each node's dense update (d = 38,282 fp32 values, ~153 kB on the wire), which at
 100 kbit/s takes at least 12 s, several times the round's compute on these 2 cores, so a
@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from fedsparse.common.records import read_rounds
-from fedsparse.lab import deploy
-from fedsparse.lab.netns import shaping_unavailable
-from fedsparse.lab.timing import time_to_accuracy
+from fedsparse.common.wire.run_log import read_rounds
+from fedsparse.lab.experiments.timing import time_to_accuracy
+from fedsparse.lab.launch import deploy
+from fedsparse.lab.launch.netns import shaping_unavailable
 
 pytestmark = pytest.mark.slow
 

@@ -8,10 +8,10 @@ import pytest
 from fedsparse.client.app import app as client_app
 from fedsparse.common.config import FederatedConfig
 from fedsparse.common.masks import keep_count
-from fedsparse.common.payload import payload_size
-from fedsparse.common.protocol import round_seed
-from fedsparse.lab.inprocess import InProcessGrid
-from fedsparse.lab.simulate import run_simulation
+from fedsparse.common.wire.payload import payload_size
+from fedsparse.common.wire.protocol import round_seed
+from fedsparse.lab.launch.simulate import run_simulation
+from fedsparse.lab.simulation.inprocess import InProcessGrid
 from fedsparse.server.app import run_federated
 
 D_DIGITS = 38_282

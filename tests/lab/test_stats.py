@@ -1,4 +1,5 @@
-"""The shared statistics (``fedsparse.lab.stats``), against scipy and values worked by hand."""
+"""The shared statistics (``fedsparse.lab.experiments.stats``), against scipy and values worked by
+hand."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 from scipy import stats as scipy_stats
 
-from fedsparse.lab.stats import (
+from fedsparse.lab.experiments.stats import (
     CONFIDENCE,
     column_standard_errors,
     mean_se,

@@ -25,9 +25,9 @@ from flwr.app import Context, Message
 from fedsparse.client.app import app as fedsparse_client
 from fedsparse.client.data import local_data
 from fedsparse.common.config import FederatedConfig
-from fedsparse.common.privacy import steps_per_epoch
-from fedsparse.common.protocol import METRICS_RECORD
-from fedsparse.lab.inprocess import InProcessGrid
+from fedsparse.common.dp.accounting import steps_per_epoch
+from fedsparse.common.wire.protocol import METRICS_RECORD
+from fedsparse.lab.simulation.inprocess import InProcessGrid
 from fedsparse.server.app import run_federated
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from fedsparse.lab import sweep as sweep_mod
 from fedsparse.lab.cli import app
-from fedsparse.lab.report import PLOTS, ROUND_KEYS, mean_se, write_outputs
-from fedsparse.lab.sweep import (
+from fedsparse.lab.experiments import sweep as sweep_mod
+from fedsparse.lab.experiments.report import PLOTS, ROUND_KEYS, mean_se, write_outputs
+from fedsparse.lab.experiments.sweep import (
     METRICS,
     RunSettings,
     parse_grid,
@@ -33,7 +33,7 @@ def read_csv(path: Path) -> list[dict[str, str]]:
 
 
 def test_csv_columns_are_the_published_ones() -> None:
-    # Taken from the record schema's metadata (common/records.py); results.csv, summary.csv
+    # Taken from the record schema's metadata (common/wire/run_log.py); results.csv, summary.csv
     # and rounds.csv published so far have exactly these columns, in this order.
     assert METRICS == (
         "final_test_accuracy",

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from fedsparse.common.records import RoundLog
-from fedsparse.lab.timing import accuracy_vs_time, elapsed_seconds, time_to_accuracy
+from fedsparse.common.wire.run_log import RoundLog
+from fedsparse.lab.experiments.timing import accuracy_vs_time, elapsed_seconds, time_to_accuracy
 
 T0 = 1_700_000_000.0
 

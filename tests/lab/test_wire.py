@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from fedsparse.common.records import RoundLog
-from fedsparse.lab.deploy import run_deployment
-from fedsparse.lab.processes import is_zombie
-from fedsparse.lab.relay import Record
-from fedsparse.lab.wire import (
+from fedsparse.common.wire.run_log import RoundLog
+from fedsparse.lab.launch.deploy import run_deployment
+from fedsparse.lab.launch.processes import is_zombie
+from fedsparse.lab.launch.relay import Record
+from fedsparse.lab.launch.wire import (
     REPORT_FIELDS,
     capture_lines,
     capture_summary,

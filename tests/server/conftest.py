@@ -9,8 +9,8 @@ import torch
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 
 from fedsparse.common.config import FederatedConfig, wire_encoding
-from fedsparse.common.payload import encode_update
-from fedsparse.common.protocol import (
+from fedsparse.common.wire.payload import encode_update
+from fedsparse.common.wire.protocol import (
     CONFIG_RECORD,
     METRICS_RECORD,
     TrainInstruction,

@@ -7,8 +7,8 @@ import pytest
 
 from fedsparse.client.app import app as client_app
 from fedsparse.common.config import FederatedConfig
-from fedsparse.common.records import read_rounds
-from fedsparse.lab.inprocess import InProcessGrid
+from fedsparse.common.wire.run_log import read_rounds
+from fedsparse.lab.simulation.inprocess import InProcessGrid
 from fedsparse.server.app import run_federated
 
 

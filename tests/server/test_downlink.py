@@ -4,7 +4,7 @@ import torch
 
 from fedsparse.client.state import apply_downlink
 from fedsparse.common.masks import keep_count, sample_mask
-from fedsparse.common.payload import decode_update, payload_size
+from fedsparse.common.wire.payload import decode_update, payload_size
 from fedsparse.server.downlink import DownlinkCache
 
 D = 5_000

@@ -9,8 +9,8 @@ import torch
 from flwr.app import ConfigRecord, Context, Message
 
 from fedsparse.common.config import FederatedConfig
-from fedsparse.common.protocol import CONFIG_RECORD, TrainInstruction
-from fedsparse.lab.inprocess import InProcessGrid
+from fedsparse.common.wire.protocol import CONFIG_RECORD, TrainInstruction
+from fedsparse.lab.simulation.inprocess import InProcessGrid
 from fedsparse.server import downlink
 from fedsparse.server.downlink import DownlinkCache
 from fedsparse.server.strategy import SparseFedAvg, flat_array, flat_tensor

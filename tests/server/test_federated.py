@@ -9,12 +9,12 @@ import torch
 from flwr.app import ConfigRecord, Context, Message
 
 from fedsparse.client.app import app as client_app
-from fedsparse.common.aggregate import SparseAggregator
+from fedsparse.common.aggregation.sparse import SparseAggregator
 from fedsparse.common.config import FederatedConfig
 from fedsparse.common.masks import keep_count
-from fedsparse.common.payload import decode_update, encode_update, payload_size
-from fedsparse.common.protocol import CONFIG_RECORD, METRICS_RECORD, round_seed
-from fedsparse.lab.inprocess import InProcessGrid
+from fedsparse.common.wire.payload import decode_update, encode_update, payload_size
+from fedsparse.common.wire.protocol import CONFIG_RECORD, METRICS_RECORD, round_seed
+from fedsparse.lab.simulation.inprocess import InProcessGrid
 from fedsparse.server.app import run_federated
 
 D_DIGITS = 38_282
@@ -105,7 +105,7 @@ def test_dense_noise_free_round_equals_fedavg_of_local_updates(tmp_path: Path) -
     nodes = {1001 + i: recording for i in range(3)}
     run(tmp_path, nodes=3, overrides=nodes, **cfg_kwargs)
     from fedsparse.common.layout import ParamLayout
-    from fedsparse.common.models import build_model
+    from fedsparse.common.models.classifiers import build_model
 
     cfg = FederatedConfig(**cfg_kwargs)
     model = build_model(cfg.model_name, seed=0)

@@ -17,23 +17,23 @@ import pytest
 from fedsparse.client.app import _index_charge
 from fedsparse.client.app import app as client_app
 from fedsparse.client.data import local_data
+from fedsparse.client.ledger import PrivacyLedger, ledger_path
+from fedsparse.client.node_data import data_identity
 from fedsparse.common.config import FederatedConfig
-from fedsparse.common.gip import IndexBudget
-from fedsparse.common.layout import ParamLayout
-from fedsparse.common.ledger import PrivacyLedger, ledger_path
-from fedsparse.common.masks import keep_count
-from fedsparse.common.models import build_model
-from fedsparse.common.node_data import data_identity
-from fedsparse.common.payload import EXPLICIT_ENCODINGS, decode_update
-from fedsparse.common.privacy import (
+from fedsparse.common.dp.accounting import (
     calibrate_noise_multiplier,
     compute_epsilon_of_history,
     sample_rate,
     steps_per_epoch,
 )
-from fedsparse.common.protocol import ProtocolError, TrainInstruction
-from fedsparse.lab.flower import SIMULATION_NODE_POLICY
-from fedsparse.lab.inprocess import InProcessGrid
+from fedsparse.common.gip import IndexBudget
+from fedsparse.common.layout import ParamLayout
+from fedsparse.common.masks import keep_count
+from fedsparse.common.models.classifiers import build_model
+from fedsparse.common.wire.payload import EXPLICIT_ENCODINGS, decode_update
+from fedsparse.common.wire.protocol import ProtocolError, TrainInstruction
+from fedsparse.lab.launch.flower import SIMULATION_NODE_POLICY
+from fedsparse.lab.simulation.inprocess import InProcessGrid
 from fedsparse.server.app import run_federated
 
 NODES, ROUNDS = 3, 3

@@ -11,8 +11,8 @@ from flwr.common.constant import SUPERLINK_NODE_ID
 from fedsparse.client.app import app as client_app
 from fedsparse.common.config import FederatedConfig
 from fedsparse.common.layout import ParamLayout
-from fedsparse.common.models import build_model
-from fedsparse.lab.inprocess import InProcessGrid
+from fedsparse.common.models.classifiers import build_model
+from fedsparse.lab.simulation.inprocess import InProcessGrid
 from fedsparse.server import messages
 from fedsparse.server.messages import framed_bytes, message_bytes, serialized_bytes
 from fedsparse.server.strategy import SparseFedAvg, flat_array

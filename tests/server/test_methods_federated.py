@@ -21,7 +21,7 @@ from fedsparse.client.app import _server_support
 from fedsparse.client.app import app as client_app
 from fedsparse.client.data import _partitions
 from fedsparse.common.config import FederatedConfig
-from fedsparse.common.data import load_dataset
+from fedsparse.common.data.datasets import load_dataset
 from fedsparse.common.layout import ParamLayout
 from fedsparse.common.masks import keep_count
 from fedsparse.common.methods import (
@@ -32,19 +32,19 @@ from fedsparse.common.methods import (
     public_split,
     ranked_mask,
 )
-from fedsparse.common.models import build_model
-from fedsparse.common.payload import decode_update, encode_update
-from fedsparse.common.payload.indices import indices_from_bytes, indices_to_bytes
-from fedsparse.common.protocol import (
+from fedsparse.common.models.classifiers import build_model
+from fedsparse.common.seeds import Stream, stream_seed
+from fedsparse.common.training.local import pretrain_public
+from fedsparse.common.wire.payload import decode_update, encode_update
+from fedsparse.common.wire.payload.indices import indices_from_bytes, indices_to_bytes
+from fedsparse.common.wire.protocol import (
     CONFIG_RECORD,
     SERVER_SUPPORT,
     ProtocolError,
     TrainInstruction,
 )
-from fedsparse.common.seeds import Stream, stream_seed
-from fedsparse.common.training import pretrain_public
-from fedsparse.lab.flower import SIMULATION_NODE_POLICY
-from fedsparse.lab.inprocess import InProcessGrid
+from fedsparse.lab.launch.flower import SIMULATION_NODE_POLICY
+from fedsparse.lab.simulation.inprocess import InProcessGrid
 from fedsparse.server.app import run_federated
 
 NODES = 3

@@ -18,14 +18,19 @@ import torch
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 
 from fedsparse.client.app import app as client_app
+from fedsparse.common.aggregation.robust import l2_norm
 from fedsparse.common.config import FederatedConfig
 from fedsparse.common.layout import ParamLayout
-from fedsparse.common.models import build_model
-from fedsparse.common.payload import ValueDType, decode_update, encode_update, payload_size
-from fedsparse.common.protocol import CONFIG_RECORD, METRICS_RECORD, TrainInstruction, TrainReply
-from fedsparse.common.records import SEEDED_RUN, RoundLog, RunSummary, read_rounds
-from fedsparse.common.robust import l2_norm
-from fedsparse.lab.inprocess import InProcessGrid
+from fedsparse.common.models.classifiers import build_model
+from fedsparse.common.wire.payload import ValueDType, decode_update, encode_update, payload_size
+from fedsparse.common.wire.protocol import (
+    CONFIG_RECORD,
+    METRICS_RECORD,
+    TrainInstruction,
+    TrainReply,
+)
+from fedsparse.common.wire.run_log import SEEDED_RUN, RoundLog, RunSummary, read_rounds
+from fedsparse.lab.simulation.inprocess import InProcessGrid
 from fedsparse.server.app import run_federated
 from fedsparse.server.run_records import RunRecorder
 from fedsparse.server.strategy import (
@@ -362,7 +367,7 @@ def test_payloads_of_another_size_or_dtype_are_rejected_before_use() -> None:
 # --- dp-norm-bound: one or two nodes under the default config ---------------------------------
 #
 # With one or two updates a round has no median to trust; the bound an honest client's public
-# DP parameters imply (common/robust.py: HonestClientBound) needs none.
+# DP parameters imply (common/aggregation/robust.py: HonestClientBound) needs none.
 
 DP_REASON = re.compile(
     r"node (\d+): update norm=(\S+): expected <= (\S+) \(dp-norm-bound=(\S+): sigma<=\S+, "

@@ -9,9 +9,9 @@ from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 from fedsparse.client.app import app as client_app
 from fedsparse.common.config import FederatedConfig
 from fedsparse.common.masks import keep_count, sample_mask
-from fedsparse.common.payload import decode_update, encode_update
-from fedsparse.common.protocol import CONFIG_RECORD, METRICS_RECORD, TrainReply
-from fedsparse.lab.inprocess import InProcessGrid
+from fedsparse.common.wire.payload import decode_update, encode_update
+from fedsparse.common.wire.protocol import CONFIG_RECORD, METRICS_RECORD, TrainReply
+from fedsparse.lab.simulation.inprocess import InProcessGrid
 from fedsparse.server import strategy as strategy_module
 from fedsparse.server import validation
 from fedsparse.server.strategy import SparseFedAvg, flat_array

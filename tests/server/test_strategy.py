@@ -10,9 +10,9 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from fedsparse.client.app import app as client_app
 from fedsparse.common.config import FederatedConfig
 from fedsparse.common.layout import ParamLayout
-from fedsparse.common.models import build_model
-from fedsparse.common.protocol import CONFIG_RECORD, METRICS_RECORD
-from fedsparse.lab.inprocess import InProcessGrid
+from fedsparse.common.models.classifiers import build_model
+from fedsparse.common.wire.protocol import CONFIG_RECORD, METRICS_RECORD
+from fedsparse.lab.simulation.inprocess import InProcessGrid
 from fedsparse.server.app import run_federated
 from fedsparse.server.strategy import SparseFedAvg, flat_array, flat_tensor
 
@@ -121,7 +121,7 @@ def test_aggregate_without_configure_is_an_error() -> None:
 
 
 def test_the_dp_bound_caps_come_from_the_training_split_or_the_config() -> None:
-    from fedsparse.common.data import load_eval_splits
+    from fedsparse.common.data.datasets import load_eval_splits
 
     loaded = SparseFedAvg(FederatedConfig(), num_parameters=10).honest_bound()
     assert loaded is not None and loaded.max_examples == 1437  # digits' training split
@@ -163,7 +163,7 @@ def test_no_dp_bound_where_it_does_not_apply(kw: dict) -> None:
 
 
 def test_gip_and_random_k_noise_covers_each_steps_groups() -> None:
-    """Per-step supports (``common/mallows.py``): keep_count of each group of group-size."""
+    """Per-step supports (``common/methods/mallows.py``): keep_count of each group of group-size."""
     from fedsparse.common.masks import keep_count
     from fedsparse.server.strategy import RoundStats
 

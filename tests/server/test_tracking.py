@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from fedsparse.common.records import RoundLog
+from fedsparse.common.wire.run_log import RoundLog
 from fedsparse.server.tracking import Trackers, TrackingError, mlflow_uri, plot_run, read_rounds
 
 CONFIG = {"num-rounds": 3, "method": "rs", "final-rate": 0.9}
@@ -133,8 +133,8 @@ def test_a_federated_run_logs_each_round_and_draws_its_plot(tmp_path: Path) -> N
 
     from fedsparse.client.app import app as client_app
     from fedsparse.common.config import FederatedConfig
-    from fedsparse.lab.flower import SIMULATION_NODE_POLICY
-    from fedsparse.lab.inprocess import InProcessGrid
+    from fedsparse.lab.launch.flower import SIMULATION_NODE_POLICY
+    from fedsparse.lab.simulation.inprocess import InProcessGrid
     from fedsparse.server.app import run_federated
 
     cfg = FederatedConfig(num_rounds=2, out_dir=str(tmp_path / "run"), log="tensorboard")

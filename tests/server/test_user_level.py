@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from fedsparse.client.app import app as client_app
-from fedsparse.common.central_dp import poisson_sample
 from fedsparse.common.config import FederatedConfig
-from fedsparse.common.privacy import compute_epsilon_of_history
-from fedsparse.lab.flower import SIMULATION_NODE_POLICY
-from fedsparse.lab.inprocess import InProcessGrid
+from fedsparse.common.dp.accounting import compute_epsilon_of_history
+from fedsparse.common.dp.central import poisson_sample
+from fedsparse.lab.launch.flower import SIMULATION_NODE_POLICY
+from fedsparse.lab.simulation.inprocess import InProcessGrid
 from fedsparse.server.app import run_federated
 from fedsparse.server.strategy import RoundStats, SparseFedAvg
 

@@ -8,9 +8,9 @@ from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 
 from fedsparse.client.app import app as client_app
 from fedsparse.common.masks import keep_count, sample_mask
-from fedsparse.common.payload import encode_update
-from fedsparse.common.protocol import CONFIG_RECORD, METRICS_RECORD, TrainReply
-from fedsparse.lab.inprocess import InProcessGrid
+from fedsparse.common.wire.payload import encode_update
+from fedsparse.common.wire.protocol import CONFIG_RECORD, METRICS_RECORD, TrainReply
+from fedsparse.lab.simulation.inprocess import InProcessGrid
 from fedsparse.server.validation import (
     RejectedReply,
     accepted_encodings,

@@ -23,11 +23,11 @@ from opacus import PrivacyEngine
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from fedsparse.common.data import DATASET_NAMES, DatasetName, Split, load_dataset
-from fedsparse.common.models import DEFAULT_MODELS, build_model
-from fedsparse.common.partition import PARTITIONER_NAMES, PartitionerName, partition_indices
+from fedsparse.common.data.datasets import DATASET_NAMES, DatasetName, Split, load_dataset
+from fedsparse.common.data.partition import PARTITIONER_NAMES, PartitionerName, partition_indices
+from fedsparse.common.models.classifiers import DEFAULT_MODELS, build_model
 from fedsparse.common.seeds import Stream, client_train_seed, stream_seed
-from fedsparse.common.training import evaluate
+from fedsparse.common.training.local import evaluate
 
 __all__ = [
     "StockConfig",

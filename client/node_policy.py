@@ -1,0 +1,314 @@
+"""The node's own privacy policy: what a data owner allows, whatever the server asks.
+
+In a deployment the server writes the run config and every message, so nothing it sends may
+decide how private a client is. The SuperNode's owner sets a ``NodePolicy`` (node config
+keys, optionally a TOML ``policy-file``), and the client checks every train request against
+it *before* it touches its data; a request that breaks it is refused with one line naming the
+field, and nothing is trained or released.
+
+=========================  =============  ====================================================
+key                        default        meaning
+=========================  =============  ====================================================
+``epsilon-budget``         10.0           total sample-level ε at ``delta`` this node's data
+                                          may spend, over all runs (the ledger's sum)
+``delta``                  1e-5           the δ at which the budget is held
+``min-noise-multiplier``   0.5            smallest σ accepted
+``allowed-mechanisms``     "dpsgd"        comma-separated; ``clipped``/``noisy`` are the RS
+                                          paper's non-private ablations
+``max-local-epochs``       10             local epochs per round
+``min-batch-size``         16             smallest ``batch-size`` accepted: ε and σ in a reply
+                                          are functions of ``q = 1/ceil(n/b)`` and the step
+                                          count, so the server, which picks ``b``, learns the
+                                          node's example count ``n`` to within ``b`` (exactly
+                                          at ``b = 1``)
+``noise``                  "fresh"        ``fresh``: DP noise and Poisson sampling from OS
+                                          entropy on every train call; ``seeded``: from the
+                                          run seed (simulation only: anyone who knows the run
+                                          config can rebuild the noise)
+``ledger-dir``             "~/.local/     directory of the persistent privacy ledger
+                           state/         (``client/ledger.py``); "" keeps no ledger (the
+                           fedsparse"     budget then spans one run only)
+``state-dir``              ""             simulation only (``noise="seeded"``): directory
+                                          where the node keeps its run state after each
+                                          round it trains, so that a resumed run
+                                          (``resume``) continues it; "" keeps none
+``release-train-loss``     false          reply with the exact mean training loss
+``release-example-count``  false          reply with the exact example counts (else 1 and 0;
+                                          the server weights updates uniformly by default)
+``evaluate``               false          answer ``evaluate`` messages, on the public test
+                                          split of the node's declared dataset (never on its
+                                          training data); false refuses them
+``allowed-fab-hashes``     ""             comma-separated SHA-256 digests of the FABs (app
+                                          bundles) this node takes part in runs of; "" takes
+                                          any whose ClientApp is fedsparse's. Either way the
+                                          node runs its OWN installed ClientApp, never code
+                                          from the FAB (``client/node.py``)
+``plugin-methods``         ""             comma-separated ``package.module:Class`` methods
+                                          (``common/methods/``) this node may import when a
+                                          run config names one as its ``method``; "" imports
+                                          none. A simulated node (``noise="seeded"``) imports
+                                          any: the run is the experimenter's own. Built-in
+                                          names need no entry. Listing one trusts it with the
+                                          node's privacy accounting (``Method.split_privacy``)
+                                          and with the server's values of its own keys
+``plugin-models``          ""             the same for ``model``: ``package.module:factory``
+                                          model factories (``common/models/classifiers.py``)
+=========================  =============  ====================================================
+
+The node's data is declared next to its policy, in the same node config
+(``client/node_data.py``: ``dataset``, ``data-dir``, ``partition-id``, ...).
+
+Pure Python: the sources are plain mappings; the ClientApp passes the node config and the
+``FEDSPARSE_NODE_POLICY`` environment variable (how a simulation launcher, which cannot set
+node config keys in Flower 1.39, configures its simulated nodes).
+"""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Final, Literal, get_args
+
+from fedsparse.client.node_data import DATA_KEYS
+from fedsparse.common.coerce import coerce, unknown_key
+from fedsparse.common.dp.optimizer import MECHANISMS, MechanismName
+from fedsparse.common.methods.registry import is_plugin
+
+__all__ = [
+    "NOISE_SOURCES",
+    "POLICY_ENV",
+    "NodePolicy",
+    "NoiseSource",
+    "PrivacyRefusal",
+    "TrainingRequest",
+    "parse_assignments",
+]
+
+NoiseSource = Literal["fresh", "seeded"]
+NOISE_SOURCES: Final[tuple[NoiseSource, ...]] = get_args(NoiseSource)
+#: Environment variable with ``key=value`` policy entries (node config syntax).
+POLICY_ENV: Final = "FEDSPARSE_NODE_POLICY"
+#: Node config keys that belong to Flower or the node's data, not to the policy.
+_NOT_POLICY: Final = frozenset({"policy-file", *DATA_KEYS})
+
+
+class PrivacyRefusal(RuntimeError):
+    """A request the node's policy does not allow; nothing was trained or released.
+
+    Its message is what the server is told: which limit, never a number that depends on the
+    node's data or history. ``detail`` is for the node's own log.
+    """
+
+    def __init__(self, message: str, *, detail: str = "") -> None:
+        super().__init__(message)
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class TrainingRequest:
+    """What one round of local training would spend, as the policy and the ledger see it."""
+
+    run_id: int
+    server_round: int
+    mechanism: MechanismName
+    noise_multiplier: float
+    sample_rate: float
+    steps: int
+    local_epochs: int
+    #: GIP: the pure-DP epsilon of this round's index selection (data-independent, known
+    #: before training: ``common/methods/index_selection.py``), composed with the
+    #: accountant's by addition.
+    index_epsilon: float = 0.0
+    #: Whether ``noise_multiplier`` was calibrated on the node (from the run's target
+    #: epsilon and the node's data size) rather than sent by the server.
+    calibrated: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodePolicy:
+    """A data owner's limits (see the module table for keys and defaults)."""
+
+    epsilon_budget: float = 10.0
+    delta: float = 1e-5
+    min_noise_multiplier: float = 0.5
+    allowed_mechanisms: tuple[MechanismName, ...] = ("dpsgd",)
+    max_local_epochs: int = 10
+    min_batch_size: int = 16
+    noise: NoiseSource = "fresh"
+    ledger_dir: str = "~/.local/state/fedsparse"
+    state_dir: str = ""
+    release_train_loss: bool = False
+    release_example_count: bool = False
+    evaluate: bool = False
+    allowed_fab_hashes: tuple[str, ...] = ()
+    plugin_methods: tuple[str, ...] = ()
+    plugin_models: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        def fail(key: str, value: Any, expected: str) -> None:
+            raise ValueError(f"node policy: {key}={value!r}: expected {expected}")
+
+        if math.isnan(self.epsilon_budget) or self.epsilon_budget < 0:
+            fail("epsilon-budget", self.epsilon_budget, "a value >= 0 (inf: no limit)")
+        if not 0 < self.delta < 1:
+            fail("delta", self.delta, "0 < delta < 1")
+        if not (math.isfinite(self.min_noise_multiplier) and self.min_noise_multiplier >= 0):
+            fail("min-noise-multiplier", self.min_noise_multiplier, "a finite value >= 0")
+        for mechanism in self.allowed_mechanisms:
+            if mechanism not in MECHANISMS:
+                fail("allowed-mechanisms", mechanism, f"names from {', '.join(MECHANISMS)}")
+        if self.max_local_epochs < 1:
+            fail("max-local-epochs", self.max_local_epochs, ">= 1")
+        if self.min_batch_size < 1:
+            fail("min-batch-size", self.min_batch_size, ">= 1")
+        if self.noise not in NOISE_SOURCES:
+            fail("noise", self.noise, f"one of {', '.join(NOISE_SOURCES)}")
+        for digest in self.allowed_fab_hashes:
+            if not (len(digest) == 64 and all(c in "0123456789abcdef" for c in digest)):
+                fail("allowed-fab-hashes", digest, "SHA-256 hex digests (64 lowercase hex)")
+        for key, names in (
+            ("plugin-methods", self.plugin_methods),
+            ("plugin-models", self.plugin_models),
+        ):
+            for name in names:
+                if not is_plugin(name):
+                    fail(key, name, "package.module:attribute names")
+        if self.state_dir and self.noise != "seeded":
+            # Restoring run state follows the server's resume point: only an experimenter's
+            # own simulated nodes may take it; a deployed node's ledger is its history.
+            fail("state-dir", self.state_dir, "'' unless noise='seeded' (simulation only)")
+
+    @classmethod
+    def from_sources(cls, *sources: Mapping[str, Any]) -> NodePolicy:
+        """The policy from ``sources``, later ones overriding earlier ones.
+
+        Each source is a node-config-like mapping; a ``policy-file`` entry loads a TOML file
+        of the same keys in that source's place. Keys that are not policy keys
+        (``partition-id``, ...) are ignored; an unknown ``key`` that looks like a policy key
+        is an error, so a typo cannot silently weaken a limit.
+        """
+        known = {f.name.replace("_", "-"): f for f in fields(cls)}
+        values: dict[str, Any] = {}
+        for source in sources:
+            entries = dict(source)
+            if "policy-file" in entries:
+                path = Path(str(entries["policy-file"])).expanduser()
+                try:
+                    entries = {**tomllib.loads(path.read_text()), **entries}
+                except (OSError, tomllib.TOMLDecodeError) as err:
+                    raise ValueError(f"node policy: policy-file={str(path)!r}: {err}") from None
+            for key, value in entries.items():
+                if key in _NOT_POLICY:
+                    continue
+                if key not in known:
+                    raise ValueError(unknown_key("node policy: key", key, known))
+                values[known[key].name] = coerce(
+                    key, value, type(known[key].default), where="node policy"
+                )
+        return cls(**values)
+
+    def check_plugins(self, run_config: Mapping[str, Any]) -> None:
+        """Refuses a run config whose ``method`` or ``model`` is a plug-in
+        (``package.module:attribute``) this node's owner did not list for that role
+        (``plugin-methods``, ``plugin-models``), unless the node is simulated. Imports nothing:
+        importing a module runs its code, and the run config is the server's. A name listed
+        for one role is refused in the other (a model factory is not a method). The dataset
+        is the node's own declaration, never the server's choice (``client/app.py:
+        _declaration``).
+
+        Raises:
+            PrivacyRefusal: naming the key, its value and the policy key.
+        """
+        if self.noise == "seeded":
+            return
+        for key, listed in (("method", self.plugin_methods), ("model", self.plugin_models)):
+            value = str(run_config.get(key, ""))
+            if is_plugin(value) and value not in listed:
+                raise PrivacyRefusal(
+                    f"{key}={value!r}: this node imports only the plug-in {key}s its owner "
+                    f"lists (node policy plugin-{key}s)"
+                )
+
+    def precheck(
+        self,
+        *,
+        mechanism: str,
+        local_epochs: int,
+        noise_multiplier: float | None,
+        batch_size: int | None = None,
+    ) -> None:
+        """Refuses what the server's request alone breaks, before any data or calibration.
+
+        Args:
+            noise_multiplier: the run's fixed σ; None when the node calibrates it (then
+                ``check`` tests it once it is known).
+            batch_size: the instruction's batch size (None: not checked).
+
+        Raises:
+            PrivacyRefusal: naming the field, the value the server sent and the limit.
+        """
+        if mechanism not in self.allowed_mechanisms:
+            allowed = ",".join(self.allowed_mechanisms)
+            raise PrivacyRefusal(f"mechanism={mechanism!r}: this node allows only {allowed}")
+        if local_epochs > self.max_local_epochs:
+            raise PrivacyRefusal(
+                f"local-epochs={local_epochs}: this node allows <= {self.max_local_epochs}"
+            )
+        if batch_size is not None and batch_size < self.min_batch_size:
+            raise PrivacyRefusal(
+                f"batch-size={batch_size}: this node requires >= {self.min_batch_size}"
+            )
+        if (
+            mechanism == "dpsgd"
+            and noise_multiplier is not None
+            and noise_multiplier < self.min_noise_multiplier
+        ):
+            raise PrivacyRefusal(
+                f"noise-multiplier={noise_multiplier:.4g}: this node requires >= "
+                f"{self.min_noise_multiplier:g}"
+            )
+
+    def check(self, request: TrainingRequest) -> None:
+        """Refuses a request outside the static limits (the budget is the ledger's check).
+
+        A σ the node calibrated is not named in the refusal: it depends on the node's data
+        size.
+
+        Raises:
+            PrivacyRefusal: naming the field and the limit.
+        """
+        self.precheck(
+            mechanism=request.mechanism,
+            local_epochs=request.local_epochs,
+            noise_multiplier=None if request.calibrated else request.noise_multiplier,
+        )
+        if (
+            request.calibrated
+            and request.mechanism == "dpsgd"
+            and request.noise_multiplier < self.min_noise_multiplier
+        ):
+            raise PrivacyRefusal(
+                "target-epsilon: the noise multiplier it calibrates to on this node is below "
+                f"this node's min-noise-multiplier={self.min_noise_multiplier:g}",
+                detail=f"calibrated noise-multiplier={request.noise_multiplier:.4g}",
+            )
+
+
+def parse_assignments(text: str) -> dict[str, Any]:
+    """``key=value`` entries separated by spaces, values in TOML syntax or bare strings.
+
+    The syntax of ``flower-supernode --node-config`` (``"a=1 b='x' c=true"``).
+    """
+    entries: dict[str, Any] = {}
+    for item in text.split():
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"{POLICY_ENV}: {item!r}: expected key=value")
+        try:
+            entries[key] = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            entries[key] = raw
+    return entries

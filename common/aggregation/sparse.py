@@ -1,0 +1,276 @@
+"""Sparse-aware federated averaging.
+
+Each client ``c`` sends values ``v_c`` on its support ``S_c`` (the round's public mask, or its
+own) and a weight ``n_c`` (its number of training examples). The aggregate moves only
+touched coordinates:
+
+    w[i] <- w[i] + sum_{c: i in S_c} n_c v_c[i] / sum_{c: i in S_c} n_c     for i in U_c S_c,
+    w[i] unchanged                                                          otherwise.
+
+With one shared mask (``mask-scope=round``) every touched coordinate has every client, and
+this is exactly FedAvg of the sparse updates; with ``final-rate=0`` it is dense FedAvg.
+Aggregation is post-processing of each client's differentially private output and costs no
+privacy. Sums run in float64 so the order in which replies arrive does not matter to within
+float32 rounding; weights are accumulated relative to the first one, so the mean is invariant
+to scaling every weight and huge finite weights cannot overflow the sums. Consecutive updates
+on the same support (the round's mask: one tensor for every reply of a round) are summed on
+that support and scattered into the model once, not once per update: the same float64 sums,
+in the same order, at every coordinate that no earlier update of another support covered.
+
+The weight ``n_c`` is whatever the server passes: with ``weighting="uniform"`` (the default)
+it is 1 for every accepted update, so a client cannot buy influence by claiming examples;
+``weighting="examples"`` trusts the clients' ``num-examples`` (simulation, trusted silos).
+
+``RobustAggregator`` (``aggregator="trimmed-mean"`` or ``"median"``) keeps every update and
+applies ``common/aggregation/robust.py``'s coordinate-wise rule on the round's support instead of
+the
+mean: per coordinate over the updates covering it, unweighted. It holds ``n x keep`` values
+(``n x |union of supports|`` under per-client masks).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Final, Literal, get_args
+
+import torch
+
+from fedsparse.common.aggregation.robust import coordinate_median, trimmed_mean
+
+__all__ = [
+    "AGGREGATORS",
+    "WEIGHTINGS",
+    "AggregatorName",
+    "RobustAggregator",
+    "SparseAggregator",
+    "Weighting",
+    "make_aggregator",
+]
+
+AggregatorName = Literal["mean", "trimmed-mean", "median"]
+"""The per-coordinate rule: weighted mean (FedAvg), trimmed mean, or median."""
+
+AGGREGATORS: Final[tuple[AggregatorName, ...]] = get_args(AggregatorName)
+
+Weighting = Literal["uniform", "examples"]
+"""Aggregation weights: 1 per accepted update, or the client's claimed ``num-examples``."""
+
+WEIGHTINGS: Final[tuple[Weighting, ...]] = get_args(Weighting)
+
+
+class SparseAggregator:
+    """Accumulates weighted sparse updates over a ``dense_size``-dimensional model."""
+
+    def __init__(self, dense_size: int) -> None:
+        if dense_size < 0:
+            raise ValueError(f"dense_size={dense_size}: expected >= 0")
+        self.dense_size = dense_size
+        self._sums = torch.zeros(dense_size, dtype=torch.float64)
+        self._weights = torch.zeros(dense_size, dtype=torch.float64)
+        self.num_updates = 0
+        self.total_weight = 0.0
+        self._unit = 0.0  # the first weight: sums hold weight / unit, which stays near 1
+        # Updates on one support not yet scattered: (support, summed values, summed weight).
+        self._pending: tuple[torch.Tensor, torch.Tensor, float] | None = None
+        self._checked: torch.Tensor | None = None  # the last support that passed its checks
+
+    def add(self, values: torch.Tensor, *, support: torch.Tensor | None, weight: float) -> None:
+        """Adds one client's values on ``support`` (int64 indices; ``None`` = dense).
+
+        Raises:
+            ValueError: on a non-positive/non-finite weight, non-finite values, a length
+                mismatch between values and support, or a support that is not strictly
+                increasing within ``[0, dense_size)`` (a repeated index would count a client
+                twice at that coordinate).
+        """
+        _check_weight(weight)
+        _check_update(values, support, self.dense_size, checked=support is self._checked)
+        unit = self._unit or weight
+        relative = weight / unit
+        v = values.to(torch.float64) * relative
+        if not (math.isfinite(relative) and bool(torch.isfinite(v).all())):
+            raise ValueError(f"weight={weight}: overflows relative to the first weight {unit}")
+        self._unit = unit
+        weight = relative
+        if support is None:
+            self._flush()
+            self._sums += v
+            self._weights += weight
+        else:
+            self._checked = support
+            pending = self._pending
+            if pending is not None and pending[0] is support:
+                pending[1].add_(v)
+                self._pending = (support, pending[1], pending[2] + weight)
+            else:
+                self._flush()
+                self._pending = (support, v, weight)
+        self.num_updates += 1
+        self.total_weight += weight * self._unit
+
+    def _flush(self) -> None:
+        """Scatters the pending updates' sums into the model-sized sums."""
+        if self._pending is not None:
+            support, values, weight = self._pending
+            self._sums.index_add_(0, support, values)
+            self._weights.index_add_(0, support, torch.full_like(values, weight))
+            self._pending = None
+
+    def touched(self) -> torch.Tensor:
+        """Boolean mask of coordinates at least one update covered."""
+        self._flush()
+        return self._weights > 0
+
+    def mean_update(self) -> torch.Tensor:
+        """Per-coordinate weighted mean over the covering updates (0 where none), float32."""
+        out = torch.zeros(self.dense_size, dtype=torch.float64)
+        touched = self.touched()  # flushes
+        out[touched] = self._sums[touched] / self._weights[touched]
+        return out.to(torch.float32)
+
+    def apply_(self, weights: torch.Tensor) -> torch.Tensor:
+        """Adds the mean update to the flat float32 model ``weights`` in place.
+
+        Returns:
+            The boolean mask of coordinates that changed (the touched set).
+        """
+        if weights.shape != (self.dense_size,):
+            raise ValueError(
+                f"weights has shape {tuple(weights.shape)}: expected ({self.dense_size},)"
+            )
+        touched = self.touched()
+        weights[touched] += self.mean_update()[touched]
+        return touched
+
+
+def _check_weight(weight: float) -> None:
+    if not (math.isfinite(weight) and weight > 0):
+        raise ValueError(f"weight={weight}: expected a finite value > 0")
+
+
+def _check_update(
+    values: torch.Tensor, support: torch.Tensor | None, dense_size: int, *, checked: bool = False
+) -> None:
+    """Shape, support and finiteness checks shared by both aggregators (``checked``: this
+    very support tensor passed ``_check_support`` already)."""
+    expected = dense_size if support is None else support.numel()
+    if values.dim() != 1 or values.numel() != expected:
+        raise ValueError(f"values has shape {tuple(values.shape)}: expected ({expected},)")
+    if support is not None and not checked:
+        _check_support(support, dense_size)
+    if not bool(torch.isfinite(values).all()):
+        raise ValueError("values: non-finite entries")
+
+
+def _check_support(support: torch.Tensor, dense_size: int) -> None:
+    if support.dtype != torch.int64 or support.dim() != 1:
+        raise ValueError(
+            f"support has dtype {support.dtype} and shape {tuple(support.shape)}: "
+            "expected 1-D int64"
+        )
+    if support.numel() == 0:
+        return
+    low, high = int(support[0]), int(support[-1])
+    if low < 0 or high >= dense_size or not bool((support[1:] > support[:-1]).all()):
+        raise ValueError(
+            f"support spans [{low}, {high}]: expected strictly increasing indices in "
+            f"[0, {dense_size})"
+        )
+
+
+class RobustAggregator:
+    """Keeps every update; applies a coordinate-wise robust rule over the covering updates.
+
+    Args:
+        dense_size: ``d``.
+        rule: ``"trimmed-mean"`` or ``"median"`` (``common/aggregation/robust.py``).
+        trim_fraction: for ``"trimmed-mean"``, ``0 <= f < 0.5`` per end.
+
+    Weights are checked (finite, > 0) but not used: both rules are unweighted.
+    """
+
+    def __init__(self, dense_size: int, *, rule: AggregatorName, trim_fraction: float = 0.2):
+        if dense_size < 0:
+            raise ValueError(f"dense_size={dense_size}: expected >= 0")
+        if rule not in ("trimmed-mean", "median"):
+            raise ValueError(f"rule={rule!r}: expected 'trimmed-mean' or 'median'")
+        if not 0.0 <= trim_fraction < 0.5:
+            raise ValueError(f"trim_fraction={trim_fraction!r}: expected 0 <= f < 0.5")
+        self.dense_size = dense_size
+        self.rule = rule
+        self.trim_fraction = trim_fraction
+        self._updates: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        self.num_updates = 0
+
+    def add(self, values: torch.Tensor, *, support: torch.Tensor | None, weight: float) -> None:
+        """Keeps one client's values on ``support`` (int64 indices; ``None`` = dense).
+
+        Raises:
+            ValueError: as ``SparseAggregator.add``.
+        """
+        _check_weight(weight)
+        _check_update(values, support, self.dense_size)
+        self._updates.append((values.detach().to(torch.float32), support))
+        self.num_updates += 1
+
+    def _union(self) -> torch.Tensor:
+        """The sorted union of the supports (every coordinate if one update is dense)."""
+        supports = [s for _, s in self._updates]
+        if any(s is None for s in supports):
+            return torch.arange(self.dense_size)
+        first = supports[0]
+        assert first is not None
+        if all(s is not None and torch.equal(s, first) for s in supports):
+            return first
+        return torch.unique(torch.cat([s for s in supports if s is not None]))
+
+    def _stacked(self, union: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(``n x |union|`` values, which update covers which entry; None: all)."""
+        if all(s is None or s.numel() == union.numel() for _, s in self._updates):
+            return torch.stack([v for v, _ in self._updates]), None  # one shared support
+        values = torch.zeros(len(self._updates), union.numel(), dtype=torch.float32)
+        covered = torch.zeros(values.shape, dtype=torch.bool)
+        for row, (v, support) in enumerate(self._updates):
+            cols = (
+                torch.arange(union.numel())
+                if support is None
+                else torch.searchsorted(union, support)
+            )
+            values[row, cols] = v
+            covered[row, cols] = True
+        return values, covered
+
+    def update(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the touched coordinates as sorted int64 indices, the rule's value at each)."""
+        if not self._updates:
+            return torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.float32)
+        union = self._union()
+        values, covered = self._stacked(union)
+        if self.rule == "median":
+            return union, coordinate_median(values, covered=covered)
+        return union, trimmed_mean(values, trim_fraction=self.trim_fraction, covered=covered)
+
+    def apply_(self, weights: torch.Tensor) -> torch.Tensor:
+        """Adds the robust update to the flat float32 model ``weights`` in place.
+
+        Returns:
+            The boolean mask of coordinates that changed (the union of the supports).
+        """
+        if weights.shape != (self.dense_size,):
+            raise ValueError(
+                f"weights has shape {tuple(weights.shape)}: expected ({self.dense_size},)"
+            )
+        union, delta = self.update()
+        weights[union] += delta
+        touched = torch.zeros(self.dense_size, dtype=torch.bool)
+        touched[union] = True
+        return touched
+
+
+def make_aggregator(
+    name: AggregatorName, dense_size: int, *, trim_fraction: float = 0.2
+) -> SparseAggregator | RobustAggregator:
+    """The run's aggregator for one round."""
+    if name == "mean":
+        return SparseAggregator(dense_size)
+    return RobustAggregator(dense_size, rule=name, trim_fraction=trim_fraction)

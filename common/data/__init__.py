@@ -1,0 +1,41 @@
+"""Datasets: reading the standard files (``datasets``) and splitting across clients
+(``partition``). The package re-exports ``datasets``'s names.
+"""
+
+from fedsparse.common.data.datasets import (
+    DATASET_INPUT_SHAPES,
+    DATASET_NAMES,
+    EVAL_SPLITS,
+    MNIST_5K_FILE,
+    NORMALIZATION,
+    VALIDATION_FRACTION,
+    DatasetFormatError,
+    DatasetName,
+    EvalSplit,
+    Split,
+    dataset_input_shape,
+    hold_out_validation,
+    load_dataset,
+    load_eval_splits,
+    read_idx,
+    read_mnist_5k,
+)
+
+__all__ = [
+    "DATASET_INPUT_SHAPES",
+    "DATASET_NAMES",
+    "MNIST_5K_FILE",
+    "NORMALIZATION",
+    "DatasetFormatError",
+    "DatasetName",
+    "EVAL_SPLITS",
+    "EvalSplit",
+    "Split",
+    "VALIDATION_FRACTION",
+    "dataset_input_shape",
+    "hold_out_validation",
+    "load_dataset",
+    "load_eval_splits",
+    "read_idx",
+    "read_mnist_5k",
+]

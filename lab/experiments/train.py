@@ -1,0 +1,177 @@
+"""Centralized DP-SGD with random sparsification as a run: a run directory in, a summary out.
+
+``run_train`` loads the dataset's split, builds the model, trains it (``common/training/local.py:
+train_centralized``; RS paper, Algorithm 1, or another method) and writes ``epochs.jsonl``
+(one line per epoch) and ``summary.json`` into the run directory. ``fedsparse train`` and the
+reproduction's centralized runs (``lab/research/reproduce.py``) both call it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+
+from fedsparse.common.data.datasets import DatasetName, EvalSplit, load_eval_splits
+from fedsparse.common.methods import MethodConfig, total_density
+from fedsparse.common.models.classifiers import (
+    DEFAULT_MODELS,
+    ModelName,
+    build_model,
+    count_parameters,
+)
+from fedsparse.common.seeds import Stream, stream_seed
+from fedsparse.common.training.local import (
+    EpochStats,
+    PrivacyConfig,
+    SparsityConfig,
+    TrainConfig,
+    planned_engine,
+    train_centralized,
+)
+from fedsparse.lab.experiments.export import save_trained
+from fedsparse.server.tracking import Trackers, plot_series
+
+__all__ = ["run_train"]
+
+
+def run_train(
+    *,
+    out: Path,
+    dataset: DatasetName,
+    data_dir: Path | None,
+    model_name: ModelName | None,
+    privacy: PrivacyConfig,
+    sparsity: SparsityConfig,
+    train: TrainConfig,
+    method: MethodConfig | None = None,
+    eval_split: EvalSplit = "test",
+    split_seed: int | None = None,
+    console: Console | None = None,
+    log: Sequence[str] = (),
+) -> dict[str, Any]:
+    """Runs centralized training, printing a line per epoch; returns the summary dict.
+
+    ``eval_split="validation"`` trains without the validation slice and reports accuracy on
+    it (the ``test_*`` fields then hold validation numbers): for tuning. ``split_seed`` fixes
+    the train/test split (digits') across runs of different seeds (default: the run seed).
+    ``console`` prints the progress (default: a console on standard output). ``log`` names
+    trackers (``server/tracking.py``: tensorboard, mlflow) that get each epoch's accuracy,
+    loss, epsilon and kept fraction; every run also draws ``run.png``.
+    """
+    console = console or Console()
+    method = method or MethodConfig()
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    seed = 0 if train.seed is None else train.seed
+    train_split, test_split = load_eval_splits(
+        dataset, data_dir=data_dir, seed=seed, eval_split=eval_split, split_seed=split_seed
+    )
+    model_name = model_name or DEFAULT_MODELS[dataset]
+    model = build_model(model_name, seed=stream_seed(seed, Stream.MODEL_INIT) % 2**31)
+    out.mkdir(parents=True, exist_ok=True)  # after the data loaded: a failed start leaves none
+    console.print(
+        f"[bold]{dataset}[/]: {len(train_split)} train / {len(test_split)} test examples; "
+        f"model {model_name} with {count_parameters(model):,} trainable parameters"
+    )
+    started = time.perf_counter()
+    trackers = Trackers(
+        log,
+        out,
+        {
+            "dataset": dataset,
+            "model": model_name,
+            **{f"privacy.{k}": v for k, v in dataclasses.asdict(privacy).items()},
+            **{f"sparsity.{k}": v for k, v in dataclasses.asdict(sparsity).items()},
+            **{f"train.{k}": v for k, v in dataclasses.asdict(train).items()},
+            "method": method.name,
+        },
+    )
+    epochs_log = (out / "epochs.jsonl").open("w")
+
+    def on_epoch(stats: EpochStats) -> None:
+        epochs_log.write(json.dumps(dataclasses.asdict(stats)) + "\n")
+        epochs_log.flush()
+        trackers.log_scalars(
+            stats.epoch,
+            {
+                "accuracy/test": stats.test_accuracy,
+                "loss/test": stats.test_loss,
+                "loss/train": stats.train_loss,
+                "privacy/epsilon": stats.epsilon,
+                "sparsity/keep_fraction": stats.keep_fraction,
+            },
+        )
+        console.print(
+            f"epoch {stats.epoch:>3}  r={stats.rate:.3f}  kept={stats.keep_fraction:.3f}  "
+            f"loss={stats.train_loss:.4f}  test_acc={stats.test_accuracy:.4f}  "
+            f"eps={stats.epsilon:.3f}"
+        )
+
+    try:
+        history = train_centralized(
+            model,
+            (train_split.x, train_split.y),
+            (test_split.x, test_split.y),
+            privacy=privacy,
+            sparsity=sparsity,
+            train=train,
+            on_epoch=on_epoch,
+            method=method,
+        )
+    finally:
+        epochs_log.close()
+        trackers.close()
+    last = history[-1]
+    summary = {
+        "dataset": dataset,
+        "eval_split": eval_split,
+        "split_seed": seed if split_seed is None else split_seed,
+        "model": model_name,
+        "parameters": count_parameters(model),
+        "final_test_accuracy": last.test_accuracy,
+        "final_test_loss": last.test_loss,
+        "epsilon": last.epsilon,
+        "delta": privacy.delta,
+        "mean_keep_fraction": sum(h.keep_fraction for h in history) / len(history),
+        # random freeze's total density: trained coordinates over dense ones, every step
+        # weighted alike (Poisson epochs have the same expected number of steps)
+        "total_density": total_density(
+            [round(h.keep_fraction * count_parameters(model)) for h in history],
+            [1.0] * len(history),
+            numel=count_parameters(model),
+        ),
+        "method": dataclasses.asdict(method),
+        "index_epsilon": last.index_epsilon,
+        "wall_seconds": time.perf_counter() - started,
+        "privacy": dataclasses.asdict(privacy),
+        "sparsity": dataclasses.asdict(sparsity),
+        "train": dataclasses.asdict(train),
+        "engine": planned_engine(train.engine, model_name, train.device),  # "auto" resolved
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    model_file = save_trained(model, model_name, out)  # what ``fedsparse export`` reads
+    plot_series(
+        [h.epoch for h in history],
+        [
+            ("test accuracy", [h.test_accuracy for h in history]),
+            ("epsilon", [h.epsilon for h in history]),
+            ("kept fraction", [h.keep_fraction for h in history]),
+        ],
+        out / "run.png",
+        xlabel="epoch",
+        title=f"{method.name}, {dataset}, {model_name}",
+    )
+    eps = "inf (non-private ablation)" if math.isinf(last.epsilon) else f"{last.epsilon:.3f}"
+    console.print(
+        f"[bold green]final test accuracy {last.test_accuracy:.4f}[/], epsilon {eps} at "
+        f"delta={privacy.delta:g}, mean kept fraction {summary['mean_keep_fraction']:.3f}; "
+        f"wrote {out / 'epochs.jsonl'}, {out / 'summary.json'} and {model_file}"
+    )
+    return summary

@@ -1,0 +1,258 @@
+"""``fedsparse simulate``: the federated app on Flower's simulation engine, with live progress.
+
+Starts a simulation-mode SuperLink on free loopback ports (private ``FLWR_HOME``), submits the
+app with ``flwr run ... --stream`` (offline: runtime dependency installation disabled), shows
+``<out>/rounds.jsonl`` as a live table while the run goes, and stops every process by PID.
+The steps it shares with ``fedsparse deploy`` are in ``lab/launch/base.py``.
+
+``backend="ray"`` runs the same ServerApp loop and ClientApp on ``RayGrid`` instead
+(``lab/simulation/raygrid.py``: a local Ray cluster whose workers each hold many virtual clients and
+train a batch of them per Ray task), for populations where Flower's engine is too slow; with
+full participation and the same seeds it ends with the same model, bit for bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import shutil
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from fedsparse.common.wire.protocol import EXPECTED_NODES_ENV
+from fedsparse.common.wire.run_log import RoundLog, RunSummary, read_rounds
+from fedsparse.lab.launch.base import (
+    PreparedRun,
+    connect,
+    flwr_run,
+    log_tail,
+    prepare_run,
+    read_summary,
+    start_process,
+    superlink_args,
+    wait_for_exit,
+)
+from fedsparse.lab.launch.flower import SIMULATION_NODE_POLICY, simulation_policy_env
+
+__all__ = ["ENGINES", "Engine", "run_simulation"]
+
+#: Where the simulated clients run: Flower's simulation engine, or ``RayGrid``.
+Engine = Literal["flower", "ray"]
+ENGINES: tuple[Engine, ...] = ("flower", "ray")
+
+COLUMNS = (
+    "round",
+    "clients",
+    "rate",
+    "test acc",
+    "eps max",
+    "up payload B",
+    "up msg B",
+    "dense up B",
+    "rejected",
+    "s",
+)
+
+
+def _row(entry: RoundLog) -> list[str]:
+    return [
+        str(entry.round),
+        str(entry.num_clients),
+        f"{entry.rate:.3f}",
+        f"{entry.test_accuracy:.4f}",
+        f"{entry.epsilon_max:.3f}",
+        f"{entry.uplink_payload_bytes:,}",
+        f"{entry.uplink_message_bytes:,}",
+        f"{entry.dense_uplink_bytes:,}",
+        str(entry.num_rejected),
+        f"{entry.wall_seconds:.1f}",
+    ]
+
+
+class _LiveRounds:
+    """Adds the rounds ``rounds.jsonl`` gained since the last look to ``table``."""
+
+    def __init__(self, table: Table, path: Path, *, since: float) -> None:
+        self._table, self._path, self._seen, self._since = table, path, 0, since
+
+    def refresh(self) -> None:
+        try:
+            if self._path.stat().st_mtime < self._since:  # an earlier run's, until replaced
+                return
+        except FileNotFoundError:
+            return
+        rounds = read_rounds(self._path)
+        for entry in rounds[self._seen :]:
+            self._table.add_row(*_row(entry))
+        self._seen = len(rounds)
+
+
+def _number(value: float) -> int | float:
+    """Flower's federation config wants integral CPU counts as integers."""
+    return int(value) if float(value).is_integer() else value
+
+
+def run_simulation(
+    *,
+    out: Path,
+    overrides: Mapping[str, Any],
+    clients: int,
+    cpus_per_client: float = 1.0,
+    gpus_per_client: float = 0.0,
+    timeout: float = 3600.0,
+    console: Console | None = None,
+    resume: bool = False,
+    backend: Engine = "flower",
+) -> RunSummary:
+    """Runs one simulated federation; returns its ``summary.json``.
+
+    ``backend="flower"`` runs it on Flower's simulation engine; ``"ray"`` on ``RayGrid`` in
+    a local Ray cluster (or the one this process runs). ``cpus_per_client`` and
+    ``gpus_per_client`` are the Ray resources of a client being trained: Flower's
+    ``client-resources-num-cpus``/``-num-gpus``, and on ``ray`` those of each worker (a
+    worker trains one of its virtual clients at a time).
+
+    The simulated nodes keep their state after every round they train in
+    ``<out>/node-state`` (``client/state.py``). With ``resume``, the run in ``out`` continues
+    from its ``checkpoint.pt`` (``server/checkpoint.py``: round, weights, sampling RNG,
+    strategy state) with those node states, and ends with the same model as an uninterrupted
+    run with the same overrides; a new run starts from a clean ``node-state``.
+
+    Raises:
+        ValueError: a bad run-config override (named key and value), ``clients`` below
+            ``min-clients``, missing dataset files, an unusable ``out``.
+        RuntimeError: the run failed or timed out (with the log's tail).
+        KeyboardInterrupt: a stop was requested (a signal); every process is stopped first.
+    """
+    console = console or Console()
+    if backend not in ENGINES:
+        raise ValueError(f"backend={backend!r}: expected one of {', '.join(ENGINES)}")
+    if clients < 1:
+        raise ValueError(f"clients={clients}: expected >= 1")
+    if not (math.isfinite(gpus_per_client) and gpus_per_client >= 0):
+        raise ValueError(f"gpus_per_client={gpus_per_client}: expected a finite value >= 0")
+    if resume and not (Path(out) / "checkpoint.pt").exists():
+        raise ValueError(f"resume: no checkpoint.pt in out={out}: nothing to resume")
+    run = prepare_run(out, {**overrides, **({"resume": "true"} if resume else {})})
+    if run.config.min_clients > clients:
+        raise ValueError(
+            f"clients={clients}: below min-clients={run.config.min_clients}, the run could "
+            "never start (lower --set min-clients or add clients)"
+        )
+    state_dir = run.out / "node-state"
+    if not resume:  # a new run's nodes start afresh (they would drop stale states anyway)
+        shutil.rmtree(state_dir, ignore_errors=True)
+    table = Table(title=f"fedsparse simulate: {clients} clients, {run.config.num_rounds} rounds")
+    for column in COLUMNS:
+        table.add_column(column, justify="right")
+    live_rounds = _LiveRounds(table, run.out / "rounds.jsonl", since=math.floor(run.started))
+    if backend == "ray":
+        with _live(table, live_rounds, console):
+            return _run_on_ray(
+                run,
+                clients=clients,
+                cpus_per_client=cpus_per_client,
+                gpus_per_client=gpus_per_client,
+                timeout=timeout,
+                state_dir=state_dir,
+            )
+    link = connect(run, name="sim")
+    superlink = superlink_args(
+        ["--insecure", "--simulation", "--isolation", "subprocess"],
+        http_port=link.http_port,
+        fleet_port=link.fleet_port,
+    )
+    federation = [
+        "--federation-config",
+        f"num-supernodes={clients}",
+        "--federation-config",
+        f"client-resources-num-cpus={_number(cpus_per_client)}",
+    ]
+    if gpus_per_client > 0:
+        federation += ["--federation-config", f"client-resources-num-gpus={gpus_per_client}"]
+    with (
+        start_process(
+            superlink,
+            # The simulated ClientApps run in this SuperLink's Ray workers and inherit its
+            # environment: that is where the experimenter, as node owner, sets their policy.
+            # ... and the ServerApp too: it waits for all the simulated nodes before round 1.
+            env={
+                **link.env,
+                **simulation_policy_env(state_dir=state_dir),
+                EXPECTED_NODES_ENV: str(clients),
+            },
+            log=run.superlink_log,
+            ports=[link.http_port],
+        ),
+        flwr_run(run, link, *federation) as flwr,
+        Live(table, console=console, refresh_per_second=2, transient=False),
+    ):
+        returncode = wait_for_exit(
+            flwr, timeout=timeout, on_poll=live_rounds.refresh, timeout_hint=f"; see {run.flwr_log}"
+        )
+    return read_summary(run, returncode, logs=lambda: log_tail(run.flwr_log, lines=30))
+
+
+def _live(table: Table, live_rounds: _LiveRounds, console: Console) -> Live:
+    """A live ``table`` that takes in the new rounds each time it is drawn (rich's thread)."""
+
+    def render() -> Table:
+        with contextlib.suppress(ValueError):  # a line being written: taken in next time
+            live_rounds.refresh()
+        return table
+
+    return Live(console=console, refresh_per_second=2, transient=False, get_renderable=render)
+
+
+def _run_on_ray(
+    run: PreparedRun,
+    *,
+    clients: int,
+    cpus_per_client: float,
+    gpus_per_client: float,
+    timeout: float,
+    state_dir: Path,
+) -> RunSummary:
+    """``run`` on ``RayGrid``: the ServerApp loop here, the clients on Ray workers.
+
+    The virtual clients keep their state files in ``state_dir`` as Flower's simulated nodes
+    do, so ``resume`` continues a ray run as it continues a Flower one.
+
+    Raises:
+        RuntimeError: the run failed (``FederationFailed``) or timed out.
+    """
+    from fedsparse.client.app import app as client_app
+    from fedsparse.lab.simulation.raygrid import RayGrid, RayWorkers, ray_cluster
+    from fedsparse.server.loop import run_federated
+
+    stop_at = time.monotonic() + timeout
+    node_config = {**SIMULATION_NODE_POLICY, "state-dir": str(state_dir)}
+    flwr_logger = logging.getLogger("flwr")
+    level = flwr_logger.level
+    flwr_logger.setLevel(logging.WARNING)  # the live table replaces per-round INFO lines
+    try:
+        with (
+            ray_cluster(),
+            RayWorkers(
+                client_app, cpus_per_client=cpus_per_client, gpus_per_client=gpus_per_client
+            ) as workers,
+        ):
+            grid = RayGrid(
+                workers,
+                num_nodes=clients,
+                run_config=run.config.to_run_config(),
+                node_config=node_config,
+                stop_at=stop_at,
+            )
+            return run_federated(grid, run.config)
+    except TimeoutError as err:
+        raise RuntimeError(f"timeout={timeout:g} s: {err}") from err
+    finally:
+        flwr_logger.setLevel(level)

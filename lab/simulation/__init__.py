@@ -1,0 +1,3 @@
+"""Grids that run the real ClientApp without a SuperLink: in this process (``inprocess``)
+or on Ray workers (``raygrid``), and the allocator setting they share (``memory``).
+"""
