@@ -50,11 +50,11 @@ from fedsparse.common.dp.accounting import (
     sample_rate,
     steps_per_epoch,
 )
-from fedsparse.common.gip import IndexBudget, StepSelector
 from fedsparse.common.known_warnings import quiet_known_warnings
 from fedsparse.common.layout import ParamLayout
 from fedsparse.common.masks import sample_mask
 from fedsparse.common.methods import suffix_mask
+from fedsparse.common.methods.index_selection import IndexBudget, StepSelector
 from fedsparse.common.models.classifiers import build_model
 from fedsparse.common.seeds import Stream, client_train_seed, stream_seed, value_rounding
 from fedsparse.common.training.local import (

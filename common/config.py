@@ -43,7 +43,6 @@ from fedsparse.common.dp.accounting import ACCOUNTANTS, AccountantName
 from fedsparse.common.dp.central import CENTRAL_NOISE_SOURCES, DP_LEVELS, CentralNoise, DPLevel
 from fedsparse.common.dp.engines import ENGINES, EngineName
 from fedsparse.common.dp.optimizer import MECHANISMS, MechanismName
-from fedsparse.common.gip import DEFAULT_INDEX_FRACTION
 from fedsparse.common.methods import (
     SELECTION_MODES,
     SELECTIONS,
@@ -56,6 +55,7 @@ from fedsparse.common.methods import (
     method_class,
     method_schedule,
 )
+from fedsparse.common.methods.index_selection import DEFAULT_INDEX_FRACTION
 from fedsparse.common.methods.schedules import SCHEDULES, ScheduleName
 from fedsparse.common.models.classifiers import (
     DEFAULT_MODELS,

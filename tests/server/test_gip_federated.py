@@ -26,9 +26,9 @@ from fedsparse.common.dp.accounting import (
     sample_rate,
     steps_per_epoch,
 )
-from fedsparse.common.gip import IndexBudget
 from fedsparse.common.layout import ParamLayout
 from fedsparse.common.masks import keep_count
+from fedsparse.common.methods.index_selection import IndexBudget
 from fedsparse.common.models.classifiers import build_model
 from fedsparse.common.wire.payload import EXPLICIT_ENCODINGS, decode_update
 from fedsparse.common.wire.protocol import ProtocolError, TrainInstruction

@@ -46,7 +46,7 @@ import fedsparse.common.dp.engines.factored as factored_dp
 from fedsparse.common.dp.engines.factored import FactoredDPEngine
 from fedsparse.common.dp.engines.func import FuncDPEngine
 from fedsparse.common.dp.optimizer import SparseDPEngine, zero_non_finite
-from fedsparse.common.gip import IndexBudget, StepSelector
+from fedsparse.common.methods.index_selection import IndexBudget, StepSelector
 from fedsparse.common.models.classifiers import build_model
 from fedsparse.common.training.local import (
     PrivacyConfig,

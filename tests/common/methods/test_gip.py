@@ -1,4 +1,4 @@
-"""GIP noisy top-k and random-k inside DP-SGD (fedsparse.common.gip, the dp.py hook).
+"""GIP noisy top-k and random-k inside DP-SGD (``methods/index_selection.py``, the optimizer hook).
 
 The defining properties: the support is chosen from the clipped, noise-free sum of WHOLE
 per-sample gradients (clip -> sum -> select -> noise -> mask, GIP Alg. 2), the step is plain
@@ -20,8 +20,13 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from fedsparse.common.dp.accounting import compute_epsilon_of_history, sample_rate, steps_per_epoch
 from fedsparse.common.dp.optimizer import SparseDPEngine
-from fedsparse.common.gip import IndexBudget, StepSelector, group_sizes, split_budget
 from fedsparse.common.methods import MethodConfig
+from fedsparse.common.methods.index_selection import (
+    IndexBudget,
+    StepSelector,
+    group_sizes,
+    split_budget,
+)
 from fedsparse.common.methods.mallows import mask_distance_pmf
 from fedsparse.common.models.classifiers import build_model
 from fedsparse.common.training.local import (

@@ -11,8 +11,8 @@ import pytest
 import torch
 from scipy import stats
 
+from fedsparse.common import masks
 from fedsparse.common.masks import derive_seed, keep_count, mask_scores, sample_mask
-from fedsparse.common.methods import masks
 
 
 @pytest.mark.parametrize(
