@@ -44,9 +44,9 @@ from opacus import PrivacyEngine
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from fedsparse.common.dp.engine import SparseDPEngine
 from fedsparse.common.dp.engines.factored import FactoredDPEngine, FactoredGradSampleModule
 from fedsparse.common.dp.engines.func import FuncDPEngine, FuncGradSampleModule
-from fedsparse.common.dp.optimizer import SparseDPEngine
 from fedsparse.common.masks import keep_count, sample_mask
 from fedsparse.common.models.classifiers import MODEL_INPUT_SHAPES, MODEL_NAMES, build_model
 from fedsparse.lab.experiments.stats import ratio_interval

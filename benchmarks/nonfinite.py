@@ -100,9 +100,9 @@ def crafted_model(model: nn.Module, x: torch.Tensor) -> tuple[nn.Module, int]:
 def make_runner(engine_name: str, rate: float | None, batch: int):
     """{batch name: a function running one step on it, returning (step s, iteration s)}."""
     from fedsparse.common.data.datasets import load_dataset
+    from fedsparse.common.dp.engine import SparseDPEngine
     from fedsparse.common.dp.engines.factored import FactoredDPEngine
     from fedsparse.common.dp.engines.func import FuncDPEngine
-    from fedsparse.common.dp.optimizer import SparseDPEngine
     from fedsparse.common.masks import keep_count, sample_mask
     from fedsparse.common.models.classifiers import build_model
 
@@ -180,7 +180,7 @@ def worker(conn: Connection, code: str, engine: str, rate: float | None, args: d
     torch.set_num_threads(args["threads"])
     flushed = None
     if code == "new+ftz":
-        from fedsparse.common.dp.optimizer import flush_denormals
+        from fedsparse.common.dp.engine import flush_denormals
 
         flushed = flush_denormals()  # first: before torch's threads start
     runs = make_runner(engine, rate, args["batch"])

@@ -57,14 +57,8 @@ from fedsparse.common.methods import suffix_mask
 from fedsparse.common.methods.index_selection import IndexBudget, StepSelector
 from fedsparse.common.models.classifiers import build_model
 from fedsparse.common.seeds import Stream, client_train_seed, stream_seed, value_rounding
-from fedsparse.common.training.local import (
-    PrivacyConfig,
-    TrainConfig,
-    evaluate,
-    make_private,
-    resolve_device,
-    train_one_epoch,
-)
+from fedsparse.common.training.configs import PrivacyConfig, TrainConfig, resolve_device
+from fedsparse.common.training.local import evaluate, make_private, train_one_epoch
 from fedsparse.common.wire.payload import IndexEncoding, decode_update, encode_update
 from fedsparse.common.wire.protocol import (
     CONFIG_RECORD,

@@ -369,7 +369,7 @@ def _main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     import torch
 
-    from fedsparse.common.dp.optimizer import flush_denormals
+    from fedsparse.common.dp.engine import flush_denormals
 
     torch.set_num_threads(1)  # the ClientApp's own setting, before any torch thread starts
     if (

@@ -63,7 +63,7 @@ from fedsparse.common.models.classifiers import (
     MODEL_NAMES,
     ModelName,
 )
-from fedsparse.common.training.local import DEVICES, DeviceName, PrivacyConfig, SparsityConfig
+from fedsparse.common.training.configs import DEVICES, DeviceName, PrivacyConfig, SparsityConfig
 from fedsparse.common.wire.payload import (
     COMPRESSIONS,
     DEFAULT_VALUE_BLOCK,

@@ -34,7 +34,8 @@ from fedsparse.common.data.datasets import Split, load_eval_splits
 from fedsparse.common.layout import ParamLayout
 from fedsparse.common.methods import public_split
 from fedsparse.common.models.classifiers import build_model
-from fedsparse.common.training.local import evaluate, pretrain_public
+from fedsparse.common.training.centralized import pretrain_public
+from fedsparse.common.training.local import evaluate
 from fedsparse.common.wire.protocol import EXPECTED_NODES_ENV
 from fedsparse.common.wire.run_log import RoundLog, RunSummary
 from fedsparse.server.checkpoint import (

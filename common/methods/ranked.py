@@ -30,7 +30,7 @@ from fedsparse.common.methods.selection import federated_ranking_scores, ranked_
 from fedsparse.common.seeds import Stream, stream_seed
 
 if TYPE_CHECKING:
-    from fedsparse.common.dp.optimizer import SparseDPEngine
+    from fedsparse.common.dp.engine import SparseDPEngine
     from fedsparse.common.layout import ParamLayout
     from fedsparse.common.methods.config import MethodConfig
     from fedsparse.common.methods.schedules import RateSchedule

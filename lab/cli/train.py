@@ -114,7 +114,12 @@ def train(
     from fedsparse.common.methods.schedules import SCHEDULES
     from fedsparse.common.models.classifiers import MODEL_NAMES
     from fedsparse.common.seeds import Stream, stream_seed
-    from fedsparse.common.training.local import DEVICES, PrivacyConfig, SparsityConfig, TrainConfig
+    from fedsparse.common.training.configs import (
+        DEVICES,
+        PrivacyConfig,
+        SparsityConfig,
+        TrainConfig,
+    )
     from fedsparse.lab.experiments.train import run_train
     from fedsparse.server.tracking import parse_trackers
 

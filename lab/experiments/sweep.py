@@ -50,7 +50,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from fedsparse.common.config import FederatedConfig, with_added_keys
 from fedsparse.common.dp.scaling import rescale_max_grad_norm
-from fedsparse.common.training.local import planned_engine
+from fedsparse.common.training.configs import planned_engine
 from fedsparse.common.wire.run_log import RunSummary, summary_metrics
 from fedsparse.lab.launch.processes import request_stop
 

@@ -1,8 +1,9 @@
 """Centralized DP-SGD with random sparsification as a run: a run directory in, a summary out.
 
-``run_train`` loads the dataset's split, builds the model, trains it (``common/training/local.py:
-train_centralized``; RS paper, Algorithm 1, or another method) and writes ``epochs.jsonl``
-(one line per epoch) and ``summary.json`` into the run directory. ``fedsparse train`` and the
+``run_train`` loads the dataset's split, builds the model, trains it
+(``common/training/centralized.py: train_centralized``; RS paper, Algorithm 1, or another
+method) and writes ``epochs.jsonl`` (one line per epoch) and ``summary.json`` into the run
+directory. ``fedsparse train`` and the
 reproduction's centralized runs (``lab/research/reproduce.py``) both call it.
 """
 
@@ -28,14 +29,14 @@ from fedsparse.common.models.classifiers import (
     count_parameters,
 )
 from fedsparse.common.seeds import Stream, stream_seed
-from fedsparse.common.training.local import (
-    EpochStats,
+from fedsparse.common.training.centralized import train_centralized
+from fedsparse.common.training.configs import (
     PrivacyConfig,
     SparsityConfig,
     TrainConfig,
     planned_engine,
-    train_centralized,
 )
+from fedsparse.common.training.local import EpochStats
 from fedsparse.lab.experiments.export import save_trained
 from fedsparse.server.tracking import Trackers, plot_series
 

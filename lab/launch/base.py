@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from fedsparse.common.config import FederatedConfig
-from fedsparse.common.data.datasets import DatasetFormatError, load_dataset
+from fedsparse.common.data.datasets import load_dataset
+from fedsparse.common.data.readers import DatasetFormatError
 from fedsparse.common.wire.run_log import RunSummary
 from fedsparse.lab.launch.flower import (
     app_bundle_dir,

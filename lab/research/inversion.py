@@ -73,7 +73,8 @@ from fedsparse.common.dp.accounting import (
     sample_rate,
     steps_per_epoch,
 )
-from fedsparse.common.dp.optimizer import MechanismName, SparseDPEngine
+from fedsparse.common.dp.engine import SparseDPEngine
+from fedsparse.common.dp.optimizer import MechanismName
 from fedsparse.common.known_warnings import quiet_known_warnings
 from fedsparse.common.masks import derive_seed, keep_count, sample_mask
 from fedsparse.common.models.classifiers import build_model

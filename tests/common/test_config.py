@@ -41,7 +41,7 @@ from fedsparse.common.models.classifiers import (
     MODEL_NAMES,
     build_model,
 )
-from fedsparse.common.training.local import DEVICES
+from fedsparse.common.training.configs import DEVICES
 from fedsparse.common.wire.payload import COMPRESSIONS, LOWBIT_DTYPES, PAYLOAD_DTYPES, VALUE_DTYPES
 
 PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"

@@ -14,12 +14,8 @@ from fedsparse.common import plugins
 from fedsparse.common.data.datasets import Split, dataset_input_shape, load_dataset
 from fedsparse.common.layout import ParamLayout
 from fedsparse.common.models.classifiers import build_model, model_input_shape
-from fedsparse.common.training.local import (
-    PrivacyConfig,
-    SparsityConfig,
-    TrainConfig,
-    train_centralized,
-)
+from fedsparse.common.training.centralized import train_centralized
+from fedsparse.common.training.configs import PrivacyConfig, SparsityConfig, TrainConfig
 
 USER_PACKAGE = '''
 """A lab's own model and data, installed beside fedsparse (not part of it)."""

@@ -24,12 +24,8 @@ from fedsparse.common.data.datasets import load_dataset
 from fedsparse.common.layout import ParamLayout
 from fedsparse.common.methods import MethodConfig, method_class
 from fedsparse.common.models.classifiers import build_model
-from fedsparse.common.training.local import (
-    PrivacyConfig,
-    SparsityConfig,
-    TrainConfig,
-    train_centralized,
-)
+from fedsparse.common.training.centralized import train_centralized
+from fedsparse.common.training.configs import PrivacyConfig, SparsityConfig, TrainConfig
 from fedsparse.common.wire.payload import encode_update
 from fedsparse.common.wire.payload.indices import indices_to_bytes
 from fedsparse.common.wire.protocol import (

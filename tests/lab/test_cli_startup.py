@@ -134,7 +134,7 @@ def test_train_help_lists_the_names_each_option_accepts() -> None:
     from fedsparse.common.dp.optimizer import MECHANISMS
     from fedsparse.common.methods import METHODS, SELECTION_MODES, SELECTIONS
     from fedsparse.common.methods.schedules import SCHEDULES
-    from fedsparse.common.training.local import DEVICES
+    from fedsparse.common.training.configs import DEVICES
 
     accepted = {
         "dataset": DATASET_NAMES,

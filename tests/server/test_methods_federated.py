@@ -34,7 +34,7 @@ from fedsparse.common.methods import (
 )
 from fedsparse.common.models.classifiers import build_model
 from fedsparse.common.seeds import Stream, stream_seed
-from fedsparse.common.training.local import pretrain_public
+from fedsparse.common.training.centralized import pretrain_public
 from fedsparse.common.wire.payload import decode_update, encode_update
 from fedsparse.common.wire.payload.indices import indices_from_bytes, indices_to_bytes
 from fedsparse.common.wire.protocol import (

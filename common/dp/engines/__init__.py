@@ -5,7 +5,7 @@ masked noise -> scale) with the same Poisson batches, noise draws and accountant
 only in how the per-sample gradients' masked norms and clipped sum are computed:
 
 * ``"opacus"``: Opacus's hooks (``dp.SparseDPEngine``); with no mask, Opacus's own step, bit
-  for bit. Every recorded result before 2026-11-25 ran on it.
+  for bit. Every result recorded before the factored engine became the CPU default ran on it.
 * ``"func"``: ``torch.func.vmap(grad(...))`` (``func_dp.FuncDPEngine``).
 * ``"factored"``: from each layer's input and output gradient, without forming a linear
   layer's per-sample gradients and forming a convolution's a few examples at a time
@@ -32,7 +32,7 @@ from typing import Final, Literal, get_args
 import torch
 from torch import nn
 
-from fedsparse.common.dp.engines.factored import factored_support_error
+from fedsparse.common.dp.engines.factored_layers import factored_support_error
 from fedsparse.common.dp.engines.func import func_support_error
 
 __all__ = ["AUTO_FUNC_DEVICES", "ENGINES", "EngineName", "select_engine"]

@@ -58,7 +58,8 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-from fedsparse.common.dp.optimizer import PerSampleModule, SparseDPEngine, check_own_wrapping
+from fedsparse.common.dp.engine import SparseDPEngine
+from fedsparse.common.dp.per_sample import PerSampleModule, check_own_wrapping
 
 __all__ = [
     "FuncDPEngine",

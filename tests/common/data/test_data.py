@@ -1,4 +1,5 @@
-"""Tests for fedsparse.common.data.datasets: parsers fed tiny files in the exact on-disk formats."""
+"""Tests for fedsparse.common.data (datasets, readers): parsers fed tiny files in the exact
+on-disk formats."""
 
 from __future__ import annotations
 
@@ -19,13 +20,15 @@ from sklearn.datasets import load_digits
 
 from fedsparse.common.data.datasets import (
     DATASET_NAMES,
-    IDX_IMAGES_MAGIC,
-    IDX_LABELS_MAGIC,
     MNIST_5K_FILE,
     NORMALIZATION,
-    DatasetFormatError,
     Split,
     load_dataset,
+)
+from fedsparse.common.data.readers import (
+    IDX_IMAGES_MAGIC,
+    IDX_LABELS_MAGIC,
+    DatasetFormatError,
     read_idx,
     read_mnist_5k,
 )

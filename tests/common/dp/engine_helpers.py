@@ -14,14 +14,10 @@ from torch.utils.data import DataLoader, TensorDataset
 from fedsparse.common.data.datasets import load_dataset
 from fedsparse.common.layout import ParamLayout
 from fedsparse.common.masks import keep_count, sample_mask
+from fedsparse.common.methods.selection import round_mask
 from fedsparse.common.models.classifiers import build_model
-from fedsparse.common.training.local import (
-    PrivacyConfig,
-    TrainConfig,
-    make_private,
-    round_mask,
-    train_one_epoch,
-)
+from fedsparse.common.training.configs import PrivacyConfig, TrainConfig
+from fedsparse.common.training.local import make_private, train_one_epoch
 
 
 def flat(module: nn.Module) -> torch.Tensor:

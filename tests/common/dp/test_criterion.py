@@ -12,9 +12,10 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from fedsparse.common.dp.engine import SparseDPEngine
 from fedsparse.common.dp.engines.factored import FactoredDPEngine
 from fedsparse.common.dp.engines.func import FuncDPEngine
-from fedsparse.common.dp.optimizer import PerSampleCriterion, PerSampleLoss, SparseDPEngine
+from fedsparse.common.dp.per_sample import PerSampleCriterion, PerSampleLoss
 from fedsparse.common.layout import ParamLayout
 from fedsparse.common.masks import keep_count, sample_mask
 from fedsparse.common.models.classifiers import build_model

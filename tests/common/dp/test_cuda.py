@@ -19,12 +19,8 @@ from fedsparse.common.dp.optimizer import MECHANISMS
 from fedsparse.common.layout import ParamLayout
 from fedsparse.common.methods import METHODS, MethodConfig
 from fedsparse.common.models.classifiers import build_model
-from fedsparse.common.training.local import (
-    PrivacyConfig,
-    SparsityConfig,
-    TrainConfig,
-    train_centralized,
-)
+from fedsparse.common.training.centralized import train_centralized
+from fedsparse.common.training.configs import PrivacyConfig, SparsityConfig, TrainConfig
 from tests.common.dp.engine_helpers import exact_cudnn, flat, one_epoch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -12,7 +12,7 @@ from scipy import stats
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from fedsparse.common.dp.optimizer import SparseDPEngine
+from fedsparse.common.dp.engine import SparseDPEngine
 from fedsparse.common.masks import sample_mask
 
 warnings.filterwarnings("ignore", message="Secure RNG turned off")

@@ -22,20 +22,15 @@ from scipy import stats
 from torch import nn
 
 from fedsparse.common.config import FederatedConfig
+from fedsparse.common.dp.engine import SparseDPEngine
 from fedsparse.common.dp.engines import AUTO_FUNC_DEVICES, ENGINES, select_engine
 from fedsparse.common.dp.engines.factored import FactoredDPEngine
 from fedsparse.common.dp.engines.func import FuncDPEngine
-from fedsparse.common.dp.optimizer import SparseDPEngine
 from fedsparse.common.layout import ParamLayout
 from fedsparse.common.masks import sample_mask
+from fedsparse.common.methods.selection import round_mask
 from fedsparse.common.models.classifiers import MODEL_NAMES, build_model
-from fedsparse.common.training.local import (
-    DEVICES,
-    PrivacyConfig,
-    TrainConfig,
-    resolve_device,
-    round_mask,
-)
+from fedsparse.common.training.configs import DEVICES, PrivacyConfig, TrainConfig, resolve_device
 from tests.common.dp.engine_helpers import exact_cudnn, flat, linear_step, one_epoch, private
 
 warnings.filterwarnings("ignore", message="Secure RNG turned off")

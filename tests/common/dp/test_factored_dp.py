@@ -13,17 +13,19 @@ import pytest
 import torch
 from torch import nn
 
-import fedsparse.common.dp.engines.factored as factored_dp
+import fedsparse.common.dp.engines.factored_layers as factored_layers
+from fedsparse.common.dp.engine import SparseDPEngine
 from fedsparse.common.dp.engines import select_engine
 from fedsparse.common.dp.engines.factored import (
     FactoredDPEngine,
     FactoredDPOptimizer,
     FactoredGradSampleModule,
+)
+from fedsparse.common.dp.engines.factored_layers import (
     conv2d_grad_sample,
     conv2d_weight_grad,
     factored_support_error,
 )
-from fedsparse.common.dp.optimizer import SparseDPEngine
 from fedsparse.common.masks import keep_count, sample_mask
 from fedsparse.common.models.classifiers import MODEL_INPUT_SHAPES, MODEL_NAMES, build_model
 from tests.common.dp.engine_helpers import (
@@ -105,9 +107,9 @@ def test_conv_chunks_and_either_sum_give_opacus_s_step(
 ) -> None:
     """Chunk sizes that do and do not divide the batch; per-sample gradients kept for the
     sum, or the sum recomputed from the scaled backpropagations: the same clipped sum."""
-    monkeypatch.setattr(factored_dp, "_CHUNK", chunk)
-    monkeypatch.setattr(factored_dp, "_KEEP_MIN_POSITIONS", keep_min_positions)
-    monkeypatch.setattr(factored_dp, "_KEEP_MAX_VALUES", 0)
+    monkeypatch.setattr(factored_layers, "_CHUNK", chunk)
+    monkeypatch.setattr(factored_layers, "_KEEP_MIN_POSITIONS", keep_min_positions)
+    monkeypatch.setattr(factored_layers, "_KEEP_MAX_VALUES", 0)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(7, *MODEL_INPUT_SHAPES["dpcnn-mnist"], generator=g)
     y = torch.randint(0, 10, (7,), generator=g)

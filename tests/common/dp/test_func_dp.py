@@ -12,15 +12,12 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from fedsparse.common.dp.engine import SparseDPEngine
 from fedsparse.common.dp.engines import select_engine
 from fedsparse.common.dp.engines.func import FuncDPEngine, FuncGradSampleModule, func_support_error
-from fedsparse.common.dp.optimizer import SparseDPEngine
 from fedsparse.common.models.classifiers import MODEL_INPUT_SHAPES, MODEL_NAMES, build_model
-from fedsparse.common.training.local import (
-    PrivacyConfig,
-    TrainConfig,
-    make_private,
-)
+from fedsparse.common.training.configs import PrivacyConfig, TrainConfig
+from fedsparse.common.training.local import make_private
 from tests.common.dp.engine_helpers import backward
 
 warnings.filterwarnings("ignore", message="Secure RNG turned off")

@@ -42,18 +42,15 @@ import torch
 from opacus import PrivacyEngine
 from torch import nn
 
-import fedsparse.common.dp.engines.factored as factored_dp
+import fedsparse.common.dp.engines.factored_layers as factored_layers
+from fedsparse.common.dp.engine import SparseDPEngine
 from fedsparse.common.dp.engines.factored import FactoredDPEngine
 from fedsparse.common.dp.engines.func import FuncDPEngine
-from fedsparse.common.dp.optimizer import SparseDPEngine, zero_non_finite
+from fedsparse.common.dp.optimizer import zero_non_finite
 from fedsparse.common.methods.index_selection import IndexBudget, StepSelector
 from fedsparse.common.models.classifiers import build_model
-from fedsparse.common.training.local import (
-    PrivacyConfig,
-    TrainConfig,
-    make_private,
-    train_one_epoch,
-)
+from fedsparse.common.training.configs import PrivacyConfig, TrainConfig
+from fedsparse.common.training.local import make_private, train_one_epoch
 from tests.common.dp.engine_helpers import backward, digits, flat, private, set_rate
 
 warnings.filterwarnings("ignore", message="Secure RNG turned off")
@@ -276,8 +273,8 @@ def test_factored_paths_drop_the_example(
     backpropagations (its factors' rows zeroed, not just its factor), and a Linear over a
     sequence (per-sample gradients materialized)."""
     if path == "conv-recomputed":
-        monkeypatch.setattr(factored_dp, "_KEEP_MIN_POSITIONS", 10**9)
-        monkeypatch.setattr(factored_dp, "_KEEP_MAX_VALUES", 0)
+        monkeypatch.setattr(factored_layers, "_KEEP_MIN_POSITIONS", 10**9)
+        monkeypatch.setattr(factored_layers, "_KEEP_MAX_VALUES", 0)
     name = "cnn" if path == "conv-recomputed" else "seq"
     model_fn, x, y = poisoned(name, kind)
     summed, grad, model, dp = step(FactoredDPEngine, model_fn, x, y, rate=rate)
@@ -414,8 +411,8 @@ def test_a_poisoned_example_changes_no_operation_on_the_factored_paths(
     path: str, rate: float, kind: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     if path == "conv-recomputed":
-        monkeypatch.setattr(factored_dp, "_KEEP_MIN_POSITIONS", 10**9)
-        monkeypatch.setattr(factored_dp, "_KEEP_MAX_VALUES", 0)
+        monkeypatch.setattr(factored_layers, "_KEEP_MIN_POSITIONS", 10**9)
+        monkeypatch.setattr(factored_layers, "_KEEP_MAX_VALUES", 0)
     name = "cnn" if path == "conv-recomputed" else "seq"
     assert_same_operations(FactoredDPEngine, name, kind, rate=rate)
 
@@ -487,7 +484,7 @@ import torch
 torch.set_num_threads(2)
 if {late}:
     torch.ones(1 << 20) * 2  # starts the intra-op threads before the call
-from fedsparse.common.dp.optimizer import flush_denormals
+from fedsparse.common.dp.engine import flush_denormals
 took = flush_denormals()
 tiny = torch.full((1 << 20,), 1e-30) * 1e-10  # subnormal unless flushed
 print(took, bool((tiny == 0).all()))

@@ -23,13 +23,9 @@ from fedsparse.common.dp.accounting import (
     sample_rate,
     steps_per_epoch,
 )
-from fedsparse.common.dp.optimizer import SparseDPEngine
-from fedsparse.common.training.local import (
-    PrivacyConfig,
-    TrainConfig,
-    make_private,
-    train_one_epoch,
-)
+from fedsparse.common.dp.engine import SparseDPEngine
+from fedsparse.common.training.configs import PrivacyConfig, TrainConfig
+from fedsparse.common.training.local import make_private, train_one_epoch
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:Optimal order is the largest alpha:UserWarning"),

@@ -19,8 +19,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from fedsparse.common.dp.accounting import compute_epsilon_of_history, sample_rate, steps_per_epoch
-from fedsparse.common.dp.optimizer import SparseDPEngine
+from fedsparse.common.dp.engine import SparseDPEngine
 from fedsparse.common.methods import MethodConfig
+from fedsparse.common.methods.gip import gip_privacy
 from fedsparse.common.methods.index_selection import (
     IndexBudget,
     StepSelector,
@@ -29,13 +30,8 @@ from fedsparse.common.methods.index_selection import (
 )
 from fedsparse.common.methods.mallows import mask_distance_pmf
 from fedsparse.common.models.classifiers import build_model
-from fedsparse.common.training.local import (
-    PrivacyConfig,
-    SparsityConfig,
-    TrainConfig,
-    gip_privacy,
-    train_centralized,
-)
+from fedsparse.common.training.centralized import train_centralized
+from fedsparse.common.training.configs import PrivacyConfig, SparsityConfig, TrainConfig
 
 warnings.filterwarnings("ignore", message="Secure RNG turned off")
 warnings.filterwarnings("ignore", message=".*non-full backward hook.*")

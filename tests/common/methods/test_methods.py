@@ -29,12 +29,8 @@ from fedsparse.common.methods import (
 )
 from fedsparse.common.methods.schedules import RateSchedule
 from fedsparse.common.models.classifiers import build_model
-from fedsparse.common.training.local import (
-    PrivacyConfig,
-    SparsityConfig,
-    TrainConfig,
-    train_centralized,
-)
+from fedsparse.common.training.centralized import train_centralized
+from fedsparse.common.training.configs import PrivacyConfig, SparsityConfig, TrainConfig
 
 
 def _layout(name: str = "dpcnn-mnist") -> ParamLayout:

@@ -25,12 +25,8 @@ from fedsparse.common.models.classifiers import (
     count_parameters,
 )
 from fedsparse.common.models.scattering import Scattering2D, morlet_filter_bank, scattering_channels
-from fedsparse.common.training.local import (
-    PrivacyConfig,
-    TrainConfig,
-    make_private,
-    train_one_epoch,
-)
+from fedsparse.common.training.configs import PrivacyConfig, TrainConfig
+from fedsparse.common.training.local import make_private, train_one_epoch
 
 warnings.filterwarnings("ignore", message="Secure RNG turned off")
 

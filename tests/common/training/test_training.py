@@ -1,5 +1,5 @@
-"""Tests for fedsparse.common.training.local: masks per step, evaluation, the local DP-SGD + RS
-loop."""
+"""Tests for fedsparse.common.training (configs, local, centralized): masks per step,
+evaluation, the local DP-SGD + RS loop."""
 
 import itertools
 import math
@@ -10,17 +10,10 @@ from torch import nn
 
 from fedsparse.common.layout import ParamLayout
 from fedsparse.common.masks import derive_seed, keep_count, sample_mask
-from fedsparse.common.training.local import (
-    EpochStats,
-    PrivacyConfig,
-    SparsityConfig,
-    TrainConfig,
-    evaluate,
-    make_private,
-    round_mask,
-    train_centralized,
-    train_one_epoch,
-)
+from fedsparse.common.methods.selection import round_mask
+from fedsparse.common.training.centralized import train_centralized
+from fedsparse.common.training.configs import PrivacyConfig, SparsityConfig, TrainConfig
+from fedsparse.common.training.local import EpochStats, evaluate, make_private, train_one_epoch
 
 # --- helpers ----------------------------------------------------------------------------------
 
