@@ -3,7 +3,7 @@
 ``run_train`` loads the dataset's split, builds the model, trains it (``common/training/local.py:
 train_centralized``; RS paper, Algorithm 1, or another method) and writes ``epochs.jsonl``
 (one line per epoch) and ``summary.json`` into the run directory. ``fedsparse train`` and the
-reproduction's centralized runs (``lab/research/reproduce.py``) both call it.
+reproduction's centralized runs (``lab/research/reproduction/central_runs.py``) both call it.
 """
 
 from __future__ import annotations
