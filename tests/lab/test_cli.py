@@ -1,4 +1,5 @@
-"""The ``fedsparse train`` command: files written, epsilon within budget, accuracy above chance.
+"""The ``fedsparse train`` command: files written, epsilon within budget, accuracy above chance;
+``fedsparse reconstruct``: the options of the study's ``-m`` entry point, and a tiny run.
 
 And the command line's process hygiene: importing ``fedsparse.lab`` changes no global state.
 """
