@@ -140,9 +140,9 @@ def test_the_import_graph_has_no_cycle() -> None:
 
 
 def test_no_library_module_imports_the_command_line() -> None:
-    """The CLI calls the library, never the other way: ``lab/research/reproduce.py`` once borrowed
-    the
-    CLI's ``run_train`` (now ``lab/experiments/train.py``)."""
+    """The CLI calls the library, never the other way: the reproduction's centralized runs
+    (``lab/research/reproduction/central_runs.py``) once borrowed the CLI's ``run_train``
+    (now ``lab/experiments/train.py``)."""
     bad = [
         f"{module} imports {name}"
         for module, names in sorted(_graph().items())
@@ -157,11 +157,10 @@ def test_the_graph_sees_every_kind_of_import() -> None:
     """The reader's oracle: deferred, relative and ``from package import module`` imports
     are edges; ``TYPE_CHECKING`` imports are not."""
     graph = _graph()
-    assert (
-        "fedsparse.lab.experiments.train" in graph["fedsparse.lab.research.reproduce"]
-    )  # inside a function
+    runs = graph["fedsparse.lab.research.reproduction.central_runs"]
+    assert "fedsparse.lab.experiments.train" in runs  # inside a function
     assert "fedsparse.lab.cli.app" in graph[CLI]
-    assert "fedsparse.lab.experiments.sweep" in graph["fedsparse.lab.research.reproduce"]
+    assert "fedsparse.lab.experiments.sweep" in runs
 
 
 @pytest.mark.parametrize(

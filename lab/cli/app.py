@@ -14,6 +14,7 @@ import typer
 from fedsparse.lab.cli.compose import compose, node
 from fedsparse.lab.cli.deploy import deploy
 from fedsparse.lab.cli.export import export
+from fedsparse.lab.cli.reconstruct import reconstruct
 from fedsparse.lab.cli.reproduce import reproduce
 from fedsparse.lab.cli.simulate import demo, simulate
 from fedsparse.lab.cli.sweep import sweep
@@ -46,6 +47,7 @@ app.command()(train)
 app.command()(simulate)
 app.command()(sweep)
 app.command()(reproduce)
+app.command()(reconstruct)
 app.command()(demo)
 app.command()(deploy)
 app.command()(compose)

@@ -1,7 +1,6 @@
 """``fedsparse reproduce``: the RS paper's claims re-run beside the paper's numbers.
 
-The plan, the runs and the verdicts are ``lab/research/reproduce.py``; the report
-``lab/research/reproduce_report.py``.
+The plan, the runs, the verdicts and the report are ``lab/research/reproduction/``.
 """
 
 from __future__ import annotations
@@ -34,10 +33,10 @@ def reproduce(
     ] = False,
 ) -> None:
     """The RS paper's claims re-run (Fig. 1c, Table 2 / Fig. 4 best vs best, Fig. 3, App. H),
-    beside the paper's numbers, with verdicts (lab/research/reproduce.py). The committed report:
+    beside the paper's numbers, with verdicts (lab/research/reproduction/). The committed report:
     docs/reproduction (about 2 hours on 2 cores)."""
-    from fedsparse.lab.research.reproduce import PARTS, ReproductionPlan
-    from fedsparse.lab.research.reproduce_report import reproduce_and_report
+    from fedsparse.lab.research.reproduction.plan import PARTS, ReproductionPlan
+    from fedsparse.lab.research.reproduction.report import reproduce_and_report
 
     chosen = [p.strip() for p in parts.split(",") if p.strip()]
     try:

@@ -3,8 +3,8 @@
 ``run_train`` loads the dataset's split, builds the model, trains it
 (``common/training/centralized.py: train_centralized``; RS paper, Algorithm 1, or another
 method) and writes ``epochs.jsonl`` (one line per epoch) and ``summary.json`` into the run
-directory. ``fedsparse train`` and the
-reproduction's centralized runs (``lab/research/reproduce.py``) both call it.
+directory. ``fedsparse train`` and the reproduction's centralized runs
+(``lab/research/reproduction/central_runs.py``) both call it.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Gradient inversion (``lab/research/inversion.py``): IG works, reads only the mask, Thm 5.1 holds.
+"""Gradient inversion (``lab/research/inversion/attack.py``): IG works, reads only the mask,
+Thm 5.1 holds.
 
 The IG tests attack ``digits-cnn`` at its initial weights on one digits test image. The
 Thm 5.1 tests run the closed-form linear attack over thousands of masks and noise draws and
@@ -17,7 +18,7 @@ import torch
 from fedsparse.common.data.datasets import load_dataset
 from fedsparse.common.masks import derive_seed, keep_count, sample_mask
 from fedsparse.common.models.classifiers import build_model
-from fedsparse.lab.research.inversion import (
+from fedsparse.lab.research.inversion.attack import (
     InversionConfig,
     PixelScale,
     PrivacySetting,

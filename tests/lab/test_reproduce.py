@@ -14,26 +14,25 @@ from typer.testing import CliRunner
 
 from fedsparse.lab.cli import app
 from fedsparse.lab.experiments.tuning import ArmChoice, PairedDifference
-from fedsparse.lab.research.reproduce import (
+from fedsparse.lab.research.reproduction.central_runs import run_specs
+from fedsparse.lab.research.reproduction.comparison import (
     ArmResult,
-    CentralSpec,
-    CentralStudy,
     Comparison,
-    FederatedStudy,
-    ReproductionPlan,
     _by_length,
     _tuning_se,
     gain_verdict,
-    measure_noise_ratio,
-    run_central_study,
-    run_specs,
     still_rising,
 )
-from fedsparse.lab.research.reproduce_report import (
-    _ablation_section,
-    _scaling_section,
-    reproduce_and_report,
+from fedsparse.lab.research.reproduction.noise import measure_noise_ratio
+from fedsparse.lab.research.reproduction.plan import (
+    CentralSpec,
+    CentralStudy,
+    FederatedStudy,
+    ReproductionPlan,
 )
+from fedsparse.lab.research.reproduction.report import reproduce_and_report
+from fedsparse.lab.research.reproduction.run import run_central_study
+from fedsparse.lab.research.reproduction.sections import _ablation_section, _scaling_section
 
 
 def diff(mean: float, low: float, high: float, n: int = 5) -> PairedDifference:
@@ -419,7 +418,7 @@ def test_specs_sharing_a_directory_are_refused(tmp_path: Path) -> None:
 
 
 def test_a_borrowed_baseline_must_pair_by_seed() -> None:
-    from fedsparse.lab.research.reproduce import _baseline_source
+    from fedsparse.lab.research.reproduction.run import _baseline_source
 
     source = FederatedStudy(name="src", dataset="digits", epsilon=3.0)
     other = FederatedStudy(
@@ -459,7 +458,7 @@ def test_a_borrowed_baseline_must_pair_by_seed() -> None:
 
 
 def test_fig4_verdict_uses_the_margin_on_both_sides() -> None:
-    from fedsparse.lab.research.reproduce_report import _untuned_verdict
+    from fedsparse.lab.research.reproduction.sections import _untuned_verdict
 
     assert _untuned_verdict(diff(-0.003, -0.009, 0.003)) == "reproduced"
     assert _untuned_verdict(diff(-0.005, -0.011, -0.001)) == "inconclusive"

@@ -1,52 +1,27 @@
-"""``docs/reproduction``'s report: the paper's claims and numbers beside ours, with verdicts.
-
-Every verdict follows a rule fixed in code (``fedsparse.lab.research.reproduce`` and below), so a
-re-run with other numbers gets the verdict its numbers earn:
-
-- Table 2 (``gain_verdict``): *reproduced* when our best-vs-best interval lies above 0, *not
-  reproduced* when it lies below the paper's gain, *inconclusive* when it holds both.
-- Fig. 4 (RS in the baseline's hyperparameters keeps its accuracy): *reproduced* when the paired
-  interval lies above ``-EQUIVALENCE_MARGIN``; *not reproduced* when it lies below it.
-- Fig. 3 (RS slows clipped-only and noise-only SGD): *reproduced* when the final training loss
-  at the largest rate is higher than at rate 0 (paired interval above 0); *not reproduced*
-  when lower (interval below 0).
-- App. H (the best C of each momentum and the best momentum of each C lie on one diagonal
-  C / (1 - mu) = const): *reproduced* when at least 3/4 of the rows and columns peak within
-  a factor 2 of the best cell's ratio, *not reproduced* at chance or below (``_scaling_section``),
-  else *partly*.
-- Fig. 1c: *reproduced* when every measured ratio is within 3 standard errors of sqrt(1 - r).
+"""The sections of the reproduction's report: the noise ratio, the Table 2 comparisons, the
+uplink bits, Fig. 4 (RS in the baseline's hyperparameters), the ablations and the scaling
+rule, each a list of Markdown lines with its verdicts and CSV rows; and the cell formats and
+verdict rules they share.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
-import numpy as np
-from matplotlib.figure import Figure
-
-from fedsparse.lab.experiments.report import write_csv
-from fedsparse.lab.research.reproduce import (
-    EQUIVALENCE_MARGIN,
-    PAPER_NOISE_DIM,
-    PARTS,
-    RISING_TOLERANCE,
+from fedsparse.lab.research.reproduction.comparison import (
     Comparison,
     Convergence,
-    Log,
-    Reproduction,
-    ReproductionPlan,
     _mean_se,
     _paired,
     gain_verdict,
-    run_reproduction,
 )
-
-__all__ = ["reproduce_and_report", "write_report"]
-
-COMMAND = "fedsparse reproduce --out docs/reproduction --runs-dir runs/reproduction --jobs 2"
+from fedsparse.lab.research.reproduction.plan import (
+    EQUIVALENCE_MARGIN,
+    RISING_TOLERANCE,
+    ReproductionPlan,
+)
 
 
 def _pct(x: float) -> str:
@@ -86,92 +61,6 @@ def _loss_verdict(d: Any) -> str:
     return "inconclusive"
 
 
-# ---------------------------------------------------------------------------------------------
-# Plots
-
-
-def _save(fig: Figure, path: Path) -> None:
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
-
-def _plot_noise(rows: Sequence[Mapping[str, float]], path: Path) -> None:
-    fig = Figure(figsize=(5, 3.5))
-    ax = fig.add_subplot()
-    grid = np.linspace(0, 0.99, 100)
-    ax.plot(grid, np.sqrt(1 - grid), color="grey", label="sqrt(1 - r)")
-    ax.errorbar(
-        [r["rate"] for r in rows],
-        [r["measured"] for r in rows],
-        yerr=[3 * r["se"] for r in rows],
-        fmt="o",
-        label="measured (±3 SE)",
-    )
-    ax.set_xlabel("sparsification rate r")
-    ax.set_ylabel("||m ⊙ ξ|| / ||ξ||")
-    ax.set_title(f"Fig. 1c: noise norm ratio, d = {PAPER_NOISE_DIM:,}")
-    ax.legend()
-    _save(fig, path)
-
-
-def _grid(n: int) -> tuple[int, int]:
-    cols = min(n, 2)
-    return math.ceil(n / cols), cols
-
-
-def _plot_rates(comparisons: Sequence[Comparison], path: Path) -> None:
-    rows, cols = _grid(len(comparisons))
-    fig = Figure(figsize=(5 * cols, 3.4 * rows))
-    for i, c in enumerate(comparisons):
-        ax = fig.add_subplot(rows, cols, i + 1)
-        stats = [a.mean_se for a in c.arms]
-        ax.errorbar(
-            [a.rate for a in c.arms],
-            [100 * m for m, _ in stats],
-            yerr=[0 if math.isnan(s) else 100 * s for _, s in stats],
-            fmt="o-",
-            capsize=3,
-            label="each r* at its own best",
-        )
-        untuned = [(a.rate, _mean_se(list(a.untuned.values()))) for a in c.arms[1:] if a.untuned]
-        if untuned:
-            ax.errorbar(
-                [0.0] + [r for r, _ in untuned],
-                [100 * stats[0][0]] + [100 * m for _, (m, _) in untuned],
-                yerr=[0 if math.isnan(stats[0][1]) else 100 * stats[0][1]]
-                + [0 if math.isnan(s) else 100 * s for _, (_, s) in untuned],
-                fmt="s--",
-                capsize=3,
-                label="at the baseline's best",
-            )
-        ax.set_title(
-            f"{c.name}: {c.setting}, {c.dataset} ({c.model}), ε = {c.epsilon:g}", fontsize=9
-        )
-        ax.set_xlabel("final sparsification rate r*")
-        ax.set_ylabel("test accuracy (%)")
-        ax.legend(fontsize=7)
-    _save(fig, path)
-
-
-def _plot_curves(comparisons: Sequence[Comparison], path: Path) -> None:
-    rows, cols = _grid(len(comparisons))
-    fig = Figure(figsize=(5 * cols, 3.4 * rows))
-    for i, c in enumerate(comparisons):
-        ax = fig.add_subplot(rows, cols, i + 1)
-        for arm in c.arms:
-            length = min((len(x) for x in arm.curves), default=0)
-            if not length:
-                continue
-            mean = np.mean([x[:length] for x in arm.curves], axis=0)
-            ax.plot(range(1, length + 1), 100 * mean, label=f"r* = {arm.rate:g} ({arm.best})")
-        unit = "epoch" if c.setting == "centralized" else "round"
-        ax.set_title(f"{c.name}: {c.setting}, {c.dataset}, ε = {c.epsilon:g}", fontsize=9)
-        ax.set_xlabel(unit)
-        ax.set_ylabel("test accuracy (%)")
-        ax.legend(fontsize=6)
-    _save(fig, path)
-
-
 def _length_unit(c: Comparison) -> str:
     return "epochs" if c.length_key == "epochs" else "rounds"
 
@@ -202,96 +91,6 @@ def _convergence_cell(c: Comparison, conv: Convergence) -> str:
 
 def _num(item: tuple[str, float]) -> float:
     return float(item[0])
-
-
-def _plot_lengths(comparisons: Sequence[Comparison], path: Path) -> bool:
-    """Each arm's best validation accuracy per run length tried; False when none was tuned."""
-    tuned = [c for c in comparisons if any(len(a.by_length) > 1 for a in c.arms)]
-    if not tuned:
-        return False
-    rows, cols = _grid(len(tuned))
-    fig = Figure(figsize=(5 * cols, 3.4 * rows))
-    for i, c in enumerate(tuned):
-        ax = fig.add_subplot(rows, cols, i + 1)
-        for arm in c.arms:
-            points = sorted(arm.by_length.items(), key=_num)
-            if len(points) > 1:
-                ax.plot(
-                    [float(n) for n, _ in points],
-                    [100 * v for _, v in points],
-                    "o-",
-                    label=arm.name,
-                )
-        ax.set_xscale("log", base=2)
-        ax.set_title(f"{c.name}: best validation per length, ε = {c.epsilon:g}", fontsize=9)
-        ax.set_xlabel(_length_unit(c))
-        ax.set_ylabel("validation accuracy (%)")
-        ax.legend(fontsize=6)
-    _save(fig, path)
-    return True
-
-
-def _plot_ablations(
-    ablations: Mapping[str, Mapping[float, list[dict[str, Any]]]], path: Path
-) -> None:
-    fig = Figure(figsize=(10, 3.5))
-    for i, (mechanism, by_rate) in enumerate(ablations.items()):
-        ax = fig.add_subplot(1, len(ablations), i + 1)
-        rates = list(by_rate)
-        for key, label, scale in (
-            ("final_train_loss", "final train loss", 1.0),
-            ("final_test_accuracy", "test accuracy", 1.0),
-        ):
-            stats = [_mean_se(_ok(by_rate[r], key)) for r in rates]
-            ax.errorbar(
-                rates,
-                [scale * m for m, _ in stats],
-                yerr=[0 if math.isnan(s) else scale * s for _, s in stats],
-                fmt="o-",
-                capsize=3,
-                label=label,
-            )
-        ax.set_title(
-            f"Fig. 3: {mechanism} SGD (no {'noise' if mechanism == 'clipped' else 'clipping'})"
-        )
-        ax.set_xlabel("final sparsification rate r*")
-        ax.legend(fontsize=7)
-    _save(fig, path)
-
-
-def _plot_scaling(
-    table: Mapping[tuple[float, float], tuple[float, float]],
-    clips: Sequence[float],
-    momenta: Sequence[float],
-    path: Path,
-) -> None:
-    fig = Figure(figsize=(5, 4))
-    ax = fig.add_subplot()
-    values = np.array([[100 * table[(c, m)][0] for m in momenta] for c in clips])
-    image = ax.imshow(values, origin="lower", cmap="viridis")
-    fig.colorbar(image, ax=ax, label="test accuracy (%)")
-    ax.set_xticks(range(len(momenta)), [f"{m:g}" for m in momenta])
-    ax.set_yticks(range(len(clips)), [f"{c:g}" for c in clips])
-    ax.set_xlabel("momentum μ")
-    ax.set_ylabel("clipping bound C")
-    finished = {cell: v for cell, v in table.items() if not math.isnan(v[0])}
-    best = max(finished, key=lambda cell: finished[cell][0]) if finished else (1.0, 0.0)
-    rho = best[0] / (1 - best[1])
-    for i, c in enumerate(clips):
-        for j, m in enumerate(momenta):
-            on = abs(math.log2(c / (1 - m) / rho)) <= 1 + 1e-9
-            ax.text(
-                j,
-                i,
-                f"{values[i, j]:.1f}",
-                ha="center",
-                va="center",
-                fontsize=7,
-                color="red" if on else "white",
-                fontweight="bold" if on else "normal",
-            )
-    ax.set_title(f"App. H: C / (1 - μ) within 2x of {rho:.3g} in red")
-    _save(fig, path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -667,185 +466,3 @@ def _scaling_section(
         if (c, m) in table
     ]
     return lines, verdict, rows
-
-
-def write_report(
-    result: Reproduction, plan: ReproductionPlan, out: Path, *, command: str = ""
-) -> Path:
-    """Writes ``report.md``, the CSVs and the plots of what ``result`` holds into ``out``."""
-    out.mkdir(parents=True, exist_ok=True)
-    summary: list[tuple[str, str, str, str]] = []  # claim, paper, ours, verdict
-    body: list[str] = []
-    if result.noise:
-        lines, verdict = _noise_section(result.noise)
-        body += lines
-        worst = max(abs(r["relative_error"]) for r in result.noise)
-        summary.append(
-            (
-                "Fig. 1c: ‖m ⊙ ξ‖/‖ξ‖ = sqrt(1 − r)",
-                "plotted at d = 5.5e5",
-                f"within {100 * worst:.2f}% at every r",
-                verdict,
-            )
-        )
-        write_csv(out / "noise_ratio.csv", result.noise, list(result.noise[0]))
-        _plot_noise(result.noise, out / "noise_ratio.png")
-    if result.comparisons:
-        lines, rows = _comparison_tables(result.comparisons)
-        body += lines
-        for c in result.comparisons:
-            if not c.table2:
-                continue
-            diff = c.difference(c.rs)
-            paper_name, (_, _, gain) = c.paper
-            summary.append(
-                (
-                    f"Table 2: RS beats the tuned baseline ({c.setting}, {c.dataset}, "
-                    f"ε = {c.epsilon:g})" + (" (extension)" if c.setting == "federated" else ""),
-                    f"+{gain} points ({paper_name})",
-                    f"r* = {c.rs.rate:g}: {_interval(diff)} points",
-                    gain_verdict(diff, gain),
-                )
-            )
-        arms = {
-            f"{c.name} r*={a.rate:g}": c.convergence(a)
-            for c in result.comparisons
-            for a in c.arms
-            if not a.name.startswith("r* = 0 (the baseline of")  # counted in its own study
-        }
-        cut = [name for name, conv in arms.items() if conv.cut_short]
-        tuned = [name for name, conv in arms.items() if conv.rising and not conv.cut_short]
-        if cut:
-            ours = (
-                "cut short (still rising at the longest length tried, whose validation score "
-                f"still climbs): {', '.join(cut)}"
-            )
-            if not any(name.endswith(" r*=0") for name in cut):
-                ours += (
-                    ". Only sparse arms are cut short: a longer grid can only raise their "
-                    "tuned validation score, so their gains over the baselines (whose lengths "
-                    "are tuned or flat) are likely conservative"
-                )
-        elif tuned:
-            ours = (
-                f"no run cut short; {len(tuned)} of {len(arms)} arms still rise at the end of "
-                "their tuned length, where every longer length tried scored lower on "
-                "validation (a fixed ε spread over more steps) or, at the longest, gained "
-                f"no more than 2 standard errors on validation over shorter ones: "
-                f"{', '.join(tuned)}"
-            )
-        else:
-            ours = "every curve flat"
-        summary.append(
-            (
-                "Runs long enough to converge",
-                "–",
-                ours,
-                "not converged" if cut else "ok",
-            ),
-        )
-        write_csv(out / "comparisons.csv", rows, list(rows[0]))
-        _plot_rates(result.comparisons, out / "accuracy_vs_rate.png")
-        _plot_curves(result.comparisons, out / "curves.png")
-        if _plot_lengths(result.comparisons, out / "lengths.png"):
-            body += [
-                "Run length, tuned: each arm's best validation accuracy at each length tried "
-                "(the other keys at their best for that length). Under a fixed ε a longer run "
-                "is noisier per step, so accuracy peaks at a finite length.",
-                "",
-                "![run length](lengths.png)",
-                "",
-            ]
-        lines, bits_summary = _bits_section(result.comparisons)
-        if any(c.setting == "federated" for c in result.comparisons):
-            body += lines
-            summary += [(a, b, c_, d) for a, b, c_, d in bits_summary]
-        untuned = [c for c in result.comparisons if any(a.untuned for a in c.arms)]
-        if untuned:
-            body += _untuned_section(untuned)[0]
-            for c in untuned:
-                for arm in c.arms[1:]:
-                    if arm.untuned:
-                        d = c.untuned_difference(arm)
-                        summary.append(
-                            (
-                                f"Fig. 4: r* = {arm.rate:g} keeps the baseline's accuracy in its "
-                                f"hyperparameters ({c.name})",
-                                "flat up to r* 0.7–0.9",
-                                f"{_interval(d)} points",
-                                _untuned_verdict(d),
-                            )
-                        )
-    if result.ablations:
-        lines, verdicts, rows = _ablation_section(result.ablations, plan)
-        body += lines
-        for mechanism, (verdict, text) in verdicts.items():
-            summary.append(
-                (
-                    f"Fig. 3: RS slows {mechanism} SGD",
-                    "slower convergence as r* grows",
-                    f"final train loss {text}",
-                    verdict,
-                )
-            )
-        write_csv(out / "ablations.csv", rows, list(rows[0]))
-        _plot_ablations(result.ablations, out / "ablations.png")
-    if result.scaling:
-        lines, verdict, rows = _scaling_section(result.scaling, plan)
-        body += lines
-        hits = next(line for line in lines if "peak on the diagonal" in line)
-        summary.append(
-            ("App. H: optima on C/(1 − μ) = const", "every row and column", hits, verdict)
-        )
-        write_csv(out / "scaling.csv", rows, list(rows[0]))
-        table = {
-            cell: _mean_se(_ok(r, "final_test_accuracy")) for cell, r in result.scaling.items()
-        }
-        _plot_scaling(table, plan.scaling_clips, plan.scaling_momenta, out / "scaling.png")
-    if result.failures:
-        body += ["## Studies that did not conclude", ""]
-        body += [f"- {failure}" for failure in result.failures]
-        body.append("")
-        summary += [(f"Study {f.split(':')[0]}", "–", "failed", "not run") for f in result.failures]
-    head = [
-        "# The RS paper's claims, re-run",
-        "",
-        "Produced by (resumable: finished runs are reused):",
-        "",
-        "```",
-        command or COMMAND,
-        "```",
-        "",
-        "Sources: *Improving Differentially Private SGD via Randomly Sparsified Gradients* "
-        "(the RS paper, arXiv:2112.00845). Verdict rules are fixed in "
-        "`lab/research/reproduce_report.py` before the numbers: *reproduced*, *not reproduced*, or "
-        "*inconclusive* when our interval holds both the paper's effect and none.",
-        "",
-        "## Verdicts",
-        "",
-        "| claim | paper | ours | verdict |",
-        "|---|---|---|---|",
-        *(f"| {a} | {b} | {c} | **{d}** |" for a, b, c, d in summary),
-        "",
-    ]
-    path = out / "report.md"
-    path.write_text("\n".join(head + body) + "\n")
-    return path
-
-
-def reproduce_and_report(
-    plan: ReproductionPlan,
-    *,
-    out: Path,
-    runs_dir: Path,
-    parts: Sequence[str] = PARTS,
-    jobs: int = 1,
-    log: Log | None = None,
-    command: str = "",
-) -> Reproduction:
-    """Runs the chosen ``parts`` of ``plan`` (``run_reproduction``: finished runs reused) and
-    writes ``out``'s report, CSVs and plots (``write_report``, recording ``command``); returns
-    the measurements."""
-    result = run_reproduction(plan, out=out, runs_dir=runs_dir, parts=parts, jobs=jobs, log=log)
-    write_report(result, plan, out, command=command)
-    return result
