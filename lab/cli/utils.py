@@ -136,7 +136,7 @@ def carry_method_options(overrides: Mapping[str, str]) -> dict[str, str]:
 APP_PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
 
 
-#: The run-config key that carries a plug-in method's own keys (``common/config/``'s
+#: The run-config key that carries a plug-in method's own keys (``common/config_keys.py``'s
 #: ``METHOD_OPTIONS``, named here without importing it).
 CARRIER = "method-options"
 

@@ -6,7 +6,7 @@ the same mapping with ``FederatedConfig.from_run_config`` so server and clients 
 bad value is rejected with the key's name and the value (``final-rate=1.2: expected 0 <= r <
 1``), names included (``dataset='imagenet': expected one of digits, ...``): a typo fails at
 parse time, not half a minute later inside Flower. The names each key accepts are listed in
-``common/config/keys.py``. A plug-in method's own keys travel in one declared key,
+``common/config_keys.py``. A plug-in method's own keys travel in one declared key,
 ``method-options`` (``key=value;key=value``): Flower's ``flwr run`` keeps only the keys
 ``pyproject.toml`` declares. Pure Python: the mapping is a plain dict, no Flower import.
 """
@@ -20,7 +20,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
-from fedsparse.common import plugins
 from fedsparse.common.aggregation.robust import (
     DPNormBound,
     HonestClientBound,
@@ -30,8 +29,19 @@ from fedsparse.common.aggregation.robust import (
 )
 from fedsparse.common.aggregation.sparse import AggregatorName, Weighting
 from fedsparse.common.coerce import coerce, format_pairs, parse_pairs, unknown_key
-from fedsparse.common.config.keys import NAMED_FIELDS, TRACKERS, CodecName
-from fedsparse.common.data.datasets import DATASET_INPUT_SHAPES, DatasetName, EvalSplit
+from fedsparse.common.config_keys import (
+    ADDED_KEYS,
+    CODECS,
+    METHOD_OPTIONS,
+    RESUME_MAY_DIFFER,
+    TRACKERS,
+    CodecName,
+    check_names,
+    method_option_values,
+    wire_encoding,
+    with_added_keys,
+)
+from fedsparse.common.data.datasets import DatasetName, EvalSplit
 from fedsparse.common.data.partition import PartitionerName
 from fedsparse.common.dp.accounting import AccountantName
 from fedsparse.common.dp.central import CentralNoise, DPLevel
@@ -49,21 +59,27 @@ from fedsparse.common.methods import (
 )
 from fedsparse.common.methods.index_selection import DEFAULT_INDEX_FRACTION
 from fedsparse.common.methods.schedules import ScheduleName
-from fedsparse.common.models.classifiers import (
-    DEFAULT_MODELS,
-    MODEL_INPUT_SHAPES,
-    MODEL_NAMES,
-    ModelName,
-)
+from fedsparse.common.models.classifiers import DEFAULT_MODELS, ModelName
 from fedsparse.common.training.local import DeviceName, PrivacyConfig, SparsityConfig
 from fedsparse.common.wire.payload import DEFAULT_VALUE_BLOCK, Compression, PayloadDType
-from fedsparse.common.wire.protocol import MaskScope
+from fedsparse.common.wire.protocol import MASK_SCOPES, MaskScope
 
-__all__ = ["FederatedConfig", "METHOD_OPTIONS", "run_config_fields"]
-
-#: The run-config key that carries a plug-in method's own keys (``Method.options``) as
-#: ``key=value;key=value``.
-METHOD_OPTIONS: Final = "method-options"
+#: The public entry point of the run config: the dataclass, and the key table's names
+#: (``config_keys``).
+__all__ = [
+    "ADDED_KEYS",
+    "CODECS",
+    "METHOD_OPTIONS",
+    "RESUME_MAY_DIFFER",
+    "TRACKERS",
+    "MASK_SCOPES",
+    "with_added_keys",
+    "CodecName",
+    "FederatedConfig",
+    "MaskScope",
+    "run_config_fields",
+    "wire_encoding",
+]
 
 
 def run_config_fields() -> list[dataclasses.Field[Any]]:
@@ -194,37 +210,7 @@ class FederatedConfig:
             fail("noise_multiplier", "a finite value >= 0")
         if not (math.isfinite(self.target_epsilon) and self.target_epsilon >= 0):
             fail("target_epsilon", "a finite value >= 0 (0: use noise-multiplier)")
-        for field, names in NAMED_FIELDS.items():
-            value = getattr(self, field)
-            if field == "dataset" and plugins.is_reference(value):
-                continue  # a user's loader (common/plugins.py): imported where it is loaded
-            if value not in names:
-                more = " or package.module:loader" if field == "dataset" else ""
-                fail(field, f"one of {', '.join(names)}{more}")
-        check_method_name(self.method)
-        for target in self.trackers:
-            if target not in TRACKERS:
-                fail("log", f"some of {', '.join(TRACKERS)}, comma-separated ('' for none)")
-        user_model = plugins.is_reference(self.model)
-        user_dataset = plugins.is_reference(self.dataset)
-        if self.model not in ("", *MODEL_NAMES) and not user_model:
-            fail(
-                "model",
-                f"one of {', '.join(MODEL_NAMES)} ('' for the dataset's default) or "
-                "package.module:factory",
-            )
-        if user_dataset and self.model == "":
-            fail("model", f"a model for dataset={self.dataset!r} (a user's dataset has no default)")
-        if not (user_model or user_dataset):  # a user's shapes are checked where they load
-            model_shape = MODEL_INPUT_SHAPES[self.model_name]
-            data_shape = DATASET_INPUT_SHAPES[self.dataset]
-            if model_shape != data_shape:
-                fits = [m for m in MODEL_NAMES if MODEL_INPUT_SHAPES[m] == data_shape]
-                fail(
-                    "model",
-                    f"a model for dataset={self.dataset!r} ({_shape(data_shape)} images; "
-                    f"{self.model} takes {_shape(model_shape)}): one of {', '.join(fits)} or ''",
-                )
+        check_names(self, fail)
         if not 0 <= self.seed < 2**63:
             fail("seed", "0 <= seed < 2**63")
         if not 1 <= self.value_block < 2**32:
@@ -318,30 +304,13 @@ class FederatedConfig:
         )
 
     def plugin_options(self) -> tuple[tuple[str, Any], ...]:
-        """``method-options`` parsed: the plug-in's own keys and their values, typed by their
-        defaults (``Method.options``), sorted by key.
-
-        Raises:
-            ValueError: a malformed ``method-options``, a key the method does not declare or a
-                value of the wrong type (naming the key and the value).
-        """
-        given = parse_pairs(METHOD_OPTIONS, self.method_options)
-        if not given:
-            return ()
-        declared = self.method_class().options
-        if not declared:
-            raise ValueError(
-                f"{METHOD_OPTIONS}={self.method_options!r}: expected '' "
-                f"(method={self.method!r} declares no options)"
-            )
-        for key in given:
-            if key not in declared:
-                where = f"method={self.method!r}: {METHOD_OPTIONS} key"
-                known = {**declared, **{f.name: f for f in run_config_fields()}}
-                raise ValueError(unknown_key(where, key, known))
-        return tuple(
-            (key, coerce(key, given[key], type(declared[key]), where=METHOD_OPTIONS))
-            for key in sorted(given)
+        """``method-options`` parsed (``config_keys.method_option_values``): the plug-in's own
+        keys and their values, typed by their defaults (``Method.options``), sorted by key."""
+        return method_option_values(
+            self.method_options,
+            method=self.method,
+            declared=self.method_class().options if self.method_options.strip() else {},
+            known=(f.name for f in run_config_fields()),
         )
 
     @property
@@ -509,7 +478,3 @@ class FederatedConfig:
 #: The smallest target epsilon a worst-case sigma serves (robust.worst_case_noise_multiplier
 #: lowers the target by the calibration tolerance and PRV's error).
 _MIN_TARGET: Final = 0.03
-
-
-def _shape(shape: tuple[int, ...]) -> str:
-    return "x".join(map(str, shape))

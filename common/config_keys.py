@@ -1,28 +1,33 @@
 """The run config's key table: which names each named key accepts, which keys were added
 after runs were recorded (and the value those runs ran under), which a resumed run may change,
-and the wire codecs and trackers a run can name.
+the wire codecs and trackers a run can name, and the format of ``method-options``, the one key
+that carries a plug-in method's own keys.
 
-What ``FederatedConfig`` (``common/config/federated.py``) checks its values against and what
-reads a saved run config (a checkpoint, a finished sweep run) needs; the allowed names are the
-``Literal`` types of the modules that implement them (``data.DatasetName``, ...).
+What ``FederatedConfig`` (``common/config.py``, which exports these names too) checks its
+values against and what reads a saved run config (a checkpoint, a finished sweep run) needs;
+the allowed names are the ``Literal`` types of the modules that implement them
+(``data.DatasetName``, ...).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, Final, Literal, get_args
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Final, Literal, get_args
 
+from fedsparse.common import plugins
 from fedsparse.common.aggregation.robust import DP_NORM_BOUNDS, NORM_ACTIONS
 from fedsparse.common.aggregation.sparse import AGGREGATORS, WEIGHTINGS
-from fedsparse.common.data.datasets import DATASET_NAMES, EVAL_SPLITS
+from fedsparse.common.coerce import coerce, parse_pairs, unknown_key
+from fedsparse.common.data.datasets import DATASET_INPUT_SHAPES, DATASET_NAMES, EVAL_SPLITS
 from fedsparse.common.data.partition import PARTITIONER_NAMES
 from fedsparse.common.dp.accounting import ACCOUNTANTS
 from fedsparse.common.dp.central import CENTRAL_NOISE_SOURCES, DP_LEVELS
 from fedsparse.common.dp.engines import ENGINES
 from fedsparse.common.dp.optimizer import MECHANISMS
-from fedsparse.common.methods import SELECTION_MODES, SELECTIONS
+from fedsparse.common.methods import SELECTION_MODES, SELECTIONS, check_method_name
 from fedsparse.common.methods.index_selection import DEFAULT_INDEX_FRACTION
 from fedsparse.common.methods.schedules import SCHEDULES
+from fedsparse.common.models.classifiers import MODEL_INPUT_SHAPES, MODEL_NAMES
 from fedsparse.common.training.local import DEVICES
 from fedsparse.common.wire.payload import (
     COMPRESSIONS,
@@ -32,13 +37,19 @@ from fedsparse.common.wire.payload import (
 )
 from fedsparse.common.wire.protocol import MASK_SCOPES
 
+if TYPE_CHECKING:
+    from fedsparse.common.config import FederatedConfig
+
 __all__ = [
     "ADDED_KEYS",
     "CODECS",
+    "METHOD_OPTIONS",
     "NAMED_FIELDS",
     "RESUME_MAY_DIFFER",
     "TRACKERS",
     "CodecName",
+    "check_names",
+    "method_option_values",
     "with_added_keys",
     "wire_encoding",
 ]
@@ -62,7 +73,7 @@ RESUME_MAY_DIFFER: Final[frozenset[str]] = frozenset(
 
 #: Run-config keys added after runs were recorded, with the value under which a run recorded
 #: before them ran: ``auto`` was the Opacus engine on the CPU when those runs ran (it is the
-#: factored engine since 2026-11-25: the same mechanism, equal to float rounding, so a run or
+#: factored engine now (CHANGELOG.md): the same mechanism, equal to float rounding, so a run or
 #: checkpoint recorded under the old ``auto`` is read as the same config; ``engine=opacus``
 #: repeats it bit for bit), and ``method=rs`` (with its unused ``freeze-*`` defaults) is what
 #: every earlier run did. A checkpoint or a finished sweep run written without them is read
@@ -147,3 +158,83 @@ NAMED_FIELDS: Final[dict[str, tuple[str, ...]]] = {
     "norm_action": NORM_ACTIONS,
     "dp_norm_bound": DP_NORM_BOUNDS,
 }
+
+
+#: The run-config key that carries a plug-in method's own keys (``Method.options``) as
+#: ``key=value;key=value``: ``flwr run`` passes only the keys ``pyproject.toml`` declares.
+METHOD_OPTIONS: Final = "method-options"
+
+
+def method_option_values(
+    text: str, *, method: str, declared: Mapping[str, Any], known: Iterable[str]
+) -> tuple[tuple[str, Any], ...]:
+    """``method-options``'s ``text`` parsed: the keys of method ``method`` and their values,
+    typed by their defaults (``declared``: its ``Method.options``), sorted by key.
+
+    Args:
+        known: the run-config keys, for the closest key an unknown one may have meant.
+
+    Raises:
+        ValueError: a malformed ``text``, a key the method does not declare or a value of the
+            wrong type (naming the key and the value).
+    """
+    given = parse_pairs(METHOD_OPTIONS, text)
+    if not given:
+        return ()
+    if not declared:
+        raise ValueError(
+            f"{METHOD_OPTIONS}={text!r}: expected '' (method={method!r} declares no options)"
+        )
+    for key in given:
+        if key not in declared:
+            where = f"method={method!r}: {METHOD_OPTIONS} key"
+            raise ValueError(unknown_key(where, key, [*declared, *known]))
+    return tuple(
+        (key, coerce(key, given[key], type(declared[key]), where=METHOD_OPTIONS))
+        for key in sorted(given)
+    )
+
+
+def check_names(cfg: FederatedConfig, fail: Callable[[str, str], None]) -> None:
+    """Checks each of ``cfg``'s names against the names its key accepts (``NAMED_FIELDS``,
+    the built-in methods, models and trackers; a user's ``package.module:attribute`` is
+    checked where it is imported) and the model against the dataset's image shape.
+
+    Args:
+        fail: called with the field and what it expected (raises).
+    """
+    for field, names in NAMED_FIELDS.items():
+        value = getattr(cfg, field)
+        if field == "dataset" and plugins.is_reference(value):
+            continue  # a user's loader (common/plugins.py): imported where it is loaded
+        if value not in names:
+            more = " or package.module:loader" if field == "dataset" else ""
+            fail(field, f"one of {', '.join(names)}{more}")
+    check_method_name(cfg.method)
+    for target in cfg.trackers:
+        if target not in TRACKERS:
+            fail("log", f"some of {', '.join(TRACKERS)}, comma-separated ('' for none)")
+    user_model = plugins.is_reference(cfg.model)
+    user_dataset = plugins.is_reference(cfg.dataset)
+    if cfg.model not in ("", *MODEL_NAMES) and not user_model:
+        fail(
+            "model",
+            f"one of {', '.join(MODEL_NAMES)} ('' for the dataset's default) or "
+            "package.module:factory",
+        )
+    if user_dataset and cfg.model == "":
+        fail("model", f"a model for dataset={cfg.dataset!r} (a user's dataset has no default)")
+    if not (user_model or user_dataset):  # a user's shapes are checked where they load
+        model_shape = MODEL_INPUT_SHAPES[cfg.model_name]
+        data_shape = DATASET_INPUT_SHAPES[cfg.dataset]
+        if model_shape != data_shape:
+            fits = [m for m in MODEL_NAMES if MODEL_INPUT_SHAPES[m] == data_shape]
+            fail(
+                "model",
+                f"a model for dataset={cfg.dataset!r} ({_shape(data_shape)} images; "
+                f"{cfg.model} takes {_shape(model_shape)}): one of {', '.join(fits)} or ''",
+            )
+
+
+def _shape(shape: tuple[int, ...]) -> str:
+    return "x".join(map(str, shape))
