@@ -116,8 +116,6 @@ def format_pairs(key: str, values: Mapping[str, Any]) -> str:
         else:
             text = repr(value) if isinstance(value, float) else str(value)
         if ";" in text or text != text.strip():
-            raise ValueError(
-                f"{key}: {name}={value!r}: expected a value without ; (or edge spaces)"
-            )
+            raise ValueError(f"{key}: {name}={value!r}: expected no ; and no edge spaces")
         items.append(f"{name}={text}")
     return ";".join(items)

@@ -132,6 +132,38 @@ def test_a_plugin_key_is_checked_against_the_method(plugin: str) -> None:
         MethodConfig(name=plugin, options=(("other", 1),)).method()
 
 
+def test_method_options_are_parsed_and_written_one_way(plugin: str) -> None:
+    cfg = FederatedConfig.from_run_config({"method": plugin, "method-options": " stride = 3 ;"})
+    assert cfg.method_options == "stride=3" and cfg.plugin_options() == (("stride", 3),)
+    assert FederatedConfig(method=plugin, method_options="stride=03") == cfg
+    with pytest.raises(ValueError, match=r"^method-options: stride='x': expected int$"):
+        FederatedConfig(method=plugin, method_options="stride=x")
+    with pytest.raises(ValueError, match="key 'num-round' is unknown; did you mean 'num-rounds'"):
+        FederatedConfig(method=plugin, method_options="num-round=3")
+    with pytest.raises(ValueError, match=r"^stride=3: expected it once \(also in method-options="):
+        FederatedConfig.from_run_config(
+            {"method": plugin, "stride": 3, "method-options": "stride=2"}
+        )
+
+
+def test_set_puts_a_plugins_own_keys_in_method_options(plugin: str, tmp_path: Path) -> None:
+    import typer
+
+    from fedsparse.lab.cli.utils import check_run_config, parse_sets
+    from fedsparse.lab.launch.base import prepare_run
+
+    sets = parse_sets([f"method={plugin}", "stride=3", "num-rounds=2"])
+    assert sets == {"method": plugin, "num-rounds": "2", "method-options": "stride=3"}
+    check_run_config(sets)  # only keys pyproject.toml declares: what flwr run takes
+    assert FederatedConfig.from_run_config(sets).plugin_options() == (("stride", 3),)
+    assert parse_sets(["stride=3"]) == {"stride": "3"}  # no plug-in: an unknown key, as before
+    with pytest.raises(typer.BadParameter, match="--set stride=3: also in method-options="):
+        parse_sets([f"method={plugin}", "stride=3", "method-options=stride=2"])
+    # a top-level key given in Python (a sweep's grid) reaches flwr run in its carrier too
+    run = prepare_run(tmp_path / "run", {"method": plugin, "stride": "3"}, check_data=False)
+    assert run.run_config["method-options"] == "stride=3" and "stride" not in run.run_config
+
+
 def _ask(node_config: dict[str, object], run_config: dict[str, object]) -> object:
     """One round-1 instruction for the even coordinates to a node; its reply message."""
     cfg = FederatedConfig(num_rounds=3, target_epsilon=0.0, noise_multiplier=1.0)
