@@ -5,9 +5,10 @@ run --run-config`` and ``fedsparse simulate --set key=value`` override them. Bot
 the same mapping with ``FederatedConfig.from_run_config`` so server and clients agree, and a
 bad value is rejected with the key's name and the value (``final-rate=1.2: expected 0 <= r <
 1``), names included (``dataset='imagenet': expected one of digits, ...``): a typo fails at
-parse time, not half a minute later inside Flower. The allowed names are the ``Literal`` types
-of the modules that implement them (``data.DatasetName``, ``models.ModelName``, ...). Pure
-Python: the mapping is a plain dict, no Flower import.
+parse time, not half a minute later inside Flower. The names each key accepts are listed in
+``common/config_keys.py``. A plug-in method's own keys travel in one declared key,
+``method-options`` (``key=value;key=value``): Flower's ``flwr run`` keeps only the keys
+``pyproject.toml`` declares. Pure Python: the mapping is a plain dict, no Flower import.
 """
 
 from __future__ import annotations
@@ -17,35 +18,36 @@ import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Final, Literal, get_args
+from typing import Any, Final, Literal
 
-from fedsparse.common import plugins
 from fedsparse.common.aggregation.robust import (
-    DP_NORM_BOUNDS,
-    NORM_ACTIONS,
     DPNormBound,
     HonestClientBound,
     NormAction,
     NormBound,
     worst_case_noise_multiplier,
 )
-from fedsparse.common.aggregation.sparse import AGGREGATORS, WEIGHTINGS, AggregatorName, Weighting
-from fedsparse.common.coerce import coerce, unknown_key
-from fedsparse.common.data.datasets import (
-    DATASET_INPUT_SHAPES,
-    DATASET_NAMES,
-    EVAL_SPLITS,
-    DatasetName,
-    EvalSplit,
+from fedsparse.common.aggregation.sparse import AggregatorName, Weighting
+from fedsparse.common.coerce import coerce, format_pairs, parse_pairs, unknown_key
+from fedsparse.common.config_keys import (
+    ADDED_KEYS,
+    CODECS,
+    METHOD_OPTIONS,
+    RESUME_MAY_DIFFER,
+    TRACKERS,
+    CodecName,
+    check_names,
+    method_option_values,
+    wire_encoding,
+    with_added_keys,
 )
-from fedsparse.common.data.partition import PARTITIONER_NAMES, PartitionerName
-from fedsparse.common.dp.accounting import ACCOUNTANTS, AccountantName
-from fedsparse.common.dp.central import CENTRAL_NOISE_SOURCES, DP_LEVELS, CentralNoise, DPLevel
-from fedsparse.common.dp.engines import ENGINES, EngineName
-from fedsparse.common.dp.optimizer import MECHANISMS, MechanismName
+from fedsparse.common.data.datasets import DatasetName, EvalSplit
+from fedsparse.common.data.partition import PartitionerName
+from fedsparse.common.dp.accounting import AccountantName
+from fedsparse.common.dp.central import CentralNoise, DPLevel
+from fedsparse.common.dp.engines import EngineName
+from fedsparse.common.dp.optimizer import MechanismName
 from fedsparse.common.methods import (
-    SELECTION_MODES,
-    SELECTIONS,
     FederatedMethodName,
     Method,
     MethodConfig,
@@ -56,27 +58,18 @@ from fedsparse.common.methods import (
     method_schedule,
 )
 from fedsparse.common.methods.index_selection import DEFAULT_INDEX_FRACTION
-from fedsparse.common.methods.schedules import SCHEDULES, ScheduleName
-from fedsparse.common.models.classifiers import (
-    DEFAULT_MODELS,
-    MODEL_INPUT_SHAPES,
-    MODEL_NAMES,
-    ModelName,
-)
-from fedsparse.common.training.configs import DEVICES, DeviceName, PrivacyConfig, SparsityConfig
-from fedsparse.common.wire.payload import (
-    COMPRESSIONS,
-    DEFAULT_VALUE_BLOCK,
-    PAYLOAD_DTYPES,
-    Compression,
-    IndexEncoding,
-    PayloadDType,
-)
+from fedsparse.common.methods.schedules import ScheduleName
+from fedsparse.common.models.classifiers import DEFAULT_MODELS, ModelName
+from fedsparse.common.training.configs import DeviceName, PrivacyConfig, SparsityConfig
+from fedsparse.common.wire.payload import DEFAULT_VALUE_BLOCK, Compression, PayloadDType
 from fedsparse.common.wire.protocol import MASK_SCOPES, MaskScope
 
+#: The public entry point of the run config: the dataclass, and the key table's names
+#: (``config_keys``).
 __all__ = [
     "ADDED_KEYS",
     "CODECS",
+    "METHOD_OPTIONS",
     "RESUME_MAY_DIFFER",
     "TRACKERS",
     "MASK_SCOPES",
@@ -88,92 +81,11 @@ __all__ = [
     "wire_encoding",
 ]
 
-CodecName = Literal["values", "coo", "delta", "bitmap", "auto"]
-"""How a sparse update's support travels (payload): "values" sends values only and lets the
-receiver regenerate the support from the broadcast seed; "coo", "delta" and "bitmap" send it
-explicitly (what a system without seed sharing pays); "auto" picks the smallest, which is
-"values" whenever a seed is known."""
-
-CODECS: Final[tuple[CodecName, ...]] = get_args(CodecName)
-
-
-#: Run-config keys a resumed run may set differently from the run it continues: none of them
-#: changes a number the run computes (where records go and how long the server waits). Every
-#: other key, ``num-rounds`` included (the rate schedule and a calibrated sigma depend on it),
-#: must equal the checkpoint's.
-RESUME_MAY_DIFFER: Final[frozenset[str]] = frozenset(
-    {"resume", "out-dir", "data-dir", "round-timeout", "min-clients", "save-updates", "log"}
-)
-
-#: Run-config keys added after runs were recorded, with the value under which a run recorded
-#: before them ran: ``auto`` was the Opacus engine on the CPU when those runs ran (it is the
-#: factored engine since 2026-11-25: the same mechanism, equal to float rounding, so a run or
-#: checkpoint recorded under the old ``auto`` is read as the same config; ``engine=opacus``
-#: repeats it bit for bit), and ``method=rs`` (with its unused ``freeze-*`` defaults) is what
-#: every earlier run did. A checkpoint or a finished sweep run written without them is read
-#: through ``with_added_keys``.
-ADDED_KEYS: Final[dict[str, Any]] = {
-    "log": "",
-    "engine": "auto",
-    "device": "auto",
-    "method": "rs",
-    "freeze-layers": 1,
-    "freeze-after": 0,
-    "public-fraction": 0.1,
-    "public-epochs": 5,
-    "selection": "magnitude",
-    "selection-mode": "freeze",
-    "index-budget-fraction": DEFAULT_INDEX_FRACTION,
-    "group-size": 256,
-    "eval-split": "test",
-    "split-seed": -1,
-    "dp-level": "sample",
-    "central-noise-multiplier": 1.0,
-    "central-clip": 1.0,
-    "central-noise": "fresh",
-    # The bound never binds on an honest update (common/aggregation/robust.py: HonestClientBound,
-    # with
-    # probability 1 - 1e-9 per update), so a run recorded without it is what it would have
-    # recorded with it, bit for bit, unless a client sent what no honest client can.
-    "dp-norm-bound": "auto",
-    "max-client-examples": 0,
-    # Only the low-bit value dtypes (added with it) read it: an earlier run ran at any value.
-    "value-block": DEFAULT_VALUE_BLOCK,
-}
-
-
-def with_added_keys(config: Mapping[str, Any]) -> dict[str, Any]:
-    """``config`` (a saved run config) with the keys it predates at their ``ADDED_KEYS`` value."""
-    return {**ADDED_KEYS, **config}
-
-
-def wire_encoding(codec: CodecName, *, sparse: bool) -> IndexEncoding:
-    """The ``payload.encode_update`` encoding for a run-config ``codec``.
-
-    A full update (``sparse=False``: rate 0, or the first dense download) always travels
-    ``"dense"``: every codec agrees that no indices are needed.
-    """
-    if codec not in CODECS:
-        raise ValueError(f"codec={codec!r}: expected one of {', '.join(CODECS)}")
-    if not sparse:
-        return "dense"
-    if codec == "values":
-        return "seeded"
-    return codec
-
-
-#: Experiment trackers a run can log to (``log``; ``server/tracking.py``).
-TRACKERS: Final = ("tensorboard", "mlflow")
-
-#: The ``FederatedConfig`` field that is not a run-config key (a plug-in's own keys travel as
-#: top-level keys of their own).
-_NOT_A_KEY: Final = "method_options"
-
 
 def run_config_fields() -> list[dataclasses.Field[Any]]:
-    """The ``FederatedConfig`` fields that are run-config keys (``[tool.flwr.app.config]``),
-    in order: every field but ``method_options``."""
-    return [f for f in dataclasses.fields(FederatedConfig) if f.name != _NOT_A_KEY]
+    """The ``FederatedConfig`` fields, which are the run-config keys
+    (``[tool.flwr.app.config]``), in order."""
+    return list(dataclasses.fields(FederatedConfig))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -229,9 +141,10 @@ class FederatedConfig:
     selection_mode: SelectionMode = "freeze"  # dpssgd: once after pretraining, or each round
     index_budget_fraction: float = DEFAULT_INDEX_FRACTION  # gip: target-epsilon's share for indices
     group_size: int = 256  # gip, random-k: GIP's group length l
-    # a plug-in method's own run-config keys (its ``Method.options``), as (key, value) pairs;
-    # they travel as top-level keys (``to_run_config``), this field never does
-    method_options: tuple[tuple[str, Any], ...] = ()
+    # a plug-in method's own keys (its Method.options) as "key=value;key=value": flwr run
+    # passes only the keys pyproject.toml declares, so this one carries them. With a plug-in
+    # method, fedsparse's --set puts each key the app does not declare here (--set stride=3)
+    method_options: str = ""
     # transport
     codec: CodecName = "values"
     # fp32, fp16, bf16, int8 (one scale per update) or the stochastically rounded int4, int2,
@@ -297,37 +210,7 @@ class FederatedConfig:
             fail("noise_multiplier", "a finite value >= 0")
         if not (math.isfinite(self.target_epsilon) and self.target_epsilon >= 0):
             fail("target_epsilon", "a finite value >= 0 (0: use noise-multiplier)")
-        for field, names in _NAMED_FIELDS.items():
-            value = getattr(self, field)
-            if field == "dataset" and plugins.is_reference(value):
-                continue  # a user's loader (common/plugins.py): imported where it is loaded
-            if value not in names:
-                more = " or package.module:loader" if field == "dataset" else ""
-                fail(field, f"one of {', '.join(names)}{more}")
-        check_method_name(self.method)
-        for target in self.trackers:
-            if target not in TRACKERS:
-                fail("log", f"some of {', '.join(TRACKERS)}, comma-separated ('' for none)")
-        user_model = plugins.is_reference(self.model)
-        user_dataset = plugins.is_reference(self.dataset)
-        if self.model not in ("", *MODEL_NAMES) and not user_model:
-            fail(
-                "model",
-                f"one of {', '.join(MODEL_NAMES)} ('' for the dataset's default) or "
-                "package.module:factory",
-            )
-        if user_dataset and self.model == "":
-            fail("model", f"a model for dataset={self.dataset!r} (a user's dataset has no default)")
-        if not (user_model or user_dataset):  # a user's shapes are checked where they load
-            model_shape = MODEL_INPUT_SHAPES[self.model_name]
-            data_shape = DATASET_INPUT_SHAPES[self.dataset]
-            if model_shape != data_shape:
-                fits = [m for m in MODEL_NAMES if MODEL_INPUT_SHAPES[m] == data_shape]
-                fail(
-                    "model",
-                    f"a model for dataset={self.dataset!r} ({_shape(data_shape)} images; "
-                    f"{self.model} takes {_shape(model_shape)}): one of {', '.join(fits)} or ''",
-                )
+        check_names(self, fail)
         if not 0 <= self.seed < 2**63:
             fail("seed", "0 <= seed < 2**63")
         if not 1 <= self.value_block < 2**32:
@@ -339,11 +222,9 @@ class FederatedConfig:
         self._check_robustness(fail)
         self._check_dp_level(fail)
         method = self.method_class()
-        for key, _ in self.method_options:
-            if key not in method.options:
-                raise ValueError(
-                    unknown_key(f"method={self.method!r}: run config key", key, method.options)
-                )
+        # one spelling per value (resume and a finished sweep run compare run configs)
+        canonical = format_pairs(METHOD_OPTIONS, dict(self.plugin_options()))
+        object.__setattr__(self, "method_options", canonical)
         method.check_run(self)
         try:
             self.method_config()
@@ -419,7 +300,17 @@ class FederatedConfig:
             selection_mode=self.selection_mode,
             index_budget_fraction=self.index_budget_fraction,
             group_size=self.group_size,
-            options=self.method_options,
+            options=self.plugin_options(),
+        )
+
+    def plugin_options(self) -> tuple[tuple[str, Any], ...]:
+        """``method-options`` parsed (``config_keys.method_option_values``): the plug-in's own
+        keys and their values, typed by their defaults (``Method.options``), sorted by key."""
+        return method_option_values(
+            self.method_options,
+            method=self.method,
+            declared=self.method_class().options if self.method_options.strip() else {},
+            known=(f.name for f in run_config_fields()),
         )
 
     @property
@@ -490,8 +381,10 @@ class FederatedConfig:
         """Builds the config from Flower's run config (dashed keys); unknown keys are errors.
 
         A key the run's method declares (``Method.options``: a plug-in's own keys) goes to
-        ``method_options``; resolving the method imports a plug-in's module (a deployed node
-        checks its policy first: ``NodePolicy.check_plugins``).
+        ``method-options`` with those it already holds (a mapping built in Python may hold
+        them at the top level; Flower's run config holds only declared keys); resolving the
+        method imports a plug-in's module (a deployed node checks its policy first:
+        ``NodePolicy.check_plugins``).
         """
         fields = {f.name: f for f in run_config_fields()}
         kwargs: dict[str, Any] = {}
@@ -509,7 +402,15 @@ class FederatedConfig:
             if key not in declared:
                 raise ValueError(unknown_key("run config key", key, {**fields, **declared}))
             options[key] = coerce(key, value, type(declared[key]))
-        return cls(**kwargs, method_options=tuple(sorted(options.items())))
+        if options:
+            carried = parse_pairs(METHOD_OPTIONS, kwargs.get("method_options", ""))
+            for key in options.keys() & carried.keys():
+                raise ValueError(
+                    f"{key}={options[key]!r}: expected it once (also in "
+                    f"{METHOD_OPTIONS}={kwargs['method_options']!r})"
+                )
+            kwargs["method_options"] = format_pairs(METHOD_OPTIONS, {**carried, **options})
+        return cls(**kwargs)
 
     @property
     def trackers(self) -> tuple[str, ...]:
@@ -525,11 +426,8 @@ class FederatedConfig:
 
     def to_run_config(self) -> dict[str, Any]:
         """The dashed-key mapping (what ``[tool.flwr.app.config]`` holds), a plug-in method's
-        own keys (``method_options``) at the top level like the others."""
-        mapping = {
-            k.replace("_", "-"): v for k, v in dataclasses.asdict(self).items() if k != _NOT_A_KEY
-        }
-        return {**mapping, **dict(self.method_options)}
+        own keys in ``method-options``."""
+        return {k.replace("_", "-"): v for k, v in dataclasses.asdict(self).items()}
 
     def privacy(self) -> PrivacyConfig:
         """Local DP settings; target-epsilon > 0 wins over noise-multiplier.
@@ -577,34 +475,6 @@ class FederatedConfig:
             ) from None
 
 
-# Fields whose value is a name, and the names they accept (from the modules that implement them).
-_NAMED_FIELDS: Final[dict[str, tuple[str, ...]]] = {
-    "engine": ENGINES,
-    "device": DEVICES,
-    "mechanism": MECHANISMS,
-    "accountant": ACCOUNTANTS,
-    "schedule": SCHEDULES,
-    "selection": SELECTIONS,
-    "selection_mode": SELECTION_MODES,
-    "mask_scope": MASK_SCOPES,
-    "codec": CODECS,
-    "value_dtype": PAYLOAD_DTYPES,
-    "compression": COMPRESSIONS,
-    "dataset": DATASET_NAMES,
-    "eval_split": EVAL_SPLITS,
-    "dp_level": DP_LEVELS,
-    "central_noise": CENTRAL_NOISE_SOURCES,
-    "partitioner": PARTITIONER_NAMES,
-    "weighting": WEIGHTINGS,
-    "aggregator": AGGREGATORS,
-    "norm_action": NORM_ACTIONS,
-    "dp_norm_bound": DP_NORM_BOUNDS,
-}
-
 #: The smallest target epsilon a worst-case sigma serves (robust.worst_case_noise_multiplier
 #: lowers the target by the calibration tolerance and PRV's error).
 _MIN_TARGET: Final = 0.03
-
-
-def _shape(shape: tuple[int, ...]) -> str:
-    return "x".join(map(str, shape))

@@ -1,9 +1,10 @@
 """Writes the reference pages for every configuration key from the code's own metadata.
 
-- ``docs/reference/run-config.md``: ``FederatedConfig``'s fields (``common/config.py``), the
-  keys of ``[tool.flwr.app.config]``; type and default from the dataclass, the accepted names
-  from the config's own table of named fields, the meaning from the field's comments in the
-  source (inline, else the comment directly above it), else from ``MEANINGS`` below.
+- ``docs/reference/run-config.md``: ``FederatedConfig``'s fields
+  (``common/config.py``), the keys of ``[tool.flwr.app.config]``; type and default
+  from the dataclass, the accepted names from the config's own table of named fields
+  (``common/config_keys.py``), the meaning from the field's comments in the source (inline,
+  else the comment directly above it), else from ``MEANINGS`` below.
 - ``docs/reference/node-policy.md`` and ``node-data.md``: ``NodePolicy`` and ``NodeData``'s
   fields (``client/node_policy.py``, ``client/node_data.py``), the meaning from the key table
   in each module's docstring.
@@ -27,7 +28,7 @@ from types import ModuleType
 from typing import Any
 
 from fedsparse.client import node_data, node_policy
-from fedsparse.common import config
+from fedsparse.common import config, config_keys
 from fedsparse.common.models.classifiers import MODEL_NAMES
 
 OUT = Path(__file__).resolve().parent / "reference"
@@ -178,7 +179,7 @@ def pages() -> dict[str, str]:
 def run_config_rows() -> list[dict[str, str]]:
     """One row per ``FederatedConfig`` field: key, section, type, default, values, meaning."""
     comments = field_comments(config.FederatedConfig)
-    named: dict[str, tuple[str, ...]] = dict(config._NAMED_FIELDS)
+    named: dict[str, tuple[str, ...]] = dict(config_keys.NAMED_FIELDS)
     named["model"] = ("", *MODEL_NAMES)
     rows = []
     section = ""

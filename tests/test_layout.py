@@ -154,6 +154,7 @@ COMMON_SHARED = {
     "atomic",
     "coerce",
     "config",
+    "config_keys",
     "known_warnings",
     "layout",
     "masks",

@@ -18,7 +18,9 @@ from rich.console import Console
 
 __all__ = [
     "BACKEND_ALIASES",
+    "CARRIER",
     "STATE",
+    "carry_method_options",
     "check_run_config",
     "Opt",
     "choice",
@@ -80,10 +82,12 @@ def rate(field: str, text: str | None) -> float | None:
 
 
 def parse_sets(items: list[str]) -> dict[str, str]:
-    """``--set key=value`` options as a mapping (the last of a repeated key wins).
+    """``--set key=value`` options as a mapping (the last of a repeated key wins), a plug-in
+    method's own keys in ``method-options`` (``carry_method_options``).
 
     Raises:
-        typer.BadParameter: an item without ``=`` or without a key.
+        typer.BadParameter: an item without ``=`` or without a key, or a plug-in's key given
+            both on its own and in ``method-options``.
     """
     overrides = {}
     for item in items:
@@ -91,13 +95,72 @@ def parse_sets(items: list[str]) -> dict[str, str]:
         if not sep or not key.strip():
             raise typer.BadParameter(f"--set {item!r}: expected key=value")
         overrides[key.strip()] = value.strip()
-    return overrides
+    try:
+        return carry_method_options(overrides)
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from err
+
+
+def carry_method_options(overrides: Mapping[str, str]) -> dict[str, str]:
+    """``overrides`` with every key the app does not declare moved into ``method-options``
+    (``key=value;key=value``) when ``method`` names a plug-in (``package.module:Class``).
+
+    Flower's ``flwr run --run-config`` takes only the keys ``[tool.flwr.app.config]``
+    declares, so a plug-in method's own keys (``Method.options``) travel in that one declared
+    key. Nothing is imported here: whether the plug-in declares them is checked when the
+    config is parsed (``FederatedConfig.from_run_config``), as is every other key. Without a
+    plug-in method the mapping is returned as it is (an undeclared key is then an error).
+
+    Raises:
+        ValueError: a key given both on its own and in ``method-options``.
+    """
+    from fedsparse.common.coerce import format_pairs, parse_pairs
+    from fedsparse.common.plugins import is_reference
+
+    if not is_reference(overrides.get("method", "")):
+        return dict(overrides)
+    declared = _declared_keys()
+    own = {k: v for k, v in overrides.items() if k.replace("_", "-") not in declared}
+    if not own:
+        return dict(overrides)
+    carried = parse_pairs(CARRIER, overrides.get(CARRIER, ""))
+    for key in own.keys() & carried.keys():
+        raise ValueError(f"--set {key}={own[key]}: also in {CARRIER}={overrides[CARRIER]!r}")
+    rest = {k: v for k, v in overrides.items() if k not in own}
+    return {**rest, CARRIER: format_pairs(CARRIER, {**carried, **own})}
 
 
 #: The app's ``pyproject.toml`` (``lab/launch/flower.py:APP_DIR``'s, found without importing that
 #: module, which loads torch): its ``[tool.flwr.app.config]`` lists every run-config key with a
 #: default of the key's type (``tests/common/test_config.py`` keeps it equal to the config).
 APP_PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
+
+
+#: The run-config key that carries a plug-in method's own keys (``common/config_keys.py``'s
+#: ``METHOD_OPTIONS``, named here without importing it).
+CARRIER = "method-options"
+
+
+def _app_config() -> dict[str, Any] | None:
+    """``[tool.flwr.app.config]`` of the app's ``pyproject.toml``, or None without one."""
+    import tomllib
+
+    try:
+        config = tomllib.loads(APP_PYPROJECT.read_text())["tool"]["flwr"]["app"]["config"]
+    except (OSError, KeyError, tomllib.TOMLDecodeError):
+        return None
+    return dict(config)
+
+
+def _declared_keys() -> set[str]:
+    """The run-config keys: ``[tool.flwr.app.config]``'s, or (an installed package without
+    the app's ``pyproject.toml``) ``FederatedConfig``'s."""
+    declared = _app_config()
+    if declared is None:
+        from fedsparse.common.config import run_config_fields
+
+        return {f.name.replace("_", "-") for f in run_config_fields()}
+    return set(declared)
 
 
 def check_run_config(overrides: Mapping[str, str]) -> None:
@@ -113,13 +176,10 @@ def check_run_config(overrides: Mapping[str, str]) -> None:
         ValueError: ``run config key 'num-round' is unknown; did you mean 'num-rounds'?``,
             or ``key=value: expected int`` (bool, int and float keys).
     """
-    import tomllib
-
     from fedsparse.common.coerce import coerce, unknown_key
 
-    try:
-        declared = tomllib.loads(APP_PYPROJECT.read_text())["tool"]["flwr"]["app"]["config"]
-    except (OSError, KeyError, tomllib.TOMLDecodeError):
+    declared = _app_config()
+    if declared is None:
         return
     for key, value in overrides.items():
         default = declared.get(key.replace("_", "-"))

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fedsparse.common.config import FederatedConfig
+from fedsparse.common.config import METHOD_OPTIONS, FederatedConfig
 from fedsparse.common.data.datasets import load_dataset
 from fedsparse.common.data.readers import DatasetFormatError
 from fedsparse.common.wire.run_log import RunSummary
@@ -126,7 +126,11 @@ def prepare_run(out: Path, overrides: Mapping[str, Any], *, check_data: bool = T
     out = Path(out).resolve()
     requested = {**overrides, "out-dir": str(out)}
     config = FederatedConfig.from_run_config(requested)  # validate before starting anything
-    typed = {k: v for k, v in config.to_run_config().items() if k in requested}
+    typed = {
+        k: v
+        for k, v in config.to_run_config().items()
+        if k in requested or (k == METHOD_OPTIONS and v)  # a plug-in's keys, in their carrier
+    }
     if check_data:
         try:
             load_dataset(config.dataset, data_dir=config.data_dir or None, seed=config.seed)

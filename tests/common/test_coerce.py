@@ -4,7 +4,7 @@ import pytest
 
 from fedsparse.client.node_data import NodeData
 from fedsparse.client.node_policy import NodePolicy
-from fedsparse.common.coerce import coerce, unknown_key
+from fedsparse.common.coerce import coerce, format_pairs, parse_pairs, unknown_key
 from fedsparse.common.config import FederatedConfig
 
 
@@ -70,3 +70,35 @@ def test_an_unknown_key_names_the_closest_ones_else_all() -> None:
     )
     with pytest.raises(ValueError, match="did you mean 'num-rounds'"):
         FederatedConfig.from_run_config({"num-round": 2})
+
+
+def test_pairs_travel_in_one_string() -> None:
+    assert parse_pairs("k", " a = 1 ;; b=x=y; ") == {"a": "1", "b": "x=y"}
+    assert parse_pairs("k", "") == {}
+    values = {"n": 3, "r": 0.1, "on": True, "names": ("a", "b"), "s": "x"}
+    text = format_pairs("k", values)
+    assert text == "n=3;r=0.1;on=true;names=a,b;s=x"
+    back = {key: coerce(key, v, type(values[key])) for key, v in parse_pairs("k", text).items()}
+    assert back == values
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("stride", "k='stride': expected key=value;key=value ('stride')"),
+        ("a=1;=3", "k='a=1;=3': expected key=value;key=value ('=3')"),
+        ("a=1;a=2", "k='a=1;a=2': expected each key once ('a' twice)"),
+        (3, "k=3: expected key=value;key=value (a string)"),
+    ],
+)
+def test_a_malformed_pairs_string_is_named(text: object, message: str) -> None:
+    with pytest.raises(ValueError) as info:
+        parse_pairs("k", text)
+    assert str(info.value) == message
+
+
+def test_a_value_that_cannot_travel_in_pairs_is_named() -> None:
+    with pytest.raises(ValueError, match=r"^k: s='a;b': expected no ; and no edge spaces$"):
+        format_pairs("k", {"s": "a;b"})
+    with pytest.raises(ValueError, match=r"^k: t=\('a,b',\): expected items without , or ;$"):
+        format_pairs("k", {"t": ("a,b",)})

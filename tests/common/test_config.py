@@ -355,3 +355,15 @@ def test_value_dtype_takes_every_payload_dtype_and_value_block_its_range() -> No
         assert str(info.value) == f"value-block={bad!r}: expected 1 <= value-block < 2**32"
     # the block changes the bytes and the rounding: a resumed run keeps it
     assert "value-block" not in RESUME_MAY_DIFFER
+
+
+def test_method_options_carries_a_plugins_keys_only() -> None:
+    cfg = FederatedConfig()
+    assert cfg.to_run_config()["method-options"] == "" and cfg.plugin_options() == ()
+    assert ADDED_KEYS["method-options"] == ""  # no earlier run had a plug-in key
+    with pytest.raises(ValueError) as info:
+        FederatedConfig.from_run_config({"method-options": "stride=3"})
+    expected = "method-options='stride=3': expected '' (method='rs' declares no options)"
+    assert str(info.value) == expected
+    with pytest.raises(ValueError, match=r"^method-options='stride': expected key=value;key=value"):
+        FederatedConfig.from_run_config({"method-options": "stride"})

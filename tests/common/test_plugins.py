@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,58 +16,16 @@ from fedsparse.common.layout import ParamLayout
 from fedsparse.common.models.classifiers import build_model, model_input_shape
 from fedsparse.common.training.centralized import train_centralized
 from fedsparse.common.training.configs import PrivacyConfig, SparsityConfig, TrainConfig
-
-USER_PACKAGE = '''
-"""A lab's own model and data, installed beside fedsparse (not part of it)."""
-import torch
-from torch import nn
-
-from fedsparse.common.data.datasets import Split
-
-
-def tiny_cnn(*, num_classes):
-    return nn.Sequential(
-        nn.Conv2d(1, 4, 3, padding=1), nn.Tanh(), nn.Flatten(), nn.Linear(4 * 6 * 6, num_classes)
-    )
-
-
-tiny_cnn.input_shape = (1, 6, 6)
-
-
-def stripes(*, data_dir, seed):
-    """Class k: a bright row k (of 6) on noise; 60 train and 30 test images."""
-    g = torch.Generator().manual_seed(seed)
-
-    def split(n):
-        y = torch.arange(n) % 6
-        x = 0.1 * torch.randn(n, 1, 6, 6, generator=g)
-        x[torch.arange(n), 0, y, :] += 1.0
-        return Split(x=x, y=y)
-
-    return split(60), split(30)
-
-
-not_a_factory = 3
-
-
-def returns_a_tensor(*, num_classes):
-    return torch.zeros(num_classes)
-
-
-def returns_one_split(*, data_dir, seed):
-    return stripes(data_dir=data_dir, seed=seed)[0]
-'''
+from tests.plugin_package import user_package
 
 
 @pytest.fixture
-def lab(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
-    """A package ``mylab_<n>`` on the import path, outside the repository."""
+def lab(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """The user package (``tests/plugin_package.py``) as ``mylab_<n>``, on the import path,
+    outside the repository."""
     name = f"mylab_{abs(hash(tmp_path)) % 10**8}"
-    (tmp_path / name).mkdir()
-    (tmp_path / name / "__init__.py").write_text(textwrap.dedent(USER_PACKAGE))
-    monkeypatch.syspath_prepend(str(tmp_path))
-    yield name
-    sys.modules.pop(name, None)
+    with user_package(tmp_path, monkeypatch, name) as package:
+        yield package
 
 
 @pytest.mark.parametrize(

@@ -1,17 +1,17 @@
 """A user's ``Method`` from a package outside the repository, by ``method=package.module:Class``.
 
-The package is written into ``tmp_path`` and put on ``sys.path`` (the federation runs in this
-process: ``InProcessGrid``); fedsparse is not touched. It trains the even coordinates only,
-so its effect is exact: every odd coordinate ends where it started, federated and
-centralized. A deployed node imports it only if its owner lists it (``plugin-methods``) and
-refuses before importing anything otherwise; a simulated node imports it.
+The package (``tests/plugin_package.py``) is written into ``tmp_path`` and put on ``sys.path``
+(the federation runs in this process: ``InProcessGrid``); fedsparse is not touched. Its
+method trains the even coordinates only, so its effect is exact: every odd coordinate ends
+where it started, federated and centralized. A deployed node imports it only if its owner
+lists it (``plugin-methods``) and refuses before importing anything otherwise; a simulated
+node imports it.
 """
 
 from __future__ import annotations
 
 import json
 import sys
-import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -38,63 +38,17 @@ from fedsparse.lab.launch.flower import SIMULATION_NODE_POLICY
 from fedsparse.lab.simulation.inprocess import InProcessGrid
 from fedsparse.server.app import run_federated
 from fedsparse.server.messages import train_message
+from tests.plugin_package import PACKAGE, user_package
 
-PACKAGE = "fedsparse_example_plugin"
 SPEC = f"{PACKAGE}.even:EvenCoordinates"
-
-PLUGIN = '''
-"""A user's method: every stride-th coordinate trains, every round and epoch; no other."""
-
-import torch
-
-from fedsparse.common.methods import Method, RoundPlan
-from fedsparse.common.methods.base import explicit_support
-from fedsparse.common.wire.protocol import ProtocolError
-
-LOADED = True
-
-
-class EvenCoordinates(Method):
-    sends_support = True  # the server sends the support (a bitmap) with each instruction
-    options = {"stride": 2}  # its own run-config key, and its default
-
-    def coordinates(self, numel):
-        return torch.arange(0, numel, self.option("stride"))
-
-    def plan_round(self, *, server_round, weights, schedule, frozen, layout, seed):
-        support = self.coordinates(weights.numel())
-        rate = 1.0 - support.numel() / weights.numel()
-        return RoundPlan(rate=rate, keep=support.numel(), support=support)
-
-    def client_support(self, task, raw, layout, *, schedule, final_rate):
-        expected = self.coordinates(layout.numel)
-        support = explicit_support(
-            task, raw, layout, expected=expected.numel(), detail="even coordinates"
-        )
-        if support is None or not torch.equal(support, expected):
-            raise ProtocolError("train instruction: expected every stride-th coordinate")
-        return support
-
-    def epoch_mask(self, ctx):
-        mask = torch.zeros(ctx.layout.numel, dtype=torch.bool)
-        mask[self.coordinates(ctx.layout.numel)] = True
-        return 1.0 - 1.0 / self.option("stride"), mask, False
-'''
 
 
 @pytest.fixture
 def plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """The plug-in package on ``sys.path``, not yet imported; its name."""
-    root = tmp_path / "site"
-    (root / PACKAGE).mkdir(parents=True)
-    (root / PACKAGE / "__init__.py").write_text("")
-    (root / PACKAGE / "even.py").write_text(textwrap.dedent(PLUGIN))
-    monkeypatch.syspath_prepend(str(root))
-    for name in [m for m in sys.modules if m.startswith(PACKAGE)]:
-        monkeypatch.delitem(sys.modules, name)
-    yield SPEC
-    for name in [m for m in sys.modules if m.startswith(PACKAGE)]:
-        del sys.modules[name]
+    """The user package (``tests/plugin_package.py``) on ``sys.path``, not yet imported; its
+    method."""
+    with user_package(tmp_path / "site", monkeypatch):
+        yield SPEC
 
 
 def _initial(cfg: FederatedConfig) -> torch.Tensor:
@@ -115,12 +69,15 @@ def test_a_plugin_method_runs_federated_with_its_own_key(plugin: str, tmp_path: 
     run_config = {
         **base.to_run_config(),
         "method": plugin,
-        "stride": 3,
+        "method-options": "stride=3",
         "out-dir": str(tmp_path / "run"),
     }
     cfg = FederatedConfig.from_run_config(run_config)
-    assert cfg.method_options == (("stride", 3),)
+    assert cfg.plugin_options() == (("stride", 3),)
     assert cfg.to_run_config() == run_config  # the key travels to every node
+    # a mapping built in Python may hold the key at the top level: it goes to its carrier
+    top = {k: v for k, v in run_config.items() if k != "method-options"}
+    assert FederatedConfig.from_run_config({**top, "stride": "3"}) == cfg
     grid = InProcessGrid(
         client_app, num_nodes=2, run_config=run_config, node_config=SIMULATION_NODE_POLICY
     )
@@ -165,10 +122,42 @@ def test_a_plugin_key_is_checked_against_the_method(plugin: str) -> None:
         FederatedConfig.from_run_config({"method": plugin, "strid": 3})
     with pytest.raises(ValueError, match="run config key 'stride' is unknown"):
         FederatedConfig.from_run_config({"method": "rs", "stride": 3})
-    with pytest.raises(ValueError, match=r"method='.*': run config key 'other' is unknown"):
-        FederatedConfig(method=plugin, method_options=(("other", 1),))
+    with pytest.raises(ValueError, match=r"method='.*': method-options key 'other' is unknown"):
+        FederatedConfig(method=plugin, method_options="other=1")
     with pytest.raises(ValueError, match=r"method='.*': key 'other' is unknown"):
         MethodConfig(name=plugin, options=(("other", 1),)).method()
+
+
+def test_method_options_are_parsed_and_written_one_way(plugin: str) -> None:
+    cfg = FederatedConfig.from_run_config({"method": plugin, "method-options": " stride = 3 ;"})
+    assert cfg.method_options == "stride=3" and cfg.plugin_options() == (("stride", 3),)
+    assert FederatedConfig(method=plugin, method_options="stride=03") == cfg
+    with pytest.raises(ValueError, match=r"^method-options: stride='x': expected int$"):
+        FederatedConfig(method=plugin, method_options="stride=x")
+    with pytest.raises(ValueError, match="key 'num-round' is unknown; did you mean 'num-rounds'"):
+        FederatedConfig(method=plugin, method_options="num-round=3")
+    with pytest.raises(ValueError, match=r"^stride=3: expected it once \(also in method-options="):
+        FederatedConfig.from_run_config(
+            {"method": plugin, "stride": 3, "method-options": "stride=2"}
+        )
+
+
+def test_set_puts_a_plugins_own_keys_in_method_options(plugin: str, tmp_path: Path) -> None:
+    import typer
+
+    from fedsparse.lab.cli.utils import check_run_config, parse_sets
+    from fedsparse.lab.launch.base import prepare_run
+
+    sets = parse_sets([f"method={plugin}", "stride=3", "num-rounds=2"])
+    assert sets == {"method": plugin, "num-rounds": "2", "method-options": "stride=3"}
+    check_run_config(sets)  # only keys pyproject.toml declares: what flwr run takes
+    assert FederatedConfig.from_run_config(sets).plugin_options() == (("stride", 3),)
+    assert parse_sets(["stride=3"]) == {"stride": "3"}  # no plug-in: an unknown key, as before
+    with pytest.raises(typer.BadParameter, match="--set stride=3: also in method-options="):
+        parse_sets([f"method={plugin}", "stride=3", "method-options=stride=2"])
+    # a top-level key given in Python (a sweep's grid) reaches flwr run in its carrier too
+    run = prepare_run(tmp_path / "run", {"method": plugin, "stride": "3"}, check_data=False)
+    assert run.run_config["method-options"] == "stride=3" and "stride" not in run.run_config
 
 
 def _ask(node_config: dict[str, object], run_config: dict[str, object]) -> object:
@@ -245,47 +234,15 @@ def test_a_plugin_name_must_name_a_method(plugin: str) -> None:
         FederatedConfig(method=f"{PACKAGE}.even:__name__")
 
 
-USER_DATA = '''
-"""A user's model and data: 6 classes of 6x6 images (a bright row per class)."""
-
-import torch
-from torch import nn
-
-from fedsparse.common.data.datasets import Split
-
-
-def tiny_cnn(*, num_classes):
-    return nn.Sequential(
-        nn.Conv2d(1, 4, 3, padding=1), nn.Tanh(), nn.Flatten(), nn.Linear(4 * 6 * 6, num_classes)
-    )
-
-
-def stripes(*, data_dir, seed):
-    g = torch.Generator().manual_seed(seed)
-
-    def split(n):
-        y = torch.arange(n) % 6
-        x = 0.1 * torch.randn(n, 1, 6, 6, generator=g)
-        x[torch.arange(n), 0, y, :] += 1.0
-        return Split(x=x, y=y)
-
-    return split(240), split(120)
-'''
-
-
 def test_a_user_model_and_dataset_run_federated_through_the_run_config(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    plugin: str, tmp_path: Path
 ) -> None:
-    root = tmp_path / "site"
-    (root / "fedsparse_example_lab").mkdir(parents=True)
-    (root / "fedsparse_example_lab" / "__init__.py").write_text(textwrap.dedent(USER_DATA))
-    monkeypatch.syspath_prepend(str(root))
     base = FederatedConfig(num_rounds=3, target_epsilon=0.0, noise_multiplier=0.5, seed=3)
     # what `fedsparse simulate --set model=... --set dataset=...` hands the apps
     run_config = {
         **base.to_run_config(),
-        "model": "fedsparse_example_lab:tiny_cnn",
-        "dataset": "fedsparse_example_lab:stripes",
+        "model": f"{PACKAGE}:tiny_cnn",
+        "dataset": f"{PACKAGE}:more_stripes",
         "lr": 0.5,
         "out-dir": str(tmp_path / "run"),
     }
@@ -299,7 +256,6 @@ def test_a_user_model_and_dataset_run_federated_through_the_run_config(
     d = sum(p.numel() for p in build_model(cfg.model_name, seed=0).parameters())
     assert rounds[0]["dense_uplink_bytes"] == 2 * 4 * d  # the user's model: 4 d bytes a client
     assert summary.final_test_accuracy >= 0.5  # 6 bright rows: learnt (chance is 1/6)
-    sys.modules.pop("fedsparse_example_lab", None)
 
 
 def test_a_deployed_node_refuses_a_user_model_it_does_not_list(tmp_path: Path) -> None:
@@ -313,20 +269,14 @@ def test_a_deployed_node_refuses_a_user_model_it_does_not_list(tmp_path: Path) -
     assert "fedsparse_never_imported" not in sys.modules
 
 
-def test_train_takes_a_user_model_dataset_and_method(
-    plugin: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_train_takes_a_user_model_dataset_and_method(plugin: str, tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
     from fedsparse.lab.cli import app
 
-    root = tmp_path / "lab-site"
-    (root / "fedsparse_example_lab").mkdir(parents=True)
-    (root / "fedsparse_example_lab" / "__init__.py").write_text(textwrap.dedent(USER_DATA))
-    monkeypatch.syspath_prepend(str(root))
-    lab = "fedsparse_example_lab"
+    lab = PACKAGE
     out = tmp_path / "train"
-    args = ["train", "--out", str(out), "--epochs", "2", "--dataset", f"{lab}:stripes"]
+    args = ["train", "--out", str(out), "--epochs", "2", "--dataset", f"{lab}:more_stripes"]
     result = CliRunner().invoke(app, [*args, "--model", f"{lab}:tiny_cnn", "--method", plugin])
     assert result.exit_code == 0, result.output
     summary = json.loads((out / "summary.json").read_text())
@@ -334,4 +284,3 @@ def test_train_takes_a_user_model_dataset_and_method(
     assert summary["mean_keep_fraction"] == pytest.approx(0.5, abs=0.01)  # stride 2
     result = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "no-model")])
     assert result.exit_code == 2 and "needs --model" in " ".join(result.output.split())
-    sys.modules.pop(lab, None)
