@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Final, Literal, get_args
 
 from fedsparse.common import plugins
-from fedsparse.common.aggregation.robust import (
+from fedsparse.common.aggregation.norm_bounds import (
     DP_NORM_BOUNDS,
     NORM_ACTIONS,
     DPNormBound,
