@@ -30,7 +30,7 @@ from fedsparse.common.aggregation.sparse import make_aggregator
 from fedsparse.common.config import FederatedConfig
 from fedsparse.common.dp.accounting import compute_epsilon_of_history
 from fedsparse.common.dp.central import central_aggregate
-from fedsparse.common.masks import sample_mask
+from fedsparse.common.masks import seeded_support
 from fedsparse.common.wire.protocol import client_mask_seed
 from fedsparse.common.wire.run_log import epsilon_stats, round_noise
 from fedsparse.server.downlink import DownlinkCache
@@ -114,7 +114,7 @@ def validate_replies(
         sub = d - frozen if not explicit else keep
         seeded = keep < d and not frozen and not explicit and not stats.client_support
         if round_support is None and cfg.mask_scope == "round" and seeded:
-            round_support = torch.nonzero(sample_mask(d, keep=keep, seed=scope_seed)).flatten()
+            round_support = seeded_support(d, keep, scope_seed)
         try:
             # lf: the values of the unfrozen coordinates [frozen, d), dense.
             valid = check_reply(
@@ -198,7 +198,7 @@ def round_support(stats: RoundStats, d: int) -> torch.Tensor | None:
     if stats.frozen:
         return torch.arange(stats.frozen, d, dtype=torch.int64)
     if stats.keep < d:
-        return torch.nonzero(sample_mask(d, keep=stats.keep, seed=stats.mask_seed))[:, 0]
+        return seeded_support(d, stats.keep, stats.mask_seed)
     return None
 
 
