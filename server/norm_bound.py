@@ -30,7 +30,6 @@ def derived_bound(
     """A round's ``dp-norm-bound`` and its description, for noise covering ``keep``
     coordinates a step (``selects_per_step``: each reply carries the union of its steps'
     supports)."""
-
     # gip, random-k: the payload holds the union of the steps' supports, up to d values
     bound = caps.bound(keep, sent=d if selects_per_step else None)
     how = (

@@ -7,9 +7,9 @@ dropped with their reason; selected nodes without a reply are counted missing);
 averages the accepted updates (``SparseAggregator``, or a coordinate-wise trimmed mean or
 median) into the new global model and refuses one with a non-finite value;
 ``aggregate_central`` is ``dp-level=user``'s round instead (DP-FedAvg's noisy clipped sum,
-accounted whether or not anyone answered). ``canonical``
-orders updates by content, so the model does not depend on arrival order or node ids. The
-norm bound between validation and aggregation is ``server/norm_bound.py``'s.
+accounted whether or not anyone answered). ``canonical`` orders updates by content, so the
+model does not depend on arrival order or node ids. The norm bound between validation and
+aggregation is ``server/norm_bound.py``'s.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ reply and aggregates the rest.
 The aggregation weight is the run's ``weighting``: 1 for every update (``"uniform"``: a client
 cannot inflate its influence, and need not release its example count, so 0 is accepted) or
 the claimed ``num-examples`` (``"examples"``: at least 1, at most ``MAX_WEIGHT``).
-Norm bounds need the whole round and are the strategy's (``common/aggregation/norm_bounds.py``).
+Norm bounds need the whole round: ``server/norm_bound.py`` (``common/aggregation/norm_bounds.py``).
 """
 
 from __future__ import annotations
