@@ -1,86 +1,79 @@
-"""Update-norm bounds: the largest L2 norm a server accepts from a client in a round.
+"""Update-norm bounds: the largest L2 norm a server accepts from a client in a round (plain
+functions over public parameters, no Flower).
 
-Plain functions over public parameters (no Flower):
-
-* ``NormBound`` is the per-round bound on an update's L2 norm: an absolute ``max_update_norm``
-  and/or ``max_norm_ratio`` times the median norm of the round's valid updates, and/or the
-  bound an honest client's DP parameters imply (below). The median is the honest scale only
-  while a majority of updates is honest, so the relative bound applies from ``min_updates``
-  (3) updates on. ``robust.clip_to_norm`` scales an update down to it.
-* ``honest_update_norm_bound`` is the largest L2 norm an honest DP-SGD client's round can
-  have, with probability at least ``1 - failure_probability``, from public parameters only;
+* ``NormBound`` is the per-round bound on an update's L2 norm: an absolute ``max_update_norm``,
+  ``max_norm_ratio`` times the median norm of the round's valid updates (from ``min_updates`` (3)
+  on: the median is the honest scale only under an honest majority) and/or the bound below;
+  ``robust.clip_to_norm`` scales an update down to it.
+* ``honest_update_norm_bound`` is the largest L2 norm an honest DP-SGD client's round can have with
+  probability ``>= 1 - failure_probability``, from public parameters only;
   ``worst_case_noise_multiplier`` the largest sigma a client calibrates for a target epsilon
-  whatever its data size; ``HonestClientBound`` the worst case over the clients' unknown
-  data sizes (run-config ``dp-norm-bound``). Unlike the median it needs no honest majority,
-  so it bounds rounds of one or two updates too.
+  whatever its data size; ``HonestClientBound`` the worst case over the clients' unknown data sizes
+  (run-config ``dp-norm-bound``), which needs no honest majority: it bounds rounds of one or two
+  updates too.
 
 The honest-update bound
 -----------------------
-An honest client's round (``client/app.py``, ``common/dp/optimizer.py``) runs a fresh SGD optimizer
-(lr
-``eta``, momentum ``mu``, no weight decay) for ``s`` DP steps. Step ``t``'s gradient is
-``g_t = (S_t + Z_t) / b'``: ``S_t`` sums the per-sample gradients of the Poisson batch ``B_t``
-(each example in with probability ``p``), each clipped to L2 norm ``<= C`` (after masking;
-GIP masks after the sum, which only shrinks it), so ``||S_t|| <= C |B_t|``; ``Z_t ~ N(0,
-sigma^2 C^2 I_k)`` on the ``k`` coordinates the step keeps; ``b'`` is Opacus's expected batch
-size ``int(n p)``. With heavy-ball momentum (PyTorch's: ``v_1 = g_1``, ``v_t = mu v_{t-1} +
-g_t``) the round's delta is ``-eta sum_t v_t = -eta / (1 - mu) sum_t a_t g_t`` with ``a_t = 1 -
-mu^(s - t + 1)`` in ``[0, 1]``, so::
+An honest client's round (``client/local_round.py``, ``common/dp/optimizer.py``) runs a fresh SGD
+optimizer (lr ``eta``, momentum ``mu``, no weight decay) for ``s`` DP steps. Step ``t``'s gradient
+is ``g_t = (S_t + Z_t) / b'``: ``S_t`` sums the per-sample gradients of the Poisson batch ``B_t``
+(each example in with probability ``p``), each clipped to L2 norm ``<= C`` (after masking; GIP masks
+after the sum, which only shrinks it), so ``||S_t|| <= C |B_t|``; ``Z_t ~ N(0, sigma^2 C^2 I_k)`` on
+the ``k`` coordinates the step keeps; ``b'`` is Opacus's expected batch size ``int(n p)``. With
+heavy-ball momentum (PyTorch's: ``v_1 = g_1``, ``v_t = mu v_{t-1} + g_t``) the round's delta is
+``-eta sum_t v_t = -eta / (1 - mu) sum_t a_t g_t`` with ``a_t = 1 - mu^(s - t + 1)`` in ``[0, 1]``,
+so::
 
     ||delta|| <= eta / (1 - mu) * ( C X + ||sum_t a_t Z_t|| ) / b',   X = sum_t a_t |B_t|
 
-* ``X`` is a sum of independent Bernoullis weighted by ``a_t <= 1``, with mean ``mu_X = m
-  sum_t a_t`` (``m = n p``, the mean batch size) and variance ``sum_t a_t^2 n p (1 - p) <=
-  mu_X``. Bernstein:
-  ``P(X >= mu_X + u) <= exp(-u^2 / (2 (mu_X + u / 3)))``, so with ``L = ln(2 / P_fail)`` the
-  event ``X <= mu_X + L / 3 + sqrt(L^2 / 9 + 2 mu_X L)`` fails with probability ``<= P_fail
-  / 2``.
-* Under one mask for the round (``mask-scope``, ``lf``, ``ranked``, ``dpssgd``)
-  ``sum_t a_t Z_t`` is exactly ``N(0, sigma^2 C^2 A^2 I_k)``, ``A^2 = sum_t a_t^2``: the
-  weights are fixed and every ``Z_t`` is fresh, whatever the data did. Gaussian concentration
-  of the norm, 1-Lipschitz in a standard normal ``g`` with ``E||g|| <= sqrt(k)``:
-  ``||sum_t a_t Z_t|| <= sigma C A (sqrt(k) + sqrt(2 L))`` fails with probability ``<= P_fail
-  / 2``. random-k's per-step supports (``k`` coordinates each) come from a stream independent
-  of the noise: given them, the sum is a Gaussian with coordinate variances ``<= sigma^2 C^2
-  A^2`` and trace ``sigma^2 C^2 A^2 k``, and the same bound holds.
-* GIP chooses each step's support from the data, which the earlier steps' noise moved: the
-  sum is then a martingale, not a Gaussian, and the bound falls back to the triangle
-  inequality, ``sum_t a_t ||Z_t on I_t||``, each ``<= sigma C (sqrt(k) + sqrt(2 ln(2 s /
-  P_fail)))`` (a union bound over the steps): looser by about ``sqrt(s)`` in that term.
+* ``X`` sums independent Bernoullis weighted by ``a_t <= 1``, with mean ``mu_X = m sum_t a_t`` (``m
+  = n p``, the mean batch size) and variance ``sum_t a_t^2 n p (1 - p) <= mu_X``. Bernstein: ``P(X
+  >= mu_X + u) <= exp(-u^2 / (2 (mu_X + u / 3)))``, so with ``L = ln(2 / P_fail)`` the event ``X <=
+  mu_X + L / 3 + sqrt(L^2 / 9 + 2 mu_X L)`` fails with probability ``<= P_fail / 2``.
+* Under one mask for the round (``mask-scope``, ``lf``, ``ranked``, ``dpssgd``) ``sum_t a_t Z_t`` is
+  exactly ``N(0, sigma^2 C^2 A^2 I_k)``, ``A^2 = sum_t a_t^2``: the weights are fixed and every
+  ``Z_t`` is fresh, whatever the data did. Gaussian concentration of the norm, 1-Lipschitz in a
+  standard normal ``g`` with ``E||g|| <= sqrt(k)``: ``||sum_t a_t Z_t|| <= sigma C A (sqrt(k) +
+  sqrt(2 L))`` fails with probability ``<= P_fail / 2``. random-k's per-step supports (``k``
+  coordinates each) come from a stream independent of the noise: given them, the sum is a Gaussian
+  with coordinate variances ``<= sigma^2 C^2 A^2`` and trace ``sigma^2 C^2 A^2 k``, and the same
+  bound holds.
+* GIP chooses each step's support from the data, which the earlier steps' noise moved: the sum is
+  then a martingale, not a Gaussian, and the bound falls back to the triangle inequality, ``sum_t
+  a_t ||Z_t on I_t||``, each ``<= sigma C (sqrt(k) + sqrt(2 ln(2 s / P_fail)))`` (a union bound over
+  the steps): looser by about ``sqrt(s)`` in that term.
 
 So, with probability ``>= 1 - P_fail`` (``mu = 0``: ``sum a = s``, ``A = sqrt(s)``)::
 
     ||delta|| <= eta / (1 - mu) * C / b' * ( m sum_t a_t + L / 3 + sqrt(L^2 / 9 + 2 m L sum_t a_t)
                                              + sigma A (sqrt(k) + sqrt(2 L)) )
 
-The update travels in ``value-dtype``; rounding to fp16/bf16 grows a norm by at most the
-relative unit roundoff (plus ``sqrt(k) 2^-25`` for fp16 subnormals), int8's symmetric
-quantization by at most ``sqrt(k) max|v| / 254 <= ||v|| sqrt(k) / 254`` (``quantized_norm``).
-The stochastically rounded low-bit dtypes (``payload.lowbit``) move a value by less than its
-block's step, and each block's largest magnitude ``m_j <= ||v||``: int4 (step ``s_j <= m_j / 7``
-up to one float32 ulp) gives ``||v|| (1 + sqrt(k) / 7)``; int2 and int1 send each value as at
-most ``m_j`` in magnitude (int1: exactly ``m_j``, a zero included), so ``||v|| sqrt(k)``. These
-hold for every draw of the rounding, not just with high probability.
-float32 arithmetic in training is left out: its errors are orders of magnitude below the
-slack of the tails above.
+The update travels in ``value-dtype``; rounding to fp16/bf16 grows a norm by at most the relative
+unit roundoff (plus ``sqrt(k) 2^-25`` for fp16 subnormals), int8's symmetric quantization by at most
+``sqrt(k) max|v| / 254 <= ||v|| sqrt(k) / 254`` (``quantized_norm``). The stochastically rounded
+low-bit dtypes (``payload.lowbit``) move a value by less than its block's step, and each block's
+largest magnitude ``m_j <= ||v||``: int4 (step ``s_j <= m_j / 7`` up to one float32 ulp) gives
+``||v|| (1 + sqrt(k) / 7)``; int2 and int1 send each value as at most ``m_j`` in magnitude (int1:
+exactly ``m_j``, a zero included), so ``||v|| sqrt(k)``. These hold for every draw of the rounding,
+not just with high probability. float32 arithmetic in training is left out: its errors are orders of
+magnitude below the slack of the tails above.
 
-What the server does not know is the client's data size ``n``: it sets ``s = E ceil(n / b)``
-(``E`` local epochs, ``b`` batch size; ``privacy.steps_per_epoch``), ``p = 1 / ceil(n / b)``,
-``b' = int(n p)`` and, under a target epsilon, sigma. ``HonestClientBound`` takes the maximum
-over every ``K = ceil(n / b)`` from 1 to ``ceil(N / b)``, where ``N`` caps ``n`` (the size of
-the training split the clients' partitions come from, or run-config ``max-client-examples``),
-of the bound at the smallest ``n`` with that ``K``: ``n = (K - 1) b + 1`` gives the smallest
-``b'`` (``>= b / 2``) and ``m <= b' + 1``, and the bound falls as ``b'`` grows. Sigma is the
-largest any ``n`` calibrates (``worst_case_noise_multiplier``). It covers every client with
-``n >= b`` (``min(b, N)``). A client with ``n < b`` takes one step an epoch on its whole data
-(``p = 1``, ``b' = n``): its noise term grows as ``1 / n``, and it is covered only while that
-stays under the maximum over ``K``, which is usually much larger because it is taken at the
-most steps (``smallest_covered_examples`` says from which ``n`` on; on digits' defaults
-from 3 or 4 examples). The bound holds per update with probability ``1 -
-HONEST_FAILURE_PROBABILITY`` (1e-9): a run of 10^5 honest updates loses one with probability
-about 1e-4. Nothing bounds an update of the ``noisy`` mechanism (no per-sample clipping), and
-under ``dp-level=user`` the server clips every update itself (``central_dp.py``): neither
-gets this bound.
+What the server does not know is the client's data size ``n``: it sets ``s = E ceil(n / b)`` (``E``
+local epochs, ``b`` batch size; ``privacy.steps_per_epoch``), ``p = 1 / ceil(n / b)``, ``b' = int(n
+p)`` and, under a target epsilon, sigma. ``HonestClientBound`` takes the maximum over every ``K =
+ceil(n / b)`` from 1 to ``ceil(N / b)``, where ``N`` caps ``n`` (the size of the training split the
+clients' partitions come from, or run-config ``max-client-examples``), of the bound at the smallest
+``n`` with that ``K``: ``n = (K - 1) b + 1`` gives the smallest ``b'`` (``>= b / 2``) and ``m <= b'
++ 1``, and the bound falls as ``b'`` grows. Sigma is the largest any ``n`` calibrates
+(``worst_case_noise_multiplier``). It covers every client with ``n >= b`` (``min(b, N)``). A client
+with ``n < b`` takes one step an epoch on its whole data (``p = 1``, ``b' = n``): its noise term
+grows as ``1 / n``, and it is covered only while that stays under the maximum over ``K``, which is
+usually much larger because it is taken at the most steps (``smallest_covered_examples`` says from
+which ``n`` on; on digits' defaults from 3 or 4 examples). The bound holds per update with
+probability ``1 - HONEST_FAILURE_PROBABILITY`` (1e-9): a run of 10^5 honest updates loses one with
+probability about 1e-4. Nothing bounds an update of the ``noisy`` mechanism (no per-sample
+clipping), and under ``dp-level=user`` the server clips every update itself
+(``common/dp/central.py``): neither gets this bound.
 """
 
 from __future__ import annotations
@@ -112,7 +105,6 @@ __all__ = [
     "quantized_norm",
     "worst_case_noise_multiplier",
 ]
-
 
 NormAction = Literal["reject", "clip"]
 """What happens to an update above the norm bound: dropped, or scaled down to the bound."""
@@ -184,9 +176,6 @@ class NormBound:
         return min(candidates, key=lambda c: c[0])
 
 
-# --- the bound an honest client's DP parameters imply (module docstring) ----------------------
-
-
 def momentum_weights(momentum: float, steps: int) -> tuple[float, float]:
     """``(sum_t a_t, sqrt(sum_t a_t^2))`` for ``a_t = 1 - momentum^t``, ``t = 1..steps``.
 
@@ -219,9 +208,9 @@ def honest_update_norm_bound(
 ) -> float:
     """The L2 norm an honest client's round stays under with prob. ``>= 1 - failure_probability``.
 
-    The formula and its derivation are in the module docstring: ``eta / (1 - mu) * C / b' *
-    (m sum a + L / 3 + sqrt(L^2 / 9 + 2 m L sum a) + sigma A (sqrt(k) + sqrt(2 L)))``, ``L =
-    ln(2 / failure_probability)`` (``ln(1 / failure_probability)`` without noise).
+    The formula and its derivation are in the module docstring: ``eta / (1 - mu) * C / b' * (m sum a
+    + L / 3 + sqrt(L^2 / 9 + 2 m L sum a) + sigma A (sqrt(k) + sqrt(2 L)))``, ``L = ln(2 /
+    failure_probability)`` (``ln(1 / failure_probability)`` without noise).
 
     Args:
         lr, momentum: the client's SGD (a fresh optimizer each round, no weight decay).
@@ -283,13 +272,14 @@ _MAX_SIGMA: Final = 1e6
 def _uniform_epsilon(sigma: float, epochs: int, delta: float) -> float:
     """An epsilon at ``delta`` that bounds ``(q = 1/K, steps = epochs K)`` for EVERY ``K >= 1``.
 
-    At an integer order ``alpha`` the sampled Gaussian's RDP is ``ln(E[exp(c (J^2 - J))]) /
-    (alpha - 1)`` with ``J ~ Bin(alpha, q)``, ``c = 1 / (2 sigma^2)`` (Mironov, Talwar, Zhang,
-    arXiv:1908.10530, Sec. 3.3; what Opacus computes there). ``J^2 - J <= (alpha - 1) J``
-    gives ``<= alpha ln(1 + q (e^(c (alpha - 1)) - 1)) <= alpha q (e^(c (alpha - 1)) - 1)``,
-    so ``epochs K`` steps at ``q = 1/K`` compose to at most ``epochs alpha (e^(c (alpha - 1))
-    - 1) / (alpha - 1)``, free of ``K``. Converted as Opacus converts (Balle et al. 2020,
-    Thm. 21; monotone in the RDP), minimum over the integer orders Opacus has.
+    At an integer order ``alpha`` the sampled Gaussian's RDP is ``ln(E[exp(c (J^2 - J))]) / (alpha -
+    1)`` with ``J ~ Bin(alpha, q)``, ``c = 1 / (2 sigma^2)`` (Mironov, Talwar, Zhang, "Rényi
+    Differential Privacy of the Sampled Gaussian Mechanism", arXiv:1908.10530, Sec. 3.3; what Opacus
+    computes there). ``J^2 - J <= (alpha - 1) J`` gives ``<= alpha ln(1 + q (e^(c (alpha - 1)) - 1))
+    <= alpha q (e^(c (alpha - 1)) - 1)``, so ``epochs K`` steps at ``q = 1/K`` compose to at most
+    ``epochs alpha (e^(c (alpha - 1)) - 1) / (alpha - 1)``, free of ``K``. Converted as Opacus
+    converts (Balle et al., "Hypothesis Testing Interpretations and Renyi Differential Privacy",
+    arXiv:1905.09982, Thm. 21; monotone in the RDP), minimum over the integer orders Opacus has.
     """
     a = _INTEGER_ORDERS
     with np.errstate(over="ignore"):
@@ -309,20 +299,20 @@ def worst_case_noise_multiplier(
 ) -> float:
     """A sigma no client calibrates above, whatever its data size ``n``.
 
-    A client calibrates sigma for ``target_epsilon`` over ``epochs K`` steps at ``q = 1/K``
-    (``K = ceil(n / b)``, ``epochs = num-rounds x local-epochs``: ``client/app.py``), to
-    within ``epsilon_tolerance`` below the target (``privacy.calibrate_noise_multiplier``).
-    Which ``K`` needs the most noise depends on the target: ``q = 1`` for the usual
-    targets, but for large ones (``epsilon = 30`` over one epoch) ``K = 7`` needs 1.6 times
-    its sigma, so no ``K`` is assumed. Returned: the smallest sigma (to ``1e-9`` relative,
-    rounded up) whose ``_uniform_epsilon`` -- a bound on the RDP accountant's epsilon at every
-    ``K`` -- is at most ``target_epsilon - epsilon_tolerance``; every client's calibrated
-    sigma, whose epsilon is at least that, is then no larger. Deployed nodes calibrate with
-    ``rdp``; a simulated node with the run's ``accountant``: for ``prv`` the target is
-    lowered by 0.02, what PRV's ``eps_upper`` may exceed the true epsilon by (which RDP, and
-    so this bound, bounds), and for ``gdp``, whose ``mu = sqrt(epochs (e^(1/sigma^2) - 1) /
-    K)`` falls with ``K``, the ``q = 1`` calibration is taken if larger. Within 1-9% of the largest
-    calibrated sigma for epsilon <= 8 (tests), up to 1.9x for epsilon = 100 over one epoch.
+    A client calibrates sigma for ``target_epsilon`` over ``epochs K`` steps at ``q = 1/K`` (``K =
+    ceil(n / b)``, ``epochs = num-rounds x local-epochs``: ``client/app.py``), to within
+    ``epsilon_tolerance`` below the target (``privacy.calibrate_noise_multiplier``). Which ``K``
+    needs the most noise depends on the target: ``q = 1`` for the usual targets, but for large ones
+    (``epsilon = 30`` over one epoch) ``K = 7`` needs 1.6 times its sigma, so no ``K`` is assumed.
+    Returned: the smallest sigma (to ``1e-9`` relative, rounded up) whose ``_uniform_epsilon`` -- a
+    bound on the RDP accountant's epsilon at every ``K`` -- is at most ``target_epsilon -
+    epsilon_tolerance``; every client's calibrated sigma, whose epsilon is at least that, is then no
+    larger. Deployed nodes calibrate with ``rdp``; a simulated node with the run's ``accountant``:
+    for ``prv`` the target is lowered by 0.02, what PRV's ``eps_upper`` may exceed the true epsilon
+    by (which RDP, and so this bound, bounds), and for ``gdp``, whose ``mu = sqrt(epochs
+    (e^(1/sigma^2) - 1) / K)`` falls with ``K``, the ``q = 1`` calibration is taken if larger.
+    Within 1-9% of the largest calibrated sigma for epsilon <= 8 (tests), up to 1.9x for epsilon =
+    100 over one epoch.
 
     Raises:
         ValueError: an argument out of range, or the target is unreachable with sigma <= 1e6.
@@ -376,15 +366,15 @@ _RELATIVE_ROUNDING: Final[dict[str, float]] = {"fp32": 0.0, "fp16": 2.0**-11, "b
 def quantized_norm(norm: float, *, value_dtype: PayloadDType, keep: int) -> float:
     """An upper bound on the norm of ``keep`` values of L2 norm ``norm`` once in ``value_dtype``.
 
-    fp16/bf16 round each value to nearest: ``(1 + u) norm`` (``u``: 2^-11, 2^-8), plus
-    ``sqrt(keep) 2^-25`` for fp16's subnormals. int8 (``payload.values.quantize_int8``) moves
-    each value by at most half its scale ``max|v| / 127 <= norm / 127``: ``norm (1 +
-    sqrt(keep) / 254)``. The low-bit dtypes (``payload.lowbit``), for any rounding draw: int4
-    moves each value by less than its block's step ``s_j``, the smallest float32 with ``7 s_j
-    >= m_j`` (``m_j <= norm`` the block's largest magnitude), and never above ``7 s_j``, so
-    ``norm min(1 + sqrt(keep) / 7, sqrt(keep))``; int2 and int1 send ``q m_j`` with ``|q| <=
-    1``: ``norm sqrt(keep)``. Those bounds are widened by ``LOWBIT_SLACK`` (relative), which
-    covers the step's ulp above ``m_j / 7`` and the float32 product ``q s_j``.
+    fp16/bf16 round each value to nearest: ``(1 + u) norm`` (``u``: 2^-11, 2^-8), plus ``sqrt(keep)
+    2^-25`` for fp16's subnormals. int8 (``payload.values.quantize_int8``) moves each value by at
+    most half its scale ``max|v| / 127 <= norm / 127``: ``norm (1 + sqrt(keep) / 254)``. The low-bit
+    dtypes (``payload.lowbit``), for any rounding draw: int4 moves each value by less than its
+    block's step ``s_j``, the smallest float32 with ``7 s_j >= m_j`` (``m_j <= norm`` the block's
+    largest magnitude), and never above ``7 s_j``, so ``norm min(1 + sqrt(keep) / 7, sqrt(keep))``;
+    int2 and int1 send ``q m_j`` with ``|q| <= 1``: ``norm sqrt(keep)``. Those bounds are widened by
+    ``LOWBIT_SLACK`` (relative), which covers the step's ulp above ``m_j / 7`` and the float32
+    product ``q s_j``.
     """
     if value_dtype not in PAYLOAD_DTYPES:
         raise ValueError(
@@ -410,10 +400,10 @@ class HonestClientBound:
     """The largest update norm of an honest client of the run, over every data size it may have.
 
     The public caps (the module docstring's derivation): the client's SGD, clipping norm,
-    ``noise_multiplier`` (the fixed sigma, or ``worst_case_noise_multiplier``), batch size,
-    local epochs, and ``max_examples``, the most examples a client holds. ``bound(keep)`` is
-    the maximum of ``honest_update_norm_bound`` over ``K = 1 .. ceil(max_examples /
-    batch_size)`` batches an epoch at each ``K``'s smallest data size, in ``value_dtype``.
+    ``noise_multiplier`` (the fixed sigma, or ``worst_case_noise_multiplier``), batch size, local
+    epochs, and ``max_examples``, the most examples a client holds. ``bound(keep)`` is the maximum
+    of ``honest_update_norm_bound`` over ``K = 1 .. ceil(max_examples / batch_size)`` batches an
+    epoch at each ``K``'s smallest data size, in ``value_dtype``.
 
     Attributes:
         adaptive_support: GIP (the steps' supports depend on the noise: module docstring).
