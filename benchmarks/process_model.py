@@ -2,7 +2,7 @@
 
 A worker serving many virtual clients (``--backend ray``, Flower's simulation actors, the
 in-process grid) reuses one model per architecture across its ``train`` calls
-(``client/app.py``'s ``_process_model``: the round's weights loaded, Opacus's hooks and the
+(``client/model_cache.py``'s ``process_model``: the round's weights loaded, Opacus's hooks and the
 gradients taken off again after each call). This times node 0's steady-state call
 (``benchmarks/client_round.py``'s ``node_before``) both ways, interleaved in a rotated order,
 and prints each median and the ratio reused / rebuilt with a 95% bootstrap interval of the
@@ -28,7 +28,7 @@ sys.path[:0] = [str(HERE)]
 
 from client_round import client_app, node_before  # noqa: E402
 
-import fedsparse.client.app as client_module  # noqa: E402
+from fedsparse.client import model_cache  # noqa: E402
 from fedsparse.common.config import FederatedConfig  # noqa: E402
 from fedsparse.common.wire.protocol import CONFIG_RECORD  # noqa: E402
 from fedsparse.lab.experiments.stats import ratio_interval  # noqa: E402
@@ -55,7 +55,7 @@ def main() -> None:
 
     def call(name: str) -> float:
         if name == "rebuilt":
-            client_module._process_model.cache_clear()
+            model_cache.process_model.cache_clear()
         ctx, message = copy.deepcopy(context), copy.deepcopy(msg)
         start = time.perf_counter()
         reply = client_app(message, ctx)

@@ -7,28 +7,25 @@ values it is missing), (2) regenerates the round's public mask from the broadcas
 ``local-epochs`` of DP-SGD + RS with a fresh optimizer and the Opacus accountant restored
 from ``Context.state`` (restored from the node's ``state-dir`` when a simulated run resumes,
 ``client/state.py``), and (4) replies with a ``TrainReply``: the model delta on kept
-coordinates as one ``SparseUpdate`` with no indices.
+coordinates as one ``SparseUpdate`` with no indices. Steps (2) to (4) are
+``client/local_round.py``'s, on the process's reused model (``client/model_cache.py``); this
+module checks the request, the node's policy and budget, and charges its ledger first.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
-import threading
 from collections.abc import Mapping
 from logging import ERROR
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.logger import log
-from opacus import GradSampleModule
-from torch import nn
 
+from fedsparse.client import model_cache
 from fedsparse.client.data import holding, public_test_data, run_declaration, test_data
 from fedsparse.client.guard import (
     authorize,
@@ -38,28 +35,25 @@ from fedsparse.client.guard import (
     node_policy,
     released_error,
 )
+from fedsparse.client.local_round import train_round
 from fedsparse.client.node_data import NodeData
 from fedsparse.client.node_policy import NodePolicy, PrivacyRefusal, TrainingRequest
 from fedsparse.client.state import NodeState, StateFiles, apply_downlink, resumed_from
-from fedsparse.common.config import FederatedConfig, wire_encoding
-from fedsparse.common.data.datasets import Split
+from fedsparse.common.config import FederatedConfig
 from fedsparse.common.dp.accounting import (
     AccountantName,
-    accountant_epsilon,
     calibrate_noise_multiplier,
     sample_rate,
     steps_per_epoch,
 )
 from fedsparse.common.known_warnings import quiet_known_warnings
 from fedsparse.common.layout import ParamLayout
-from fedsparse.common.masks import sample_mask
-from fedsparse.common.methods import suffix_mask
-from fedsparse.common.methods.index_selection import IndexBudget, StepSelector
+from fedsparse.common.methods.index_selection import IndexBudget
 from fedsparse.common.models.classifiers import build_model
-from fedsparse.common.seeds import Stream, client_train_seed, stream_seed, value_rounding
-from fedsparse.common.training.configs import PrivacyConfig, TrainConfig, resolve_device
-from fedsparse.common.training.local import evaluate, make_private, train_one_epoch
-from fedsparse.common.wire.payload import IndexEncoding, decode_update, encode_update
+from fedsparse.common.seeds import Stream, client_train_seed, stream_seed
+from fedsparse.common.training.configs import PrivacyConfig, resolve_device
+from fedsparse.common.training.local import evaluate
+from fedsparse.common.wire.payload import decode_update
 from fedsparse.common.wire.protocol import (
     CONFIG_RECORD,
     METRICS_RECORD,
@@ -69,7 +63,6 @@ from fedsparse.common.wire.protocol import (
     ProtocolError,
     TrainInstruction,
     TrainReply,
-    client_mask_seed,
 )
 
 __all__ = ["app"]
@@ -184,7 +177,7 @@ def train(msg: Message, context: Context) -> Message:
         batch_size=task.batch_size,
     )
     declared = _declaration(context, cfg, policy)
-    reusable = _process_model(cfg.model_name, cfg.seed)
+    reusable = model_cache.process_model(cfg.model_name, cfg.seed)
     layout = reusable.layout
     frozen = _frozen_prefix(cfg, task, layout)
     explicit = _server_support(cfg, task, record, layout)
@@ -235,7 +228,7 @@ def _private_round(
     declared: NodeData,
     state: NodeState,
     files: StateFiles | None,
-    reusable: _ProcessModel,
+    reusable: model_cache.ProcessModel,
     layout: ParamLayout,
     *,
     global_flat: torch.Tensor,
@@ -296,7 +289,7 @@ def _private_round(
         )
         try:
             with reusable.lock:
-                reply, history = _train_round(
+                reply, history = train_round(
                     cfg,
                     task,
                     policy,
@@ -379,59 +372,6 @@ def _server_support(
     )
 
 
-@dataclasses.dataclass(frozen=True)
-class _ProcessModel:
-    """A process's model of one architecture, reused by its ``train`` calls (one at a time,
-    under ``lock``): every call loads the round's global weights into it first and leaves no
-    hooks or gradients behind (``_train_round``), so a worker serving many virtual clients
-    builds it once instead of once per call."""
-
-    model: nn.Module
-    layout: ParamLayout
-    lock: threading.Lock
-
-
-@functools.lru_cache(maxsize=2)
-def _process_model(name: str, seed: int) -> _ProcessModel:
-    model = build_model(name, seed=seed)  # type: ignore[arg-type]
-    return _ProcessModel(model, ParamLayout.from_module(model), threading.Lock())
-
-
-def _release(model: nn.Module, module: nn.Module | None) -> None:
-    """Leaves ``model`` as a fresh build would be but for its weights: Opacus's hooks removed
-    (its ``GradSampleModule`` hooks the wrapped layers themselves) and no gradients kept."""
-    if isinstance(module, GradSampleModule):
-        module.cleanup()  # its hooks, and the attributes it patched onto the parameters
-    # hooks of a wrapping that failed before returning the module
-    for handle in model.__dict__.pop("autograd_grad_sample_hooks", []):
-        handle.remove()
-    for p in model.parameters():
-        p.grad = None
-        for name in _PARAM_STATE:
-            if hasattr(p, name):
-                delattr(p, name)
-    for layer in model.modules():
-        for name in _LAYER_STATE:
-            layer.__dict__.pop(name, None)
-
-
-#: What the DP optimizers (and the func engine) attach to parameters, and Opacus's hooks to
-#: layers, while training.
-_PARAM_STATE = ("grad_sample", "summed_grad", "_current_grad_sample", "_forward_counter")
-_LAYER_STATE = ("activations", "max_batch_len")
-
-
-@functools.lru_cache(maxsize=2)
-def _cached_mask(numel: int, keep: int, seed: int) -> torch.Tensor:
-    return sample_mask(numel, keep=keep, seed=seed)
-
-
-def _round_mask(numel: int, keep: int, seed: int) -> torch.Tensor:
-    """``sample_mask`` memoized per process: a worker serving many nodes samples a round's
-    mask once (a copy each call: the caller may not mutate the shared one)."""
-    return _cached_mask(numel, keep, seed).clone()
-
-
 def _node_state(
     context: Context, files: StateFiles | None, resumed: int, *, numel: int
 ) -> NodeState:
@@ -445,163 +385,6 @@ def _node_state(
         return NodeState.load(context, numel)
     files.discard_after(resumed)
     return files.restore(up_to=resumed) if resumed else NodeState()
-
-
-def _train_round(
-    cfg: FederatedConfig,
-    task: TrainInstruction,
-    policy: NodePolicy,
-    privacy: PrivacyConfig,
-    context: Context,
-    data: Split,
-    global_flat: torch.Tensor,
-    history: list[tuple[float, float, int]],
-    frozen: int = 0,
-    explicit: torch.Tensor | None = None,
-    *,
-    model: nn.Module,
-    selector: StepSelector | None = None,
-    index_spent: float = 0.0,
-    partition_id: int = 0,
-) -> tuple[TrainReply, list[tuple[float, float, int]]]:
-    """Local DP-SGD + RS from ``global_flat``; (the reply, the run's accountant history).
-
-    With ``frozen`` > 0 (lf) the mask keeps ``[frozen, d)`` and the reply carries those
-    values only, as a dense vector of ``d - frozen`` values; with an ``explicit`` support
-    (ranked, dpssgd) the mask is that support and the reply its values, in support order.
-    ``model`` is the run's architecture (the process's, ``_process_model``); its weights are
-    replaced, and Opacus's hooks and the gradients are taken off it again before returning.
-    With a ``selector`` (gip, random-k) every DP step chooses its support and the
-    reply carries the union of those supports explicitly (``index_spent``: GIP's index
-    epsilon of earlier rounds, for the reported epsilon).
-    """
-    layout = ParamLayout.from_module(model)
-    numel = layout.numel
-    layout.load_flat_(model, global_flat)
-    # The round's public mask: from the broadcast seed (and node id for per-client masks).
-    mask_seed = task.mask_seed
-    if task.mask_scope == "client":
-        mask_seed = client_mask_seed(mask_seed, context.node_id)
-    if selector is not None:  # gip, random-k: no public mask, each step chooses
-        mask = None
-    elif frozen:
-        mask = suffix_mask(numel, frozen)
-    elif explicit is not None:
-        mask = torch.zeros(numel, dtype=torch.bool)
-        mask[explicit] = True
-    else:
-        mask = None if task.keep == numel else _round_mask(numel, task.keep, mask_seed)
-    seeded = policy.noise == "seeded"
-    train_cfg = TrainConfig(
-        epochs=task.local_epochs,
-        batch_size=task.batch_size,
-        lr=task.lr,
-        momentum=task.momentum,
-        engine=cfg.engine,
-        device=cfg.device,
-        # Seeded streams only when the node asks (simulation); else fresh OS entropy.
-        seed=client_train_seed(cfg.seed, task.server_round, partition_id) if seeded else None,
-    )
-    module = None
-    try:
-        engine, module, optimizer, loader = make_private(
-            model, data.x, data.y, privacy=privacy, train=train_cfg, epochs_for_target=1
-        )
-        engine.accountant.history = list(history)
-        engine.set_mask(mask)
-        if selector is not None:
-            engine.set_step_selector(selector)
-        losses, examples = [], 0
-        for _ in range(train_cfg.epochs):
-            loss, n = train_one_epoch(module, optimizer, loader)
-            losses.append(loss)
-            examples += n
-    finally:
-        _release(model, module)
-    # engine.get_epsilon's value, from the memoized accountant (ε of the whole history).
-    epsilon = (
-        accountant_epsilon(
-            engine.accountant.history, delta=privacy.delta, accountant=privacy.accountant
-        )
-        + index_spent
-        + engine.index_epsilon
-        if privacy.mechanism == "dpsgd"
-        else math.inf
-    )
-
-    delta = layout.flatten_module(model).cpu() - global_flat  # the model trained on cfg.device
-    # int4/int2/int1's rounding: seeded exactly when the DP noise is (simulation), else OS
-    # entropy, so that the server cannot predict it (other dtypes never draw from it)
-    rounding = value_rounding(
-        cfg.seed, task.server_round, partition_id, seeded=seeded and not privacy.secure_mode
-    )
-    if selector is not None:  # the union of the steps' supports travels explicitly
-        payload, values = _selected_payload(cfg, task, delta, selector.union, rounding)
-    else:
-        values = delta if mask is None else delta[mask]
-        seeded_mask = mask is not None and not frozen and explicit is None
-        payload = encode_update(
-            values,
-            dense_size=numel - frozen if explicit is None else int(explicit.numel()),
-            round=task.server_round,
-            mask_seed=mask_seed if seeded_mask else None,
-            encoding=wire_encoding(cfg.codec, sparse=seeded_mask),
-            value_dtype=cfg.value_dtype,
-            value_block=cfg.value_block,
-            rounding=rounding,
-            compression=cfg.compression,
-        )
-    counts = policy.release_example_count
-    reply = TrainReply(
-        update=payload,
-        # Not released by default: 1 and 0 (the server weights updates uniformly).
-        num_examples=len(data) if counts else 1,
-        examples_seen=examples if counts else 0,
-        train_loss=(float(np.nanmean(losses)) if examples else 0.0)
-        if policy.release_train_loss
-        else math.nan,
-        epsilon=float(epsilon),
-        noise_multiplier=float(privacy.noise_multiplier or 0.0),
-        keep=int(values.numel()),
-        seeded_noise=int(seeded and not privacy.secure_mode),
-    )
-    return reply, list(engine.accountant.history)
-
-
-def _selected_payload(
-    cfg: FederatedConfig,
-    task: TrainInstruction,
-    delta: torch.Tensor,
-    union: torch.Tensor,
-    rounding: np.random.Generator,
-) -> tuple[bytes, torch.Tensor]:
-    """gip / random-k: (the payload, its values): ``delta`` on the union of the
-    steps' supports, with that support explicit (``codec``; ``values``/``auto``: the
-    smallest of coo, delta and bitmap), or dense when every coordinate was chosen.
-
-    Raises:
-        RuntimeError: ``delta`` moved a coordinate off the union (a bug: no step chose it).
-    """
-    if bool(delta[~union].any()):
-        raise RuntimeError("gip: the update moved coordinates no step selected")
-    if bool(union.all()):
-        encoding: IndexEncoding = "dense"
-    else:
-        encoding = "auto" if cfg.codec in ("values", "auto") else cfg.codec  # type: ignore[assignment]
-    index = torch.nonzero(union).flatten()
-    values = delta[index]
-    payload = encode_update(
-        values,
-        dense_size=int(delta.numel()),
-        round=task.server_round,
-        indices=None if encoding == "dense" else index,
-        encoding=encoding,
-        value_dtype=cfg.value_dtype,
-        value_block=cfg.value_block,
-        rounding=rounding,
-        compression=cfg.compression,
-    )
-    return payload, values
 
 
 @app.evaluate()

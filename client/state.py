@@ -18,7 +18,6 @@ its persistent ledger, not the server's resume point, holds what it spent.
 
 from __future__ import annotations
 
-import functools
 import json
 import re
 from collections.abc import Mapping
@@ -31,7 +30,6 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context
 
 from fedsparse.common.atomic import PRIVATE, write_atomically
 from fedsparse.common.dp.accounting import history_from_record, history_to_record
-from fedsparse.common.masks import sample_mask
 from fedsparse.common.wire.payload import decode_update
 from fedsparse.common.wire.protocol import RESUMED_FROM, STATE_MODEL, STATE_RECORD, ProtocolError
 
@@ -165,14 +163,6 @@ class StateFiles:
         return NodeState(history=history, last_round=last_round, index_epsilon=index)
 
 
-@functools.lru_cache(maxsize=2)
-def _seeded_support(dense_size: int, keep: int, mask_seed: int) -> torch.Tensor:
-    """``SparseUpdate.support()`` of a seeded downlink, memoized per process: a worker serving
-    many virtual clients regenerates the round's public mask once, not once per client (the
-    tensor is shared: only read, as an index)."""
-    return torch.nonzero(sample_mask(dense_size, keep=keep, seed=mask_seed)).flatten()
-
-
 def apply_downlink(
     stored: torch.Tensor | None,
     stored_version: int,
@@ -189,13 +179,9 @@ def apply_downlink(
         ValueError: a sparse patch for a version this node does not hold.
     """
     update = decode_update(payload, expected_dense_size=numel, expected_round=server_round)
-    if update.encoding == "seeded":  # every node of a process patches from the same mask
-        assert update.mask_seed is not None  # decode_update checked it
-        support: torch.Tensor | None = _seeded_support(
-            update.dense_size, update.keep, update.mask_seed
-        )
-    else:
-        support = update.support()
+    # seeded: every node of a process patches from the same mask (``seeded_support``, shared:
+    # only read, as an index)
+    support = update.support()
     if support is None:
         return update.values.clone()
     if stored is None or stored_version != base_version:

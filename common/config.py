@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
-from fedsparse.common.aggregation.robust import (
+from fedsparse.common.aggregation.norm_bounds import (
     DPNormBound,
     HonestClientBound,
     NormAction,
@@ -174,7 +174,7 @@ class FederatedConfig:
     max_norm_ratio: float = 3.0  # x the round's median update norm, from 3 updates on; 0: off
     max_update_norm: float = 0.0  # absolute L2 bound; 0: off
     # "auto": also the bound an honest client's DP parameters imply (dp-level=sample with
-    # mechanism dpsgd or clipped; common/aggregation/robust.py: HonestClientBound); "off": not
+    # mechanism dpsgd or clipped; common/aggregation/norm_bounds.py: HonestClientBound); "off": not
     dp_norm_bound: DPNormBound = "auto"
     # the most examples an honest client holds, for that bound (0: the size of the training
     # split the clients' partitions come from, which the server loads; set it where the
@@ -336,7 +336,7 @@ class FederatedConfig:
 
     def worst_case_noise_multiplier(self) -> float:
         """The largest sigma an honest client trains with: ``noise-multiplier``, or under a
-        target epsilon the largest any data size calibrates (``robust.worst_case_noise_multiplier``
+        target epsilon the largest any data size calibrates (``norm_bounds.worst_case_noise_multiplier``
         over ``num-rounds x local-epochs`` epochs; ``method=gip``: for GIP's ``eps1``).
 
         Raises:

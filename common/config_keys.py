@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Final, Literal, get_args
 
 from fedsparse.common import plugins
-from fedsparse.common.aggregation.robust import DP_NORM_BOUNDS, NORM_ACTIONS
+from fedsparse.common.aggregation.norm_bounds import DP_NORM_BOUNDS, NORM_ACTIONS
 from fedsparse.common.aggregation.sparse import AGGREGATORS, WEIGHTINGS
 from fedsparse.common.coerce import coerce, parse_pairs, unknown_key
 from fedsparse.common.data.datasets import DATASET_INPUT_SHAPES, DATASET_NAMES, EVAL_SPLITS
@@ -28,7 +28,7 @@ from fedsparse.common.methods import SELECTION_MODES, SELECTIONS, check_method_n
 from fedsparse.common.methods.index_selection import DEFAULT_INDEX_FRACTION
 from fedsparse.common.methods.schedules import SCHEDULES
 from fedsparse.common.models.classifiers import MODEL_INPUT_SHAPES, MODEL_NAMES
-from fedsparse.common.training.local import DEVICES
+from fedsparse.common.training.configs import DEVICES
 from fedsparse.common.wire.payload import (
     COMPRESSIONS,
     DEFAULT_VALUE_BLOCK,
@@ -97,7 +97,7 @@ ADDED_KEYS: Final[dict[str, Any]] = {
     "central-noise-multiplier": 1.0,
     "central-clip": 1.0,
     "central-noise": "fresh",
-    # The bound never binds on an honest update (common/aggregation/robust.py: HonestClientBound,
+    # The bound never binds on an honest update (common/aggregation/norm_bounds.py: HonestClientBound,
     # with
     # probability 1 - 1e-9 per update), so a run recorded without it is what it would have
     # recorded with it, bit for bit, unless a client sent what no honest client can.

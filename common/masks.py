@@ -19,16 +19,36 @@ Speed. Scores are computed in cache-sized chunks; coordinates far below the expe
 ``keep``-th order statistic are kept immediately, and only a window of ``O(sqrt(numel))``
 candidates around it is sorted. If the window happens not to contain the threshold (a
 ~1e-15 event) an exact full pass runs instead; both paths define the same set.
+
+Shared masks. A round's public mask is needed by several parties of one process (the server's
+downlink, its reply checks and aggregation; every virtual client a worker serves, to train on
+it and to patch its model with the next downlink): ``seeded_mask`` and ``seeded_support``
+regenerate it once per process (one cache of the ``SHARED_MASKS`` latest ``(numel, keep,
+seed)``) and return the same tensor to every caller, which must only read it (index with it,
+compare it); a caller that writes into it takes a ``clone()``.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+from typing import Final
 
 import numpy as np
 import torch
 
-__all__ = ["derive_seed", "mask_scores", "sample_mask", "keep_count"]
+__all__ = [
+    "SHARED_MASKS",
+    "derive_seed",
+    "keep_count",
+    "mask_scores",
+    "sample_mask",
+    "seeded_mask",
+    "seeded_support",
+]
+
+#: How many ``(numel, keep, seed)`` masks ``seeded_mask``/``seeded_support`` keep per process.
+SHARED_MASKS: Final = 8
 
 _U64 = np.uint64
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -198,3 +218,48 @@ def sample_mask(numel: int, *, keep: int, seed: int) -> torch.Tensor:
     if mask is None:
         mask = _exact_mask(numel, keep, int(seed))
     return torch.from_numpy(mask)
+
+
+class _SharedMask:
+    """One ``(numel, keep, seed)``'s mask, and its support once asked for."""
+
+    __slots__ = ("mask", "_support")
+
+    def __init__(self, mask: torch.Tensor) -> None:
+        self.mask = mask
+        self._support: torch.Tensor | None = None
+
+    def support(self) -> torch.Tensor:
+        if self._support is None:
+            self._support = torch.nonzero(self.mask).flatten()
+        return self._support
+
+
+@functools.lru_cache(maxsize=SHARED_MASKS)
+def _shared(numel: int, keep: int, seed: int) -> _SharedMask:
+    return _SharedMask(sample_mask(numel, keep=keep, seed=seed))
+
+
+def seeded_mask(numel: int, keep: int, seed: int) -> torch.Tensor:
+    """``sample_mask(numel, keep=keep, seed=seed)``, regenerated once per process.
+
+    The tensor is shared by every caller asking for the same ``(numel, keep, seed)`` while it
+    is among the ``SHARED_MASKS`` latest: read it only (a caller that writes takes a
+    ``clone()``).
+
+    Raises:
+        ValueError: as ``sample_mask``.
+    """
+    return _shared(numel, keep, seed).mask
+
+
+def seeded_support(numel: int, keep: int, seed: int) -> torch.Tensor:
+    """The mask's support: the ``keep`` coordinates of ``seeded_mask(numel, keep, seed)``,
+    int64 and increasing (``torch.nonzero(mask).flatten()``), computed once per process.
+
+    Shared like ``seeded_mask``'s tensor: read it only.
+
+    Raises:
+        ValueError: as ``sample_mask``.
+    """
+    return _shared(numel, keep, seed).support()

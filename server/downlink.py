@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fedsparse.common.config import CodecName, wire_encoding
-from fedsparse.common.masks import sample_mask
+from fedsparse.common.masks import seeded_mask
 from fedsparse.common.wire.payload import Compression, encode_update
 
 __all__ = ["DownlinkCache"]
@@ -88,7 +88,7 @@ class DownlinkCache:
             return dense, -1
         if held + 1 == version and version in self.seeded:
             seed, keep = self.seeded[version]
-            mask = sample_mask(d, keep=keep, seed=seed)
+            mask = seeded_mask(d, keep, seed)
             return encode_update(
                 weights[mask],
                 dense_size=d,
@@ -147,7 +147,7 @@ class _RoundPayloads:
             return self.dense(), -1
         if held + 1 == version and version in cache.seeded:
             seed, keep = cache.seeded[version]
-            mask = sample_mask(d, keep=keep, seed=seed)  # once a round: one base needs it
+            mask = seeded_mask(d, keep, seed)
             return encode_update(
                 weights[mask],
                 dense_size=d,

@@ -44,14 +44,9 @@ from fedsparse.server.checkpoint import (
     CheckpointError,
     load_checkpoint,
 )
+from fedsparse.server.round_stats import FederationFailed, RoundStats
 from fedsparse.server.run_records import RunRecorder
-from fedsparse.server.strategy import (
-    FederationFailed,
-    RoundStats,
-    SparseFedAvg,
-    flat_array,
-    flat_tensor,
-)
+from fedsparse.server.strategy import SparseFedAvg, flat_array, flat_tensor
 
 __all__ = ["expected_nodes", "run_federated", "wait_for_nodes"]
 

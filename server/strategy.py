@@ -12,22 +12,17 @@ add centralized evaluation, run records and checkpoints.
   shared by the nodes that need it). The global model travels as an ``ArrayRecord`` with
   one flat float32 array ``"flat"`` between the strategy and its caller.
 * ``aggregate_train`` survives its clients, in this order: (1) every reply is validated
-  (``server/validation.py``; a bad reply, a reply from a node not selected and a second reply
-  are dropped with their reason; selected nodes without a reply are counted missing); (2) the
-  round's norm bound, the smallest of ``max-norm-ratio`` x the median norm of the valid
-  updates (from 3 on), ``max-update-norm`` and ``dp-norm-bound`` (the largest norm an honest
-  client's public DP parameters allow, ``common/aggregation/robust.py: HonestClientBound``: it
-  needs no
-  honest majority, so it bounds rounds of one or two updates too), rejects or clips each
-  update above it (``norm-action``; ``RoundStats.norm_bound``/``norm_bound_how``); (3) the rest
-  are aggregated with weight 1 each (``weighting="uniform"``) or their claimed example counts,
-  by ``SparseAggregator`` (per-coordinate weighted mean over the clients covering it; equal to
-  FedAvg under one shared mask) or a coordinate-wise trimmed mean / median (``aggregator``);
-  (4) a new model with a non-finite value is refused. A round that changes nothing is failed
-  (``RoundStats.failure``) and ``max-failed-rounds`` of them in a row raise
-  ``FederationFailed``. It returns the new global model and the round's numbers as a
-  ``MetricRecord``; ``last_round`` keeps them typed, with the reasons (strings do not fit a
-  ``MetricRecord``).
+  (``server/round_updates.py``, ``server/validation.py``); (2) the round's norm bound
+  (``server/norm_bound.py``: the smallest of ``max-norm-ratio`` x the median norm,
+  ``max-update-norm`` and ``dp-norm-bound``, which needs no honest majority) rejects or clips
+  each update above it (``norm-action``); (3) the rest are aggregated (weight 1 each, or
+  their claimed example counts: ``weighting``) by ``SparseAggregator`` or a coordinate-wise
+  trimmed mean / median (``aggregator``), or under ``dp-level=user`` by DP-FedAvg's noisy
+  clipped sum (``common/dp/central.py``); (4) a new model with a non-finite value is refused.
+  A round that changes nothing is failed (``RoundStats.failure``, ``server/round_stats.py``)
+  and ``max-failed-rounds`` of them in a row raise ``FederationFailed``. It returns the new
+  global model and the round's numbers as a ``MetricRecord``; ``last_round`` keeps them
+  typed, with the reasons (strings do not fit a ``MetricRecord``).
 
 ``state_dict``/``load_state_dict`` carry what a resumed run needs of the strategy (the
 client-sampling generator, the clients' last epsilons, the failed rounds in a row) through
@@ -42,49 +37,45 @@ nothing): clients hold only private training data, and the server evaluates cent
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import math
 import secrets
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, replace
 from logging import INFO, WARNING
 from typing import Any
 
 import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
-from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from fedsparse.common.aggregation.robust import HonestClientBound, clip_to_norm, l2_norm
-from fedsparse.common.aggregation.sparse import make_aggregator
+from fedsparse.common.aggregation.norm_bounds import HonestClientBound
 from fedsparse.common.config import FederatedConfig
-from fedsparse.common.data.datasets import load_eval_splits
-from fedsparse.common.dp.accounting import compute_epsilon_of_history
 from fedsparse.common.dp.central import (
-    central_aggregate,
     central_noise_generator,
     poisson_sample,
     user_sample_rate,
 )
 from fedsparse.common.layout import ParamLayout
-from fedsparse.common.masks import sample_mask
 from fedsparse.common.seeds import Stream, stream_seed
 from fedsparse.common.wire.payload.indices import indices_to_bytes
-from fedsparse.common.wire.protocol import TrainInstruction, client_mask_seed, round_seed
-from fedsparse.common.wire.run_log import NoiseOrigin, epsilon_stats, round_noise
+from fedsparse.common.wire.protocol import TrainInstruction, round_seed
 from fedsparse.server.downlink import DownlinkCache
 from fedsparse.server.messages import message_bytes, train_message
-from fedsparse.server.validation import RejectedReply, ValidUpdate, check_reply
+from fedsparse.server.norm_bound import bound_norms, derived_bound, train_split_size
+from fedsparse.server.round_stats import FederationFailed, RoundStats
+from fedsparse.server.round_updates import (
+    Candidate,
+    aggregate,
+    aggregate_central,
+    canonical,
+    round_numbers,
+    validate_replies,
+)
 
 __all__ = [
     "ARRAY_KEY",
-    "FederationFailed",
-    "RoundStats",
     "SparseFedAvg",
     "flat_array",
     "flat_tensor",
@@ -97,10 +88,6 @@ ARRAY_KEY = "flat"
 _REASONS_SHOWN = 5
 
 
-class FederationFailed(RuntimeError):
-    """``max-failed-rounds`` rounds in a row accepted no update: the run cannot go on."""
-
-
 def flat_array(weights: torch.Tensor) -> ArrayRecord:
     """The flat global model as the strategy's ``ArrayRecord``."""
     return ArrayRecord({ARRAY_KEY: Array(weights.detach().cpu().numpy())})
@@ -109,93 +96,6 @@ def flat_array(weights: torch.Tensor) -> ArrayRecord:
 def flat_tensor(arrays: ArrayRecord) -> torch.Tensor:
     """The flat float32 global model held in ``arrays`` (a copy)."""
     return torch.from_numpy(np.array(arrays[ARRAY_KEY].numpy(), dtype=np.float32, copy=True))
-
-
-@dataclass
-class RoundStats:
-    """What one round of training did: plan, bytes, replies, privacy."""
-
-    server_round: int
-    rate: float
-    keep: int
-    mask_seed: int
-    selected: list[int]
-    started: float  # perf_counter at configure_train
-    started_at: float  # unix time at configure_train
-    downlink_payload_bytes: int = 0
-    downlink_message_bytes: int = 0
-    uplink_payload_bytes: int = 0  # of the replies that passed validation
-    uplink_message_bytes: int = 0
-    num_replies: int = 0
-    answered: int = 0  # replies that were not client errors
-    accepted: int = 0
-    rejected: list[str] = field(default_factory=list)
-    train_loss: float = math.nan  # weighted mean over accepted replies
-    epsilon_max: float = 0.0
-    epsilon_median: float = 0.0
-    missing: int = 0  # selected nodes without a reply
-    clipped: list[str] = field(default_factory=list)  # updates scaled down to the norm bound
-    failure: str = ""  # why the model was left unchanged ("" if it was not)
-    noise: NoiseOrigin = "none"  # the accepted updates' noise origin
-    updates: dict[int, bytes] = field(default_factory=dict)  # save-updates: node -> payload
-    #: the frozen coordinate prefix ``[0, frozen)`` (lf); replies carry ``[frozen, d)``
-    frozen: int = 0
-    #: the support the server chose (int64, increasing; ranked, dpssgd); replies carry its
-    #: values
-    explicit: torch.Tensor | None = None
-    #: each reply carries its own support (the union of its DP steps' supports: gip,
-    #: random-k), explicitly
-    client_support: bool = False
-    #: dp-level=user: the run's user-level epsilon after this round (None: sample-level run)
-    user_epsilon: float | None = None
-    #: the L2 bound the round's updates were held to (inf: none, or no valid update) and how
-    #: it was set (``NormBound.bound``: "dp-norm-bound=...", "max-norm-ratio=...", ...)
-    norm_bound: float = math.inf
-    norm_bound_how: str = ""
-
-    @property
-    def failed(self) -> bool:
-        """No update accepted, or the aggregate refused: the model did not change."""
-        return bool(self.failure)
-
-    def metrics(self) -> MetricRecord:
-        """The numeric part, as Flower's ``Strategy.aggregate_train`` returns it."""
-        return MetricRecord(
-            {
-                "rate": self.rate,
-                "keep": self.keep,
-                "num-clients": len(self.selected),
-                "num-replies": self.num_replies,
-                "num-rejected": len(self.rejected),
-                "num-missing": self.missing,
-                "num-accepted": self.accepted,
-                "num-clipped": len(self.clipped),
-                "norm-bound": self.norm_bound,
-                "failed": int(self.failed),
-                "train-loss": self.train_loss,
-                "epsilon-max": self.epsilon_max,
-                "epsilon-median": self.epsilon_median,
-                "uplink-payload-bytes": self.uplink_payload_bytes,
-                "uplink-message-bytes": self.uplink_message_bytes,
-                "downlink-payload-bytes": self.downlink_payload_bytes,
-                "downlink-message-bytes": self.downlink_message_bytes,
-            }
-        )
-
-
-@dataclass(frozen=True)
-class _Candidate:
-    """A reply that passed validation, before the norm bound."""
-
-    node: int
-    valid: ValidUpdate
-    values: torch.Tensor  # the update's values (clipped, if the bound scaled it down)
-    norm: float  # L2 norm of the values as received
-
-
-def _canonical(candidate: _Candidate) -> bytes:
-    """A key that orders updates by content alone (not by node id or arrival)."""
-    return hashlib.sha256(candidate.values.numpy().tobytes()).digest()
 
 
 class SparseFedAvg(Strategy):
@@ -333,7 +233,7 @@ class SparseFedAvg(Strategy):
             caps = None
             if cfg.dp_norm_bound_applies:
                 examples = cfg.max_client_examples or self._train_examples
-                caps = cfg.honest_client_bound(examples or _train_split_size(cfg))
+                caps = cfg.honest_client_bound(examples or train_split_size(cfg))
             self._honest, self._honest_resolved = caps, True
         return self._honest
 
@@ -347,15 +247,12 @@ class SparseFedAvg(Strategy):
         caps = self.honest_bound()
         if caps is None:
             return None
-        keep = self._noise_keep(stats)
-        # gip, random-k: the payload holds the union of the steps' supports, up to d values
-        bound = caps.bound(keep, sent=self.d if self.method.selects_per_step else None)
-        how = (
-            f"dp-norm-bound={bound:.4g}: sigma<={caps.noise_multiplier:.4g}, <={caps.max_steps} "
-            f"steps, keep {keep}, clients of >={caps.smallest_covered_examples(keep)} of "
-            f"<={caps.max_examples} examples"
+        return derived_bound(
+            caps,
+            keep=self._noise_keep(stats),
+            d=self.d,
+            selects_per_step=self.method.selects_per_step,
         )
-        return bound, how
 
     def summary(self) -> None:
         """Logs the strategy's configuration."""
@@ -494,17 +391,19 @@ class SparseFedAvg(Strategy):
         stats, weights = self.last_round, self._weights
         if stats is None or weights is None or stats.server_round != server_round:
             raise RuntimeError(f"aggregate_train({server_round}) without configure_train")
-        accepted = self._validate(stats, replies)
+        accepted = validate_replies(
+            stats, replies, cfg=self.cfg, d=self.d, downlink=self.downlink, epsilons=self._epsilons
+        )
         if not self.user_level:  # dp-level=user: the central clip bounds every update
             accepted = self._bound_norms(stats, accepted)
         # Replies arrive in any order and node ids differ between runs: a canonical order
         # (by content) makes the float sums, and so the model, independent of both.
-        accepted.sort(key=_canonical)
-        self._round_numbers(stats, accepted)
+        accepted.sort(key=canonical)
+        round_numbers(stats, accepted, self._epsilons.values())
         if self.user_level:
             new_weights, touched = self._aggregate_central(stats, weights, accepted)
         else:
-            new_weights, touched = self._aggregate(stats, weights, accepted)
+            new_weights, touched = aggregate(stats, weights, accepted, cfg=self.cfg, d=self.d)
         for reason in stats.rejected:
             log(WARNING, "round %d: dropped %s", server_round, reason)
         for reason in stats.clipped:
@@ -525,78 +424,7 @@ class SparseFedAvg(Strategy):
         self._count_failures(stats)
         return flat_array(new_weights), stats.metrics()
 
-    def _validate(self, stats: RoundStats, replies: Iterable[Message]) -> list[_Candidate]:
-        """The replies that pass ``check_reply``; counts replies, errors and missing nodes."""
-        cfg, d, keep = self.cfg, self.d, stats.keep
-        version = stats.server_round - 1
-        selected, seen = set(stats.selected), set()
-        candidates = []
-        round_support = None  # the round's shared mask (mask-scope=round), sampled once
-        for reply in replies:
-            node = int(reply.metadata.src_node_id)
-            if node == SUPERLINK_NODE_ID and reply.has_error() and node not in selected:
-                # The SuperLink's word that a node went away (heartbeat lapsed): no client's
-                # reply; the node stays counted as missing.
-                log(INFO, "round %d: SuperLink: %s", stats.server_round, reply.error.reason)
-                continue
-            stats.num_replies += 1
-            if node not in selected or node in seen:
-                why = "a second reply" if node in seen else "a reply from an unselected node"
-                stats.rejected.append(f"node {node}: {why} this round")
-                continue
-            seen.add(node)
-            if reply.has_error():
-                self.downlink.forget(node)  # unknown state: dense next time
-                stats.rejected.append(f"node {node}: client error: {reply.error.reason}")
-                continue
-            self.downlink.node_applied(node, version)  # it applied this round's downlink
-            stats.answered += 1
-            stats.uplink_message_bytes += message_bytes(reply)
-            scope_seed = (
-                stats.mask_seed
-                if cfg.mask_scope == "round"
-                else client_mask_seed(stats.mask_seed, node)
-            )
-            frozen = stats.frozen
-            # lf: [frozen, d) dense; ranked, dpssgd: the keep values of the sent support
-            explicit = stats.explicit is not None
-            sub = d - frozen if not explicit else keep
-            seeded = keep < d and not frozen and not explicit and not stats.client_support
-            if round_support is None and cfg.mask_scope == "round" and seeded:
-                round_support = torch.nonzero(sample_mask(d, keep=keep, seed=scope_seed)).flatten()
-            try:
-                # lf: the values of the unfrozen coordinates [frozen, d), dense.
-                valid = check_reply(
-                    reply,
-                    d=sub,
-                    server_round=stats.server_round,
-                    expected_seed=scope_seed if seeded else None,
-                    keep=keep,
-                    codec=cfg.codec,
-                    value_dtype=cfg.value_dtype,
-                    value_block=cfg.value_block,
-                    compression=cfg.compression,
-                    weighting=cfg.weighting,
-                    mask_support=round_support if cfg.mask_scope == "round" else None,
-                    client_support=stats.client_support,
-                )
-            except RejectedReply as err:
-                stats.rejected.append(f"node {node}: {err}")
-                continue
-            if frozen:
-                valid = replace(valid, support=torch.arange(frozen, d, dtype=torch.int64))
-            elif stats.explicit is not None:
-                valid = replace(valid, support=stats.explicit)
-            # A valid reply counts (payload bytes, epsilon) even if the norm bound drops it.
-            stats.uplink_payload_bytes += valid.payload_bytes
-            self._epsilons[node] = valid.reply.epsilon
-            if cfg.save_updates:
-                stats.updates[node] = valid.reply.update
-            candidates.append(_Candidate(node, valid, valid.values, l2_norm(valid.values)))
-        stats.missing = len(selected - seen)
-        return candidates
-
-    def _bound_norms(self, stats: RoundStats, candidates: list[_Candidate]) -> list[_Candidate]:
+    def _bound_norms(self, stats: RoundStats, candidates: list[Candidate]) -> list[Candidate]:
         """The candidates within the round's norm bound; the others rejected or clipped."""
         if not candidates:
             return []
@@ -604,107 +432,29 @@ class SparseFedAvg(Strategy):
         if derived is not None and derived[1] != self._honest_how:
             log(INFO, "round %d: %s", stats.server_round, derived[1])
             self._honest_how = derived[1]
-        bound, how = self.norm_bound.bound([c.norm for c in candidates], honest=derived)
-        stats.norm_bound, stats.norm_bound_how = bound, how
-        kept = []
-        for candidate in candidates:
-            if candidate.norm <= bound:
-                kept.append(candidate)
-                continue
-            reason = f"node {candidate.node}: update norm={candidate.norm:.4g}: expected <= "
-            reason += f"{bound:.4g} ({how})"
-            if self.cfg.norm_action == "reject":
-                stats.rejected.append(reason)
-                continue
-            stats.clipped.append(reason)
-            kept.append(replace(candidate, values=clip_to_norm(candidate.values, bound=bound)))
-        return kept
-
-    def _round_numbers(self, stats: RoundStats, accepted: list[_Candidate]) -> None:
-        """Train loss and noise origin of the accepted updates; epsilons of the valid replies."""
-        weighted = [(c.valid.reply.train_loss, c.valid.weight) for c in accepted]
-        total = sum(w for _, w in weighted)
-        stats.train_loss = sum(loss * w for loss, w in weighted) / total if total else math.nan
-        stats.epsilon_max, stats.epsilon_median = epsilon_stats(list(self._epsilons.values()))
-        stats.noise = round_noise([c.valid.reply.seeded_noise for c in accepted])
-
-    def _aggregate(
-        self, stats: RoundStats, weights: torch.Tensor, accepted: list[_Candidate]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the new global model, the coordinates that changed); the old one if it failed."""
-        cfg, d = self.cfg, self.d
-        unchanged = torch.zeros(d, dtype=torch.bool)
-        aggregator = make_aggregator(cfg.aggregator, d, trim_fraction=cfg.trim_fraction)
-        for candidate in accepted:
-            try:
-                aggregator.add(
-                    candidate.values, support=candidate.valid.support, weight=candidate.valid.weight
-                )
-            except ValueError as err:  # checked already: only a bug lands here
-                stats.rejected.append(f"node {candidate.node}: {err}")
-        stats.accepted = aggregator.num_updates
-        if not stats.accepted:
-            stats.failure = (
-                f"no update accepted ({len(stats.selected)} selected: "
-                f"{len(stats.rejected)} rejected, {stats.missing} missing)"
-            )
-            return weights, unchanged
-        new_weights = weights.clone()
-        touched = aggregator.apply_(new_weights)
-        bad = int((~torch.isfinite(new_weights)).sum())
-        if bad:
-            stats.failure = f"aggregate: {bad} non-finite model values (update refused)"
-            return weights, unchanged
-        return new_weights, touched
-
-    def _round_support(self, stats: RoundStats) -> torch.Tensor | None:
-        """The round's public support (int64 indices; None: every coordinate)."""
-        if stats.explicit is not None:
-            return stats.explicit
-        if stats.frozen:
-            return torch.arange(stats.frozen, self.d, dtype=torch.int64)
-        if stats.keep < self.d:
-            return torch.nonzero(sample_mask(self.d, keep=stats.keep, seed=stats.mask_seed))[:, 0]
-        return None
+        return bound_norms(
+            stats,
+            candidates,
+            norm_bound=self.norm_bound,
+            derived=derived,
+            norm_action=self.cfg.norm_action,
+        )
 
     def _aggregate_central(
-        self, stats: RoundStats, weights: torch.Tensor, accepted: list[_Candidate]
+        self, stats: RoundStats, weights: torch.Tensor, accepted: list[Candidate]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """dp-level=user: DP-FedAvg's clipped sum plus noise over q N (``central_dp.py``).
-
-        Every round is accounted, whether or not anyone answered (conservative)."""
-        cfg = self.cfg
-        entry = (cfg.central_noise_multiplier, self._user_rate, 1)
-        if self._user_history and self._user_history[-1][:2] == entry[:2]:
-            sigma, rate, rounds = self._user_history[-1]
-            self._user_history[-1] = (sigma, rate, rounds + 1)
-        else:
-            self._user_history.append(entry)
-        stats.user_epsilon = (
-            math.inf
-            if cfg.central_noise_multiplier == 0
-            else compute_epsilon_of_history(
-                self._user_history, delta=cfg.delta, accountant=cfg.accountant
-            )
-        )
-        stats.accepted = len(accepted)
-        if stats.selected and not accepted:  # counted, but the round still releases noise
-            stats.failure = (
-                f"no update accepted ({len(stats.selected)} selected: "
-                f"{len(stats.rejected)} rejected, {stats.missing} missing); the noise was "
-                "released all the same (the accounted mechanism)"
-            )
-        # Always the mechanism's output, w + (sum + z) / (q N), even with nobody sampled or
-        # nothing accepted: releasing w unchanged would not be the subsampled Gaussian.
-        return central_aggregate(
+        """dp-level=user: DP-FedAvg's round (``aggregate_central``), accounted in the run's
+        user-level history."""
+        return aggregate_central(
+            stats,
             weights,
-            [(c.values, c.valid.support) for c in accepted],
-            support=self._round_support(stats),
-            clip=cfg.central_clip,
-            noise_multiplier=cfg.central_noise_multiplier,
+            accepted,
+            cfg=self.cfg,
+            d=self.d,
+            history=self._user_history,
+            user_rate=self._user_rate,
             expected_users=self._user_expected,
             generator=self._central_gen,
-            secure=cfg.secure_mode,
         )
 
     def _count_failures(self, stats: RoundStats) -> None:
@@ -737,32 +487,3 @@ class SparseFedAvg(Strategy):
     ) -> MetricRecord | None:
         """Nothing to aggregate (``configure_evaluate`` sends nothing)."""
         return None
-
-
-@functools.lru_cache(maxsize=8)
-def _split_size(dataset: str, data_dir: str, seed: int, eval_split: str, split_seed: int) -> int:
-    train, _ = load_eval_splits(
-        dataset,  # type: ignore[arg-type]
-        data_dir=data_dir or None,
-        seed=seed,
-        eval_split=eval_split,  # type: ignore[arg-type]
-        split_seed=split_seed,
-    )
-    return len(train)
-
-
-def _train_split_size(cfg: FederatedConfig) -> int:
-    """The size of the whole training split (a validation slice held out or not: a deployed
-    node may declare all of it).
-
-    Raises:
-        ValueError: it does not load; the message names the keys that replace it.
-    """
-    try:
-        return _split_size(cfg.dataset, cfg.data_dir, cfg.seed, "test", cfg.data_seed)
-    except (OSError, ValueError) as err:
-        raise ValueError(
-            f"dp-norm-bound='auto' needs the most examples a client holds: dataset="
-            f"{cfg.dataset!r} data-dir={cfg.data_dir!r} did not load ({err}); set "
-            "max-client-examples, or dp-norm-bound='off'"
-        ) from err

@@ -14,7 +14,7 @@ reply and aggregates the rest.
 The aggregation weight is the run's ``weighting``: 1 for every update (``"uniform"``: a client
 cannot inflate its influence, and need not release its example count, so 0 is accepted) or
 the claimed ``num-examples`` (``"examples"``: at least 1, at most ``MAX_WEIGHT``).
-Norm bounds need the whole round and are the strategy's (``common/aggregation/robust.py``).
+Norm bounds need the whole round: ``server/norm_bound.py`` (``common/aggregation/norm_bounds.py``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from flwr.app import Message
 
 from fedsparse.common.aggregation.sparse import Weighting
 from fedsparse.common.config import CodecName, wire_encoding
-from fedsparse.common.masks import sample_mask
+from fedsparse.common.masks import seeded_support
 from fedsparse.common.wire.payload import (
     DEFAULT_VALUE_BLOCK,
     ENCODINGS,
@@ -207,7 +207,7 @@ def check_reply(
         mask_support = update.support()  # the client's own choice (norm bounds still apply)
     if update.encoding in ("seeded", *EXPLICIT_ENCODINGS) and mask_support is None:
         assert expected_seed is not None  # keep < d
-        mask_support = torch.nonzero(sample_mask(d, keep=keep, seed=expected_seed)).flatten()
+        mask_support = seeded_support(d, keep, expected_seed)
     support = mask_support if update.encoding == "seeded" else update.support()
     if update.encoding in EXPLICIT_ENCODINGS:
         assert support is not None and mask_support is not None  # keep < d

@@ -1,3 +1,3 @@
-"""Aggregation at the server: sparse-aware averaging (``sparse``) and the robust rules and
-update-norm bounds used against hostile clients (``robust``).
+"""Aggregation at the server: sparse-aware averaging (``sparse``) and the robust rules used
+against hostile clients (``robust``) and the update-norm bounds (``norm_bounds``).
 """

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import fedsparse.client.app as client_module
+from fedsparse.client import local_round, model_cache
 from fedsparse.client.app import app as client_app
 from fedsparse.common.config import FederatedConfig
 from fedsparse.lab.simulation.inprocess import InProcessGrid
@@ -26,14 +26,14 @@ def federate(tmp_path: Path, **kwargs) -> list[dict]:
 def rebuilt_every_call(monkeypatch: pytest.MonkeyPatch) -> list[torch.nn.Module]:
     """Makes every train call build its own model, as before the reuse; returns them."""
     built: list[torch.nn.Module] = []
-    build = client_module._process_model.__wrapped__
+    build = model_cache.process_model.__wrapped__
 
-    def fresh(name: str, seed: int) -> client_module._ProcessModel:
+    def fresh(name: str, seed: int) -> model_cache.ProcessModel:
         process_model = build(name, seed)
         built.append(process_model.model)
         return process_model
 
-    monkeypatch.setattr(client_module, "_process_model", fresh)
+    monkeypatch.setattr(model_cache, "process_model", fresh)
     return built
 
 
@@ -52,9 +52,9 @@ def test_rounds_equal_with_the_model_reused_or_rebuilt(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kwargs
 ) -> None:
     """Accuracy, ε, losses and bytes of every round, compared exactly."""
-    client_module._process_model.cache_clear()
+    model_cache.process_model.cache_clear()
     reused = federate(tmp_path / "reused", **kwargs)
-    assert client_module._process_model.cache_info().hits >= 3 * 2 - 1  # it was reused
+    assert model_cache.process_model.cache_info().hits >= 3 * 2 - 1  # it was reused
     built = rebuilt_every_call(monkeypatch)
     rebuilt = federate(tmp_path / "rebuilt", **kwargs)
     assert len(built) == 3 * 2  # one model per train call
@@ -80,12 +80,12 @@ def test_a_failed_call_leaves_the_model_clean_and_the_next_round_unchanged(
 ) -> None:
     """A call that raises mid-epoch leaves no hooks behind: later calls equal fresh ones."""
     kwargs = dict(num_rounds=2, final_rate=0.7, target_epsilon=3.0)
-    client_module._process_model.cache_clear()
+    model_cache.process_model.cache_clear()
     expected = federate(tmp_path / "expected", **kwargs)
-    process_model = client_module._process_model("digits-cnn", 0)
+    process_model = model_cache.process_model("digits-cnn", 0)
     assert_clean(process_model.model)
 
-    real_epoch, calls = client_module.train_one_epoch, []
+    real_epoch, calls = local_round.train_one_epoch, []
 
     def fail_once(module, optimizer, loader):
         calls.append(1)
@@ -95,10 +95,10 @@ def test_a_failed_call_leaves_the_model_clean_and_the_next_round_unchanged(
             raise RuntimeError("killed mid-epoch")
         return real_epoch(module, optimizer, loader)
 
-    monkeypatch.setattr(client_module, "train_one_epoch", fail_once)
+    monkeypatch.setattr(local_round, "train_one_epoch", fail_once)
     failed = federate(tmp_path / "failed", **kwargs)
     assert failed[0]["num_accepted"] == 2  # the round went on without that client
     assert_clean(process_model.model)
-    monkeypatch.setattr(client_module, "train_one_epoch", real_epoch)
+    monkeypatch.setattr(local_round, "train_one_epoch", real_epoch)
     after = federate(tmp_path / "after", **kwargs)
     assert after == expected

@@ -69,7 +69,7 @@ def test_dense_and_sparse_patches_are_exact() -> None:
 
 
 def test_a_seeded_patch_regenerates_the_public_mask_once_per_process() -> None:
-    from fedsparse.client.state import _seeded_support
+    from fedsparse.common import masks
     from fedsparse.common.masks import sample_mask
 
     held = torch.randn(1000)
@@ -77,11 +77,11 @@ def test_a_seeded_patch_regenerates_the_public_mask_once_per_process() -> None:
     mask = sample_mask(1000, keep=300, seed=11)
     values = torch.randn(300)
     patch = encode_update(values, dense_size=1000, round=2, mask_seed=11, encoding="seeded")
-    _seeded_support.cache_clear()
+    masks._shared.cache_clear()
     for _ in range(3):  # three nodes of one worker: one mask
         out = apply_downlink(held, 1, patch, base_version=1, numel=1000, server_round=2)
         assert torch.equal(out[mask], values) and torch.equal(out[~mask], held[~mask])
-    assert _seeded_support.cache_info().misses == 1 and _seeded_support.cache_info().hits == 2
+    assert masks._shared.cache_info().misses == 1 and masks._shared.cache_info().hits == 2
     assert torch.equal(held, before)  # the stored copy is not patched in place
 
 

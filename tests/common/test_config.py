@@ -9,7 +9,7 @@ import pytest
 import torch
 from opacus.accountants import create_accountant
 
-from fedsparse.common.aggregation.robust import (
+from fedsparse.common.aggregation.norm_bounds import (
     DP_NORM_BOUNDS,
     NORM_ACTIONS,
     worst_case_noise_multiplier,

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedsparse.client import app as client_module
+from fedsparse.client import local_round
 from fedsparse.client.app import app as client_app
 from fedsparse.common.config import FederatedConfig
 from fedsparse.common.layout import ParamLayout
@@ -158,13 +158,13 @@ def _ask(
 def _spy(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     """Records the ``seeded`` flag of every rounding generator the client asks for."""
     calls: list[bool] = []
-    real = client_module.value_rounding
+    real = local_round.value_rounding
 
     def spy(*args: Any, seeded: bool) -> np.random.Generator:
         calls.append(seeded)
         return real(*args, seeded=seeded)
 
-    monkeypatch.setattr(client_module, "value_rounding", spy)
+    monkeypatch.setattr(local_round, "value_rounding", spy)
     return calls
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 from flwr.app import ConfigRecord, Context, Message
 
+from fedsparse.common import masks
 from fedsparse.common.config import FederatedConfig
 from fedsparse.common.wire.protocol import CONFIG_RECORD, TrainInstruction
 from fedsparse.lab.simulation.inprocess import InProcessGrid
@@ -123,7 +124,7 @@ def test_a_round_encodes_each_base_once_and_samples_the_mask_once(
     gen = torch.Generator().manual_seed(1)
     for v in (2, 3):
         cache.record_version(v, torch.rand(d, generator=gen) < 0.3, seeded=None)
-    cache.record_version(3, downlink.sample_mask(d, keep=200, seed=9), seeded=(9, 200))
+    cache.record_version(3, masks.sample_mask(d, keep=200, seed=9), seeded=(9, 200))
     nodes = list(range(300))
     for node in nodes:  # a third fresh, a third one behind, a third two behind
         if node % 3:
@@ -138,7 +139,8 @@ def test_a_round_encodes_each_base_once_and_samples_the_mask_once(
         return wrapped
 
     monkeypatch.setattr(downlink, "encode_update", counting("encode", downlink.encode_update))
-    monkeypatch.setattr(downlink, "sample_mask", counting("mask", downlink.sample_mask))
+    masks._shared.cache_clear()  # the process's shared masks: sampled here, once
+    monkeypatch.setattr(masks, "sample_mask", counting("mask", masks.sample_mask))
     weights = torch.randn(d, generator=gen)
     payloads = cache.payloads(nodes, weights, version=version, server_round=4)
     assert calls == {"encode": 3, "mask": 1}

@@ -32,14 +32,9 @@ from fedsparse.common.wire.protocol import (
 from fedsparse.common.wire.run_log import SEEDED_RUN, RoundLog, RunSummary, read_rounds
 from fedsparse.lab.simulation.inprocess import InProcessGrid
 from fedsparse.server.app import run_federated
+from fedsparse.server.round_stats import FederationFailed, RoundStats
 from fedsparse.server.run_records import RunRecorder
-from fedsparse.server.strategy import (
-    FederationFailed,
-    RoundStats,
-    SparseFedAvg,
-    flat_array,
-    flat_tensor,
-)
+from fedsparse.server.strategy import SparseFedAvg, flat_array, flat_tensor
 
 D_DIGITS = 38_282
 F32_MAX = float(np.finfo(np.float32).max)

@@ -7,13 +7,12 @@ import torch
 from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 
 from fedsparse.client.app import app as client_app
+from fedsparse.common import masks as masks_module
 from fedsparse.common.config import FederatedConfig
 from fedsparse.common.masks import keep_count, sample_mask
 from fedsparse.common.wire.payload import decode_update, encode_update
 from fedsparse.common.wire.protocol import CONFIG_RECORD, METRICS_RECORD, TrainReply
 from fedsparse.lab.simulation.inprocess import InProcessGrid
-from fedsparse.server import strategy as strategy_module
-from fedsparse.server import validation
 from fedsparse.server.strategy import SparseFedAvg, flat_array
 from fedsparse.server.validation import RejectedReply, check_reply
 
@@ -83,8 +82,8 @@ def test_aggregate_samples_the_round_mask_once_for_all_replies(
         calls.clear()
         messages = list(strategy.configure_train(server_round, arrays, ConfigRecord(), grid))
         replies = list(grid.send_and_receive(messages))
-        monkeypatch.setattr(strategy_module, "sample_mask", counting)
-        monkeypatch.setattr(validation, "sample_mask", counting)
+        masks_module._shared.cache_clear()  # not the clients' (same process) masks
+        monkeypatch.setattr(masks_module, "sample_mask", counting)
         arrays, _ = strategy.aggregate_train(server_round, replies)
         monkeypatch.undo()
         assert strategy.last_round is not None and strategy.last_round.accepted == 20

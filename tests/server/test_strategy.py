@@ -165,7 +165,7 @@ def test_no_dp_bound_where_it_does_not_apply(kw: dict) -> None:
 def test_gip_and_random_k_noise_covers_each_steps_groups() -> None:
     """Per-step supports (``common/methods/mallows.py``): keep_count of each group of group-size."""
     from fedsparse.common.masks import keep_count
-    from fedsparse.server.strategy import RoundStats
+    from fedsparse.server.round_stats import RoundStats
 
     for method in ("gip", "random-k"):
         cfg = FederatedConfig(method=method, final_rate=0.9, group_size=100)

@@ -17,7 +17,8 @@ from fedsparse.common.dp.central import poisson_sample
 from fedsparse.lab.launch.flower import SIMULATION_NODE_POLICY
 from fedsparse.lab.simulation.inprocess import InProcessGrid
 from fedsparse.server.app import run_federated
-from fedsparse.server.strategy import RoundStats, SparseFedAvg
+from fedsparse.server.round_stats import RoundStats
+from fedsparse.server.strategy import SparseFedAvg
 
 
 def _run(out: Path, **kwargs: object) -> list[dict]:
@@ -106,16 +107,16 @@ def test_fresh_sampling_is_not_the_run_seeds() -> None:
 
 def test_secure_mode_hardens_the_servers_noise(monkeypatch: pytest.MonkeyPatch) -> None:
     """secure-mode=true reaches the central aggregate (hardened noise, OS entropy)."""
-    import fedsparse.server.strategy as strategy_module
+    import fedsparse.server.round_updates as round_updates
 
     seen: list[bool] = []
-    real = strategy_module.central_aggregate
+    real = round_updates.central_aggregate
 
     def spy(*args: object, **kwargs: object) -> object:
         seen.append(bool(kwargs.get("secure")))
         return real(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(strategy_module, "central_aggregate", spy)
+    monkeypatch.setattr(round_updates, "central_aggregate", spy)
     for secure in (True, False):
         strategy = _strategy(secure_mode=secure)
         new, _ = strategy._aggregate_central(_stats([]), torch.zeros(50), [])

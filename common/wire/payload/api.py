@@ -13,7 +13,7 @@ from typing import cast
 import numpy as np
 import torch
 
-from fedsparse.common.masks import sample_mask
+from fedsparse.common.masks import seeded_support
 from fedsparse.common.wire.payload.compression import unzstd, zstd
 from fedsparse.common.wire.payload.indices import (
     check_index_tensor,
@@ -211,7 +211,7 @@ def _implicit_support(
 ) -> np.ndarray:
     """The int64 support an explicit encoding sends when no ``indices=`` were passed."""
     if seed is not None:  # the public mask's positions
-        idx = torch.nonzero(sample_mask(dense_size, keep=keep, seed=seed)).numpy()
+        idx = seeded_support(dense_size, keep, seed).numpy()
         return idx.reshape(-1).astype(np.int64)
     if keep == dense_size:
         return np.arange(dense_size, dtype=np.int64)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fedsparse.common.masks import sample_mask
+from fedsparse.common.masks import seeded_support
 from fedsparse.common.wire.payload.schema import (
     EXPLICIT_ENCODINGS,
     LOWBIT_DTYPES,
@@ -101,15 +101,15 @@ class SparseUpdate:
     def support(self) -> torch.Tensor | None:
         """The int64 sorted coordinates of ``values``, or None for ``"dense"`` (all of them).
 
-        For ``"seeded"`` this regenerates the public mask (``O(dense_size)`` time and memory).
+        For ``"seeded"`` this is the public mask's support, regenerated once per process and
+        shared (``masks.seeded_support``): read it only.
         """
         if self.encoding == "dense":
             return None
         if self.indices is not None:
             return self.indices
         assert self.mask_seed is not None  # __post_init__
-        mask = sample_mask(self.dense_size, keep=self.keep, seed=self.mask_seed)
-        return torch.nonzero(mask).flatten()
+        return seeded_support(self.dense_size, self.keep, self.mask_seed)
 
     def to_dense(self) -> torch.Tensor:
         """A float32 vector of length ``dense_size``: ``values`` on the support, zeros elsewhere."""

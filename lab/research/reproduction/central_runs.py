@@ -27,7 +27,7 @@ def _execute(spec_json: str, run_dir: str, threads: int) -> dict[str, Any]:
     """Runs one spec into ``run_dir`` (in a worker process when ``jobs > 1``)."""
     from fedsparse.common.known_warnings import quiet_known_warnings
     from fedsparse.common.seeds import Stream, stream_seed
-    from fedsparse.common.training.local import PrivacyConfig, SparsityConfig, TrainConfig
+    from fedsparse.common.training.configs import PrivacyConfig, SparsityConfig, TrainConfig
     from fedsparse.lab.experiments.train import run_train
 
     if threads > 0:
@@ -74,7 +74,7 @@ def _recorded_spec(spec: CentralSpec) -> dict[str, Any]:
     engines agree only to float rounding, so a run by another engine is not this run)."""
     from fedsparse.common.data.datasets import DatasetName
     from fedsparse.common.models.classifiers import DEFAULT_MODELS, ModelName
-    from fedsparse.common.training.local import planned_engine
+    from fedsparse.common.training.configs import planned_engine
 
     model = spec.model or DEFAULT_MODELS[cast(DatasetName, spec.dataset)]
     engine = planned_engine("auto", cast(ModelName, model))

@@ -1,4 +1,5 @@
-"""Tests for fedsparse.common.masks: exact counts, determinism, uniformity, speed paths."""
+"""Tests for fedsparse.common.masks: exact counts, determinism, uniformity, speed paths, the
+process's shared masks."""
 
 import hashlib
 import itertools
@@ -12,7 +13,15 @@ import torch
 from scipy import stats
 
 from fedsparse.common import masks
-from fedsparse.common.masks import derive_seed, keep_count, mask_scores, sample_mask
+from fedsparse.common.masks import (
+    SHARED_MASKS,
+    derive_seed,
+    keep_count,
+    mask_scores,
+    sample_mask,
+    seeded_mask,
+    seeded_support,
+)
 
 
 @pytest.mark.parametrize(
@@ -153,3 +162,48 @@ def test_keep_count_rejects_bad_rate() -> None:
         keep_count(10, rate=1.5)
     with pytest.raises(ValueError, match="rate=nan"):
         keep_count(10, rate=float("nan"))
+
+
+# --- the process's shared masks ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("numel", "keep", "seed"),
+    [(0, 0, 1), (10, 0, 2), (10, 10, 3), (1000, 1, 4), (1000, 700, 5), (300_000, 12_345, 6)],
+)
+def test_shared_masks_are_sample_mask_and_its_nonzero(numel: int, keep: int, seed: int) -> None:
+    want = sample_mask(numel, keep=keep, seed=seed)
+    mask, support = seeded_mask(numel, keep, seed), seeded_support(numel, keep, seed)
+    assert mask.dtype == torch.bool and torch.equal(mask, want)
+    assert support.dtype == torch.int64 and support.shape == (keep,)
+    assert torch.equal(support, torch.nonzero(want).flatten())
+    assert bool((support[1:] > support[:-1]).all())
+
+
+def test_a_second_call_returns_the_same_tensor_from_one_cache() -> None:
+    masks._shared.cache_clear()
+    mask, support = seeded_mask(5000, 1234, 77), seeded_support(5000, 1234, 77)
+    assert seeded_mask(5000, 1234, 77) is mask and seeded_support(5000, 1234, 77) is support
+    info = masks._shared.cache_info()
+    assert (info.misses, info.hits, info.maxsize) == (1, 3, SHARED_MASKS)  # one entry for both
+    for seed in range(SHARED_MASKS):  # the oldest goes once SHARED_MASKS others came after it
+        seeded_mask(5000, 1234, 1000 + seed)
+    assert seeded_mask(5000, 1234, 77) is not mask
+    assert torch.equal(seeded_mask(5000, 1234, 77), mask)
+
+
+def test_a_private_copy_written_into_does_not_reach_other_callers() -> None:
+    """The client trains on a clone (``client/local_round.py``); writing it leaks nowhere."""
+    want = sample_mask(2000, keep=500, seed=8)
+    private = seeded_mask(2000, 500, 8).clone()
+    private[:] = True
+    assert torch.equal(seeded_mask(2000, 500, 8), want)
+    assert torch.equal(seeded_support(2000, 500, 8), torch.nonzero(want).flatten())
+
+
+def test_shared_masks_check_their_arguments_and_cache_no_failure() -> None:
+    with pytest.raises(ValueError, match="keep"):
+        seeded_mask(10, 11, 1)
+    with pytest.raises(ValueError, match="keep"):
+        seeded_support(10, -1, 1)
+    assert seeded_support(10, 10, 1).tolist() == list(range(10))

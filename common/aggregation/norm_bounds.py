@@ -1,0 +1,500 @@
+"""Update-norm bounds: the largest L2 norm a server accepts from a client in a round (plain
+functions over public parameters, no Flower).
+
+* ``NormBound`` is the per-round bound on an update's L2 norm: an absolute ``max_update_norm``,
+  ``max_norm_ratio`` times the median norm of the round's valid updates (from ``min_updates`` (3)
+  on: the median is the honest scale only under an honest majority) and/or the bound below;
+  ``robust.clip_to_norm`` scales an update down to it.
+* ``honest_update_norm_bound`` is the largest L2 norm an honest DP-SGD client's round can have with
+  probability ``>= 1 - failure_probability``, from public parameters only;
+  ``worst_case_noise_multiplier`` the largest sigma a client calibrates for a target epsilon
+  whatever its data size; ``HonestClientBound`` the worst case over the clients' unknown data sizes
+  (run-config ``dp-norm-bound``), which needs no honest majority: it bounds rounds of one or two
+  updates too.
+
+The honest-update bound
+-----------------------
+An honest client's round (``client/local_round.py``, ``common/dp/optimizer.py``) runs a fresh SGD
+optimizer (lr ``eta``, momentum ``mu``, no weight decay) for ``s`` DP steps. Step ``t``'s gradient
+is ``g_t = (S_t + Z_t) / b'``: ``S_t`` sums the per-sample gradients of the Poisson batch ``B_t``
+(each example in with probability ``p``), each clipped to L2 norm ``<= C`` (after masking; GIP masks
+after the sum, which only shrinks it), so ``||S_t|| <= C |B_t|``; ``Z_t ~ N(0, sigma^2 C^2 I_k)`` on
+the ``k`` coordinates the step keeps; ``b'`` is Opacus's expected batch size ``int(n p)``. With
+heavy-ball momentum (PyTorch's: ``v_1 = g_1``, ``v_t = mu v_{t-1} + g_t``) the round's delta is
+``-eta sum_t v_t = -eta / (1 - mu) sum_t a_t g_t`` with ``a_t = 1 - mu^(s - t + 1)`` in ``[0, 1]``,
+so::
+
+    ||delta|| <= eta / (1 - mu) * ( C X + ||sum_t a_t Z_t|| ) / b',   X = sum_t a_t |B_t|
+
+* ``X`` sums independent Bernoullis weighted by ``a_t <= 1``, with mean ``mu_X = m sum_t a_t`` (``m
+  = n p``, the mean batch size) and variance ``sum_t a_t^2 n p (1 - p) <= mu_X``. Bernstein: ``P(X
+  >= mu_X + u) <= exp(-u^2 / (2 (mu_X + u / 3)))``, so with ``L = ln(2 / P_fail)`` the event ``X <=
+  mu_X + L / 3 + sqrt(L^2 / 9 + 2 mu_X L)`` fails with probability ``<= P_fail / 2``.
+* Under one mask for the round (``mask-scope``, ``lf``, ``ranked``, ``dpssgd``) ``sum_t a_t Z_t`` is
+  exactly ``N(0, sigma^2 C^2 A^2 I_k)``, ``A^2 = sum_t a_t^2``: the weights are fixed and every
+  ``Z_t`` is fresh, whatever the data did. Gaussian concentration of the norm, 1-Lipschitz in a
+  standard normal ``g`` with ``E||g|| <= sqrt(k)``: ``||sum_t a_t Z_t|| <= sigma C A (sqrt(k) +
+  sqrt(2 L))`` fails with probability ``<= P_fail / 2``. random-k's per-step supports (``k``
+  coordinates each) come from a stream independent of the noise: given them, the sum is a Gaussian
+  with coordinate variances ``<= sigma^2 C^2 A^2`` and trace ``sigma^2 C^2 A^2 k``, and the same
+  bound holds.
+* GIP chooses each step's support from the data, which the earlier steps' noise moved: the sum is
+  then a martingale, not a Gaussian, and the bound falls back to the triangle inequality, ``sum_t
+  a_t ||Z_t on I_t||``, each ``<= sigma C (sqrt(k) + sqrt(2 ln(2 s / P_fail)))`` (a union bound over
+  the steps): looser by about ``sqrt(s)`` in that term.
+
+So, with probability ``>= 1 - P_fail`` (``mu = 0``: ``sum a = s``, ``A = sqrt(s)``)::
+
+    ||delta|| <= eta / (1 - mu) * C / b' * ( m sum_t a_t + L / 3 + sqrt(L^2 / 9 + 2 m L sum_t a_t)
+                                             + sigma A (sqrt(k) + sqrt(2 L)) )
+
+The update travels in ``value-dtype``; rounding to fp16/bf16 grows a norm by at most the relative
+unit roundoff (plus ``sqrt(k) 2^-25`` for fp16 subnormals), int8's symmetric quantization by at most
+``sqrt(k) max|v| / 254 <= ||v|| sqrt(k) / 254`` (``quantized_norm``). The stochastically rounded
+low-bit dtypes (``payload.lowbit``) move a value by less than its block's step, and each block's
+largest magnitude ``m_j <= ||v||``: int4 (step ``s_j <= m_j / 7`` up to one float32 ulp) gives
+``||v|| (1 + sqrt(k) / 7)``; int2 and int1 send each value as at most ``m_j`` in magnitude (int1:
+exactly ``m_j``, a zero included), so ``||v|| sqrt(k)``. These hold for every draw of the rounding,
+not just with high probability. float32 arithmetic in training is left out: its errors are orders of
+magnitude below the slack of the tails above.
+
+What the server does not know is the client's data size ``n``: it sets ``s = E ceil(n / b)`` (``E``
+local epochs, ``b`` batch size; ``privacy.steps_per_epoch``), ``p = 1 / ceil(n / b)``, ``b' = int(n
+p)`` and, under a target epsilon, sigma. ``HonestClientBound`` takes the maximum over every ``K =
+ceil(n / b)`` from 1 to ``ceil(N / b)``, where ``N`` caps ``n`` (the size of the training split the
+clients' partitions come from, or run-config ``max-client-examples``), of the bound at the smallest
+``n`` with that ``K``: ``n = (K - 1) b + 1`` gives the smallest ``b'`` (``>= b / 2``) and ``m <= b'
++ 1``, and the bound falls as ``b'`` grows. Sigma is the largest any ``n`` calibrates
+(``worst_case_noise_multiplier``). It covers every client with ``n >= b`` (``min(b, N)``). A client
+with ``n < b`` takes one step an epoch on its whole data (``p = 1``, ``b' = n``): its noise term
+grows as ``1 / n``, and it is covered only while that stays under the maximum over ``K``, which is
+usually much larger because it is taken at the most steps (``smallest_covered_examples`` says from
+which ``n`` on; on digits' defaults from 3 or 4 examples). The bound holds per update with
+probability ``1 - HONEST_FAILURE_PROBABILITY`` (1e-9): a run of 10^5 honest updates loses one with
+probability about 1e-4. Nothing bounds an update of the ``noisy`` mechanism (no per-sample
+clipping), and under ``dp-level=user`` the server clips every update itself
+(``common/dp/central.py``): neither gets this bound.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Final, Literal, get_args
+
+import numpy as np
+from opacus.accountants import RDPAccountant
+
+from fedsparse.common.dp.accounting import ACCOUNTANTS, AccountantName, calibrate_noise_multiplier
+from fedsparse.common.wire.payload import LOWBIT_DTYPES, PAYLOAD_DTYPES, PayloadDType
+
+__all__ = [
+    "DP_NORM_BOUNDS",
+    "HONEST_FAILURE_PROBABILITY",
+    "LOWBIT_SLACK",
+    "NORM_ACTIONS",
+    "DPNormBound",
+    "HonestClientBound",
+    "NormAction",
+    "NormBound",
+    "honest_update_norm_bound",
+    "momentum_weights",
+    "quantized_norm",
+    "worst_case_noise_multiplier",
+]
+
+NormAction = Literal["reject", "clip"]
+"""What happens to an update above the norm bound: dropped, or scaled down to the bound."""
+
+NORM_ACTIONS: Final[tuple[NormAction, ...]] = get_args(NormAction)
+
+DPNormBound = Literal["auto", "off"]
+"""Run-config ``dp-norm-bound``: "auto" bounds every update by what an honest client's DP
+parameters allow (``HonestClientBound``) wherever they bound it (``dp-level=sample`` with a
+clipping mechanism, ``dpsgd`` or ``clipped``); "off" does not."""
+
+DP_NORM_BOUNDS: Final[tuple[DPNormBound, ...]] = get_args(DPNormBound)
+
+HONEST_FAILURE_PROBABILITY: Final = 1e-9
+"""The probability that one honest update exceeds its ``HonestClientBound``."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class NormBound:
+    """The bound on an update's L2 norm in one round (0 disables either part).
+
+    Attributes:
+        max_norm_ratio: an update above ``max_norm_ratio`` times the median norm of the
+            round's valid updates is out of bound; applies from ``min_updates`` updates on
+            and when that median is > 0. Needs an honest majority (the median is theirs).
+        max_update_norm: an absolute bound.
+        min_updates: fewest updates for the relative bound.
+    """
+
+    max_norm_ratio: float = 0.0
+    max_update_norm: float = 0.0
+    min_updates: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("max_norm_ratio", "max_update_norm"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name}={value!r}: expected a finite value >= 0 (0: off)")
+        if self.max_norm_ratio and self.max_norm_ratio < 1:
+            raise ValueError(
+                f"max_norm_ratio={self.max_norm_ratio!r}: expected >= 1 (0: off); below 1 "
+                "it rejects the median update itself"
+            )
+
+    def bound(
+        self, norms: Sequence[float], *, honest: tuple[float, str] | None = None
+    ) -> tuple[float, str]:
+        """(the round's bound, how it was set) for updates of these norms; ``inf`` if none.
+
+        The smallest of the absolute bound, the relative bound and ``honest``, a bound of
+        the round's own with its description (``HonestClientBound``), applies.
+        """
+        candidates = [(math.inf, "no bound")]
+        if honest is not None:
+            if not (honest[0] >= 0 and not math.isnan(honest[0])):
+                raise ValueError(f"honest={honest!r}: expected a bound >= 0")
+            candidates.append(honest)
+        if self.max_update_norm > 0:
+            candidates.append((self.max_update_norm, f"max-update-norm={self.max_update_norm:g}"))
+        if self.max_norm_ratio > 0 and len(norms) >= self.min_updates:
+            median = float(statistics.median(norms))
+            if median > 0:
+                candidates.append(
+                    (
+                        self.max_norm_ratio * median,
+                        f"max-norm-ratio={self.max_norm_ratio:g} x median {median:.4g}",
+                    )
+                )
+        return min(candidates, key=lambda c: c[0])
+
+
+def momentum_weights(momentum: float, steps: int) -> tuple[float, float]:
+    """``(sum_t a_t, sqrt(sum_t a_t^2))`` for ``a_t = 1 - momentum^t``, ``t = 1..steps``.
+
+    ``sum_t v_t = sum_t a_t g_t / (1 - momentum)`` for PyTorch's heavy-ball velocities
+    ``v_t``; with ``momentum = 0`` the pair is ``(steps, sqrt(steps))``.
+    """
+    if not 0.0 <= momentum < 1.0:
+        raise ValueError(f"momentum={momentum!r}: expected 0 <= momentum < 1")
+    if steps < 0:
+        raise ValueError(f"steps={steps!r}: expected >= 0")
+    if momentum == 0.0:
+        return float(steps), math.sqrt(steps)
+    t = np.arange(1, steps + 1, dtype=np.float64)
+    a = -np.expm1(t * math.log(momentum))  # 1 - momentum^t, exact for small momentum^t
+    return float(a.sum()), float(math.sqrt(float((a * a).sum())))
+
+
+def honest_update_norm_bound(
+    *,
+    lr: float,
+    momentum: float,
+    max_grad_norm: float,
+    noise_multiplier: float,
+    expected_batch_size: float,
+    steps: int,
+    keep: int,
+    failure_probability: float = HONEST_FAILURE_PROBABILITY,
+    mean_batch_size: float | None = None,
+    adaptive_support: bool = False,
+) -> float:
+    """The L2 norm an honest client's round stays under with prob. ``>= 1 - failure_probability``.
+
+    The formula and its derivation are in the module docstring: ``eta / (1 - mu) * C / b' * (m sum a
+    + L / 3 + sqrt(L^2 / 9 + 2 m L sum a) + sigma A (sqrt(k) + sqrt(2 L)))``, ``L = ln(2 /
+    failure_probability)`` (``ln(1 / failure_probability)`` without noise).
+
+    Args:
+        lr, momentum: the client's SGD (a fresh optimizer each round, no weight decay).
+        max_grad_norm: ``C``, the per-sample clipping norm.
+        noise_multiplier: ``sigma`` (0: no noise, the ``clipped`` mechanism).
+        expected_batch_size: ``b'``, what the summed gradient is divided by (Opacus's
+            ``int(n q)``); > 0.
+        steps: ``s``, DP steps in the round.
+        keep: ``k``, the coordinates each step's noise covers.
+        failure_probability: ``P_fail`` in ``(0, 1)``.
+        mean_batch_size: ``m``, the mean Poisson batch size ``n p`` (default
+            ``expected_batch_size``).
+        adaptive_support: each step's support depends on earlier noise (GIP): the noise
+            term by the triangle inequality over the steps.
+
+    Raises:
+        ValueError: an argument out of range (named with its value).
+    """
+    for name, value in (("lr", lr), ("max_grad_norm", max_grad_norm)):
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{name}={value!r}: expected a finite value > 0")
+    if not (math.isfinite(noise_multiplier) and noise_multiplier >= 0):
+        raise ValueError(f"noise_multiplier={noise_multiplier!r}: expected a finite value >= 0")
+    if not (math.isfinite(expected_batch_size) and expected_batch_size > 0):
+        raise ValueError(f"expected_batch_size={expected_batch_size!r}: expected a value > 0")
+    mean = expected_batch_size if mean_batch_size is None else mean_batch_size
+    if not (math.isfinite(mean) and mean >= 0):
+        raise ValueError(f"mean_batch_size={mean_batch_size!r}: expected a finite value >= 0")
+    if steps < 1:
+        raise ValueError(f"steps={steps!r}: expected >= 1")
+    if keep < 0:
+        raise ValueError(f"keep={keep!r}: expected >= 0")
+    if not 0.0 < failure_probability < 1.0:
+        raise ValueError(f"failure_probability={failure_probability!r}: expected 0 < p < 1")
+    total, root = momentum_weights(momentum, steps)
+    noisy = noise_multiplier > 0 and keep > 0
+    log_fail = math.log((2.0 if noisy else 1.0) / failure_probability)
+    mean_x = mean * total
+    batches = mean_x + log_fail / 3 + math.sqrt(log_fail**2 / 9 + 2 * mean_x * log_fail)
+    noise = 0.0
+    if noisy and adaptive_support:
+        per_step = math.sqrt(keep) + math.sqrt(2 * math.log(2 * steps / failure_probability))
+        noise = noise_multiplier * total * per_step
+    elif noisy:
+        noise = noise_multiplier * root * (math.sqrt(keep) + math.sqrt(2 * log_fail))
+    return lr / (1 - momentum) * max_grad_norm * (batches + noise) / expected_batch_size
+
+
+#: Integer orders of Opacus's RDP accountant: those where ``_uniform_epsilon`` bounds its curve.
+_INTEGER_ORDERS: Final = np.array(
+    [a for a in RDPAccountant.DEFAULT_ALPHAS if float(a).is_integer() and a >= 2], dtype=np.float64
+)
+#: PRV's ``eps_upper`` (the estimate at ``delta - delta / 1000`` plus ``eps_error``, 0.01, the
+#: estimate's own error bound) exceeds the true epsilon by about 0.02 at most.
+_PRV_SLACK: Final = 0.02
+_MAX_SIGMA: Final = 1e6
+
+
+def _uniform_epsilon(sigma: float, epochs: int, delta: float) -> float:
+    """An epsilon at ``delta`` that bounds ``(q = 1/K, steps = epochs K)`` for EVERY ``K >= 1``.
+
+    At an integer order ``alpha`` the sampled Gaussian's RDP is ``ln(E[exp(c (J^2 - J))]) / (alpha -
+    1)`` with ``J ~ Bin(alpha, q)``, ``c = 1 / (2 sigma^2)`` (Mironov, Talwar, Zhang, "Rényi
+    Differential Privacy of the Sampled Gaussian Mechanism", arXiv:1908.10530, Sec. 3.3; what Opacus
+    computes there). ``J^2 - J <= (alpha - 1) J`` gives ``<= alpha ln(1 + q (e^(c (alpha - 1)) - 1))
+    <= alpha q (e^(c (alpha - 1)) - 1)``, so ``epochs K`` steps at ``q = 1/K`` compose to at most
+    ``epochs alpha (e^(c (alpha - 1)) - 1) / (alpha - 1)``, free of ``K``. Converted as Opacus
+    converts (Balle et al., "Hypothesis Testing Interpretations and Renyi Differential Privacy",
+    arXiv:1905.09982, Thm. 21; monotone in the RDP), minimum over the integer orders Opacus has.
+    """
+    a = _INTEGER_ORDERS
+    with np.errstate(over="ignore"):
+        rdp = epochs * a * np.expm1((a - 1) / (2 * sigma * sigma)) / (a - 1)
+    eps = rdp - (math.log(delta) + np.log(a)) / (a - 1) + np.log((a - 1) / a)
+    return float(np.min(eps))
+
+
+@functools.lru_cache(maxsize=64)
+def worst_case_noise_multiplier(
+    *,
+    target_epsilon: float,
+    delta: float,
+    epochs: int,
+    accountant: AccountantName,
+    epsilon_tolerance: float = 0.01,
+) -> float:
+    """A sigma no client calibrates above, whatever its data size ``n``.
+
+    A client calibrates sigma for ``target_epsilon`` over ``epochs K`` steps at ``q = 1/K`` (``K =
+    ceil(n / b)``, ``epochs = num-rounds x local-epochs``: ``client/app.py``), to within
+    ``epsilon_tolerance`` below the target (``privacy.calibrate_noise_multiplier``). Which ``K``
+    needs the most noise depends on the target: ``q = 1`` for the usual targets, but for large ones
+    (``epsilon = 30`` over one epoch) ``K = 7`` needs 1.6 times its sigma, so no ``K`` is assumed.
+    Returned: the smallest sigma (to ``1e-9`` relative, rounded up) whose ``_uniform_epsilon`` -- a
+    bound on the RDP accountant's epsilon at every ``K`` -- is at most ``target_epsilon -
+    epsilon_tolerance``; every client's calibrated sigma, whose epsilon is at least that, is then no
+    larger. Deployed nodes calibrate with ``rdp``; a simulated node with the run's ``accountant``:
+    for ``prv`` the target is lowered by 0.02, what PRV's ``eps_upper`` may exceed the true epsilon
+    by (which RDP, and so this bound, bounds), and for ``gdp``, whose ``mu = sqrt(epochs
+    (e^(1/sigma^2) - 1) / K)`` falls with ``K``, the ``q = 1`` calibration is taken if larger.
+    Within 1-9% of the largest calibrated sigma for epsilon <= 8 (tests), up to 1.9x for epsilon =
+    100 over one epoch.
+
+    Raises:
+        ValueError: an argument out of range, or the target is unreachable with sigma <= 1e6.
+    """
+    if not (math.isfinite(target_epsilon) and target_epsilon > 0):
+        raise ValueError(f"target_epsilon={target_epsilon!r}: expected a finite value > 0")
+    if not 0.0 < delta < 1.0:
+        raise ValueError(f"delta={delta!r}: expected 0 < delta < 1")
+    if epochs < 1:
+        raise ValueError(f"epochs={epochs!r}: expected >= 1")
+    if accountant not in ACCOUNTANTS:
+        raise ValueError(f"accountant={accountant!r}: expected one of {', '.join(ACCOUNTANTS)}")
+    target = target_epsilon - epsilon_tolerance - (_PRV_SLACK if accountant == "prv" else 0.0)
+    if target <= 0:
+        raise ValueError(
+            f"target_epsilon={target_epsilon!r}: too small for a worst-case sigma (expected > "
+            f"{target_epsilon - target:g})"
+        )
+    low, high = 0.0, 1.0
+    while _uniform_epsilon(high, epochs, delta) > target:
+        low, high = high, 2 * high
+        if high > _MAX_SIGMA:
+            raise ValueError(
+                f"target_epsilon={target_epsilon!r}: unreachable with noise_multiplier <= "
+                f"{_MAX_SIGMA:g} at delta={delta}, over {epochs} epochs"
+            )
+    while high - low > 1e-9 * high:
+        mid = (low + high) / 2
+        if _uniform_epsilon(mid, epochs, delta) <= target:
+            high = mid
+        else:
+            low = mid
+    if accountant == "gdp":
+        high = max(
+            high,
+            calibrate_noise_multiplier(
+                target_epsilon=target_epsilon - epsilon_tolerance,
+                delta=delta,
+                sample_rate=1.0,
+                steps=epochs,
+                accountant="gdp",
+            ),
+        )
+    return high
+
+
+#: Relative rounding error of the 16-bit value dtypes (round to nearest).
+_RELATIVE_ROUNDING: Final[dict[str, float]] = {"fp32": 0.0, "fp16": 2.0**-11, "bf16": 2.0**-8}
+
+
+def quantized_norm(norm: float, *, value_dtype: PayloadDType, keep: int) -> float:
+    """An upper bound on the norm of ``keep`` values of L2 norm ``norm`` once in ``value_dtype``.
+
+    fp16/bf16 round each value to nearest: ``(1 + u) norm`` (``u``: 2^-11, 2^-8), plus ``sqrt(keep)
+    2^-25`` for fp16's subnormals. int8 (``payload.values.quantize_int8``) moves each value by at
+    most half its scale ``max|v| / 127 <= norm / 127``: ``norm (1 + sqrt(keep) / 254)``. The low-bit
+    dtypes (``payload.lowbit``), for any rounding draw: int4 moves each value by less than its
+    block's step ``s_j``, the smallest float32 with ``7 s_j >= m_j`` (``m_j <= norm`` the block's
+    largest magnitude), and never above ``7 s_j``, so ``norm min(1 + sqrt(keep) / 7, sqrt(keep))``;
+    int2 and int1 send ``q m_j`` with ``|q| <= 1``: ``norm sqrt(keep)``. Those bounds are widened by
+    ``LOWBIT_SLACK`` (relative), which covers the step's ulp above ``m_j / 7`` and the float32
+    product ``q s_j``.
+    """
+    if value_dtype not in PAYLOAD_DTYPES:
+        raise ValueError(
+            f"value_dtype={value_dtype!r}: expected one of {', '.join(PAYLOAD_DTYPES)}"
+        )
+    if value_dtype == "int8":
+        return norm * (1 + math.sqrt(keep) / 254)
+    if value_dtype in LOWBIT_DTYPES:
+        root = math.sqrt(keep)
+        growth = min(1 + root / 7, root) if value_dtype == "int4" else root
+        return norm * growth * (1 + LOWBIT_SLACK)
+    grown = norm * (1 + _RELATIVE_ROUNDING[value_dtype])
+    return grown + (math.sqrt(keep) * 2.0**-25 if value_dtype == "fp16" else 0.0)
+
+
+#: The low-bit bounds' relative widening: one float32 ulp of the int4 step (2^-23), the
+#: float32 product ``q s`` (2^-24), and the server's own float32 norm, with room to spare.
+LOWBIT_SLACK: Final = 2.0**-16
+
+
+@dataclass(frozen=True, kw_only=True)
+class HonestClientBound:
+    """The largest update norm of an honest client of the run, over every data size it may have.
+
+    The public caps (the module docstring's derivation): the client's SGD, clipping norm,
+    ``noise_multiplier`` (the fixed sigma, or ``worst_case_noise_multiplier``), batch size, local
+    epochs, and ``max_examples``, the most examples a client holds. ``bound(keep)`` is the maximum
+    of ``honest_update_norm_bound`` over ``K = 1 .. ceil(max_examples / batch_size)`` batches an
+    epoch at each ``K``'s smallest data size, in ``value_dtype``.
+
+    Attributes:
+        adaptive_support: GIP (the steps' supports depend on the noise: module docstring).
+    """
+
+    lr: float
+    momentum: float
+    max_grad_norm: float
+    noise_multiplier: float
+    batch_size: int
+    local_epochs: int
+    max_examples: int
+    value_dtype: PayloadDType = "fp32"
+    adaptive_support: bool = False
+    failure_probability: float = HONEST_FAILURE_PROBABILITY
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "local_epochs", "max_examples"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)!r}: expected >= 1")
+        # the rest is checked where it is used
+        self._norm(divisor=1.0, mean=1.0, steps=1, keep=1)
+        quantized_norm(1.0, value_dtype=self.value_dtype, keep=1)
+
+    def _norm(self, *, divisor: float, mean: float, steps: int, keep: int) -> float:
+        return honest_update_norm_bound(
+            lr=self.lr,
+            momentum=self.momentum,
+            max_grad_norm=self.max_grad_norm,
+            noise_multiplier=self.noise_multiplier,
+            expected_batch_size=divisor,
+            mean_batch_size=mean,
+            steps=steps,
+            keep=keep,
+            failure_probability=self.failure_probability,
+            adaptive_support=self.adaptive_support,
+        )
+
+    @property
+    def max_batches(self) -> int:
+        """``ceil(N / b)``: the most batches (steps) an epoch of any client takes."""
+        return -(-self.max_examples // min(self.batch_size, self.max_examples))
+
+    @property
+    def max_steps(self) -> int:
+        """The most DP steps of a client's round."""
+        return self.local_epochs * self.max_batches
+
+    def _at(self, batches: int, keep: int, examples: int | None = None) -> float:
+        """The bound before ``value_dtype`` for clients with ``batches`` batches an epoch
+        (``examples``: K = 1's n)."""
+        b = self.batch_size
+        if batches == 1:  # p = 1: every example in every step, b' = |B_t| = n
+            n = min(b, self.max_examples) if examples is None else examples
+            divisor, mean = float(n), float(n)
+        else:  # the smallest n with this many batches; Opacus's int(n * (1 / K))
+            divisor = float(int(((batches - 1) * b + 1) * (1 / batches)))
+            mean = min(float(b), divisor + 1)  # n p < int(n p) + 1, and n p <= b
+        return self._norm(divisor=divisor, mean=mean, steps=self.local_epochs * batches, keep=keep)
+
+    def bound(self, keep: int, *, sent: int | None = None) -> float:
+        """The bound for a round whose steps keep ``keep`` coordinates (memoized), once the
+        update travels as ``sent`` values in ``value_dtype`` (None: ``keep``; gip and
+        random-k send the union of their steps' supports, up to ``d``). ``quantized_norm``
+        grows with the norm, so it applies to the maximum over data sizes."""
+        values = keep if sent is None else sent
+        return quantized_norm(_client_bound(self, keep), value_dtype=self.value_dtype, keep=values)
+
+    def smallest_covered_examples(self, keep: int) -> int:
+        """The fewest examples ``n`` from which on every honest client is covered.
+
+        ``min(b, N)`` by construction; a client below ``b`` (``K = 1``, its noise term ``~ 1 /
+        n``) is covered while its own bound stays under ``bound(keep)``, which falls with
+        ``n``: the first such ``n``.
+        """
+        limit, top = self.bound(keep), min(self.batch_size, self.max_examples)
+        low, high = 1, top  # the answer lies in [1, top]; _at(1, keep, n) falls with n
+        while low < high:
+            mid = (low + high) // 2
+            if (
+                quantized_norm(self._at(1, keep, mid), value_dtype=self.value_dtype, keep=keep)
+                <= limit
+            ):
+                high = mid
+            else:
+                low = mid + 1
+        return low
+
+
+@functools.lru_cache(maxsize=256)
+def _client_bound(caps: HonestClientBound, keep: int) -> float:
+    if keep < 0:
+        raise ValueError(f"keep={keep!r}: expected >= 0")
+    return max(caps._at(batches, keep) for batches in range(1, caps.max_batches + 1))
