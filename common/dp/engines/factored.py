@@ -81,6 +81,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 import torch
+from opacus.validators.errors import UnsupportedModuleError
 from torch import nn
 
 from fedsparse.common.dp.optimizer import (
@@ -406,7 +407,7 @@ class FactoredGradSampleModule(PerSampleModule):
     def __init__(self, module: nn.Module, *, loss_reduction: str = "mean") -> None:
         error = factored_support_error(module)
         if error is not None:
-            raise ValueError(error)
+            raise UnsupportedModuleError(error)  # a ValueError, as Opacus's validator raises
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction={loss_reduction!r}: expected 'mean' or 'sum'")
         super().__init__(module)
