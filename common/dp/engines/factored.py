@@ -79,6 +79,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from opacus.validators.errors import UnsupportedModuleError
 from torch import nn
 
 from fedsparse.common.dp.engine import SparseDPEngine
@@ -115,7 +116,7 @@ class FactoredGradSampleModule(PerSampleModule):
     def __init__(self, module: nn.Module, *, loss_reduction: str = "mean") -> None:
         error = factored_support_error(module)
         if error is not None:
-            raise ValueError(error)
+            raise UnsupportedModuleError(error)  # a ValueError, as Opacus's validator raises
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction={loss_reduction!r}: expected 'mean' or 'sum'")
         super().__init__(module)

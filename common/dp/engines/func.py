@@ -55,6 +55,7 @@ from collections.abc import Callable
 from typing import Any, Final
 
 import torch
+from opacus.validators.errors import UnsupportedModuleError
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
@@ -113,7 +114,7 @@ class FuncGradSampleModule(PerSampleModule):
     def __init__(self, module: nn.Module) -> None:
         error = func_support_error(module)
         if error is not None:
-            raise ValueError(error)
+            raise UnsupportedModuleError(error)  # a ValueError, as Opacus's validator raises
         super().__init__(module)
 
     def backward_per_sample(
