@@ -41,7 +41,8 @@ import numpy as np
 import torch
 
 from fedsparse.lab.experiments.stats import mean_se, paired_t_interval
-from fedsparse.lab.experiments.sweep import SweepPlan, SweepRun, point_label, stop_pool
+from fedsparse.lab.experiments.sweep import stop_pool
+from fedsparse.lab.experiments.sweep_plan import SweepPlan, SweepRun, point_label
 from fedsparse.lab.experiments.tuning import (
     CONFIDENCE,
     TUNE_SEED_OFFSET,
@@ -737,7 +738,7 @@ def run_federated_study(
     from rich.console import Console
 
     from fedsparse.lab.experiments.report import write_outputs
-    from fedsparse.lab.experiments.sweep import RunSettings
+    from fedsparse.lab.experiments.sweep_backends import RunSettings
     from fedsparse.lab.experiments.tuning import render_tuning, run_tuned_sweep
 
     fixed = {
