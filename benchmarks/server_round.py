@@ -1,4 +1,4 @@
-"""Benchmark: the server's cost per node of a round, before and after issue 11.
+"""Benchmark: the server's cost per node of a round, with the downlink cache and without it.
 
 Times ``SparseFedAvg.configure_train`` + ``aggregate_train`` for N simulated nodes with
 synthetic valid replies (built as ``client/app.py`` builds them, with random values instead of
@@ -96,7 +96,7 @@ def synthetic_client(cfg: FederatedConfig, d: int):  # type: ignore[no-untyped-d
 
 @contextlib.contextmanager
 def old_path(strategy: SparseFedAvg) -> Iterator[None]:
-    """The code before issue 11: serialize to count, encode the downlink per node."""
+    """The path without the downlink cache: serialize to count, encode the downlink per node."""
     cache: DownlinkCache = strategy.downlink
 
     def per_node(nodes, weights, *, version, server_round):  # type: ignore[no-untyped-def]

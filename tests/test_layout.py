@@ -1,6 +1,7 @@
 """The architecture, as import rules: math in the middle, Flower at the edges, tooling aside."""
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -119,3 +120,99 @@ def test_the_method_branch_check_sees_a_branch() -> None:
     source += "x = 'rs' != method\n"
     found = _method_branches(source, "sample.py")
     assert [line.split(":")[1] for line in found] == ["1", "3", "5", "9"]
+
+
+#: Modules allowed over :data:`MAX_MODULE_LINES`, each because one concept needs the room
+#: (docs/explanation/architecture.md, "Module sizes", says why for each).
+LONG_MODULES: dict[str, str] = {}
+
+MAX_MODULE_LINES = 500
+
+
+def _source_modules() -> list[Path]:
+    return sorted(
+        path
+        for package in PACKAGES
+        for path in (ROOT / package).rglob("*.py")
+        if not path.name.endswith("_pb2.py")
+    )
+
+
+def test_no_module_is_over_500_lines_but_the_named_ones() -> None:
+    long = {
+        str(path.relative_to(ROOT)): len(path.read_text().splitlines())
+        for path in _source_modules()
+        if len(path.read_text().splitlines()) > MAX_MODULE_LINES
+    }
+    assert {name: n for name, n in long.items() if name not in LONG_MODULES} == {}
+    assert set(LONG_MODULES) <= set(long), "a named module is short now: drop its entry"
+
+
+#: The folders of ``common/``, one per concept, and the helpers all of them share.
+COMMON_CONCEPTS = {"aggregation", "data", "dp", "methods", "models", "training", "wire"}
+COMMON_SHARED = {
+    "atomic",
+    "coerce",
+    "config",
+    "known_warnings",
+    "layout",
+    "masks",
+    "moved",
+    "plugins",
+    "seeds",
+}
+LAB_ROLES = {"cli", "experiments", "launch", "research", "simulation"}
+
+
+def test_common_is_grouped_by_concept_and_lab_by_role() -> None:
+    common = ROOT / "common"
+    folders = {p.name for p in common.iterdir() if (p / "__init__.py").is_file()}
+    modules = {p.stem for p in common.glob("*.py")} - {"__init__"}
+    assert folders == COMMON_CONCEPTS
+    assert modules <= COMMON_SHARED, sorted(modules - COMMON_SHARED)
+    lab = ROOT / "lab"
+    assert {p.name for p in lab.iterdir() if (p / "__init__.py").is_file()} == LAB_ROLES
+    assert {p.stem for p in lab.glob("*.py")} == {"__init__"}
+
+
+def test_tests_mirror_the_concepts() -> None:
+    for concept in COMMON_CONCEPTS:
+        assert list((ROOT / "tests" / "common" / concept).rglob("test_*.py")), concept
+
+
+def test_code_imports_no_old_name() -> None:
+    """Old import names are aliases for users' scripts (``common/moved.py``); the project itself
+    imports modules where they live."""
+    from fedsparse.common.moved import MOVED
+
+    folders = ("common", "client", "server", "lab", "tests", "benchmarks", "scripts", "docs")
+    bad = [
+        f"{path.relative_to(ROOT)} imports {name}"
+        for folder in folders
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        for name in sorted(_imports(path))
+        if any(name == old or name.startswith(old + ".") for old in MOVED)
+    ]
+    assert bad == []
+
+
+_HISTORY = re.compile(r"\b20\d\d-\d\d-\d\d\b|\bissues? #?\d+\b", re.IGNORECASE)
+#: The papers by their file names outside the repository (cite title and arXiv id instead).
+_PAPER_FILES = re.compile(
+    r"papers/|rs-random-sparsification-dpsgd|random-freeze-dpsgd\.txt|gip-gradient-index"
+    r"|dpssgd-pruning-public-data|dpsgd-lf-layer-freezing"
+)
+
+
+def test_code_carries_no_dated_history_and_cites_papers_by_title() -> None:
+    """Dates and issue numbers belong in CHANGELOG.md; papers are cited by title and arXiv id."""
+    folders = ("common", "client", "server", "lab", "benchmarks", "scripts")
+    bad = [
+        f"{path.relative_to(ROOT)}:{lineno}: {line.strip()}"
+        for folder in folders
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        if not path.name.endswith("_pb2.py")
+        for lineno, line in enumerate(path.read_text().splitlines(), 1)
+        if _HISTORY.search(line) or _PAPER_FILES.search(line)
+    ]
+    assert bad == []

@@ -61,7 +61,7 @@ NOISE_ORIGINS: tuple[NoiseOrigin, ...] = ("seeded", "fresh", "mixed", "none", "u
 SEEDED_RUN = "seeded: not private against the server"
 
 #: Published uplink costs, in bits per model parameter per client and round, that reports place
-#: runs against (issue 13): dense fp32; the distributed discrete Gaussian with SecAgg
+#: runs against: dense fp32; the distributed discrete Gaussian with SecAgg
 #: (Kairouz, Liu & Steinke, ICML 2021, about 16 bits at no accuracy loss); SecAgg + central DP
 #: with compression (Chen, Choquette-Choo, Kairouz & Suresh, ICML 2022, about 1.2 bits at no
 #: accuracy loss).

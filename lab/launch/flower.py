@@ -27,7 +27,7 @@ __all__ = [
 ]
 
 #: The Flower app directory (holds ``pyproject.toml`` with ``[tool.flwr.app]``).
-APP_DIR = Path(__file__).resolve().parents[1]
+APP_DIR = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 
 
