@@ -103,7 +103,8 @@ def _rounds(out: Path) -> dict[str, Any]:
 def _child_ray(clients: int, overrides: dict[str, str], cpus: float, out: Path) -> dict[str, Any]:
     from fedsparse.client.app import app as client_app
     from fedsparse.common.config import FederatedConfig
-    from fedsparse.lab.simulation.raygrid import RayGrid, RayWorkers, ray_cluster
+    from fedsparse.lab.simulation.raygrid import RayGrid
+    from fedsparse.lab.simulation.rayworkers import RayWorkers, ray_cluster
     from fedsparse.server.app import run_federated
 
     logging.getLogger("flwr").setLevel(logging.WARNING)  # after flwr set its own level

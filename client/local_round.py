@@ -29,12 +29,8 @@ from fedsparse.common.layout import ParamLayout
 from fedsparse.common.methods import suffix_mask
 from fedsparse.common.methods.index_selection import StepSelector
 from fedsparse.common.seeds import client_train_seed, value_rounding
-from fedsparse.common.training.local import (
-    PrivacyConfig,
-    TrainConfig,
-    make_private,
-    train_one_epoch,
-)
+from fedsparse.common.training.configs import PrivacyConfig, TrainConfig
+from fedsparse.common.training.local import make_private, train_one_epoch
 from fedsparse.common.wire.payload import IndexEncoding, encode_update
 from fedsparse.common.wire.protocol import TrainInstruction, TrainReply, client_mask_seed
 

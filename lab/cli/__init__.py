@@ -19,9 +19,9 @@ import signal
 from fedsparse.common.known_warnings import KNOWN_WARNINGS, quiet_known_warnings
 from fedsparse.lab.cli.app import app
 from fedsparse.lab.cli.train import TRAIN_DEFAULTS
-from fedsparse.lab.cli.utils import BACKEND_ALIASES, STATE, console
+from fedsparse.lab.cli.utils import STATE, console
 
-__all__ = ["BACKEND_ALIASES", "QUIET_WARNINGS", "TRAIN_DEFAULTS", "app", "main"]
+__all__ = ["QUIET_WARNINGS", "TRAIN_DEFAULTS", "app", "main"]
 
 #: The texts of the warnings a command silences (``common/known_warnings.py``).
 QUIET_WARNINGS = tuple(known.message for known in KNOWN_WARNINGS)

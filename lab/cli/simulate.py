@@ -1,8 +1,9 @@
 """``fedsparse simulate`` and ``fedsparse demo``: one federation on this machine.
 
-The run itself is ``lab/launch/simulate.py:run_simulation`` (Flower's simulation engine, or RayGrid
-with ``--backend ray``); here are its options, the checks that need no heavy import, and the
-closing line.
+The run itself is ``lab/launch/simulate.py:run_simulation`` (Flower's simulation engine, or
+another backend of ``lab/launch/backends.py``: RayGrid with ``--backend ray``, this process
+with ``--backend inprocess``, a loopback deployment with ``--backend deploy``); here are its
+options, the checks that need no heavy import, and the closing line.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from typing import Annotated
 import typer
 
 from fedsparse.lab.cli.utils import (
-    BACKEND_ALIASES,
     Opt,
     check_run_config,
     choice,
@@ -26,6 +26,7 @@ from fedsparse.lab.cli.utils import (
     parse_sets,
     removed_on_failed_start,
 )
+from fedsparse.lab.launch.backends import BACKEND_ALIASES, BACKEND_HELP, BACKENDS
 
 __all__ = ["SHORTCUTS", "demo", "resume_command", "shortcuts", "simulate"]
 
@@ -42,10 +43,7 @@ def simulate(
     resume: Annotated[
         bool, Opt(help="continue the run in OUT from its checkpoint (same --set values)")
     ] = False,
-    backend: Annotated[
-        str,
-        Opt(help="flower (alias simulation): Flower's engine | ray: many clients per worker"),
-    ] = "flower",
+    backend: Annotated[str, Opt(help=BACKEND_HELP)] = "flower",
     rounds: Annotated[int | None, Opt(help="rounds: --set num-rounds=N in short")] = None,
     seed: Annotated[int | None, Opt(help="base seed: --set seed=S in short")] = None,
     log: Annotated[
@@ -59,6 +57,8 @@ def simulate(
     workers (one per CPU, or per --gpus-per-client share of a GPU) each hold many virtual
     clients and train a batch of them per Ray task: for 1000+ clients. With the same seeds
     and full participation it ends with the same model as --backend flower, bit for bit.
+    --backend inprocess runs the clients in this process (quick looks); --backend deploy on
+    a loopback deployment (TLS, authenticated SuperNodes; no --resume, no GPUs).
 
     With --resume, a run that was stopped (signal, crash, timeout) continues from its last
     checkpoint (OUT/checkpoint.pt, the nodes' states in OUT/node-state) and ends with the
@@ -72,7 +72,7 @@ def simulate(
         check_run_config(overrides)  # before the imports below: they take seconds
     except ValueError as err:
         raise typer.BadParameter(str(err)) from err
-    from fedsparse.lab.launch.simulate import ENGINES, run_simulation
+    from fedsparse.lab.launch.simulate import run_simulation
 
     again = resume_command(
         out=out,
@@ -97,7 +97,7 @@ def simulate(
                 timeout=timeout,
                 console=console,
                 resume=resume,
-                backend=choice("backend", backend, ENGINES, aliases=BACKEND_ALIASES),
+                backend=choice("backend", backend, BACKENDS, aliases=BACKEND_ALIASES),
             )
     except ValueError as err:
         raise typer.BadParameter(str(err)) from err

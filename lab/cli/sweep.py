@@ -1,8 +1,9 @@
 """``fedsparse sweep``: a grid of runs x seeds (optionally tuned per arm), with its report.
 
-Planning, running and the outputs are ``lab/experiments/sweep.py``, ``lab/experiments/tuning.py``
-and
-``lab/experiments/report.py``; here are the options and the command line the report records.
+Planning, running and the outputs are ``lab/experiments/sweep_plan.py``,
+``lab/experiments/sweep.py`` (each run on its backend: ``lab/experiments/sweep_backends.py``),
+``lab/experiments/tuning.py`` and ``lab/experiments/report.py``; here are the options and the
+command line the report records.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from typing import Annotated
 import typer
 
 from fedsparse.lab.cli.utils import (
-    BACKEND_ALIASES,
     Opt,
     check_run_config,
     choice,
@@ -21,6 +21,7 @@ from fedsparse.lab.cli.utils import (
     parse_sets,
     rate,
 )
+from fedsparse.lab.launch.backends import BACKEND_ALIASES, BACKEND_HELP, BACKENDS
 
 __all__ = ["sweep"]
 
@@ -33,14 +34,12 @@ def sweep(
     set_: Annotated[list[str] | None, Opt("--set", help="fixed override key=value")] = None,
     seeds: Annotated[int, Opt(help="seeds per config: base+0..N-1 (base: --set seed)")] = 1,
     clients: Annotated[int, Opt(help="clients (SuperNodes) per run")] = 10,
-    backend: Annotated[
-        str, Opt(help="simulation (alias flower) | inprocess | deploy | ray")
-    ] = "simulation",
+    backend: Annotated[str, Opt(help=BACKEND_HELP)] = "flower",
     jobs: Annotated[int, Opt(help="runs at a time")] = 1,
     timeout: Annotated[float, Opt(help="seconds per simulation run")] = 3600.0,
     cpus_per_client: Annotated[float, Opt(help="Ray CPUs per virtual client")] = 1.0,
     gpus_per_client: Annotated[
-        float, Opt(help="Ray GPUs per virtual client (simulation, ray), e.g. 0.25")
+        float, Opt(help="Ray GPUs per virtual client (flower, ray), e.g. 0.25")
     ] = 0.0,
     runs_dir: Annotated[Path | None, Opt(help="per-run directories (default OUT/runs)")] = None,
     uplink_rate: Annotated[
@@ -82,15 +81,9 @@ def sweep(
     except ValueError as err:
         raise typer.BadParameter(str(err)) from err
     from fedsparse.lab.experiments.report import write_outputs
-    from fedsparse.lab.experiments.sweep import (
-        BACKENDS,
-        RunSettings,
-        SweepInterrupted,
-        check_jobs,
-        parse_grid,
-        plan_sweep,
-        run_sweep,
-    )
+    from fedsparse.lab.experiments.sweep import SweepInterrupted, check_jobs, run_sweep
+    from fedsparse.lab.experiments.sweep_backends import RunSettings
+    from fedsparse.lab.experiments.sweep_plan import parse_grid, plan_sweep
     from fedsparse.lab.experiments.tuning import render_tuning, run_tuned_sweep
 
     try:

@@ -17,7 +17,6 @@ import typer
 from rich.console import Console
 
 __all__ = [
-    "BACKEND_ALIASES",
     "CARRIER",
     "STATE",
     "carry_method_options",
@@ -40,10 +39,6 @@ if not console.is_terminal:  # logs and CI: do not squeeze the round table into 
 
 #: What ``main`` needs to know of the command's run: ``--debug``, the stopping signal.
 STATE: dict[str, Any] = {"debug": False, "signal": None}
-
-#: Backend names every command accepts: one vocabulary, ``simulate``'s and ``sweep``'s.
-#: ``flower`` (``simulate``) and ``simulation`` (``sweep``) are Flower's simulation engine.
-BACKEND_ALIASES: dict[str, str] = {"simulation": "flower", "flower": "simulation"}
 
 
 def choice(

@@ -32,7 +32,9 @@ from fedsparse.common.wire.run_log import (
     read_rounds,
 )
 from fedsparse.lab.experiments.stats import column_standard_errors, mean_se
-from fedsparse.lab.experiments.sweep import METRICS, RunSettings, SweepPlan, point_label
+from fedsparse.lab.experiments.sweep import METRICS
+from fedsparse.lab.experiments.sweep_backends import RunSettings
+from fedsparse.lab.experiments.sweep_plan import SweepPlan, point_label
 
 __all__ = [
     "PLOTS",

@@ -29,15 +29,14 @@ from typing import TYPE_CHECKING, Any, Final
 
 from fedsparse.lab.experiments.report import write_csv
 from fedsparse.lab.experiments.stats import CONFIDENCE, mean_se, paired_t_interval
-from fedsparse.lab.experiments.sweep import (
+from fedsparse.lab.experiments.sweep import SweepInterrupted, run_sweep
+from fedsparse.lab.experiments.sweep_backends import RunSettings
+from fedsparse.lab.experiments.sweep_plan import (
     RESERVED,
-    RunSettings,
-    SweepInterrupted,
     SweepPlan,
     SweepRun,
     plan_sweep,
     point_label,
-    run_sweep,
 )
 
 if TYPE_CHECKING:

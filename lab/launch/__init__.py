@@ -1,4 +1,5 @@
 """Starting real processes: Flower's environment (``flower``), the launch skeleton
-(``base``), ``simulate``, loopback ``deploy``, ``compose`` files, TLS, child processes,
-network shaping (``netns``), the byte-counting ``relay`` and the ``wire`` report.
+(``base``), ``simulate`` (on one of the ``backends``), loopback ``deploy``, ``compose`` files
+(and ``compose_check``), TLS, child processes, network shaping (``netns``), the byte-counting
+``relay`` and the ``wire`` report.
 """

@@ -9,6 +9,9 @@ The steps it shares with ``fedsparse deploy`` are in ``lab/launch/base.py``.
 (``lab/simulation/raygrid.py``: a local Ray cluster whose workers each hold many virtual clients and
 train a batch of them per Ray task), for populations where Flower's engine is too slow; with
 full participation and the same seeds it ends with the same model, bit for bit.
+``backend="inprocess"`` runs them on ``InProcessGrid`` in this process, and ``"deploy"`` on a
+loopback deployment (``lab/launch/deploy.py``): the backends of
+``lab/launch/backends.py``, one vocabulary with ``fedsparse sweep``.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import shutil
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from rich.console import Console
 from rich.live import Live
@@ -28,6 +31,7 @@ from rich.table import Table
 
 from fedsparse.common.wire.protocol import EXPECTED_NODES_ENV
 from fedsparse.common.wire.run_log import RoundLog, RunSummary, read_rounds
+from fedsparse.lab.launch.backends import BACKENDS, Backend
 from fedsparse.lab.launch.base import (
     PreparedRun,
     connect,
@@ -41,11 +45,7 @@ from fedsparse.lab.launch.base import (
 )
 from fedsparse.lab.launch.flower import SIMULATION_NODE_POLICY, simulation_policy_env
 
-__all__ = ["ENGINES", "Engine", "run_simulation"]
-
-#: Where the simulated clients run: Flower's simulation engine, or ``RayGrid``.
-Engine = Literal["flower", "ray"]
-ENGINES: tuple[Engine, ...] = ("flower", "ray")
+__all__ = ["run_simulation"]
 
 COLUMNS = (
     "round",
@@ -109,7 +109,7 @@ def run_simulation(
     timeout: float = 3600.0,
     console: Console | None = None,
     resume: bool = False,
-    backend: Engine = "flower",
+    backend: Backend = "flower",
 ) -> RunSummary:
     """Runs one simulated federation; returns its ``summary.json``.
 
@@ -117,7 +117,9 @@ def run_simulation(
     a local Ray cluster (or the one this process runs). ``cpus_per_client`` and
     ``gpus_per_client`` are the Ray resources of a client being trained: Flower's
     ``client-resources-num-cpus``/``-num-gpus``, and on ``ray`` those of each worker (a
-    worker trains one of its virtual clients at a time).
+    worker trains one of its virtual clients at a time). ``"inprocess"`` runs the clients
+    in this process (``InProcessGrid``; no timeout), ``"deploy"`` on a loopback deployment
+    (``run_deployment``; no ``resume``); neither takes GPUs.
 
     The simulated nodes keep their state after every round they train in
     ``<out>/node-state`` (``client/state.py``). With ``resume``, the run in ``out`` continues
@@ -132,14 +134,26 @@ def run_simulation(
         KeyboardInterrupt: a stop was requested (a signal); every process is stopped first.
     """
     console = console or Console()
-    if backend not in ENGINES:
-        raise ValueError(f"backend={backend!r}: expected one of {', '.join(ENGINES)}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r}: expected one of {', '.join(BACKENDS)}")
     if clients < 1:
         raise ValueError(f"clients={clients}: expected >= 1")
     if not (math.isfinite(gpus_per_client) and gpus_per_client >= 0):
         raise ValueError(f"gpus_per_client={gpus_per_client}: expected a finite value >= 0")
+    if gpus_per_client > 0 and backend not in ("flower", "ray"):
+        raise ValueError(f"gpus_per_client: GPUs need backend flower or ray (backend={backend!r})")
+    if resume and backend == "deploy":
+        raise ValueError(
+            "resume: a deployment does not resume; use backend flower, ray or inprocess"
+        )
     if resume and not (Path(out) / "checkpoint.pt").exists():
         raise ValueError(f"resume: no checkpoint.pt in out={out}: nothing to resume")
+    if backend == "deploy":
+        from fedsparse.lab.launch.deploy import run_deployment
+
+        return run_deployment(
+            out=out, overrides=overrides, num_nodes=clients, timeout=timeout, idle_seconds=0
+        )
     run = prepare_run(out, {**overrides, **({"resume": "true"} if resume else {})})
     if run.config.min_clients > clients:
         raise ValueError(
@@ -153,6 +167,9 @@ def run_simulation(
     for column in COLUMNS:
         table.add_column(column, justify="right")
     live_rounds = _LiveRounds(table, run.out / "rounds.jsonl", since=math.floor(run.started))
+    if backend == "inprocess":
+        with _live(table, live_rounds, console):
+            return _run_in_process(run, clients=clients, state_dir=state_dir)
     if backend == "ray":
         with _live(table, live_rounds, console):
             return _run_on_ray(
@@ -229,7 +246,8 @@ def _run_on_ray(
         RuntimeError: the run failed (``FederationFailed``) or timed out.
     """
     from fedsparse.client.app import app as client_app
-    from fedsparse.lab.simulation.raygrid import RayGrid, RayWorkers, ray_cluster
+    from fedsparse.lab.simulation.raygrid import RayGrid
+    from fedsparse.lab.simulation.rayworkers import RayWorkers, ray_cluster
     from fedsparse.server.loop import run_federated
 
     stop_at = time.monotonic() + timeout
@@ -254,5 +272,34 @@ def _run_on_ray(
             return run_federated(grid, run.config)
     except TimeoutError as err:
         raise RuntimeError(f"timeout={timeout:g} s: {err}") from err
+    finally:
+        flwr_logger.setLevel(level)
+
+
+def _run_in_process(run: PreparedRun, *, clients: int, state_dir: Path) -> RunSummary:
+    """``run`` on ``InProcessGrid``: the ServerApp loop and the clients in this process.
+
+    The clients keep their state files in ``state_dir`` as Flower's simulated nodes do, so
+    ``resume`` continues an in-process run as it continues a Flower one.
+
+    Raises:
+        RuntimeError: the run failed (``FederationFailed``).
+    """
+    from fedsparse.client.app import app as client_app
+    from fedsparse.lab.simulation.inprocess import InProcessGrid
+    from fedsparse.server.loop import run_federated
+
+    node_config = {**SIMULATION_NODE_POLICY, "state-dir": str(state_dir)}
+    flwr_logger = logging.getLogger("flwr")
+    level = flwr_logger.level
+    flwr_logger.setLevel(logging.WARNING)  # the live table replaces per-round INFO lines
+    try:
+        grid = InProcessGrid(
+            client_app,
+            num_nodes=clients,
+            run_config=run.config.to_run_config(),
+            node_config=node_config,
+        )
+        return run_federated(grid, run.config)
     finally:
         flwr_logger.setLevel(level)

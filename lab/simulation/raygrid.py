@@ -6,8 +6,9 @@ of clients the per-message scheduling and the Context round trips dominate. ``Ra
 the same ServerApp loop (``run_federated``) and the same ClientApp, and moves the work the way
 pfl-research does (each worker process trains many users per task):
 
-* a fixed set of Ray actors (``RayWorkers``, by default one per CPU of the cluster; with
-  ``gpus_per_client`` a fractional GPU each) lives for the whole run, or a whole sweep;
+* a fixed set of Ray actors (``RayWorkers``, ``lab/simulation/rayworkers.py``; by default one
+  per CPU of the cluster; with ``gpus_per_client`` a fractional GPU each) lives for the whole
+  run, or a whole sweep;
 * every virtual client lives on one worker (round robin over the node ids): its ``Context``
   (``node_config``, ``run_config``, ``state``) never leaves that worker. The dataset, its
   partitioning and the memoized accountant curves are built once per worker process
@@ -29,328 +30,36 @@ goes on. A worker that dies (killed, out of memory) takes its virtual clients wi
 dead SuperNode does in a deployment: their messages get no reply (counted missing) and they
 leave ``get_node_ids``. A reply later than the round's timeout is dropped.
 
-Cluster: ``ray_cluster`` starts a local Ray cluster for this process, or reuses the one that
-is running (a sweep starts one and runs every federation in it), and shuts down only what it
-started.
+Cluster: ``ray_cluster`` (``lab/simulation/rayworkers.py``) starts a local Ray cluster for
+this process, or reuses the one that is running (a sweep starts one and runs every federation
+in it), and shuts down only what it started.
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
-import math
-import os
-import pickle
-import resource
-import signal
-import threading
 import time
-import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 from uuid import uuid4
 
 import ray
-from flwr.app import Context, Error, Message, RecordDict
-from flwr.clientapp import ClientApp
-from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
+from flwr.app import Message, RecordDict
+from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
 
 from fedsparse.lab.launch.flower import SIMULATION_NODE_POLICY
 from fedsparse.lab.launch.processes import raise_if_stopping
+from fedsparse.lab.simulation.rayworkers import ClientFn, RayWorkers, error_reply
 
-__all__ = [
-    "RayGrid",
-    "RayWorkers",
-    "VirtualClients",
-    "WorkerStats",
-    "error_reply",
-    "ray_cluster",
-    "worker_count",
-]
-
-ClientFn = Callable[[Message, Context], Message]
+__all__ = ["RayGrid"]
 
 #: Seconds between two looks at a round's tasks (a stop request is honoured in between).
 POLL_SECONDS = 0.2
-#: Seconds the workers get to start (a worker that needs more resources than are free waits).
-START_TIMEOUT = 300.0
-#: Seconds ``RayWorkers.close`` waits for the cluster to count the workers' CPUs as free.
-RELEASE_TIMEOUT = 10.0
-
-
-def error_reply(msg: Message, err: BaseException) -> Message:
-    """The reply Flower's runtimes give when the ClientApp raises: an error, no content."""
-    reason = f"{type(err).__name__}: {err}"
-    return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=reason), reply_to=msg)
-
-
-@dataclass(frozen=True, kw_only=True)
-class WorkerStats:
-    """What one worker holds and did since its clients were assigned."""
-
-    pid: int
-    clients: int
-    calls: int  # remote ``handle`` calls (one per round the worker had messages in)
-    messages: int
-    state_bytes: int  # the virtual clients' ``Context.state``, pickled (model copy + accountant)
-    context_bytes: int  # their whole ``Context``s, pickled (state, node and run config)
-    rss_bytes: int  # the worker process's resident memory now
-    peak_rss_bytes: int  # and at its peak
-    gpu_ids: tuple[str, ...]  # the GPUs Ray assigned to the worker
-
-
-def _rss_bytes() -> tuple[int, int]:
-    """(resident, peak resident) bytes of this process (Linux ``/proc``; peak from rusage)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    try:
-        with open("/proc/self/statm") as fh:
-            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE"), peak
-    except OSError:
-        return peak, peak
-
-
-class VirtualClients:
-    """One worker's virtual clients: their ``Context``s and the ClientApp that serves them.
-
-    A plain class (``RayWorkers`` makes it a Ray actor), so it can be tested without Ray.
-    """
-
-    def __init__(self, client_app: ClientApp | ClientFn) -> None:
-        self._app = client_app
-        self._contexts: dict[int, Context] = {}
-        self._overrides: dict[int, ClientFn] = {}
-        self._calls = self._messages = 0
-
-    def assign(
-        self,
-        *,
-        run_id: int,
-        nodes: Sequence[tuple[int, int]],
-        num_partitions: int,
-        node_config: Mapping[str, Any],
-        run_config: Mapping[str, Any],
-        overrides: Mapping[int, ClientFn],
-    ) -> int:
-        """Replaces the clients by fresh ones, a ``(node id, partition id)`` each; the pid."""
-        self._contexts = {
-            node: Context(
-                run_id=run_id,
-                node_id=node,
-                node_config={
-                    "partition-id": partition,
-                    "num-partitions": num_partitions,
-                    **node_config,
-                },
-                state=RecordDict(),
-                run_config=dict(run_config),
-            )
-            for node, partition in nodes
-        }
-        self._overrides = dict(overrides)
-        self._calls = self._messages = 0
-        return os.getpid()
-
-    def handle(self, batch: Sequence[Message]) -> list[Message]:
-        """Each message's reply, in order: the ClientApp with its node's ``Context``."""
-        self._calls += 1
-        self._messages += len(batch)
-        replies = []
-        for msg in batch:
-            node = msg.metadata.dst_node_id
-            handler = self._overrides.get(node, self._app)
-            try:
-                reply = handler(msg, self._contexts[node])
-            except Exception as err:  # the real runtimes turn exceptions into error replies
-                reply = error_reply(msg, err)
-            replies.append(reply)
-        return replies
-
-    def stats(self) -> WorkerStats:
-        """What this worker holds (sizes measured by pickling) and its memory."""
-        rss, peak = _rss_bytes()
-        peak = max(peak, rss)  # rusage's peak lags the current size by a page or so
-        # Outside Ray (a test), ray.get_gpu_ids would start a cluster: ask only inside it.
-        gpus = tuple(str(g) for g in ray.get_gpu_ids()) if ray.is_initialized() else ()
-        return WorkerStats(
-            pid=os.getpid(),
-            clients=len(self._contexts),
-            calls=self._calls,
-            messages=self._messages,
-            state_bytes=sum(len(pickle.dumps(c.state)) for c in self._contexts.values()),
-            context_bytes=sum(len(pickle.dumps(c)) for c in self._contexts.values()),
-            rss_bytes=rss,
-            peak_rss_bytes=peak,
-            gpu_ids=gpus,
-        )
-
-
-def worker_count(
-    *,
-    cpus: float,
-    gpus: float,
-    cpus_per_client: float,
-    gpus_per_client: float,
-) -> int:
-    """How many workers fit in ``cpus`` and ``gpus``: each trains one client at a time.
-
-    Raises:
-        ValueError: a non-positive ``cpus_per_client``, a negative ``gpus_per_client``, or
-            not even one worker fits (naming what is short).
-    """
-    if not cpus_per_client > 0:
-        raise ValueError(f"cpus_per_client={cpus_per_client}: expected > 0")
-    if not (math.isfinite(gpus_per_client) and gpus_per_client >= 0):
-        raise ValueError(f"gpus_per_client={gpus_per_client}: expected a finite value >= 0")
-    # The tolerance absorbs float residue (0.3 / 0.1 = 2.9999999999999996).
-    count = math.floor(cpus / cpus_per_client + 1e-9)
-    if count < 1:
-        raise ValueError(
-            f"cpus_per_client={cpus_per_client}: the Ray cluster has {cpus:g} free CPUs"
-        )
-    if gpus_per_client > 0:
-        count = min(count, math.floor(gpus / gpus_per_client + 1e-9))
-        if count < 1:
-            raise ValueError(
-                f"gpus_per_client={gpus_per_client}: the Ray cluster has {gpus:g} free GPUs"
-            )
-    return count
-
-
-class RayWorkers:
-    """A fixed set of Ray actors holding virtual clients; reusable across runs (a sweep).
-
-    Needs a running Ray cluster (``ray_cluster``). Use as a context manager, or ``close``.
-
-    Args:
-        client_app: the ClientApp; sent to each worker once (a module attribute, as
-            ``fedsparse.client.app.app``, travels as a reference the worker imports).
-        num_workers: default as many as the free CPUs (and GPUs) hold.
-        cpus_per_client: Ray CPUs per worker: a worker trains one virtual client at a time.
-        gpus_per_client: Ray GPUs per worker, fractional: 0.25 puts four workers on a GPU.
-
-    Raises:
-        ValueError: the cluster cannot hold ``num_workers`` (or one) such workers.
-        RuntimeError: no Ray cluster, or the workers did not start in ``START_TIMEOUT``.
-    """
-
-    def __init__(
-        self,
-        client_app: ClientApp | ClientFn,
-        *,
-        num_workers: int | None = None,
-        cpus_per_client: float = 1.0,
-        gpus_per_client: float = 0.0,
-    ) -> None:
-        if not ray.is_initialized():
-            raise RuntimeError("no Ray cluster in this process: start one with ray_cluster()")
-        free = ray.available_resources()
-        fits = worker_count(
-            cpus=free.get("CPU", 0.0),
-            gpus=free.get("GPU", 0.0),
-            cpus_per_client=cpus_per_client,
-            gpus_per_client=gpus_per_client,
-        )
-        if num_workers is not None and not 1 <= num_workers <= fits:
-            raise ValueError(f"num_workers={num_workers}: expected 1..{fits} (free resources)")
-        self.cpus_per_client, self.gpus_per_client = cpus_per_client, gpus_per_client
-        self._app = client_app
-        self._remote = ray.remote(VirtualClients).options(
-            num_cpus=cpus_per_client, num_gpus=gpus_per_client
-        )
-        self.actors: list[Any] = [self._start() for _ in range(num_workers or fits)]
-        try:
-            ray.get([a.stats.remote() for a in self.actors], timeout=START_TIMEOUT)
-        except ray.exceptions.GetTimeoutError:
-            self.close()
-            raise RuntimeError(
-                f"{len(self.actors)} Ray workers did not start in {START_TIMEOUT:.0f} s"
-            ) from None
-        except BaseException:  # a worker that cannot start (an import error), a stop
-            self.close()
-            raise
-
-    def _start(self) -> Any:
-        return self._remote.remote(self._app)
-
-    def assign(self, index: int, **kwargs: Any) -> Any:
-        """``VirtualClients.assign`` on worker ``index``; a dead worker is replaced first."""
-        try:
-            return ray.get(self.actors[index].assign.remote(**kwargs))
-        except ray.exceptions.RayActorError:
-            self.actors[index] = self._start()
-            return ray.get(self.actors[index].assign.remote(**kwargs))
-
-    def stats(self) -> list[WorkerStats]:
-        """Each worker's ``WorkerStats``, in worker order."""
-        return list(ray.get([a.stats.remote() for a in self.actors]))
-
-    def close(self) -> None:
-        """Stops the workers (their processes end; the cluster stays) and frees their CPUs.
-
-        Waits (up to ``RELEASE_TIMEOUT``) until the cluster counts their CPUs as free again:
-        ``ray.kill`` is asynchronous, and workers started right after would not fit.
-        """
-        if not self.actors:
-            return
-        held = len(self.actors) * self.cpus_per_client  # less if one died (already freed)
-        freed = min(
-            ray.cluster_resources().get("CPU", 0.0),
-            ray.available_resources().get("CPU", 0.0) + held,
-        )
-        for actor in self.actors:
-            with contextlib.suppress(Exception):
-                ray.kill(actor)
-        self.actors = []
-        deadline = time.monotonic() + RELEASE_TIMEOUT
-        while time.monotonic() < deadline:
-            if ray.available_resources().get("CPU", 0.0) + 1e-9 >= freed:
-                return
-            time.sleep(0.05)
-
-    def __enter__(self) -> RayWorkers:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-@contextlib.contextmanager
-def ray_cluster(*, num_cpus: int | None = None, num_gpus: int | None = None) -> Iterator[None]:
-    """A local Ray cluster for this process: the running one, else a new one shut down on exit.
-
-    A new cluster is always local (``address="local"``: never one that ``ray start`` or
-    ``RAY_ADDRESS`` points at) and keeps this process's SIGTERM handler (``ray.init`` would
-    replace it by an exit that skips the command line's clean-up).
-
-    Args:
-        num_cpus, num_gpus: the new cluster's resources (default: what Ray detects).
-    """
-    if ray.is_initialized():
-        yield
-        return
-    main = threading.current_thread() is threading.main_thread()
-    handler = signal.getsignal(signal.SIGTERM) if main else None
-    with warnings.catch_warnings():  # a tip about a future default of CUDA_VISIBLE_DEVICES
-        warnings.simplefilter("ignore", FutureWarning)
-        ray.init(
-            address="local",
-            num_cpus=num_cpus,
-            num_gpus=num_gpus,
-            include_dashboard=False,
-            log_to_driver=False,
-            logging_level=logging.WARNING,
-        )
-    if main:
-        signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        ray.shutdown()
 
 
 @dataclass

@@ -182,18 +182,37 @@ def test_an_unknown_command_is_suggested_once() -> None:
     assert "'wire-report'" in result.output
 
 
-def test_one_backend_vocabulary_in_every_command() -> None:
-    from fedsparse.lab.cli.utils import BACKEND_ALIASES, choice
-    from fedsparse.lab.experiments.sweep import BACKENDS
-    from fedsparse.lab.launch.simulate import ENGINES
+class _Chosen(Exception):
+    """Raised in place of a run: carries the backend the command resolved."""
 
-    assert choice("backend", "simulation", ENGINES, aliases=BACKEND_ALIASES) == "flower"
-    assert choice("backend", "flower", BACKENDS, aliases=BACKEND_ALIASES) == "simulation"
-    assert choice("backend", "ray", BACKENDS, aliases=BACKEND_ALIASES) == "ray"
-    with pytest.raises(
-        ValueError, match=r"backend='rya': expected one of .* \(did you mean 'ray'\?\)"
-    ):
-        choice("backend", "rya", ENGINES, aliases=BACKEND_ALIASES)
+
+@pytest.mark.parametrize("command", ["simulate", "sweep"])
+def test_one_backend_vocabulary_in_every_command(
+    command: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fedsparse.lab.launch.backends import BACKEND_ALIASES, BACKEND_HELP, BACKENDS
+
+    def simulate(**kwargs: object) -> None:
+        raise _Chosen(kwargs["backend"])
+
+    def sweep(plan: object, *, settings: object, **kwargs: object) -> None:
+        raise _Chosen(settings.backend)  # type: ignore[attr-defined]
+
+    monkeypatch.setattr("fedsparse.lab.launch.simulate.run_simulation", simulate)
+    monkeypatch.setattr("fedsparse.lab.experiments.sweep.run_sweep", sweep)
+    names = {**{name: name for name in BACKENDS}, **BACKEND_ALIASES}
+    assert set(names) == {"flower", "inprocess", "deploy", "ray", "simulation"}
+    for name, resolved in names.items():
+        args = [command, "--out", str(tmp_path / name), "--backend", name]
+        result = CliRunner().invoke(app, args, env={"COLUMNS": "240"})
+        assert isinstance(result.exception, _Chosen), (name, result.output)
+        assert result.exception.args == (resolved,)
+    help_text = CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "240"}).output
+    assert " ".join(BACKEND_HELP.split()) in " ".join(help_text.replace("│", " ").split())
+    result = CliRunner().invoke(app, [command, "--backend", "rya"], env={"COLUMNS": "240"})
+    assert result.exit_code != 0
+    assert "backend='rya': expected one of flower, inprocess, deploy, ray" in result.output
+    assert "(did you mean 'ray'?)" in result.output
 
 
 def test_train_names_a_bad_out_and_the_files_a_dataset_needs(tmp_path: Path) -> None:

@@ -13,13 +13,13 @@ import pytest
 from fedsparse.common.wire.run_log import RoundLog
 from fedsparse.lab.launch.compose import (
     DEFAULT_NODES,
-    compare_rounds,
     compose_document,
     insecure_overlay,
     load_compose,
     main,
     write_compose,
 )
+from fedsparse.lab.launch.compose_check import compare_rounds
 
 ROOT = Path(__file__).resolve().parents[2]
 

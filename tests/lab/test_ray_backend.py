@@ -30,8 +30,8 @@ from fedsparse.lab.cli import app as cli_app
 from fedsparse.lab.launch.flower import SIMULATION_NODE_POLICY
 from fedsparse.lab.launch.simulate import run_simulation
 from fedsparse.lab.simulation.inprocess import InProcessGrid
-from fedsparse.lab.simulation.raygrid import (
-    RayGrid,
+from fedsparse.lab.simulation.raygrid import RayGrid
+from fedsparse.lab.simulation.rayworkers import (
     RayWorkers,
     VirtualClients,
     ray_cluster,
@@ -238,11 +238,14 @@ def test_bit_identical_to_flower_simulation_and_in_process(tmp_path: Path) -> No
 # -- command line ----------------------------------------------------------------------------------
 
 
-def test_cli_rejects_an_unknown_engine_and_parallel_ray_sweeps(tmp_path: Path) -> None:
+def test_cli_rejects_an_unknown_backend_and_parallel_ray_sweeps(tmp_path: Path) -> None:
     env = {"COLUMNS": "240"}
     args = ["simulate", "--out", str(tmp_path / "a"), "--backend", "dask"]
     result = CliRunner().invoke(cli_app, args, env=env)
-    assert result.exit_code != 0 and "backend='dask': expected one of flower, ray" in result.output
+    assert (
+        result.exit_code != 0
+        and "backend='dask': expected one of flower, inprocess, deploy, ray" in result.output
+    )
     args = ["sweep", "--out", str(tmp_path / "b"), "--backend", "ray", "--jobs", "2"]
     result = CliRunner().invoke(cli_app, args, env=env)
     assert result.exit_code != 0 and "jobs=2: expected 1 with backend='ray'" in result.output

@@ -13,14 +13,9 @@ from typer.testing import CliRunner
 from fedsparse.lab.cli import app
 from fedsparse.lab.experiments import sweep as sweep_mod
 from fedsparse.lab.experiments.report import PLOTS, ROUND_KEYS, mean_se, write_outputs
-from fedsparse.lab.experiments.sweep import (
-    METRICS,
-    RunSettings,
-    parse_grid,
-    plan_sweep,
-    run_slug,
-    run_sweep,
-)
+from fedsparse.lab.experiments.sweep import METRICS, run_sweep
+from fedsparse.lab.experiments.sweep_backends import RunSettings
+from fedsparse.lab.experiments.sweep_plan import parse_grid, plan_sweep, run_slug
 
 PNG = b"\x89PNG\r\n\x1a\n"
 ENV = {"COLUMNS": "240"}  # keep rich from wrapping error messages
@@ -285,8 +280,8 @@ def test_a_changed_config_is_rerun(
 def test_a_run_recorded_with_another_engine_is_rerun(
     monkeypatch: pytest.MonkeyPatch, swept: Path, tmp_path: Path
 ) -> None:
-    # "auto" resolves by machine and model (factored on this CPU since 2026-11-25, Opacus
-    # before); engines agree only to float rounding, so the record names the one that ran.
+    # "auto" resolves by machine and model (and what it resolves to has changed between
+    # versions); engines agree only to float rounding, so the record names the one that ran.
     calls: list[str] = []
 
     def fake(overrides, out, settings):
@@ -323,6 +318,23 @@ def test_a_run_recorded_with_another_engine_is_rerun(
     (run_dir / "summary.json").write_text(json.dumps(summary))
     (run_dir / "sweep-run.json").write_text(json.dumps(old))
     assert run_sweep(explicit, runs_dir=run_dir.parent, settings=settings)[0]["reused"]
+
+
+def test_a_run_recorded_under_an_older_backend_name_is_reused(
+    monkeypatch: pytest.MonkeyPatch, swept: Path, tmp_path: Path
+) -> None:
+    # Flower's engine was the sweep's "simulation" backend; its finished runs stay reusable.
+    monkeypatch.setattr(sweep_mod, "run_backend", lambda *args: pytest.fail("rerun"))
+    src = swept / "runs" / "final-rate-0_seed-0"
+    record = json.loads((src / "sweep-run.json").read_text())
+    run_dir = tmp_path / "runs" / src.name
+    run_dir.mkdir(parents=True)
+    (run_dir / "summary.json").write_bytes((src / "summary.json").read_bytes())
+    (run_dir / "sweep-run.json").write_text(json.dumps({**record, "backend": "simulation"}))
+    plan = plan_sweep({"final-rate": ["0"]}, {"num-rounds": "2"}, seeds=1)
+    settings = RunSettings(backend="simulation", clients=3)
+    assert settings.backend == "flower"
+    assert run_sweep(plan, runs_dir=run_dir.parent, settings=settings)[0]["reused"]
 
 
 def test_a_failed_run_is_recorded_and_the_others_go_on(
@@ -375,7 +387,7 @@ def test_parallel_jobs_keep_plan_order(tmp_path: Path) -> None:
     metrics = {"final_test_accuracy": 0.5, "total_uplink_payload_bytes": 1000}
 
     rows = run_sweep(
-        plan, runs_dir=tmp_path, settings=RunSettings(backend="simulation"), jobs=3, execute=fake
+        plan, runs_dir=tmp_path, settings=RunSettings(backend="flower"), jobs=3, execute=fake
     )
     assert [r["slug"] for r in rows] == [r.slug for r in plan.runs]
 
@@ -394,7 +406,7 @@ def test_cli_validates_before_running(tmp_path: Path) -> None:
 def test_simulation_backend_sweep(tmp_path: Path) -> None:
     """One config, 2 rounds, 2 clients on Flower's simulation engine."""
     plan = plan_sweep({"final-rate": ["0.5"]}, {"num-rounds": "2"}, seeds=1)
-    settings = RunSettings(backend="simulation", clients=2, timeout=300)
+    settings = RunSettings(backend="flower", clients=2, timeout=300)
     rows = run_sweep(plan, runs_dir=tmp_path / "runs", settings=settings)
     assert rows[0]["status"] == "ok", rows[0]["error"]
     summary = json.loads((tmp_path / "runs" / rows[0]["slug"] / "summary.json").read_text())
@@ -405,7 +417,7 @@ def test_simulation_backend_sweep(tmp_path: Path) -> None:
 
 def test_shaped_links_only_on_deployments_and_part_of_a_runs_identity() -> None:
     with pytest.raises(ValueError, match="uplink-rate: shaped links need --backend deploy"):
-        RunSettings(backend="simulation", uplink_bps=1e6)
+        RunSettings(backend="flower", uplink_bps=1e6)
     run = plan_sweep({}, {"num-rounds": "2"}, seeds=1, clients=2).runs[0]
     slow = sweep_mod._identity(run, RunSettings(backend="deploy", clients=2, uplink_bps=1e6))
     fast = sweep_mod._identity(run, RunSettings(backend="deploy", clients=2, uplink_bps=8e6))

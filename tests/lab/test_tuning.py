@@ -17,7 +17,7 @@ from fedsparse.client.data import local_data, public_test_data
 from fedsparse.common.config import FederatedConfig
 from fedsparse.common.data.datasets import hold_out_validation, load_dataset, load_eval_splits
 from fedsparse.lab.cli import app
-from fedsparse.lab.experiments.sweep import parse_grid
+from fedsparse.lab.experiments.sweep_plan import parse_grid
 from fedsparse.lab.experiments.tuning import (
     TUNE_SEED_OFFSET,
     check_final_seeds,

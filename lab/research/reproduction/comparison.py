@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from fedsparse.lab.experiments.stats import mean_se, paired_t_interval
-from fedsparse.lab.experiments.sweep import SweepPlan, point_label
+from fedsparse.lab.experiments.sweep_plan import SweepPlan, point_label
 from fedsparse.lab.experiments.tuning import (
     CONFIDENCE,
     ArmChoice,

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fedsparse.lab.experiments.sweep import SweepPlan, SweepRun, point_label
+from fedsparse.lab.experiments.sweep_plan import SweepPlan, SweepRun, point_label
 from fedsparse.lab.experiments.tuning import (
     TUNE_SEED_OFFSET,
     check_final_seeds,
@@ -155,7 +155,7 @@ def run_federated_study(
     from rich.console import Console
 
     from fedsparse.lab.experiments.report import write_outputs
-    from fedsparse.lab.experiments.sweep import RunSettings
+    from fedsparse.lab.experiments.sweep_backends import RunSettings
     from fedsparse.lab.experiments.tuning import render_tuning, run_tuned_sweep
 
     fixed = {

@@ -1,0 +1,200 @@
+"""How each run of a sweep executes: ``RunSettings``, and one federation on each backend.
+
+``run_backend`` runs one federation on ``RunSettings.backend`` (the vocabulary of
+``lab/launch/backends.py``):
+
+- ``flower``: Flower's simulation engine (``run_simulation``: SuperLink + ``flwr run``);
+- ``inprocess``: ``run_federated`` on ``InProcessGrid`` with the real ClientApp (fast);
+- ``ray``: ``run_federated`` on ``RayGrid`` (``lab/simulation/raygrid.py``): one local Ray
+  cluster and one set of workers, each holding many virtual clients, serve every run inside a
+  ``ray_session`` (a sweep's), one run at a time (each run uses every worker);
+- ``deploy``: a loopback deployment (``run_deployment``: TLS, authenticated SuperNodes),
+  optionally on shaped links (``uplink_bps``/``downlink_bps``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import math
+import time
+from collections.abc import Iterator, Mapping
+from contextvars import ContextVar
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fedsparse.common.wire.run_log import RunSummary
+    from fedsparse.lab.simulation.rayworkers import RayWorkers
+
+from fedsparse.lab.launch.backends import BACKENDS, Backend, backend_name
+
+__all__ = ["RunSettings", "ray_session", "run_backend"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunSettings:
+    """How each run executes (not part of the run config; ``clients`` is part of a run's id)."""
+
+    backend: Backend = "flower"
+    clients: int = 10
+    cpus_per_client: float = 1.0
+    gpus_per_client: float = 0.0  # flower and ray only: Ray GPUs per client trained
+    timeout: float = 3600.0
+    uplink_bps: float | None = None  # deploy only: each node's shaped uplink (bit/s)
+    downlink_bps: float | None = None  # deploy only: each node's shaped downlink (bit/s)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "backend", backend_name(self.backend))  # an older spelling
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend={self.backend!r}: expected one of {', '.join(BACKENDS)}")
+        for name in ("uplink_bps", "downlink_bps"):
+            value = getattr(self, name)
+            if value is not None and self.backend != "deploy":
+                raise ValueError(
+                    f"{name.replace('_bps', '-rate')}: shaped links need --backend deploy "
+                    f"(backend={self.backend!r})"
+                )
+        if self.clients < 1:
+            raise ValueError(f"clients={self.clients}: expected >= 1")
+        if not self.cpus_per_client > 0:
+            raise ValueError(f"cpus_per_client={self.cpus_per_client}: expected > 0")
+        if not (math.isfinite(self.gpus_per_client) and self.gpus_per_client >= 0):
+            raise ValueError(f"gpus_per_client={self.gpus_per_client}: expected >= 0")
+        if self.gpus_per_client > 0 and self.backend not in ("flower", "ray"):
+            raise ValueError(
+                f"gpus-per-client: GPUs need --backend flower or ray (backend={self.backend!r})"
+            )
+        if not self.timeout > 0:
+            raise ValueError(f"timeout={self.timeout}: expected > 0")
+
+
+def _run_inprocess(overrides: Mapping[str, str], out: Path, settings: RunSettings) -> RunSummary:
+    from fedsparse.client.app import app as client_app
+    from fedsparse.common.config import FederatedConfig
+    from fedsparse.lab.simulation.inprocess import InProcessGrid
+    from fedsparse.server.app import run_federated
+
+    cfg = FederatedConfig.from_run_config({**overrides, "out-dir": str(out)})
+    grid = InProcessGrid(client_app, num_nodes=settings.clients, run_config=cfg.to_run_config())
+    with _quiet_flwr():
+        return run_federated(grid, cfg)
+
+
+@dataclass
+class _RaySession:
+    """The Ray cluster and workers of the runs inside ``ray_session``, started on first use."""
+
+    settings: RunSettings
+    stack: contextlib.ExitStack
+    workers: RayWorkers | None = None
+
+    def get_workers(self) -> RayWorkers:
+        if self.workers is None:
+            from fedsparse.client.app import app as client_app
+            from fedsparse.lab.simulation.rayworkers import RayWorkers, ray_cluster
+
+            self.stack.enter_context(ray_cluster())
+            self.workers = self.stack.enter_context(
+                RayWorkers(
+                    client_app,
+                    cpus_per_client=self.settings.cpus_per_client,
+                    gpus_per_client=self.settings.gpus_per_client,
+                )
+            )
+        return self.workers
+
+
+#: The session of the sweep under way (``ray_session``); a run outside one starts its own.
+_RAY_SESSION: ContextVar[_RaySession | None] = ContextVar("ray_session", default=None)
+
+
+@contextlib.contextmanager
+def ray_session(settings: RunSettings) -> Iterator[None]:
+    """One Ray cluster and one set of workers for every ``ray`` run inside (nothing else).
+
+    Started by the first run that needs them (a sweep of reused runs starts nothing); the
+    cluster is this process's running one, else a new one that ends with the session, and
+    the workers end with it.
+    """
+    with contextlib.ExitStack() as stack:
+        token = _RAY_SESSION.set(_RaySession(settings, stack))
+        try:
+            yield
+        finally:
+            _RAY_SESSION.reset(token)
+
+
+def _run_ray(overrides: Mapping[str, str], out: Path, settings: RunSettings) -> RunSummary:
+    from fedsparse.common.config import FederatedConfig
+    from fedsparse.lab.simulation.raygrid import RayGrid
+    from fedsparse.server.app import run_federated
+
+    session = _RAY_SESSION.get()
+    if session is None:  # a run outside a sweep's session: a cluster of its own
+        with ray_session(settings):
+            return _run_ray(overrides, out, settings)
+    cfg = FederatedConfig.from_run_config({**overrides, "out-dir": str(out)})
+    grid = RayGrid(
+        session.get_workers(),
+        num_nodes=settings.clients,
+        run_config=cfg.to_run_config(),
+        stop_at=time.monotonic() + settings.timeout,
+    )
+    with _quiet_flwr():
+        return run_federated(grid, cfg)
+
+
+@contextlib.contextmanager
+def _quiet_flwr() -> Iterator[None]:
+    """Flower's logger at WARNING: the progress bar replaces per-round INFO lines."""
+    flwr_logger = logging.getLogger("flwr")
+    level = flwr_logger.level
+    flwr_logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        flwr_logger.setLevel(level)
+
+
+def _run_flower(overrides: Mapping[str, str], out: Path, settings: RunSettings) -> RunSummary:
+    from rich.console import Console
+
+    from fedsparse.lab.launch.simulate import run_simulation
+
+    return run_simulation(
+        out=out,
+        overrides=dict(overrides),
+        clients=settings.clients,
+        cpus_per_client=settings.cpus_per_client,
+        gpus_per_client=settings.gpus_per_client,
+        timeout=settings.timeout,
+        console=Console(file=io.StringIO(), width=140),  # no live table under the progress bar
+    )
+
+
+def _run_deployment(overrides: Mapping[str, str], out: Path, settings: RunSettings) -> RunSummary:
+    from fedsparse.lab.launch.deploy import run_deployment
+
+    return run_deployment(
+        out=out,
+        overrides=dict(overrides),
+        num_nodes=settings.clients,
+        timeout=settings.timeout,
+        idle_seconds=0,
+        uplink_bps=settings.uplink_bps,
+        downlink_bps=settings.downlink_bps,
+    )
+
+
+def run_backend(overrides: Mapping[str, str], out: Path, settings: RunSettings) -> RunSummary:
+    """Runs one federation on ``settings.backend``; returns its summary (``summary.json``)."""
+    runners = {
+        "inprocess": _run_inprocess,
+        "flower": _run_flower,
+        "deploy": _run_deployment,
+        "ray": _run_ray,
+    }
+    return runners[settings.backend](overrides, out, settings)
