@@ -337,7 +337,8 @@ class FederatedConfig:
     def worst_case_noise_multiplier(self) -> float:
         """The largest sigma an honest client trains with: ``noise-multiplier``, or under a
         target epsilon the largest any data size calibrates
-        (``norm_bounds.worst_case_noise_multiplier`` over ``num-rounds x local-epochs`` epochs; ``method=gip``: for GIP's ``eps1``).
+        (``norm_bounds.worst_case_noise_multiplier`` over ``num-rounds x local-epochs``
+        epochs; ``method=gip``: for GIP's ``eps1``).
 
         Raises:
             ValueError: the target is unreachable (sigma > 1e6).
