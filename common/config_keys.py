@@ -99,7 +99,8 @@ ADDED_KEYS: Final[dict[str, Any]] = {
     "central-noise": "fresh",
     # The bound never binds on an honest update (common/aggregation/norm_bounds.py:
     # HonestClientBound, with probability 1 - 1e-9 per update), so a run recorded without it
-    # is what it would have recorded with it, bit for bit, unless a client sent what no honest client can.
+    # is what it would have recorded with it, bit for bit, unless a client sent what no
+    # honest client can.
     "dp-norm-bound": "auto",
     "max-client-examples": 0,
     # Only the low-bit value dtypes (added with it) read it: an earlier run ran at any value.
