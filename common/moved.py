@@ -4,7 +4,10 @@
 is ``fedsparse.lab.launch.compose``, and so on (``MOVED``; CHANGELOG.md, "Layout"). A finder at
 the front of ``sys.meta_path`` answers an old name with the module under its new name, the same
 module object, so classes keep one identity and ``python -m fedsparse.lab.compose`` still runs.
-Each old name warns once (``DeprecationWarning``) when first imported.
+An old module that was split in parts (``fedsparse.common.robust`` into ``aggregation/robust.py``
+and ``aggregation/norm_bounds.py``) is answered by a module holding every part's public names
+(the same objects); ``python -m`` runs its first part. Each old name warns once
+(``DeprecationWarning``) when first imported.
 """
 
 from __future__ import annotations
@@ -21,12 +24,15 @@ from typing import Final
 
 __all__ = ["MOVED", "install"]
 
-#: old import name -> new import name.
-MOVED: Final[dict[str, str]] = {
+#: old import name -> new import name, or the new modules it was split into.
+MOVED: Final[dict[str, str | tuple[str, ...]]] = {
     "fedsparse.common.aggregate": "fedsparse.common.aggregation.sparse",
     "fedsparse.common.central_dp": "fedsparse.common.dp.central",
     "fedsparse.common.engines": "fedsparse.common.dp.engines",
-    "fedsparse.common.factored_dp": "fedsparse.common.dp.engines.factored",
+    "fedsparse.common.factored_dp": (
+        "fedsparse.common.dp.engines.factored",
+        "fedsparse.common.dp.engines.factored_layers",
+    ),
     "fedsparse.common.func_dp": "fedsparse.common.dp.engines.func",
     "fedsparse.common.gip": "fedsparse.common.methods.index_selection",
     "fedsparse.common.ledger": "fedsparse.client.ledger",
@@ -46,12 +52,18 @@ MOVED: Final[dict[str, str]] = {
     "fedsparse.common.privacy": "fedsparse.common.dp.accounting",
     "fedsparse.common.protocol": "fedsparse.common.wire.protocol",
     "fedsparse.common.records": "fedsparse.common.wire.run_log",
-    "fedsparse.common.robust": "fedsparse.common.aggregation.robust",
+    "fedsparse.common.robust": (
+        "fedsparse.common.aggregation.robust",
+        "fedsparse.common.aggregation.norm_bounds",
+    ),
     "fedsparse.common.scaling": "fedsparse.common.dp.scaling",
     "fedsparse.common.scattering": "fedsparse.common.models.scattering",
     "fedsparse.common.schedules": "fedsparse.common.methods.schedules",
     "fedsparse.lab.attacks": "fedsparse.lab.research.attacks",
-    "fedsparse.lab.compose": "fedsparse.lab.launch.compose",
+    "fedsparse.lab.compose": (
+        "fedsparse.lab.launch.compose",
+        "fedsparse.lab.launch.compose_check",
+    ),
     "fedsparse.lab.deploy": "fedsparse.lab.launch.deploy",
     "fedsparse.lab.export": "fedsparse.lab.experiments.export",
     "fedsparse.lab.flower": "fedsparse.lab.launch.flower",
@@ -60,14 +72,25 @@ MOVED: Final[dict[str, str]] = {
     "fedsparse.lab.memory": "fedsparse.lab.simulation.memory",
     "fedsparse.lab.netns": "fedsparse.lab.launch.netns",
     "fedsparse.lab.processes": "fedsparse.lab.launch.processes",
-    "fedsparse.lab.raygrid": "fedsparse.lab.simulation.raygrid",
+    "fedsparse.lab.raygrid": (
+        "fedsparse.lab.simulation.raygrid",
+        "fedsparse.lab.simulation.rayworkers",
+    ),
     "fedsparse.lab.relay": "fedsparse.lab.launch.relay",
     "fedsparse.lab.report": "fedsparse.lab.experiments.report",
     "fedsparse.lab.reproduce": "fedsparse.lab.research.reproduction",
-    "fedsparse.lab.reproduce_report": "fedsparse.lab.research.reproduction.report",
+    "fedsparse.lab.reproduce_report": (
+        "fedsparse.lab.research.reproduction.report",
+        "fedsparse.lab.research.reproduction.sections",
+        "fedsparse.lab.research.reproduction.figures",
+    ),
     "fedsparse.lab.simulate": "fedsparse.lab.launch.simulate",
     "fedsparse.lab.stats": "fedsparse.lab.experiments.stats",
-    "fedsparse.lab.sweep": "fedsparse.lab.experiments.sweep",
+    "fedsparse.lab.sweep": (
+        "fedsparse.lab.experiments.sweep",
+        "fedsparse.lab.experiments.sweep_plan",
+        "fedsparse.lab.experiments.sweep_backends",
+    ),
     "fedsparse.lab.timing": "fedsparse.lab.experiments.timing",
     "fedsparse.lab.tls": "fedsparse.lab.launch.tls",
     "fedsparse.lab.train": "fedsparse.lab.experiments.train",
@@ -76,29 +99,43 @@ MOVED: Final[dict[str, str]] = {
 }
 
 
-class _Alias(importlib.abc.Loader):
-    """Loads an old name as the module imported under its new name."""
+def _public(module: ModuleType) -> dict[str, object]:
+    names = getattr(module, "__all__", None)
+    if names is None:
+        names = [n for n in vars(module) if not n.startswith("_")]
+    return {name: getattr(module, name) for name in names}
 
-    def __init__(self, new: str) -> None:
-        self.new = new
+
+class _Alias(importlib.abc.Loader):
+    """Loads an old name as the module imported under its new name (or its parts' union)."""
+
+    def __init__(self, new: str | tuple[str, ...]) -> None:
+        self.parts = (new,) if isinstance(new, str) else new
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
         warnings.warn(
-            f"{spec.name} moved to {self.new}; the old name is an alias",
+            f"{spec.name} moved to {' and '.join(self.parts)}; the old name is an alias",
             DeprecationWarning,
             stacklevel=2,
         )
-        return importlib.import_module(self.new)
+        modules = [importlib.import_module(part) for part in self.parts]
+        if len(modules) == 1:
+            return modules[0]
+        union = ModuleType(spec.name, modules[0].__doc__)
+        for module in reversed(modules):  # the first part's name wins
+            vars(union).update(_public(module))
+        union.__all__ = sorted(set().union(*(_public(m) for m in modules)))  # type: ignore[attr-defined]
+        return union
 
     def exec_module(self, module: ModuleType) -> None:
-        """Nothing to run: the new module already ran."""
+        """Nothing to run: the new modules already ran."""
 
     def get_code(self, fullname: str) -> CodeType | None:
-        """The new module's code, for ``python -m OLD_NAME`` (runpy runs it as ``__main__``)."""
-        spec = importlib.util.find_spec(self.new)
+        """The (first) new module's code, for ``python -m OLD_NAME`` (run as ``__main__``)."""
+        spec = importlib.util.find_spec(self.parts[0])
         loader = spec.loader if spec is not None else None
         get_code = getattr(loader, "get_code", None)
-        return get_code(self.new) if get_code is not None else None
+        return get_code(self.parts[0]) if get_code is not None else None
 
 
 class _MovedFinder(importlib.abc.MetaPathFinder):
@@ -108,12 +145,15 @@ class _MovedFinder(importlib.abc.MetaPathFinder):
         new = MOVED.get(fullname)
         if new is None:
             return None
-        origin = importlib.util.find_spec(new)
+        first = new if isinstance(new, str) else new[0]
+        origin = importlib.util.find_spec(first)
         return importlib.util.spec_from_loader(
             fullname,
             _Alias(new),
             origin=origin.origin if origin is not None else None,
-            is_package=bool(origin is not None and origin.submodule_search_locations),
+            is_package=bool(
+                isinstance(new, str) and origin is not None and origin.submodule_search_locations
+            ),
         )
 
 
