@@ -104,8 +104,8 @@ def _finished(spec: CentralSpec, run_dir: Path) -> bool:
         saved = json.loads((run_dir / "spec.json").read_text())
     except (OSError, ValueError):
         return False
-    # A spec.json older than its "engine" key ran on Opacus (the CPU's "auto" until
-    # 2026-11-25): no longer this run.
+    # A spec.json older than its "engine" key ran on Opacus (the CPU's "auto" before the
+    # factored engine): no longer this run.
     return saved == _recorded_spec(spec) and (run_dir / "summary.json").is_file()
 
 
