@@ -17,7 +17,7 @@ expected batch size, times ``-lr`` (plain SGD, momentum 0), summed over the step
 one chosen example: before the mechanism zeroed non-finite per-sample gradients, a node
 holding that example failed whenever it was in a Poisson batch, and its error reply told
 member from non-member (``tests/client/test_membership.py``,
-``tests/lab/test_node_pinning.py``).
+``tests/integration/test_node_pinning.py``).
 """
 
 from __future__ import annotations

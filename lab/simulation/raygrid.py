@@ -23,7 +23,7 @@ with ``partition-id``/``num-partitions``, the node policy, its state) and the se
 aggregates in a canonical order (``server/strategy.py``), so with the same seeds the final
 model is bit-identical to the Flower simulation's (with full participation: Flower draws
 random node ids, and the sampled subset depends on them) and to ``InProcessGrid``'s (same
-node ids, any participation), records included (``tests/lab/test_ray_backend.py``).
+node ids, any participation), records included (``tests/integration/test_ray_backend.py``).
 
 Faults: a ClientApp that raises gets an error reply, as Flower's runtimes give; the round
 goes on. A worker that dies (killed, out of memory) takes its virtual clients with it, as a

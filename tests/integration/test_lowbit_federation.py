@@ -225,7 +225,7 @@ def test_a_lowbit_run_resumes_to_the_uninterrupted_run_and_keeps_its_block(
     int1 run ends with the uninterrupted run's weights and records; another value-block is
     refused on resume, naming the key (it changes the bytes and the rounding)."""
     from fedsparse.server.checkpoint import CheckpointError
-    from tests.server.test_resume import (
+    from tests.integration.test_resume import (
         _assert_same_run,
         _cfg,
         _grid,
