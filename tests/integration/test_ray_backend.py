@@ -48,8 +48,8 @@ FRAMING = ("uplink_message_bytes", "downlink_message_bytes")
 
 
 def _faults() -> ModuleType:
-    """``tests/lab/test_faults.py``, for its ``/proc`` scans (by path: under ``--import-mode=importlib``
-    the ``tests`` folder is not on ``sys.path``)."""
+    """``tests/lab/test_faults.py``, for its ``/proc`` scans (by path: under
+    ``--import-mode=importlib`` the ``tests`` folder is not on ``sys.path``)."""
     path = Path(__file__).parents[1] / "lab" / "test_faults.py"
     spec = importlib.util.spec_from_file_location("fedsparse_test_faults", path)
     assert spec is not None and spec.loader is not None
