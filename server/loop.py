@@ -36,7 +36,6 @@ from fedsparse.common.methods import public_split
 from fedsparse.common.models.classifiers import build_model
 from fedsparse.common.training.centralized import pretrain_public
 from fedsparse.common.training.local import evaluate
-from fedsparse.common.wire.protocol import EXPECTED_NODES_ENV
 from fedsparse.common.wire.run_log import RoundLog, RunSummary
 from fedsparse.server.checkpoint import (
     CHECKPOINT,
@@ -44,6 +43,7 @@ from fedsparse.server.checkpoint import (
     CheckpointError,
     load_checkpoint,
 )
+from fedsparse.server.launch_markers import EXPECTED_NODES_ENV
 from fedsparse.server.round_stats import FederationFailed, RoundStats
 from fedsparse.server.run_records import RunRecorder
 from fedsparse.server.strategy import SparseFedAvg, flat_array, flat_tensor

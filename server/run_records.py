@@ -28,9 +28,9 @@ import torch
 from fedsparse.common.atomic import SHARED, write_atomically
 from fedsparse.common.config import FederatedConfig
 from fedsparse.common.layout import ParamLayout
-from fedsparse.common.wire.protocol import STOP_FILE
 from fedsparse.common.wire.run_log import RoundLog, RunSummary
 from fedsparse.server.checkpoint import CHECKPOINT, Checkpoint, CheckpointError
+from fedsparse.server.launch_markers import STOP_FILE
 from fedsparse.server.tracking import Trackers, plot_run
 
 __all__ = ["RunRecorder", "RunStopped"]

@@ -52,6 +52,7 @@ def test_server_holds_only_serverapp_code() -> None:
         "app",
         "checkpoint",
         "downlink",
+        "launch_markers",
         "loop",
         "messages",
         "norm_bound",

@@ -34,8 +34,6 @@ __all__ = [
     "CONFIG_RECORD",
     "MASK_SCOPES",
     "MaskScope",
-    "EXPECTED_NODES_ENV",
-    "STOP_FILE",
     "METRICS_RECORD",
     "SERVER_SUPPORT",
     "RESUMED_FROM",
@@ -60,13 +58,6 @@ RESUMED_FROM = "resumed-from"
 #: chosen by the server, as a bitmap of ``d`` bits (absent: no explicit support). Outside
 #: ``TrainInstruction`` so that every other run's messages keep their bytes.
 SERVER_SUPPORT = "server-support"
-#: Launcher -> ServerApp (environment): how many nodes a simulation started; round 1 waits
-#: for all of them (``server/loop.py``, ``wait_for_nodes``).
-EXPECTED_NODES_ENV = "FEDSPARSE_EXPECTED_NODES"
-#: Launcher -> ServerApp (file in the run's out-dir): the launcher is stopping the run. It is
-#: written before any process is signalled; the ServerApp records no round once it exists, so
-#: a round aggregated while the clients were being killed never reaches the checkpoint.
-STOP_FILE = "stop-requested"
 
 MaskScope = Literal["round", "client"]
 """One mask per round for every client, or one per (round, client)."""

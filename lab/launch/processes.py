@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, TypeAlias
 
-from fedsparse.common.wire.protocol import STOP_FILE
+from fedsparse.server.launch_markers import STOP_FILE
 
 __all__ = [
     "Process",

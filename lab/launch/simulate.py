@@ -29,7 +29,6 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from fedsparse.common.wire.protocol import EXPECTED_NODES_ENV
 from fedsparse.common.wire.run_log import RoundLog, RunSummary, read_rounds
 from fedsparse.lab.launch.backends import BACKENDS, Backend
 from fedsparse.lab.launch.base import (
@@ -44,6 +43,7 @@ from fedsparse.lab.launch.base import (
     wait_for_exit,
 )
 from fedsparse.lab.launch.flower import SIMULATION_NODE_POLICY, simulation_policy_env
+from fedsparse.server.launch_markers import EXPECTED_NODES_ENV
 
 __all__ = ["run_simulation"]
 

@@ -17,10 +17,10 @@ import torch
 
 from fedsparse.common.config import FederatedConfig
 from fedsparse.common.layout import ParamLayout
-from fedsparse.common.wire.protocol import STOP_FILE
 from fedsparse.common.wire.run_log import RoundLog
 from fedsparse.lab.launch.base import prepare_run
 from fedsparse.lab.launch.processes import clear_stop, request_stop, stop_requested, watch_run_dir
+from fedsparse.server.launch_markers import STOP_FILE
 from fedsparse.server.run_records import RunRecorder, RunStopped
 
 
