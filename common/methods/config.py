@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal, get_args
 
 from fedsparse.common.coerce import unknown_key
 from fedsparse.common.methods.base import Method
+from fedsparse.common.methods.index_selection import DEFAULT_INDEX_FRACTION
 from fedsparse.common.methods.registry import check_method_name, method_class
 from fedsparse.common.methods.selection import SELECTIONS, SelectionName
 
@@ -76,7 +77,7 @@ class MethodConfig:
     selection: SelectionName = "magnitude"
     selection_mode: SelectionMode = "freeze"
     #: ``gip`` only: the share of ``target-epsilon`` spent on the indices (``eps2``).
-    index_budget_fraction: float = 0.01
+    index_budget_fraction: float = DEFAULT_INDEX_FRACTION
     #: ``gip`` and ``random-k``: GIP's group length ``l``.
     group_size: int = 256
     #: A plug-in's own keys (``Method.options``) as (key, value) pairs; unset ones take
