@@ -56,9 +56,9 @@ from opacus.utils.per_sample_gradients_utils import clone_module
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from fedsparse.common.dp.engine import SparseDPEngine
 from fedsparse.common.dp.engines.factored import FactoredDPEngine, factored_support_error
 from fedsparse.common.dp.engines.func import FuncDPEngine, func_support_error
-from fedsparse.common.dp.optimizer import SparseDPEngine
 from fedsparse.common.models.classifiers import build_model
 from tests.common.dp.engine_helpers import digits
 from tests.common.dp.opacus_suite import fast_gradient_clipping as fgc
