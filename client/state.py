@@ -181,7 +181,7 @@ def apply_downlink(
     update = decode_update(payload, expected_dense_size=numel, expected_round=server_round)
     # seeded: every node of a process patches from the same mask (``seeded_support``, shared:
     # only read, as an index)
-    support = update.support()
+    support = update.support(shared=True)  # read only
     if support is None:
         return update.values.clone()
     if stored is None or stored_version != base_version:

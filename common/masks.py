@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 from typing import Final
 
 import numpy as np
@@ -235,6 +236,22 @@ class _SharedMask:
         return self._support
 
 
+def _entry(numel: int, keep: int, seed: int) -> _SharedMask:
+    """The cache entry, after the arguments are checked: a hit never skips a check, and
+    ``keep=100.0`` is refused as it is cold (``lru_cache`` alone would call it ``100``)."""
+    ints = []
+    for name, value in (("numel", numel), ("keep", keep), ("seed", seed)):
+        try:
+            if isinstance(value, bool):
+                raise TypeError
+            ints.append(operator.index(value))  # ints and numpy ints; never a float
+        except TypeError:
+            raise ValueError(f"{name}={value!r}: expected an int") from None
+    _validate(ints[0], ints[1])
+    _check_seed(ints[2])
+    return _shared(*ints)
+
+
 @functools.lru_cache(maxsize=SHARED_MASKS)
 def _shared(numel: int, keep: int, seed: int) -> _SharedMask:
     return _SharedMask(sample_mask(numel, keep=keep, seed=seed))
@@ -250,7 +267,7 @@ def seeded_mask(numel: int, keep: int, seed: int) -> torch.Tensor:
     Raises:
         ValueError: as ``sample_mask``.
     """
-    return _shared(numel, keep, seed).mask
+    return _entry(numel, keep, seed).mask
 
 
 def seeded_support(numel: int, keep: int, seed: int) -> torch.Tensor:
@@ -262,4 +279,4 @@ def seeded_support(numel: int, keep: int, seed: int) -> torch.Tensor:
     Raises:
         ValueError: as ``sample_mask``.
     """
-    return _shared(numel, keep, seed).support()
+    return _entry(numel, keep, seed).support()

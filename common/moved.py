@@ -111,6 +111,7 @@ class _Alias(importlib.abc.Loader):
 
     def __init__(self, new: str | tuple[str, ...]) -> None:
         self.parts = (new,) if isinstance(new, str) else new
+        self._own: tuple[object, object] | None = None  # the module's own __spec__, __loader__
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
         warnings.warn(
@@ -120,6 +121,8 @@ class _Alias(importlib.abc.Loader):
         )
         modules = [importlib.import_module(part) for part in self.parts]
         if len(modules) == 1:
+            # importlib sets the old name's spec on the module: put its own back afterwards
+            self._own = (modules[0].__spec__, getattr(modules[0], "__loader__", None))
             return modules[0]
         union = ModuleType(spec.name, modules[0].__doc__)
         for module in reversed(modules):  # the first part's name wins
@@ -128,7 +131,10 @@ class _Alias(importlib.abc.Loader):
         return union
 
     def exec_module(self, module: ModuleType) -> None:
-        """Nothing to run: the new modules already ran."""
+        """Nothing to run: the new modules already ran. The module keeps its own spec, so
+        ``importlib.reload`` and ``find_spec`` of its new name still work."""
+        if self._own is not None:
+            module.__spec__, module.__loader__ = self._own  # type: ignore[assignment]
 
     def get_code(self, fullname: str) -> CodeType | None:
         """The (first) new module's code, for ``python -m OLD_NAME`` (run as ``__main__``)."""
@@ -138,11 +144,27 @@ class _Alias(importlib.abc.Loader):
         return get_code(self.parts[0]) if get_code is not None else None
 
 
+def _new_name(old: str) -> str | tuple[str, ...] | None:
+    """``MOVED[old]``, or for a submodule of a moved package its name under the new one
+    (``fedsparse.common.engines.func`` is ``fedsparse.common.dp.engines.func``), so that no
+    module is imported twice under two names."""
+    if old in MOVED:
+        return MOVED[old]
+    parent, _, leaf = old.rpartition(".")
+    while parent:
+        new = MOVED.get(parent)
+        if isinstance(new, str):
+            candidate = f"{new}.{old[len(parent) + 1 :]}"
+            return candidate if importlib.util.find_spec(candidate) is not None else None
+        parent, _, leaf = parent.rpartition(".")
+    return None
+
+
 class _MovedFinder(importlib.abc.MetaPathFinder):
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
     ) -> importlib.machinery.ModuleSpec | None:
-        new = MOVED.get(fullname)
+        new = _new_name(fullname)
         if new is None:
             return None
         first = new if isinstance(new, str) else new[0]

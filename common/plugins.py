@@ -59,6 +59,11 @@ def load(reference: str, *, field: str) -> Any:
             f"{field}={reference!r}: cannot import {module_name!r}{missing}; is it installed, "
             "or on PYTHONPATH, where the run happens?"
         ) from err
+    except Exception as err:  # the module itself failed: its text may name files, data
+        raise ValueError(
+            f"{field}={reference!r}: importing {module_name!r} raised "
+            f"{type(err).__name__} (the message stays where the run happens)"
+        ) from err
     for part in attribute.split("."):
         try:
             target = getattr(target, part)

@@ -204,11 +204,11 @@ def check_reply(
         if got != wanted:
             raise RejectedReply(f"{name}: {got!r}, expected {wanted!r} (the run's)")
     if client_support:
-        mask_support = update.support()  # the client's own choice (norm bounds still apply)
+        mask_support = update.support(shared=True)  # the client's own choice (norm bounds still apply)
     if update.encoding in ("seeded", *EXPLICIT_ENCODINGS) and mask_support is None:
         assert expected_seed is not None  # keep < d
         mask_support = seeded_support(d, keep, expected_seed)
-    support = mask_support if update.encoding == "seeded" else update.support()
+    support = mask_support if update.encoding == "seeded" else update.support(shared=True)
     if update.encoding in EXPLICIT_ENCODINGS:
         assert support is not None and mask_support is not None  # keep < d
         if not torch.equal(support, mask_support):

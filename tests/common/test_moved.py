@@ -75,3 +75,21 @@ def test_a_recorded_python_m_command_still_runs() -> None:
         timeout=120,
     )
     assert "--nodes" in out.stdout and "--overlay" in out.stdout
+
+
+def test_an_alias_leaves_the_module_its_own_spec() -> None:
+    """Importing the old name does not rename the module (``reload`` and ``find_spec`` work)."""
+    _fresh("fedsparse.common.privacy")
+    from fedsparse.common.dp import accounting
+
+    assert accounting.__spec__ is not None
+    assert accounting.__spec__.name == "fedsparse.common.dp.accounting"
+    assert importlib.reload(accounting) is accounting
+
+
+def test_a_moved_packages_submodules_are_not_imported_twice() -> None:
+    """``fedsparse.common.engines`` moved: its submodule ``func`` is the new package's."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        old = importlib.import_module("fedsparse.common.engines.func")
+    assert old is importlib.import_module("fedsparse.common.dp.engines.func")

@@ -133,3 +133,19 @@ def test_an_import_error_names_the_missing_module_not_the_nodes_paths(
     assert "cannot import 'brokenlab_x1' (no module 'not_installed_dep_x1')" in message
     assert str(tmp_path) not in message and "/" not in message
     sys.modules.pop("brokenlab_x1", None)
+
+
+def test_a_plugin_that_fails_as_it_imports_tells_only_the_exceptions_type(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Any import-time failure, not only ImportError: its text can name the node's files."""
+    secret = tmp_path / "private-records.csv"
+    (tmp_path / "brokenlab_x2").mkdir()
+    (tmp_path / "brokenlab_x2" / "__init__.py").write_text(f"open({str(secret)!r})\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError) as info:
+        build_model("brokenlab_x2:cnn")
+    message = str(info.value)
+    assert "importing 'brokenlab_x2' raised FileNotFoundError" in message
+    assert "private-records" not in message and str(tmp_path) not in message
+    sys.modules.pop("brokenlab_x2", None)

@@ -98,22 +98,26 @@ class SparseUpdate:
         """Number of transmitted values."""
         return int(self.values.numel())
 
-    def support(self) -> torch.Tensor | None:
+    def support(self, *, shared: bool = False) -> torch.Tensor | None:
         """The int64 sorted coordinates of ``values``, or None for ``"dense"`` (all of them).
 
-        For ``"seeded"`` this is the public mask's support, regenerated once per process and
-        shared (``masks.seeded_support``): read it only.
+        For ``"seeded"`` this is the public mask's support, regenerated once per process
+        (``masks.seeded_support``). A copy by default; ``shared=True`` returns the process's
+        own tensor, for callers that only read it (the server's validation and aggregation,
+        the node's downlink patch): a write into it would change every later decode of the
+        same mask.
         """
         if self.encoding == "dense":
             return None
         if self.indices is not None:
             return self.indices
         assert self.mask_seed is not None  # __post_init__
-        return seeded_support(self.dense_size, self.keep, self.mask_seed)
+        support = seeded_support(self.dense_size, self.keep, self.mask_seed)
+        return support if shared else support.clone()
 
     def to_dense(self) -> torch.Tensor:
         """A float32 vector of length ``dense_size``: ``values`` on the support, zeros elsewhere."""
-        support = self.support()
+        support = self.support(shared=True)  # read only
         if support is None:
             return self.values.clone()
         out = torch.zeros(self.dense_size, dtype=torch.float32)

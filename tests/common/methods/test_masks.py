@@ -207,3 +207,36 @@ def test_shared_masks_check_their_arguments_and_cache_no_failure() -> None:
     with pytest.raises(ValueError, match="keep"):
         seeded_support(10, -1, 1)
     assert seeded_support(10, 10, 1).tolist() == list(range(10))
+
+
+def test_a_warm_cache_checks_its_arguments_as_a_cold_one() -> None:
+    """``lru_cache`` alone would answer ``keep=100.0`` or ``seed=True`` from a warm entry."""
+    masks.seeded_mask(1000, 100, 1)  # warm
+    for numel, keep, seed in ((1000, 100.0, 1), (1000.0, 100, 1), (1000, 100, 1.0), (2, 1, True)):
+        with pytest.raises(ValueError, match="expected an int"):
+            masks.seeded_mask(numel, keep, seed)  # type: ignore[arg-type]
+    assert torch.equal(
+        masks.seeded_mask(1000, np.int64(100), np.uint64(1)), masks.seeded_mask(1000, 100, 1)
+    )
+
+
+def test_a_decoded_support_is_the_callers_own_unless_shared() -> None:
+    """``SparseUpdate.support()`` is a copy: writing into it cannot reach another decode."""
+    from fedsparse.common.wire.payload.update import SparseUpdate
+
+    def update() -> SparseUpdate:
+        return SparseUpdate(
+            values=torch.ones(10),
+            dense_size=100,
+            encoding="seeded",
+            mask_seed=5,
+            round=1,
+        )
+
+    first = update().support()
+    assert first is not None
+    expected = first.clone()
+    first[0], first[1] = first[1].item(), first[0].item()  # a caller's in-place edit
+    again = update().support(shared=True)
+    assert again is not None and torch.equal(again, expected)
+    assert torch.equal(update().to_dense().nonzero().flatten(), expected)
