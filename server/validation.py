@@ -204,7 +204,8 @@ def check_reply(
         if got != wanted:
             raise RejectedReply(f"{name}: {got!r}, expected {wanted!r} (the run's)")
     if client_support:
-        mask_support = update.support(shared=True)  # the client's own choice (norm bounds still apply)
+        # the client's own choice (norm bounds still apply)
+        mask_support = update.support(shared=True)
     if update.encoding in ("seeded", *EXPLICIT_ENCODINGS) and mask_support is None:
         assert expected_seed is not None  # keep < d
         mask_support = seeded_support(d, keep, expected_seed)
