@@ -5,7 +5,7 @@ test, so a run passes or fails the same way on every machine and every retry, an
 database carries state between runs. ``dev`` draws fresh random examples (and remembers
 failures in ``.hypothesis/``) to hunt for edge cases; run it before trusting a changed oracle::
 
-    HYPOTHESIS_PROFILE=dev pytest tests/common/wire/test_codecs.py
+    HYPOTHESIS_PROFILE=dev pytest tests/common/wire/payload/
 
 A failure under ``dev`` prints a ``@reproduce_failure`` blob to pin the case in the test.
 """
