@@ -17,6 +17,7 @@ light (torch, Flower and Ray load with the run).
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -63,7 +64,8 @@ def simulate(
 
     Raises:
         ValueError: a bad argument or run-config value, in one line naming the field and its
-            value (``run config key 'num-round' is unknown; did you mean 'num-rounds'?``).
+            value (``run config key 'num-round' is unknown; did you mean 'num-rounds'?``);
+            a start that fails so removes the ``out`` it created.
         TypeError: ``config`` is neither a ``FederatedConfig`` nor a mapping.
         RuntimeError: the run failed (with the log's tail).
     """
@@ -88,17 +90,23 @@ def simulate(
     given = {key.replace("_", "-"): value for key, value in overrides.items()}
     where = Path(out) if out is not None else Path(str(given.pop("out-dir", "") or DEFAULT_OUT))
     overrides = {k: v for k, v in overrides.items() if k.replace("_", "-") != "out-dir"}
-    return run_simulation(
-        out=where,
-        overrides=overrides,
-        clients=clients,
-        cpus_per_client=cpus_per_client,
-        gpus_per_client=gpus_per_client,
-        timeout=timeout,
-        console=Console() if progress else Console(quiet=True),
-        resume=resume,
-        backend=name,
-    )
+    existed = where.exists()
+    try:
+        return run_simulation(
+            out=where,
+            overrides=overrides,
+            clients=clients,
+            cpus_per_client=cpus_per_client,
+            gpus_per_client=gpus_per_client,
+            timeout=timeout,
+            console=None if progress else Console(quiet=True),
+            resume=resume,
+            backend=name,
+        )
+    except ValueError:  # a failed start leaves nothing behind (a folder that was there stays)
+        if not existed:
+            shutil.rmtree(where, ignore_errors=True)
+        raise
 
 
 def _backend(name: str) -> Backend:
