@@ -209,24 +209,6 @@ def test_no_document_points_outside_the_repository() -> None:
             assert resolved.exists(), f"{path.name}: {target}"
 
 
-@pytest.mark.slow
-def test_the_readmes_python_federation_runs(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    text = (ROOT / "README.md").read_text()
-    (source,) = re.findall(r"```python\n(.*?)```", text, flags=re.S)
-    tutorial = (DOCS / "tutorial" / "first-federation.md").read_text()
-    assert f"```python\n{source}```" in tutorial  # the tutorial shows the same example
-    monkeypatch.chdir(tmp_path)
-    scope: dict[str, object] = {}
-    exec(compile(source, "README.md", "exec"), scope)  # noqa: S102
-    summary = scope["summary"]
-    assert summary.rounds == 3  # type: ignore[attr-defined]
-    assert summary.epsilon_max <= 3.0 + 1e-6  # type: ignore[attr-defined]
-    assert summary.uplink_savings > 1.0  # type: ignore[attr-defined]
-    assert (tmp_path / "runs" / "python" / "summary.json").is_file()
-
-
 def test_make_test_builds_the_docs_strictly() -> None:
     """`make test` depends on the strict build; --quiet would hide the warnings --strict counts
     (mkdocs 1.6: a broken link then passes)."""

@@ -7,7 +7,10 @@ Opacus, Ray) when it runs, so ``--help`` and usage errors answer at once.
 
 from __future__ import annotations
 
-from typing import Annotated
+import inspect
+import re
+from collections.abc import Callable
+from typing import Annotated, Any
 
 import typer
 
@@ -22,18 +25,30 @@ from fedsparse.lab.cli.train import train
 from fedsparse.lab.cli.utils import STATE, Opt, console
 from fedsparse.lab.cli.wire import wire_report_command
 
-__all__ = ["HELP", "app"]
+__all__ = ["HELP", "app", "help_text"]
+
+
+def help_text(doc: str) -> str:
+    """A docstring as ``--help`` shows it: RST's ``name`` as `name` (typer prints the double
+    backticks as they are), and each paragraph's lines joined into one (typer keeps a
+    paragraph's line breaks, which then fall mid-sentence once it rewraps the lines)."""
+    paragraphs = inspect.cleandoc(doc).split("\n\n")
+    joined = "\n\n".join(" ".join(line.strip() for line in p.splitlines()) for p in paragraphs)
+    return re.sub(r"``(.+?)``", r"`\1`", joined)
+
 
 #: ``fedsparse --help``'s text.
-HELP = """The ``fedsparse`` command line.
+HELP = help_text(
+    """The `fedsparse` command line.
 
-``fedsparse simulate`` runs the federated app on Flower's simulation engine (Ray backend), or
-with ``--backend ray`` on Ray workers that each hold many virtual clients
-(``lab/simulation/raygrid.py``),
-and writes ``rounds.jsonl`` and ``summary.json``; ``fedsparse demo`` is ``simulate`` on the
-embedded digits; ``fedsparse train`` runs centralized DP-SGD with random sparsification (RS
-paper, Algorithm 1) and writes ``epochs.jsonl`` and ``summary.json``.
-"""
+    `fedsparse simulate` runs the federated app on Flower's simulation engine (Ray backend),
+    or with `--backend ray` on Ray workers that each hold many virtual clients
+    (`lab/simulation/raygrid.py`), and writes `rounds.jsonl` and `summary.json`;
+    `fedsparse demo` is `simulate` on the embedded digits; `fedsparse train` runs centralized
+    DP-SGD with random sparsification (RS paper, Algorithm 1) and writes `epochs.jsonl` and
+    `summary.json`.
+    """
+)
 
 app = typer.Typer(
     add_completion=False,
@@ -43,17 +58,24 @@ app = typer.Typer(
     help=HELP,
     pretty_exceptions_show_locals=False,  # locals can hold keys and data; --debug shows frames
 )
-app.command()(train)
-app.command()(simulate)
-app.command()(sweep)
-app.command()(reproduce)
-app.command()(reconstruct)
-app.command()(demo)
-app.command()(deploy)
-app.command()(compose)
-app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(node)
-app.command("wire-report")(wire_report_command)
-app.command()(export)
+
+
+def _command(function: Callable[..., Any], name: str | None = None, **settings: Any) -> None:
+    """Registers ``function`` as a command, its docstring as its help (``help_text``)."""
+    app.command(name, help=help_text(inspect.getdoc(function) or ""), **settings)(function)
+
+
+_command(train)
+_command(simulate)
+_command(sweep)
+_command(reproduce)
+_command(reconstruct)
+_command(demo)
+_command(deploy)
+_command(compose)
+_command(node, context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+_command(wire_report_command, "wire-report")
+_command(export)
 
 
 def _print_version(value: bool) -> None:

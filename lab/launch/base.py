@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import shutil
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -213,12 +214,35 @@ def start_process(
     Raises:
         RuntimeError: the process exited, or a port stayed closed, before it listened.
     """
-    with log.open("wb") as sink, managed_process(args, env=env, log=sink, cwd=cwd) as process:
-        if pids is not None:
-            pids.append(process.pid)
-        for port in ports:
-            wait_for_port(port, timeout=PORT_TIMEOUT, process=process)
-        yield process
+    try:
+        with (
+            log.open("wb") as sink,
+            managed_process(args, env=env, log=sink, cwd=cwd) as process,
+        ):
+            if pids is not None:
+                pids.append(process.pid)
+            for port in ports:
+                wait_for_port(port, timeout=PORT_TIMEOUT, process=process)
+            yield process
+    finally:
+        _strip_ansi_file(log)
+
+
+#: An ANSI escape sequence: Flower's processes color their level names whatever their output.
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+def _strip_ansi_file(path: Path) -> None:
+    """``path`` without ANSI escape sequences (a log file, once its process has exited)."""
+    try:
+        text = path.read_bytes()
+    except OSError:
+        return
+    plain = _ANSI.sub("", text.decode(errors="surrogateescape")).encode(errors="surrogateescape")
+    if plain != text:
+        partial = path.with_name(f".{path.name}.plain")
+        partial.write_bytes(plain)
+        os.replace(partial, path)
 
 
 @contextmanager
@@ -318,8 +342,9 @@ def read_summary(run: PreparedRun, returncode: int, *, logs: Callable[[], str]) 
 
 
 def log_tail(path: Path, *, lines: int) -> str:
-    """The last ``lines`` lines of the log at ``path``."""
-    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    """The last ``lines`` lines of the log at ``path``, without ANSI escape sequences."""
+    text = _ANSI.sub("", path.read_text(errors="replace"))
+    return "\n".join(text.splitlines()[-lines:])
 
 
 def log_tails(paths: Iterable[Path], *, lines: int = 20) -> str:

@@ -12,6 +12,10 @@ full participation and the same seeds it ends with the same model, bit for bit.
 ``backend="inprocess"`` runs them on ``InProcessGrid`` in this process, and ``"deploy"`` on a
 loopback deployment (``lab/launch/deploy.py``): the backends of
 ``lab/launch/backends.py``, one vocabulary with ``fedsparse sweep``.
+
+Until the first round arrives, a status line under the table says what the run waits for
+(``starting the Ray backend...``, ``waiting for round 1...``); where the console is not a
+terminal (CI, a file) each status is printed once, as a line, and nothing carries ANSI codes.
 """
 
 from __future__ import annotations
@@ -21,13 +25,14 @@ import logging
 import math
 import shutil
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
+from rich.console import Console, Group, RenderableType
 from rich.live import Live
 from rich.table import Table
+from rich.text import Text
 
 from fedsparse.common.wire.run_log import RoundLog, RunSummary, read_rounds
 from fedsparse.lab.launch.backends import BACKENDS, Backend
@@ -77,10 +82,16 @@ def _row(entry: RoundLog) -> list[str]:
 
 
 class _LiveRounds:
-    """Adds the rounds ``rounds.jsonl`` gained since the last look to ``table``."""
+    """Adds the rounds ``rounds.jsonl`` gained since the last look to ``table``; until the
+    first one, shows ``status`` (what the run waits for) under it.
 
-    def __init__(self, table: Table, path: Path, *, since: float) -> None:
+    On a terminal the status is part of the live display; elsewhere (CI, a file: rich then
+    draws the table once, at the end) each new status is printed as a line when it is set.
+    """
+
+    def __init__(self, table: Table, path: Path, *, since: float, console: Console) -> None:
         self._table, self._path, self._seen, self._since = table, path, 0, since
+        self._console, self.status = console, ""
 
     def refresh(self) -> None:
         try:
@@ -92,6 +103,20 @@ class _LiveRounds:
         for entry in rounds[self._seen :]:
             self._table.add_row(*_row(entry))
         self._seen = len(rounds)
+
+    def set_status(self, text: str) -> None:
+        """Shows ``text`` until the first round arrives (or the next status)."""
+        self.status = text
+        if not self._console.is_terminal:
+            self._console.print(text, markup=False, highlight=False)
+
+    def render(self) -> RenderableType:
+        """The table with the rounds so far, and the status while there are none."""
+        with contextlib.suppress(ValueError):  # a line being written: taken in next time
+            self.refresh()
+        if self._seen or not self.status or not self._console.is_terminal:
+            return self._table
+        return Group(self._table, Text(self.status, style="dim"))
 
 
 def _number(value: float) -> int | float:
@@ -133,7 +158,7 @@ def run_simulation(
         RuntimeError: the run failed or timed out (with the log's tail).
         KeyboardInterrupt: a stop was requested (a signal); every process is stopped first.
     """
-    console = console or Console()
+    console = console or _console()
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}: expected one of {', '.join(BACKENDS)}")
     if clients < 1:
@@ -166,12 +191,15 @@ def run_simulation(
     table = Table(title=f"fedsparse simulate: {clients} clients, {run.config.num_rounds} rounds")
     for column in COLUMNS:
         table.add_column(column, justify="right")
-    live_rounds = _LiveRounds(table, run.out / "rounds.jsonl", since=math.floor(run.started))
+    live_rounds = _LiveRounds(
+        table, run.out / "rounds.jsonl", since=math.floor(run.started), console=console
+    )
     if backend == "inprocess":
-        with _live(table, live_rounds, console):
+        with _live(live_rounds, console):
+            live_rounds.set_status(f"waiting for round 1 ({clients} clients in this process)...")
             return _run_in_process(run, clients=clients, state_dir=state_dir)
     if backend == "ray":
-        with _live(table, live_rounds, console):
+        with _live(live_rounds, console):
             return _run_on_ray(
                 run,
                 clients=clients,
@@ -179,6 +207,7 @@ def run_simulation(
                 gpus_per_client=gpus_per_client,
                 timeout=timeout,
                 state_dir=state_dir,
+                status=live_rounds.set_status,
             )
     link = connect(run, name="sim")
     superlink = superlink_args(
@@ -194,38 +223,87 @@ def run_simulation(
     ]
     if gpus_per_client > 0:
         federation += ["--federation-config", f"client-resources-num-gpus={gpus_per_client}"]
-    with (
-        start_process(
-            superlink,
-            # The simulated ClientApps run in this SuperLink's Ray workers and inherit its
-            # environment: that is where the experimenter, as node owner, sets their policy.
-            # ... and the ServerApp too: it waits for all the simulated nodes before round 1.
-            env={
-                **link.env,
-                **simulation_policy_env(state_dir=state_dir),
-                EXPECTED_NODES_ENV: str(clients),
-            },
-            log=run.superlink_log,
-            ports=[link.http_port],
-        ),
-        flwr_run(run, link, *federation) as flwr,
-        Live(table, console=console, refresh_per_second=2, transient=False),
-    ):
-        returncode = wait_for_exit(
-            flwr, timeout=timeout, on_poll=live_rounds.refresh, timeout_hint=f"; see {run.flwr_log}"
-        )
+    with _live(live_rounds, console):
+        live_rounds.set_status("starting Flower's simulation engine (SuperLink, Ray)...")
+        with (
+            start_process(
+                superlink,
+                # The simulated ClientApps run in this SuperLink's Ray workers and inherit its
+                # environment: that is where the experimenter, as node owner, sets their
+                # policy. ... and the ServerApp too: it waits for all the simulated nodes
+                # before round 1.
+                env={
+                    **link.env,
+                    **simulation_policy_env(state_dir=state_dir),
+                    EXPECTED_NODES_ENV: str(clients),
+                },
+                log=run.superlink_log,
+                ports=[link.http_port],
+            ),
+            flwr_run(run, link, *federation) as flwr,
+        ):
+            live_rounds.set_status(f"waiting for round 1 ({clients} simulated nodes)...")
+            returncode = wait_for_exit(flwr, timeout=timeout, timeout_hint=f"; see {run.flwr_log}")
     return read_summary(run, returncode, logs=lambda: log_tail(run.flwr_log, lines=30))
 
 
-def _live(table: Table, live_rounds: _LiveRounds, console: Console) -> Live:
-    """A live ``table`` that takes in the new rounds each time it is drawn (rich's thread)."""
+def _console() -> Console:
+    """stdout's console; where it is no terminal (logs, CI) 140 columns wide, so that the
+    round table is not squeezed into 80 (the command line's console alike)."""
+    console = Console()
+    return console if console.is_terminal else Console(width=140)
 
-    def render() -> Table:
-        with contextlib.suppress(ValueError):  # a line being written: taken in next time
-            live_rounds.refresh()
-        return table
 
-    return Live(console=console, refresh_per_second=2, transient=False, get_renderable=render)
+@contextlib.contextmanager
+def _live(live_rounds: _LiveRounds, console: Console) -> Iterator[Live]:
+    """A live table that takes in the new rounds each time it is drawn (rich's thread).
+
+    Where the console is no terminal, rich draws it once, at the end, without the line
+    break a terminal gets: the next line then starts on a line of its own all the same.
+    """
+    live = Live(
+        console=console, refresh_per_second=2, transient=False, get_renderable=live_rounds.render
+    )
+    try:
+        with live:
+            yield live
+    finally:
+        if not console.is_terminal:
+            console.line()
+
+
+@contextlib.contextmanager
+def _flower_logs_in_this_process() -> Iterator[None]:
+    """Flower's logger while the live table runs in this process: warnings and errors only
+    (the table replaces the per-round INFO lines), each once, colored only on a terminal.
+
+    Once: Opacus's import calls ``logging.basicConfig``, whose root handler would print every
+    line of Flower's logger a second time (it propagates). Colored: Flower's console handler
+    colors its level names always; its ``colored`` flag follows whether its stream is a
+    terminal. Everything is restored after.
+    """
+    logger = logging.getLogger("flwr")
+    level, propagate = logger.level, logger.propagate
+    colored = [(h, h.colored) for h in logger.handlers if hasattr(h, "colored")]
+    logger.setLevel(logging.WARNING)
+    logger.propagate = False
+    for handler, _ in colored:
+        handler.colored = _is_terminal(getattr(handler, "stream", None))  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+        logger.propagate = propagate
+        for handler, was in colored:
+            handler.colored = was  # type: ignore[attr-defined]
+
+
+def _is_terminal(stream: object) -> bool:
+    isatty = getattr(stream, "isatty", None)
+    try:
+        return bool(isatty()) if callable(isatty) else False
+    except ValueError:  # a closed stream
+        return False
 
 
 def _run_on_ray(
@@ -236,11 +314,13 @@ def _run_on_ray(
     gpus_per_client: float,
     timeout: float,
     state_dir: Path,
+    status: Callable[[str], None],
 ) -> RunSummary:
     """``run`` on ``RayGrid``: the ServerApp loop here, the clients on Ray workers.
 
     The virtual clients keep their state files in ``state_dir`` as Flower's simulated nodes
-    do, so ``resume`` continues a ray run as it continues a Flower one.
+    do, so ``resume`` continues a ray run as it continues a Flower one. ``status`` is told
+    what the run waits for (the cluster, then round 1).
 
     Raises:
         RuntimeError: the run failed (``FederationFailed``) or timed out.
@@ -252,11 +332,10 @@ def _run_on_ray(
 
     stop_at = time.monotonic() + timeout
     node_config = {**SIMULATION_NODE_POLICY, "state-dir": str(state_dir)}
-    flwr_logger = logging.getLogger("flwr")
-    level = flwr_logger.level
-    flwr_logger.setLevel(logging.WARNING)  # the live table replaces per-round INFO lines
+    status("starting the Ray backend (cluster and workers)...")
     try:
         with (
+            _flower_logs_in_this_process(),
             ray_cluster(),
             RayWorkers(
                 client_app, cpus_per_client=cpus_per_client, gpus_per_client=gpus_per_client
@@ -269,11 +348,10 @@ def _run_on_ray(
                 node_config=node_config,
                 stop_at=stop_at,
             )
+            status(f"waiting for round 1 ({clients} clients on {len(workers.actors)} workers)...")
             return run_federated(grid, run.config)
     except TimeoutError as err:
         raise RuntimeError(f"timeout={timeout:g} s: {err}") from err
-    finally:
-        flwr_logger.setLevel(level)
 
 
 def _run_in_process(run: PreparedRun, *, clients: int, state_dir: Path) -> RunSummary:
@@ -290,10 +368,7 @@ def _run_in_process(run: PreparedRun, *, clients: int, state_dir: Path) -> RunSu
     from fedsparse.server.loop import run_federated
 
     node_config = {**SIMULATION_NODE_POLICY, "state-dir": str(state_dir)}
-    flwr_logger = logging.getLogger("flwr")
-    level = flwr_logger.level
-    flwr_logger.setLevel(logging.WARNING)  # the live table replaces per-round INFO lines
-    try:
+    with _flower_logs_in_this_process():
         grid = InProcessGrid(
             client_app,
             num_nodes=clients,
@@ -301,5 +376,3 @@ def _run_in_process(run: PreparedRun, *, clients: int, state_dir: Path) -> RunSu
             node_config=node_config,
         )
         return run_federated(grid, run.config)
-    finally:
-        flwr_logger.setLevel(level)

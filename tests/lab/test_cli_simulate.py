@@ -1,5 +1,6 @@
 """``fedsparse simulate``'s own options: the ``--rounds``/``--seed`` shortcuts, the ``--resume``
-line a stopped run prints, and a failed start that leaves nothing behind.
+line a stopped run prints, and a failed start that leaves nothing behind; its output where it
+is not a terminal: the status line before the first round, plain log lines, each once.
 
 The run itself (``lab/launch/simulate.py:run_simulation``) is replaced by a recorder where the test
 is
@@ -8,8 +9,13 @@ about the command line, so these tests start no Flower process.
 
 from __future__ import annotations
 
+import io
+import logging
 import os
+import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -165,3 +171,142 @@ def test_a_failed_start_keeps_a_folder_that_was_there(tmp_path: Path) -> None:
     )
     assert result.exit_code == 2 and "below min-clients=2" in _flat(result.output)
     assert (out / "rounds.jsonl").read_text() == "{}\n"
+
+
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+def _simulate(out: Path, *args: str) -> str:
+    """``fedsparse simulate`` of 1 round of 2 clients, its output a pipe (not a terminal)."""
+    result = subprocess.run(
+        [sys.executable, "-m", "fedsparse.lab.cli", "simulate", "--out", str(out)]
+        + ["--clients", "2", "--rounds", "1", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "COLUMNS": "200"},
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout + result.stderr
+
+
+def _first_round_row(lines: list[str]) -> int:
+    return next(i for i, line in enumerate(lines) if re.match(r"^│\s+1 │", line))
+
+
+#: A log line's start: a level name, alone (Flower's console) or after a timestamp (the
+#: root handler ``logging.basicConfig`` adds), then its message.
+LOG_LINE = re.compile(r"^(?:\d\d/\d\d/\d{4} [\d:]+:)?(DEBUG|INFO|WARNING|ERROR|CRITICAL)\s*:\s*")
+
+
+def _log_messages(text: str) -> list[str]:
+    """The messages of the log lines of ``text`` (ANSI codes removed), blank ones left out."""
+    lines = (
+        LOG_LINE.match(ANSI.sub("", line)) and ANSI.sub("", line) for line in text.splitlines()
+    )
+    return [m for line in lines if line and (m := LOG_LINE.sub("", line).strip())]
+
+
+def test_a_repeated_log_line_is_seen_in_either_format() -> None:
+    """The oracle of the test below, on the lines a Flower run used to log."""
+    text = (
+        "\x1b[92mINFO \x1b[0m:      round 1: r=0.700 acc=0.2139\n"
+        "11/26/2026 03:27:50:INFO:round 1: r=0.700 acc=0.2139\n"
+        "\x1b[92mINFO \x1b[0m:      \nUsing SuperLink: sim\n"
+    )
+    assert _log_messages(text) == ["round 1: r=0.700 acc=0.2139"] * 2
+
+
+@pytest.mark.slow
+def test_a_simulate_in_this_process_says_what_it_waits_for_before_round_1(
+    tmp_path: Path,
+) -> None:
+    output = _simulate(tmp_path / "run", "--backend", "inprocess")
+    lines = output.splitlines()
+    status = lines.index("waiting for round 1 (2 clients in this process)...")
+    assert status < _first_round_row(lines)
+    assert not ANSI.search(output)
+    final = next(i for i, line in enumerate(lines) if "final test accuracy" in line)
+    assert lines[final].startswith("final test accuracy ")  # a line of its own, after the table
+    assert lines[final - 1].startswith("└")
+
+
+@pytest.mark.slow
+def test_a_flower_simulate_logs_plain_lines_once(tmp_path: Path) -> None:
+    """Flower's engine, non-TTY: the status lines come before the first round, and neither the
+    output nor the logs of Flower's processes carry ANSI codes or a log line twice (the
+    ServerApp's lines used to come again through the root handler Opacus's import adds)."""
+    out = tmp_path / "run"
+    output = _simulate(out, "--backend", "flower")
+    lines = output.splitlines()
+    starting = lines.index("starting Flower's simulation engine (SuperLink, Ray)...")
+    waiting = lines.index("waiting for round 1 (2 simulated nodes)...")
+    assert starting < waiting < _first_round_row(lines)
+    flwr_log, superlink_log = (out / "flwr.log").read_text(), (out / "superlink.log").read_text()
+    for text in (output, flwr_log, superlink_log):
+        assert not ANSI.search(text)
+    messages = _log_messages(flwr_log)
+    assert any(m.startswith("round 1: r=0.700") for m in messages), flwr_log
+    repeated = {m for m in messages if messages.count(m) > 1}
+    assert not repeated, repeated
+
+
+class _Stream(io.StringIO):
+    def __init__(self, *, tty: bool) -> None:
+        super().__init__()
+        self._tty = tty
+
+    def isatty(self) -> bool:
+        return self._tty
+
+
+@pytest.mark.parametrize("tty", [False, True])
+def test_flowers_logger_in_this_process_writes_once_colored_only_on_a_terminal(
+    tty: bool,
+) -> None:
+    from flwr.common.logger import ConsoleHandler
+
+    from fedsparse.lab.launch.simulate import _flower_logs_in_this_process
+
+    logger = logging.getLogger("flwr")
+    console_stream, root_stream = _Stream(tty=tty), io.StringIO()
+    console = ConsoleHandler(colored=True, stream=console_stream)
+    root = logging.StreamHandler(root_stream)  # what Opacus's logging.basicConfig adds
+    logger.addHandler(console)
+    logging.getLogger().addHandler(root)
+    level, propagate = logger.level, logger.propagate
+    try:
+        with _flower_logs_in_this_process():
+            logger.info("a round's line")  # the live table shows rounds
+            logger.warning("a warning")
+        assert (logger.level, logger.propagate, console.colored) == (level, propagate, True)
+    finally:
+        logger.removeHandler(console)
+        logging.getLogger().removeHandler(root)
+    assert "a round's line" not in console_stream.getvalue()
+    assert console_stream.getvalue().count("a warning") == 1
+    assert bool(ANSI.search(console_stream.getvalue())) is tty
+    assert root_stream.getvalue() == ""
+
+
+def test_the_serverapp_logs_plain_lines_once() -> None:
+    from flwr.common.logger import ConsoleHandler
+
+    from fedsparse.server.app import plain_flower_logs
+
+    logger = logging.getLogger("flwr")
+    stream, root_stream = _Stream(tty=False), io.StringIO()
+    console = ConsoleHandler(colored=True, stream=stream)
+    root = logging.StreamHandler(root_stream)
+    logger.addHandler(console)
+    logging.getLogger().addHandler(root)
+    propagate = logger.propagate
+    try:
+        plain_flower_logs()
+        logger.warning("once")
+    finally:
+        logger.propagate = propagate
+        logger.removeHandler(console)
+        logging.getLogger().removeHandler(root)
+    assert stream.getvalue().count("once") == 1 and not ANSI.search(stream.getvalue())
+    assert root_stream.getvalue() == ""

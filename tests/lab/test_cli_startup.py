@@ -152,3 +152,40 @@ def test_train_help_lists_the_names_each_option_accepts() -> None:
     helps = {param.name: param.help for param in command.params}
     for name, names in accepted.items():
         assert sorted(_listed(helps[name])) == sorted(names), name
+
+
+def _commands() -> list[list[str]]:
+    import typer.main
+
+    group = typer.main.get_command(app)
+    return [[], *([name] for name in group.commands)]  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("command", _commands(), ids=lambda c: " ".join(c) or "fedsparse")
+def test_help_shows_no_rst_double_backticks(command: list[str]) -> None:
+    result = CliRunner().invoke(app, [*command, "--help"], prog_name="fedsparse")
+    assert result.exit_code == 0, result.output
+    assert "``" not in result.output
+    assert f"Usage: {' '.join(['fedsparse', *command])} " in result.output
+
+
+def test_help_text_turns_rst_into_plain_paragraphs() -> None:
+    from fedsparse.lab.cli.app import help_text
+
+    doc = """First line, ``name`` and
+        ``--set key=value``.
+
+        A second paragraph
+        over two lines.
+        """
+    assert help_text(doc) == (
+        "First line, `name` and `--set key=value`.\n\nA second paragraph over two lines."
+    )
+    export_help = typer_command_help("export")
+    assert "`torch.load(out, weights_only=True)`" in export_help
+
+
+def typer_command_help(name: str) -> str:
+    import typer.main
+
+    return typer.main.get_command(app).commands[name].help or ""  # type: ignore[attr-defined]
