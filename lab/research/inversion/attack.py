@@ -14,7 +14,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from fedsparse.common.dp.optimizer import MechanismName, SparseDPEngine
+from fedsparse.common.dp.engine import SparseDPEngine
+from fedsparse.common.dp.optimizer import MechanismName
 from fedsparse.common.known_warnings import quiet_known_warnings
 
 __all__ = [

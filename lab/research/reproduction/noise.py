@@ -35,7 +35,7 @@ def _noise(d: int, keep: int | None, seed: int) -> torch.Tensor:
     """The noise one ``SparseDPEngine`` step adds (sigma 1, C 1, batch 4), ``keep`` kept."""
     from torch.utils.data import DataLoader, TensorDataset
 
-    from fedsparse.common.dp.optimizer import SparseDPEngine
+    from fedsparse.common.dp.engine import SparseDPEngine
     from fedsparse.common.known_warnings import quiet_known_warnings
     from fedsparse.common.masks import sample_mask
 
