@@ -335,23 +335,14 @@ SCHEMA: Final = 2
 
 #: The keys every ``summary.json`` has, federated or ``train``, with their JSON types
 #: (``type(None)``: ``null`` where the figure does not apply or is not known).
+_FIGURES = ("final_test_accuracy", "final_test_loss", "epsilon_max", "delta", "wall_seconds")
 SHARED_SUMMARY_KEYS: Final[dict[str, tuple[type, ...]]] = {
-    "kind": (str,),
-    "schema": (int,),
-    "command": (str, type(None)),
-    "config_hash": (str,),
-    "versions": (dict,),
-    "engine": (str, type(None)),
-    "noise_multiplier_min": (float, type(None)),
-    "noise_multiplier_max": (float, type(None)),
-    "final_test_accuracy": (float,),
-    "final_test_loss": (float,),
-    "epsilon_max": (float,),
-    "delta": (float,),
-    "parameters": (int,),
-    "wall_seconds": (float,),
-    "total_density": (float,),
-    "config": (dict,),
+    **dict.fromkeys(("kind", "config_hash"), (str,)),
+    **dict.fromkeys(("schema", "parameters"), (int,)),
+    **dict.fromkeys(("command", "engine"), (str, type(None))),
+    **dict.fromkeys(("versions", "config"), (dict,)),
+    **dict.fromkeys(("noise_multiplier_min", "noise_multiplier_max"), (float, type(None))),
+    **dict.fromkeys((*_FIGURES, "total_density"), (float,)),
 }
 
 
