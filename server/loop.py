@@ -263,4 +263,6 @@ def _round_log(stats: RoundStats, *, d: int, test_accuracy: float, test_loss: fl
         noise=stats.noise,
         clipped=stats.clipped,
         user_epsilon=stats.user_epsilon,
+        noise_multiplier_min=stats.noise_multiplier_min,
+        noise_multiplier_max=stats.noise_multiplier_max,
     )

@@ -60,6 +60,10 @@ class RoundStats:
     client_support: bool = False
     #: dp-level=user: the run's user-level epsilon after this round (None: sample-level run)
     user_epsilon: float | None = None
+    #: the smallest and largest sigma the accepted updates' accountants calibrated (None: no
+    #: accepted update, or a mechanism other than dpsgd)
+    noise_multiplier_min: float | None = None
+    noise_multiplier_max: float | None = None
     #: the L2 bound the round's updates were held to (inf: none, or no valid update) and how
     #: it was set (``NormBound.bound``: "dp-norm-bound=...", "max-norm-ratio=...", ...)
     norm_bound: float = math.inf

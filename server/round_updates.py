@@ -32,7 +32,7 @@ from fedsparse.common.dp.accounting import compute_epsilon_of_history
 from fedsparse.common.dp.central import central_aggregate
 from fedsparse.common.masks import seeded_support
 from fedsparse.common.wire.protocol import client_mask_seed
-from fedsparse.common.wire.run_log import epsilon_stats, round_noise
+from fedsparse.common.wire.run_log import epsilon_stats, noise_range, round_noise
 from fedsparse.server.downlink import DownlinkCache
 from fedsparse.server.messages import message_bytes
 from fedsparse.server.round_stats import RoundStats
@@ -148,13 +148,23 @@ def validate_replies(
     return candidates
 
 
-def round_numbers(stats: RoundStats, accepted: list[Candidate], epsilons: Iterable[float]) -> None:
-    """Train loss and noise origin of the accepted updates; epsilons of the valid replies."""
+def round_numbers(
+    stats: RoundStats,
+    accepted: list[Candidate],
+    epsilons: Iterable[float],
+    *,
+    private: bool = True,
+) -> None:
+    """Train loss, noise origin and sigma range of the accepted updates; epsilons of the valid
+    replies. ``private``: the clients run dpsgd (else their sigma is no privacy figure)."""
     weighted = [(c.valid.reply.train_loss, c.valid.weight) for c in accepted]
     total = sum(w for _, w in weighted)
     stats.train_loss = sum(loss * w for loss, w in weighted) / total if total else math.nan
     stats.epsilon_max, stats.epsilon_median = epsilon_stats(list(epsilons))
     stats.noise = round_noise([c.valid.reply.seeded_noise for c in accepted])
+    stats.noise_multiplier_min, stats.noise_multiplier_max = noise_range(
+        [c.valid.reply.noise_multiplier for c in accepted], private=private
+    )
 
 
 def aggregate(

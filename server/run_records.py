@@ -28,6 +28,7 @@ import torch
 from fedsparse.common.atomic import SHARED, write_atomically
 from fedsparse.common.config import FederatedConfig
 from fedsparse.common.layout import ParamLayout
+from fedsparse.common.training.configs import planned_engine
 from fedsparse.common.wire.run_log import RoundLog, RunSummary
 from fedsparse.server.checkpoint import CHECKPOINT, Checkpoint, CheckpointError
 from fedsparse.server.launch_markers import STOP_FILE
@@ -125,11 +126,21 @@ class RunRecorder:
             parameters=self.layout.numel,
             delta=self.cfg.delta,
             config={**self.cfg.to_run_config(), "resume": False},
+            engine=_engine(self.cfg),
         )
         (self.out / "summary.json").write_text(summary.to_json())
         self.trackers.close()
         plot_run(self.logs, self.out / "run.png", title=_plot_title(self.cfg))
         return summary
+
+
+def _engine(cfg: FederatedConfig) -> str | None:
+    """The DP engine the clients picked for ``cfg`` ("auto" resolved as they resolve it);
+    None where this machine cannot tell (a ``device`` it lacks)."""
+    try:
+        return planned_engine(cfg.engine, cfg.model_name, cfg.device)
+    except ValueError:
+        return None if cfg.engine == "auto" else str(cfg.engine)
 
 
 def _plot_title(cfg: FederatedConfig) -> str:

@@ -399,7 +399,8 @@ class SparseFedAvg(Strategy):
         # Replies arrive in any order and node ids differ between runs: a canonical order
         # (by content) makes the float sums, and so the model, independent of both.
         accepted.sort(key=canonical)
-        round_numbers(stats, accepted, self._epsilons.values())
+        private = self.cfg.privacy().mechanism == "dpsgd"  # else sigma is no privacy figure
+        round_numbers(stats, accepted, self._epsilons.values(), private=private)
         if self.user_level:
             new_weights, touched = self._aggregate_central(stats, weights, accepted)
         else:

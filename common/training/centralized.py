@@ -191,6 +191,7 @@ def train_centralized(
             test_loss=test_loss,
             test_accuracy=test_acc,
             index_epsilon=engine.index_epsilon,
+            noise_multiplier=float(optimizer.noise_multiplier),  # type: ignore[attr-defined]
         )
         history.append(stats)
         if on_epoch is not None:

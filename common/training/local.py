@@ -62,6 +62,9 @@ class EpochStats:
     #: GIP: the index selection's share of ``epsilon`` so far (pure DP,
     #: ``common/methods/index_selection.py``).
     index_epsilon: float = 0.0
+    #: the sigma DP-SGD ran with: as given, or as calibrated for a target epsilon (None: not
+    #: recorded)
+    noise_multiplier: float | None = None
 
 
 def make_private(

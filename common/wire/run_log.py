@@ -12,20 +12,36 @@ says which fields a consumer uses, so no consumer spells the schema again:
 Fields added after the first release come last and have defaults, so records written before
 them still parse (``from_json`` fills a missing field that has a default).
 
+Every ``summary.json``, federated (``RunSummary``) or centralized (``fedsparse train``,
+``lab/experiments/train.py``), carries the same header and the same names for the figures
+both have (``SHARED_SUMMARY_KEYS``, with their JSON types): ``kind`` ("federated" |
+"train"), ``schema`` (``SCHEMA``; 1: a summary older than the header), ``command`` (the
+command line that started the run; ``null`` from the Python API), ``config_hash``
+(``config_hash``: the first 16 hex digits of the SHA-256 of the config's canonical JSON),
+``versions``, ``engine`` (the DP engine used, "auto" resolved), ``noise_multiplier_min`` and
+``noise_multiplier_max`` (sigma as the clients' accountants calibrated it, over the run;
+``null`` for a non-private mechanism), and ``final_test_accuracy``, ``final_test_loss``,
+``epsilon_max``, ``delta``, ``parameters``, ``wall_seconds``, ``total_density``, ``config``.
+A figure that does not apply to a run is ``null``, not 0.
+
 Pure Python (no Flower): a record is plain data.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib.metadata
 import json
 import math
+import shlex
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, Literal, Self
+
+from fedsparse.common.atomic import SHARED, write_atomically
 
 __all__ = [
     "BITS_PER_PARAM_REFERENCES",
@@ -34,14 +50,24 @@ __all__ = [
     "NoiseOrigin",
     "RoundLog",
     "RunSummary",
+    "RunKind",
+    "SCHEMA",
     "SEEDED_RUN",
+    "SHARED_SUMMARY_KEYS",
     "SOFTWARE",
+    "UNHASHED_KEYS",
+    "command_line",
+    "config_hash",
     "epsilon_stats",
+    "noise_range",
     "per_round_fields",
     "read_rounds",
+    "record_command",
     "round_noise",
     "run_noise",
+    "shared_key_problems",
     "software_versions",
+    "summary_header",
     "summary_metrics",
     "uplink_bits_per_param",
 ]
@@ -133,6 +159,11 @@ class RoundLog:
     #: dp-level=user: the run's user-level epsilon after this round (None, ``null``: a
     #: sample-level run, where no user-level figure applies; older records wrote 0)
     user_epsilon: float | None = None
+    #: the smallest and largest sigma (noise multiplier) the accepted updates' accountants
+    #: calibrated this round (None, ``null``: no accepted update, a non-private mechanism, or
+    #: a line older than the fields)
+    noise_multiplier_min: float | None = None
+    noise_multiplier_max: float | None = None
 
     def __post_init__(self) -> None:
         bits = uplink_bits_per_param(self.uplink_payload_bytes, self.dense_uplink_bytes)
@@ -214,6 +245,15 @@ class RunSummary:
     #: the software that ran the server: fedsparse, flwr, opacus, torch (empty in summaries
     #: older than the field)
     versions: dict[str, str] = field(default_factory=dict)
+    #: the shared header (module docstring); defaults: a summary older than it
+    kind: RunKind = "federated"
+    schema: int = 1
+    command: str | None = None
+    config_hash: str | None = None
+    engine: str | None = None
+    #: sigma over the run's rounds (``RoundLog.noise_multiplier_min``/``_max``)
+    noise_multiplier_min: float | None = None
+    noise_multiplier_max: float | None = None
 
     def __post_init__(self) -> None:
         bits = uplink_bits_per_param(self.total_uplink_payload_bytes, self.total_dense_uplink_bytes)
@@ -221,12 +261,25 @@ class RunSummary:
 
     @classmethod
     def from_rounds(
-        cls, logs: Sequence[RoundLog], *, parameters: int, delta: float, config: dict[str, Any]
+        cls,
+        logs: Sequence[RoundLog],
+        *,
+        parameters: int,
+        delta: float,
+        config: dict[str, Any],
+        engine: str | None = None,
+        command: str | None = None,
     ) -> Self:
-        """The summary of a run whose rounds are ``logs`` (at least one)."""
+        """The summary of a run whose rounds are ``logs`` (at least one).
+
+        ``engine``: the DP engine the clients used ("auto" resolved; None: not known);
+        ``command``: the command line that started the run (None: the Python API).
+        """
         if not logs:
             raise ValueError("logs: expected at least one round")
-        totals = {f"total_{k}": int(sum(getattr(entry, k) for entry in logs)) for k in _TOTALS}
+        totals: dict[str, Any] = {
+            f"total_{k}": int(sum(getattr(entry, k) for entry in logs)) for k in _TOTALS
+        }
         up = totals["total_uplink_payload_bytes"]
         dense_up = totals["total_dense_uplink_bytes"]
         last = logs[-1]
@@ -250,7 +303,14 @@ class RunSummary:
             noise=run_noise([entry.noise for entry in logs]),
             total_density=_total_density(logs),
             user_epsilon=last.user_epsilon,
-            versions=software_versions(),
+            **summary_header(
+                "federated",
+                config=config,
+                command=command,
+                engine=engine,
+                noise_multiplier_min=_none_or(min, [e.noise_multiplier_min for e in logs]),
+                noise_multiplier_max=_none_or(max, [e.noise_multiplier_max for e in logs]),
+            ),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -266,6 +326,106 @@ class RunSummary:
         """Parses ``summary.json`` (text or decoded mapping); extra keys are ignored."""
         mapping = json.loads(data) if isinstance(data, str) else data
         return _from_mapping(cls, mapping, "summary.json")  # type: ignore[no-any-return]
+
+
+RunKind = Literal["federated", "train"]
+
+#: The version of the ``summary.json`` schema written now (1: before the shared header).
+SCHEMA: Final = 2
+
+#: The keys every ``summary.json`` has, federated or ``train``, with their JSON types
+#: (``type(None)``: ``null`` where the figure does not apply or is not known).
+_FIGURES = ("final_test_accuracy", "final_test_loss", "epsilon_max", "delta", "wall_seconds")
+SHARED_SUMMARY_KEYS: Final[dict[str, tuple[type, ...]]] = {
+    **dict.fromkeys(("kind", "config_hash"), (str,)),
+    **dict.fromkeys(("schema", "parameters"), (int,)),
+    **dict.fromkeys(("command", "engine"), (str, type(None))),
+    **dict.fromkeys(("versions", "config"), (dict,)),
+    **dict.fromkeys(("noise_multiplier_min", "noise_multiplier_max"), (float, type(None))),
+    **dict.fromkeys((*_FIGURES, "total_density"), (float,)),
+}
+
+
+def summary_header(
+    kind: RunKind,
+    *,
+    config: Mapping[str, Any],
+    command: str | None,
+    engine: str | None,
+    noise_multiplier_min: float | None,
+    noise_multiplier_max: float | None,
+) -> dict[str, Any]:
+    """The header every ``summary.json`` starts from (module docstring): ``kind``,
+    ``schema``, ``command``, ``config_hash`` (of ``config``), ``versions``, ``engine`` and
+    the sigma range; both writers (``RunSummary.from_rounds``, ``fedsparse train``) use it."""
+    return {
+        "kind": kind,
+        "schema": SCHEMA,
+        "command": command,
+        "config_hash": config_hash(config),
+        "versions": software_versions(),
+        "engine": engine,
+        "noise_multiplier_min": noise_multiplier_min,
+        "noise_multiplier_max": noise_multiplier_max,
+    }
+
+
+def shared_key_problems(summary: Mapping[str, Any]) -> list[str]:
+    """What a decoded ``summary.json`` lacks of ``SHARED_SUMMARY_KEYS``: one line per key
+    that is missing or of another JSON type (empty: it has them all)."""
+    problems = []
+    for key, types in SHARED_SUMMARY_KEYS.items():
+        if key not in summary:
+            problems.append(f"{key}: missing")
+        elif not isinstance(summary[key], types) or isinstance(summary[key], bool):
+            names = " or ".join("null" if t is type(None) else t.__name__ for t in types)
+            problems.append(f"{key}={summary[key]!r}: expected {names}")
+    return problems
+
+
+#: Config keys ``config_hash`` leaves out: where a run writes, not what it computes.
+UNHASHED_KEYS: Final = ("out-dir",)
+
+
+def config_hash(config: Mapping[str, Any]) -> str:
+    """The first 16 hex digits of the SHA-256 of ``config``'s canonical JSON (sorted keys, no
+    spaces; a value JSON cannot hold is written as its ``str``), ``UNHASHED_KEYS`` left out:
+    the same settings run into two directories hash alike."""
+    kept = {k: v for k, v in config.items() if k not in UNHASHED_KEYS}
+    text = json.dumps(kept, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def command_line(argv: Sequence[str]) -> str:
+    """``argv`` as one shell-quoted line, the program by its file name (``fedsparse ...``)."""
+    if not argv:
+        return ""
+    return shlex.join([Path(argv[0]).name, *argv[1:]])
+
+
+def record_command(path: Path, summary: RunSummary, command: str | None) -> RunSummary:
+    """``summary`` with ``command`` set, written into the ``summary.json`` at ``path`` (by a
+    launcher, once the run wrote it: the ServerApp may run in another process, which cannot
+    know the command line); unchanged when ``command`` is None."""
+    if command is None:
+        return summary
+    data = json.loads(Path(path).read_text())
+    data["command"] = command
+    write_atomically(path, json.dumps(data, indent=2) + "\n", mode=SHARED)
+    return dataclasses.replace(summary, command=command)
+
+
+def noise_range(sigmas: Sequence[float], *, private: bool) -> tuple[float | None, float | None]:
+    """(min, max) of the calibrated sigmas; (None, None) when there is none or the mechanism
+    is not private (its sigma is no privacy figure)."""
+    if not private or not sigmas:
+        return None, None
+    return float(min(sigmas)), float(max(sigmas))
+
+
+def _none_or(pick: Any, values: Sequence[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return float(pick(known)) if known else None
 
 
 #: The distributions whose versions a run records.

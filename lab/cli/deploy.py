@@ -7,6 +7,7 @@ The deployment is ``lab/launch/deploy.py:run_deployment``; afterwards the bytes 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -57,6 +58,7 @@ def deploy(
         check_run_config(overrides)  # before the import below: it takes seconds
     except ValueError as err:
         raise typer.BadParameter(str(err)) from err
+    from fedsparse.common.wire.run_log import command_line
     from fedsparse.lab.launch.deploy import run_deployment
 
     try:
@@ -73,6 +75,7 @@ def deploy(
                 uplink_bps=up,
                 downlink_bps=down,
                 on_event=lambda line: console.print(f"[yellow]{line}[/]"),
+                command=command_line(sys.argv),
             )
     except ValueError as err:
         raise typer.BadParameter(str(err)) from err

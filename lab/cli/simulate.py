@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import shlex
+import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -72,6 +73,7 @@ def simulate(
         check_run_config(overrides)  # before the imports below: they take seconds
     except ValueError as err:
         raise typer.BadParameter(str(err)) from err
+    from fedsparse.common.wire.run_log import command_line
     from fedsparse.lab.launch.simulate import run_simulation
 
     again = resume_command(
@@ -98,6 +100,7 @@ def simulate(
                 console=console,
                 resume=resume,
                 backend=choice("backend", backend, BACKENDS, aliases=BACKEND_ALIASES),
+                command=command_line(sys.argv),
             )
     except ValueError as err:
         raise typer.BadParameter(str(err)) from err

@@ -7,6 +7,7 @@ run itself is ``lab/experiments/train.py:run_train``.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Annotated, Final
 
@@ -120,6 +121,7 @@ def train(
         SparsityConfig,
         TrainConfig,
     )
+    from fedsparse.common.wire.run_log import command_line
     from fedsparse.lab.experiments.train import run_train
     from fedsparse.server.tracking import parse_trackers
 
@@ -191,4 +193,5 @@ def train(
         eval_split=split,
         console=console,
         log=trackers,
+        command=command_line(sys.argv),
     )

@@ -5,6 +5,21 @@
 method) and writes ``epochs.jsonl`` (one line per epoch) and ``summary.json`` into the run
 directory. ``fedsparse train`` and the reproduction's centralized runs
 (``lab/research/reproduction/central_runs.py``) both call it.
+
+``summary.json`` has the header and figures every run's summary shares with the federated
+``RunSummary`` (``common/wire/run_log.py``: ``SHARED_SUMMARY_KEYS``), under the same names:
+``kind`` ("train"), ``schema``, ``command``, ``config_hash`` (of ``config``), ``versions``,
+``engine``, ``noise_multiplier_min``/``_max`` (both the calibrated sigma),
+``final_test_accuracy``, ``final_test_loss``, ``epsilon_max`` (the run's epsilon),
+``delta``, ``parameters``, ``wall_seconds``, ``total_density`` and ``config`` (dataset,
+model, split, privacy, sparsity, train and method settings). Its own keys stay as before for
+the readers of older files: ``epsilon`` (= ``epsilon_max``), ``dataset``, ``eval_split``,
+``split_seed``, ``model``, ``mean_keep_fraction``, ``method``, ``index_epsilon`` (GIP's
+index selection; ``null`` for a method that spends none), ``privacy``, ``sparsity``,
+``train``; new beside them: ``noise_multiplier`` (the sigma DP-SGD ran with, calibrated from
+``target_epsilon`` when that is set; ``null`` for a non-private mechanism) and ``epochs``
+(the epochs run, where a federated summary has ``rounds``; ``epochs.jsonl`` numbers them
+from 0).
 """
 
 from __future__ import annotations
@@ -21,7 +36,7 @@ import torch
 from rich.console import Console
 
 from fedsparse.common.data.datasets import DatasetName, EvalSplit, load_eval_splits
-from fedsparse.common.methods import MethodConfig, total_density
+from fedsparse.common.methods import Method, MethodConfig, total_density
 from fedsparse.common.models.classifiers import (
     DEFAULT_MODELS,
     ModelName,
@@ -37,6 +52,7 @@ from fedsparse.common.training.configs import (
     planned_engine,
 )
 from fedsparse.common.training.local import EpochStats
+from fedsparse.common.wire.run_log import summary_header
 from fedsparse.lab.experiments.export import save_trained
 from fedsparse.server.tracking import Trackers, plot_series
 
@@ -57,6 +73,7 @@ def run_train(
     split_seed: int | None = None,
     console: Console | None = None,
     log: Sequence[str] = (),
+    command: str | None = None,
 ) -> dict[str, Any]:
     """Runs centralized training, printing a line per epoch; returns the summary dict.
 
@@ -65,7 +82,8 @@ def run_train(
     the train/test split (digits') across runs of different seeds (default: the run seed).
     ``console`` prints the progress (default: a console on standard output). ``log`` names
     trackers (``server/tracking.py``: tensorboard, mlflow) that get each epoch's accuracy,
-    loss, epsilon and kept fraction; every run also draws ``run.png``.
+    loss, epsilon and kept fraction; every run also draws ``run.png``. ``command``: the
+    command line that started the run, recorded in the summary (None: the Python API).
     """
     console = console or Console()
     method = method or MethodConfig()
@@ -130,12 +148,25 @@ def run_train(
         epochs_log.close()
         trackers.close()
     last = history[-1]
-    summary = {
+    parameters = count_parameters(model)
+    private = privacy.mechanism == "dpsgd"
+    sigma = last.noise_multiplier if private else None
+    # gip: the index selection's own budget; a method with no split spends none (null)
+    spends_index = type(method.method()).split_privacy is not Method.split_privacy
+    engine = planned_engine(train.engine, model_name, train.device)  # "auto" resolved
+    config = {
         "dataset": dataset,
         "eval_split": eval_split,
         "split_seed": seed if split_seed is None else split_seed,
         "model": model_name,
-        "parameters": count_parameters(model),
+        "privacy": dataclasses.asdict(privacy),
+        "sparsity": dataclasses.asdict(sparsity),
+        "train": dataclasses.asdict(train),
+        "method": dataclasses.asdict(method),
+    }
+    summary = {
+        **config,
+        "parameters": parameters,
         "final_test_accuracy": last.test_accuracy,
         "final_test_loss": last.test_loss,
         "epsilon": last.epsilon,
@@ -144,17 +175,25 @@ def run_train(
         # random freeze's total density: trained coordinates over dense ones, every step
         # weighted alike (Poisson epochs have the same expected number of steps)
         "total_density": total_density(
-            [round(h.keep_fraction * count_parameters(model)) for h in history],
+            [round(h.keep_fraction * parameters) for h in history],
             [1.0] * len(history),
-            numel=count_parameters(model),
+            numel=parameters,
         ),
-        "method": dataclasses.asdict(method),
-        "index_epsilon": last.index_epsilon,
+        "index_epsilon": last.index_epsilon if spends_index else None,
         "wall_seconds": time.perf_counter() - started,
-        "privacy": dataclasses.asdict(privacy),
-        "sparsity": dataclasses.asdict(sparsity),
-        "train": dataclasses.asdict(train),
-        "engine": planned_engine(train.engine, model_name, train.device),  # "auto" resolved
+        "noise_multiplier": sigma,
+        "epochs": len(history),
+        # the header and names every summary shares (common/wire/run_log.py)
+        **summary_header(
+            "train",
+            config=config,
+            command=command,
+            engine=engine,
+            noise_multiplier_min=sigma,
+            noise_multiplier_max=sigma,
+        ),
+        "epsilon_max": last.epsilon,
+        "config": config,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     model_file = save_trained(model, model_name, out)  # what ``fedsparse export`` reads

@@ -25,7 +25,7 @@ from typing import Any
 
 from fedsparse.client.data import run_declaration
 from fedsparse.client.node_data import NodeData, format_node_config
-from fedsparse.common.wire.run_log import RunSummary, read_rounds
+from fedsparse.common.wire.run_log import RunSummary, read_rounds, record_command
 from fedsparse.lab.launch.base import (
     PORT_TIMEOUT,
     SuperLinkConnection,
@@ -253,6 +253,7 @@ def run_deployment(
     uplink_bps: float | None = None,
     downlink_bps: float | None = None,
     on_event: Callable[[str], None] | None = None,
+    command: str | None = None,
 ) -> RunSummary:
     """Runs the app on a loopback deployment; returns its ``summary.json``.
 
@@ -306,6 +307,8 @@ def run_deployment(
         uplink_bps: shape each node's uplink (node -> SuperLink) to this rate (bit/s).
         downlink_bps: shape each node's downlink to this rate (bit/s).
         on_event: told (one line) of events the run survives, e.g. a lost SuperNode.
+        command: the command line that started the run, recorded in ``summary.json`` (None:
+            the Python API).
 
     Raises:
         ValueError: a bad run-config override, ``num_nodes``, ``idle_seconds`` or security
@@ -426,4 +429,5 @@ def run_deployment(
         raise RuntimeError(f"{error}\n{log_tails(logs)}") from error
     if relays:  # stopped by now (LIFO: the processes first, then the relays)
         _write_wire(run.out, relays, idle, tls=tls, fab_bytes=fab_bytes, shaping=shaping)
-    return read_summary(run, returncode, logs=lambda: log_tails(logs))
+    summary = read_summary(run, returncode, logs=lambda: log_tails(logs))
+    return record_command(run.out / "summary.json", summary, command)

@@ -34,7 +34,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from fedsparse.common.wire.run_log import RoundLog, RunSummary, read_rounds
+from fedsparse.common.wire.run_log import RoundLog, RunSummary, read_rounds, record_command
 from fedsparse.lab.launch.backends import BACKENDS, Backend
 from fedsparse.lab.launch.base import (
     PreparedRun,
@@ -135,6 +135,7 @@ def run_simulation(
     console: Console | None = None,
     resume: bool = False,
     backend: Backend = "flower",
+    command: str | None = None,
 ) -> RunSummary:
     """Runs one simulated federation; returns its ``summary.json``.
 
@@ -152,12 +153,42 @@ def run_simulation(
     strategy state) with those node states, and ends with the same model as an uninterrupted
     run with the same overrides; a new run starts from a clean ``node-state``.
 
+    ``command``: the command line that started the run, recorded in ``summary.json`` (None:
+    the Python API).
+
     Raises:
         ValueError: a bad run-config override (named key and value), ``clients`` below
             ``min-clients``, missing dataset files, an unusable ``out``.
         RuntimeError: the run failed or timed out (with the log's tail).
         KeyboardInterrupt: a stop was requested (a signal); every process is stopped first.
     """
+    summary = _simulate(
+        out=out,
+        overrides=overrides,
+        clients=clients,
+        cpus_per_client=cpus_per_client,
+        gpus_per_client=gpus_per_client,
+        timeout=timeout,
+        console=console,
+        resume=resume,
+        backend=backend,
+    )
+    return record_command(Path(out) / "summary.json", summary, command)
+
+
+def _simulate(
+    *,
+    out: Path,
+    overrides: Mapping[str, Any],
+    clients: int,
+    cpus_per_client: float,
+    gpus_per_client: float,
+    timeout: float,
+    console: Console | None,
+    resume: bool,
+    backend: Backend,
+) -> RunSummary:
+    """``run_simulation`` without the command line."""
     console = console or _console()
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}: expected one of {', '.join(BACKENDS)}")

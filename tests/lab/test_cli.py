@@ -5,6 +5,7 @@ And the command line's process hygiene: importing ``fedsparse.lab`` changes no g
 """
 
 import json
+import math
 import subprocess
 import sys
 import warnings
@@ -13,27 +14,26 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from fedsparse.common.data.datasets import load_eval_splits
+from fedsparse.common.dp.accounting import calibrate_noise_multiplier, sample_rate, steps_per_epoch
+from fedsparse.common.wire.run_log import (
+    SCHEMA,
+    config_hash,
+    shared_key_problems,
+    software_versions,
+)
 from fedsparse.lab.cli import QUIET_WARNINGS, app, main
+from fedsparse.lab.cli.train import TRAIN_DEFAULTS
 
 LAB = Path(__file__).resolve().parents[2] / "lab"
 
 
-def test_train_writes_epochs_and_summary(tmp_path: Path) -> None:
+def test_train_writes_epochs_and_summary(tmp_path: Path, monkeypatch) -> None:
     out = tmp_path / "run"
-    result = CliRunner().invoke(
-        app,
-        [
-            "train",
-            "--out",
-            str(out),
-            "--epochs",
-            "3",
-            "--final-rate",
-            "0.9",
-            "--target-epsilon",
-            "2.0",
-        ],
-    )
+    args = ["train", "--out", str(out), "--epochs", "3", "--final-rate", "0.9"]
+    args += ["--target-epsilon", "2.0"]
+    monkeypatch.setattr(sys, "argv", ["/some/venv/bin/fedsparse", *args])
+    result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     epochs = [json.loads(line) for line in (out / "epochs.jsonl").read_text().splitlines()]
     assert [e["epoch"] for e in epochs] == [0, 1, 2]
@@ -47,6 +47,40 @@ def test_train_writes_epochs_and_summary(tmp_path: Path) -> None:
     assert summary["final_test_accuracy"] > 0.3  # chance is 0.1
     assert summary["parameters"] == 38_282
     assert summary["train"]["engine"] == "auto" and summary["engine"] == "factored"  # on a CPU
+    # the header every summary shares, with the federated summary's names and types
+    assert shared_key_problems(summary) == []
+    assert (summary["kind"], summary["schema"]) == ("train", SCHEMA)
+    assert summary["command"] == f"fedsparse train --out {out} --epochs 3 --final-rate 0.9 " + (
+        "--target-epsilon 2.0"
+    )
+    assert summary["config_hash"] == config_hash(summary["config"])
+    assert summary["config"]["privacy"]["target_epsilon"] == 2.0
+    assert summary["epsilon_max"] == summary["epsilon"] and summary["epochs"] == 3
+    assert summary["versions"] == software_versions()
+    assert summary["index_epsilon"] is None  # rs spends no index budget: null, not 0
+    # sigma as calibrated for the target over the run's steps, computed here on its own
+    train_split, _ = load_eval_splits("digits", data_dir=None, seed=0, eval_split="test")
+    n, batch = len(train_split), TRAIN_DEFAULTS["digits"][1]
+    sigma = calibrate_noise_multiplier(
+        target_epsilon=2.0,
+        delta=1e-5,
+        sample_rate=sample_rate(n, batch),
+        steps=3 * steps_per_epoch(n, batch),
+        accountant="rdp",
+    )
+    assert summary["noise_multiplier"] == pytest.approx(sigma, rel=1e-12) and sigma > 0.5
+    assert summary["noise_multiplier_min"] == summary["noise_multiplier_max"] == sigma
+    assert summary["privacy"]["noise_multiplier"] is None  # the setting, as given
+
+
+def test_train_records_null_sigma_for_a_non_private_mechanism(tmp_path: Path) -> None:
+    options = ["--epochs", "1", "--mechanism", "clipped", "--noise-multiplier", "0"]
+    result = CliRunner().invoke(app, ["train", "--out", str(tmp_path), *options])
+    assert result.exit_code == 0, result.output
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert shared_key_problems(summary) == []
+    assert summary["noise_multiplier"] is None and summary["noise_multiplier_max"] is None
+    assert math.isinf(summary["epsilon_max"])
 
 
 def test_bad_option_names_field_and_value(tmp_path: Path) -> None:

@@ -114,3 +114,85 @@ def test_a_summary_records_the_software_and_null_for_figures_that_do_not_apply()
     assert RunSummary.from_json(data) == summary
     older = {k: v for k, v in data.items() if k != "versions"} | {"user_epsilon": 0.0}
     assert RunSummary.from_json(older).versions == {}  # summaries written before still read
+
+
+def test_a_federated_summary_carries_the_shared_header_and_the_run_s_sigma_range() -> None:
+    from fedsparse.common.wire.run_log import (
+        SCHEMA,
+        SHARED_SUMMARY_KEYS,
+        config_hash,
+        shared_key_problems,
+        software_versions,
+    )
+
+    config = {"num-rounds": 3, "target-epsilon": 2.0, "method": "rs"}
+    logs = [
+        dataclasses.replace(_round(1, up=D, answering=2), noise_multiplier_min=1.25,
+                            noise_multiplier_max=1.5),
+        _round(2, up=D, answering=0),  # no accepted update: no sigma (null)
+        dataclasses.replace(_round(3, up=D, answering=2), noise_multiplier_min=1.1,
+                            noise_multiplier_max=1.3),
+    ]  # fmt: skip
+    summary = RunSummary.from_rounds(
+        logs, parameters=D, delta=1e-5, config=config, engine="factored", command="fedsparse x"
+    )
+    data = json.loads(summary.to_json())
+    assert shared_key_problems(data) == []
+    assert set(SHARED_SUMMARY_KEYS) <= set(data)
+    assert (data["kind"], data["schema"], data["engine"]) == ("federated", SCHEMA, "factored")
+    assert data["command"] == "fedsparse x"
+    assert data["config_hash"] == config_hash(config) and len(data["config_hash"]) == 16
+    assert data["versions"] == software_versions()
+    assert (data["noise_multiplier_min"], data["noise_multiplier_max"]) == (1.1, 1.5)
+    assert json.loads(logs[1].to_json())["noise_multiplier_min"] is None
+    assert RunSummary.from_json(data) == summary
+
+
+def test_summaries_and_lines_older_than_the_header_still_parse_as_schema_1() -> None:
+    summary = RunSummary.from_rounds([_round(1, up=D, answering=1)], parameters=D, delta=1e-5,
+                                     config={"a": 1})  # fmt: skip
+    header = ("kind", "schema", "command", "config_hash", "engine", "noise_multiplier_min",
+              "noise_multiplier_max")  # fmt: skip
+    older = {k: v for k, v in summary.to_dict().items() if k not in header}
+    old = RunSummary.from_json(older)
+    assert (old.kind, old.schema, old.config_hash, old.engine) == ("federated", 1, None, None)
+    assert old.noise_multiplier_min is None and old.noise_multiplier_max is None
+    line = json.loads(_round(1, up=D, answering=1).to_json())
+    del line["noise_multiplier_min"], line["noise_multiplier_max"]
+    assert RoundLog.from_json(line).noise_multiplier_max is None
+
+
+def test_the_config_hash_is_canonical_and_the_command_line_is_shell_quoted() -> None:
+    from fedsparse.common.wire.run_log import command_line, config_hash
+
+    a = config_hash({"x": 1, "y": {"b": 2.0, "a": None}})
+    assert a == config_hash({"y": {"a": None, "b": 2.0}, "x": 1})  # key order does not count
+    assert a != config_hash({"x": 2, "y": {"b": 2.0, "a": None}})
+    assert len(a) == 16 and int(a, 16) >= 0
+    # where the run writes is no setting: the same run in another directory hashes alike
+    assert config_hash({"x": 1, "out-dir": "runs/a"}) == config_hash({"x": 1, "out-dir": "b"})
+    line = command_line(["/opt/venv/bin/fedsparse", "train", "--out", "my runs/a b"])
+    assert line == "fedsparse train --out 'my runs/a b'"
+    assert command_line([]) == ""
+
+
+def test_sigma_is_null_where_no_update_carried_one_or_the_mechanism_is_not_private() -> None:
+    from fedsparse.common.wire.run_log import noise_range
+
+    assert noise_range([1.5, 0.9, 1.2], private=True) == (0.9, 1.5)
+    assert noise_range([], private=True) == (None, None)
+    assert noise_range([0.0, 0.0], private=False) == (None, None)
+
+
+def test_a_launcher_records_the_command_line_in_the_written_summary(tmp_path) -> None:
+    from fedsparse.common.wire.run_log import record_command
+
+    summary = RunSummary.from_rounds([_round(1, up=D, answering=1)], parameters=D, delta=1e-5,
+                                     config={})  # fmt: skip
+    path = tmp_path / "summary.json"
+    path.write_text(summary.to_json())
+    assert record_command(path, summary, None) is summary
+    assert json.loads(path.read_text())["command"] is None
+    stamped = record_command(path, summary, "fedsparse simulate --rounds 2")
+    assert stamped.command == "fedsparse simulate --rounds 2"
+    assert RunSummary.from_json(path.read_text()) == stamped
