@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import logging
 import math
 import time
 from collections.abc import Iterator, Mapping
@@ -30,6 +29,7 @@ if TYPE_CHECKING:
     from fedsparse.lab.simulation.rayworkers import RayWorkers
 
 from fedsparse.lab.launch.backends import BACKENDS, Backend, backend_name
+from fedsparse.lab.launch.flower import flower_logs_in_this_process
 
 __all__ = ["RunSettings", "ray_session", "run_backend"]
 
@@ -79,7 +79,7 @@ def _run_inprocess(overrides: Mapping[str, str], out: Path, settings: RunSetting
 
     cfg = FederatedConfig.from_run_config({**overrides, "out-dir": str(out)})
     grid = InProcessGrid(client_app, num_nodes=settings.clients, run_config=cfg.to_run_config())
-    with _quiet_flwr():
+    with flower_logs_in_this_process():
         return run_federated(grid, cfg)
 
 
@@ -143,20 +143,8 @@ def _run_ray(overrides: Mapping[str, str], out: Path, settings: RunSettings) -> 
         run_config=cfg.to_run_config(),
         stop_at=time.monotonic() + settings.timeout,
     )
-    with _quiet_flwr():
+    with flower_logs_in_this_process():
         return run_federated(grid, cfg)
-
-
-@contextlib.contextmanager
-def _quiet_flwr() -> Iterator[None]:
-    """Flower's logger at WARNING: the progress bar replaces per-round INFO lines."""
-    flwr_logger = logging.getLogger("flwr")
-    level = flwr_logger.level
-    flwr_logger.setLevel(logging.WARNING)
-    try:
-        yield
-    finally:
-        flwr_logger.setLevel(level)
 
 
 def _run_flower(overrides: Mapping[str, str], out: Path, settings: RunSettings) -> RunSummary:

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import math
 import os
 import shutil
 import sys
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +21,9 @@ __all__ = [
     "SIMULATION_NODE_POLICY",
     "app_bundle_dir",
     "fab_size",
+    "flower_logs_in_this_process",
     "flwr_env",
+    "is_terminal",
     "format_run_config",
     "tool",
     "simulation_policy_env",
@@ -151,3 +155,38 @@ def fab_size(app_dir: Path = APP_DIR) -> int | None:
             return len(build_fab_from_disk(Path(app_dir)))
     except Exception:  # informational only: a Flower API change must not fail the run
         return None
+
+
+@contextlib.contextmanager
+def flower_logs_in_this_process() -> Iterator[None]:
+    """Flower's logger while the live table runs in this process: warnings and errors only
+    (the table replaces the per-round INFO lines), each once, colored only on a terminal.
+
+    Once: Opacus's import calls ``logging.basicConfig``, whose root handler would print every
+    line of Flower's logger a second time (it propagates). Colored: Flower's console handler
+    colors its level names always; its ``colored`` flag follows whether its stream is a
+    terminal. Everything is restored after.
+    """
+    logger = logging.getLogger("flwr")
+    level, propagate = logger.level, logger.propagate
+    colored = [(h, h.colored) for h in logger.handlers if hasattr(h, "colored")]
+    logger.setLevel(logging.WARNING)
+    logger.propagate = False
+    for handler, _ in colored:
+        handler.colored = is_terminal(getattr(handler, "stream", None))  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+        logger.propagate = propagate
+        for handler, was in colored:
+            handler.colored = was  # type: ignore[attr-defined]
+
+
+def is_terminal(stream: object) -> bool:
+    """Whether ``stream`` is a terminal (a closed or odd stream is not)."""
+    isatty = getattr(stream, "isatty", None)
+    try:
+        return bool(isatty()) if callable(isatty) else False
+    except ValueError:  # a closed stream
+        return False

@@ -21,7 +21,6 @@ terminal (CI, a file) each status is printed once, as a line, and nothing carrie
 from __future__ import annotations
 
 import contextlib
-import logging
 import math
 import shutil
 import time
@@ -47,7 +46,11 @@ from fedsparse.lab.launch.base import (
     superlink_args,
     wait_for_exit,
 )
-from fedsparse.lab.launch.flower import SIMULATION_NODE_POLICY, simulation_policy_env
+from fedsparse.lab.launch.flower import (
+    SIMULATION_NODE_POLICY,
+    flower_logs_in_this_process,
+    simulation_policy_env,
+)
 from fedsparse.server.launch_markers import EXPECTED_NODES_ENV
 
 __all__ = ["run_simulation"]
@@ -303,40 +306,6 @@ def _live(live_rounds: _LiveRounds, console: Console) -> Iterator[Live]:
             console.line()
 
 
-@contextlib.contextmanager
-def _flower_logs_in_this_process() -> Iterator[None]:
-    """Flower's logger while the live table runs in this process: warnings and errors only
-    (the table replaces the per-round INFO lines), each once, colored only on a terminal.
-
-    Once: Opacus's import calls ``logging.basicConfig``, whose root handler would print every
-    line of Flower's logger a second time (it propagates). Colored: Flower's console handler
-    colors its level names always; its ``colored`` flag follows whether its stream is a
-    terminal. Everything is restored after.
-    """
-    logger = logging.getLogger("flwr")
-    level, propagate = logger.level, logger.propagate
-    colored = [(h, h.colored) for h in logger.handlers if hasattr(h, "colored")]
-    logger.setLevel(logging.WARNING)
-    logger.propagate = False
-    for handler, _ in colored:
-        handler.colored = _is_terminal(getattr(handler, "stream", None))  # type: ignore[attr-defined]
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
-        logger.propagate = propagate
-        for handler, was in colored:
-            handler.colored = was  # type: ignore[attr-defined]
-
-
-def _is_terminal(stream: object) -> bool:
-    isatty = getattr(stream, "isatty", None)
-    try:
-        return bool(isatty()) if callable(isatty) else False
-    except ValueError:  # a closed stream
-        return False
-
-
 def _run_on_ray(
     run: PreparedRun,
     *,
@@ -366,7 +335,7 @@ def _run_on_ray(
     status("starting the Ray backend (cluster and workers)...")
     try:
         with (
-            _flower_logs_in_this_process(),
+            flower_logs_in_this_process(),
             ray_cluster(),
             RayWorkers(
                 client_app, cpus_per_client=cpus_per_client, gpus_per_client=gpus_per_client
@@ -399,7 +368,7 @@ def _run_in_process(run: PreparedRun, *, clients: int, state_dir: Path) -> RunSu
     from fedsparse.server.loop import run_federated
 
     node_config = {**SIMULATION_NODE_POLICY, "state-dir": str(state_dir)}
-    with _flower_logs_in_this_process():
+    with flower_logs_in_this_process():
         grid = InProcessGrid(
             client_app,
             num_nodes=clients,

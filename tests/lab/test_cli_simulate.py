@@ -266,7 +266,7 @@ def test_flowers_logger_in_this_process_writes_once_colored_only_on_a_terminal(
 ) -> None:
     from flwr.common.logger import ConsoleHandler
 
-    from fedsparse.lab.launch.simulate import _flower_logs_in_this_process
+    from fedsparse.lab.launch.flower import flower_logs_in_this_process
 
     logger = logging.getLogger("flwr")
     console_stream, root_stream = _Stream(tty=tty), io.StringIO()
@@ -276,7 +276,7 @@ def test_flowers_logger_in_this_process_writes_once_colored_only_on_a_terminal(
     logging.getLogger().addHandler(root)
     level, propagate = logger.level, logger.propagate
     try:
-        with _flower_logs_in_this_process():
+        with flower_logs_in_this_process():
             logger.info("a round's line")  # the live table shows rounds
             logger.warning("a warning")
         assert (logger.level, logger.propagate, console.colored) == (level, propagate, True)

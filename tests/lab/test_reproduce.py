@@ -463,3 +463,11 @@ def test_fig4_verdict_uses_the_margin_on_both_sides() -> None:
     assert _untuned_verdict(diff(-0.003, -0.009, 0.003)) == "reproduced"
     assert _untuned_verdict(diff(-0.005, -0.011, -0.001)) == "inconclusive"
     assert _untuned_verdict(diff(-0.03, -0.04, -0.02)) == "not reproduced"
+
+
+def test_the_commands_default_parts_are_the_plans() -> None:
+    """``fedsparse reproduce --help`` spells the parts without importing the plan: the same list."""
+    from fedsparse.lab.cli.reproduce import PARTS_ALL
+    from fedsparse.lab.research.reproduction.plan import PARTS
+
+    assert PARTS_ALL.split(",") == list(PARTS)
