@@ -38,7 +38,14 @@ from fedsparse.client.guard import (
 from fedsparse.client.local_round import train_round
 from fedsparse.client.node_data import NodeData
 from fedsparse.client.node_policy import NodePolicy, PrivacyRefusal, TrainingRequest
-from fedsparse.client.state import NodeState, StateFiles, apply_downlink, resumed_from
+from fedsparse.client.state import (
+    NodeState,
+    StateFiles,
+    apply_downlink,
+    residual_bytes,
+    residual_vector,
+    resumed_from,
+)
 from fedsparse.common.config import FederatedConfig
 from fedsparse.common.dp.accounting import (
     AccountantName,
@@ -287,6 +294,8 @@ def _private_round(
             if policy.noise == "seeded" and not privacy.secure_mode
             else None,
         )
+        # error-feedback: the node's residual (checked when the state was read), else None
+        residual = residual_vector(state.residual, layout.numel) if cfg.error_feedback else None
         try:
             with reusable.lock:
                 reply, history = train_round(
@@ -304,11 +313,19 @@ def _private_round(
                     selector=selector,
                     index_spent=state.index_epsilon,
                     partition_id=partition[0],
+                    residual=residual,
                 )
         except Exception as err:
             raise released_error(err, data_read=True) from None
     spent = state.index_epsilon + (selector.spent if selector is not None else 0.0)
-    state = NodeState(global_flat, task.model_version, history, task.server_round, spent)
+    state = NodeState(
+        global_flat,
+        task.model_version,
+        history,
+        task.server_round,
+        spent,
+        residual_bytes(residual) if residual is not None else b"",
+    )
     state.save(context)
     if files is not None:
         files.save(state)
@@ -384,7 +401,7 @@ def _node_state(
     if files is None or NodeState.in_context(context):
         return NodeState.load(context, numel)
     files.discard_after(resumed)
-    return files.restore(up_to=resumed) if resumed else NodeState()
+    return files.restore(up_to=resumed, numel=numel) if resumed else NodeState()
 
 
 @app.evaluate()

@@ -6,7 +6,8 @@ mask (the public seeded mask of ``mask-scope=round``, or from the seed and the n
 dpssgd; none under gip and random-k, whose every step chooses its own support), runs
 ``local-epochs`` of DP-SGD with the node's accountant history, and encodes the delta on the
 kept coordinates as a ``TrainReply`` (``selected_payload``: the union of the steps' supports,
-sent explicitly). ``client/app.py`` decides everything before it: the request's checks, the
+sent explicitly). With ``error-feedback`` the values sent carry the node's residual
+(``feed_back``). ``client/app.py`` decides everything before it: the request's checks, the
 node's budget and the ledger's charge.
 """
 
@@ -31,10 +32,10 @@ from fedsparse.common.methods.index_selection import StepSelector
 from fedsparse.common.seeds import client_train_seed, value_rounding
 from fedsparse.common.training.configs import PrivacyConfig, TrainConfig
 from fedsparse.common.training.local import make_private, train_one_epoch
-from fedsparse.common.wire.payload import IndexEncoding, encode_update
+from fedsparse.common.wire.payload import IndexEncoding, decode_update, encode_update
 from fedsparse.common.wire.protocol import TrainInstruction, TrainReply, client_mask_seed
 
-__all__ = ["selected_payload", "train_round"]
+__all__ = ["feed_back", "selected_payload", "train_round"]
 
 
 def train_round(
@@ -53,6 +54,7 @@ def train_round(
     selector: StepSelector | None = None,
     index_spent: float = 0.0,
     partition_id: int = 0,
+    residual: torch.Tensor | None = None,
 ) -> tuple[TrainReply, list[tuple[float, float, int]]]:
     """Local DP-SGD + RS from ``global_flat``; (the reply, the run's accountant history).
 
@@ -65,6 +67,9 @@ def train_round(
     With a ``selector`` (gip, random-k) every DP step chooses its support and the
     reply carries the union of those supports explicitly (``index_spent``: GIP's index
     epsilon of earlier rounds, for the reported epsilon).
+    With a ``residual`` (``error-feedback``: a float32 vector of length d) the reply sends
+    the quantized ``values + residual`` on the round's support, and ``residual`` is updated in
+    place on that support (``feed_back``).
     """
     layout = ParamLayout.from_module(model)
     numel = layout.numel
@@ -128,6 +133,13 @@ def train_round(
     rounding = value_rounding(
         cfg.seed, task.server_round, partition_id, seeded=seeded and not privacy.secure_mode
     )
+    support = selector.union if selector is not None else mask  # None: every coordinate
+    if residual is not None:  # what the rounding lost in earlier rounds, sent this round
+        delta = delta.clone()
+        if support is None:
+            delta += residual
+        else:
+            delta[support] += residual[support]
     if selector is not None:  # the union of the steps' supports travels explicitly
         payload, values = selected_payload(cfg, task, delta, selector.union, rounding)
     else:
@@ -144,6 +156,8 @@ def train_round(
             rounding=rounding,
             compression=cfg.compression,
         )
+    if residual is not None:
+        feed_back(residual, support, values, payload, server_round=task.server_round)
     counts = policy.release_example_count
     reply = TrainReply(
         update=payload,
@@ -159,6 +173,36 @@ def train_round(
         seeded_noise=int(seeded and not privacy.secure_mode),
     )
     return reply, list(engine.accountant.history)
+
+
+def feed_back(
+    residual: torch.Tensor,
+    support: torch.Tensor | None,
+    values: torch.Tensor,
+    payload: bytes,
+    *,
+    server_round: int,
+) -> None:
+    """Error feedback: ``residual[support] = values - decode(payload)``, in place.
+
+    ``values`` are the round's values on ``support`` (a boolean mask; None: every
+    coordinate), in the order the payload carries them, residual included; ``payload`` their
+    encoding. The decoded values are what the server decodes from the same bytes
+    (``decode_update``), so the residual is exactly the error the server's copy carries.
+    Coordinates off the support keep their residual.
+
+    Privacy: post-processing. The residual is a function of the values the DP mechanism
+    already released (the noised update, each round accounted) and of the rounding's own
+    randomness, never of the data otherwise; feeding it back costs no privacy.
+    """
+    decoded = decode_update(
+        payload, expected_round=server_round, expected_keep=int(values.numel())
+    ).values
+    error = values - decoded.to(values.dtype)
+    if support is None:
+        residual.copy_(error)
+    else:
+        residual[support] = error
 
 
 def selected_payload(

@@ -18,6 +18,7 @@ its persistent ledger, not the server's resume point, holds what it spent.
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 from collections.abc import Mapping
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
+import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context
 
@@ -33,7 +35,15 @@ from fedsparse.common.dp.accounting import history_from_record, history_to_recor
 from fedsparse.common.wire.payload import decode_update
 from fedsparse.common.wire.protocol import RESUMED_FROM, STATE_MODEL, STATE_RECORD, ProtocolError
 
-__all__ = ["RESUMED_FROM", "NodeState", "StateFiles", "apply_downlink", "resumed_from"]
+__all__ = [
+    "RESUMED_FROM",
+    "NodeState",
+    "StateFiles",
+    "apply_downlink",
+    "residual_bytes",
+    "residual_vector",
+    "resumed_from",
+]
 
 
 #: Version of a state file's contents.
@@ -41,6 +51,32 @@ _STATE_FORMAT: Final = 1
 _ROUND_FILE = re.compile(r"round-([0-9]+)\.json")
 
 AccountantHistory = list[tuple[float, float, int]]
+
+#: The state's key for the error-feedback residual (absent: none, a run without it).
+_RESIDUAL: Final = "ef-residual"
+_FLOAT32_LE: Final = np.dtype("<f4")
+
+
+def residual_bytes(residual: torch.Tensor) -> bytes:
+    """``residual`` (float32, 1-D) as the state stores it: float32 little-endian bytes."""
+    return residual.detach().cpu().numpy().astype(_FLOAT32_LE, copy=False).tobytes()
+
+
+def residual_vector(raw: bytes, numel: int) -> torch.Tensor:
+    """The residual stored as ``raw`` (zeros when empty: no round fed back yet).
+
+    Raises:
+        ValueError: ``raw`` does not hold ``numel`` float32 values (one line, naming both sizes).
+    """
+    if not raw:
+        return torch.zeros(numel, dtype=torch.float32)
+    if len(raw) != 4 * numel:
+        raise ValueError(
+            f"node state: {_RESIDUAL} holds {len(raw)} bytes, expected {4 * numel} "
+            f"(float32 little-endian, d={numel})"
+        )
+    values = np.frombuffer(raw, dtype=_FLOAT32_LE).astype(np.float32)  # a native copy
+    return torch.from_numpy(values)
 
 
 @dataclass
@@ -52,6 +88,8 @@ class NodeState:
     history: AccountantHistory = field(default_factory=list)
     last_round: int = 0  # the last round this node trained in the run (0: none)
     index_epsilon: float = 0.0  # GIP: the index selections' pure ε in the run so far
+    # error-feedback: the residual as float32 little-endian bytes (b"": none yet, or EF off)
+    residual: bytes = b""
 
     @staticmethod
     def in_context(context: Context) -> bool:
@@ -69,10 +107,16 @@ class NodeState:
         if not isinstance(last_round, int):
             raise TypeError(f"last-round={last_round!r}: expected int")
         index = float(record.get("index-epsilon", 0.0))  # type: ignore[arg-type]
+        residual = record.get(_RESIDUAL, b"")
+        if not isinstance(residual, bytes):
+            raise TypeError(f"{_RESIDUAL}: expected bytes, got {type(residual).__name__}")
+        residual_vector(residual, numel)  # its format, checked (ValueError)
         flat = context.state.array_records[STATE_MODEL]["flat"].numpy()
         if flat.size != numel or not isinstance(version, int):
-            return cls(history=history, last_round=last_round, index_epsilon=index)
-        return cls(torch.from_numpy(flat.copy()), version, history, last_round, index)
+            return cls(
+                history=history, last_round=last_round, index_epsilon=index, residual=residual
+            )
+        return cls(torch.from_numpy(flat.copy()), version, history, last_round, index, residual)
 
     def save(self, context: Context) -> None:
         """Stores the state in ``context`` (needs a model)."""
@@ -85,6 +129,8 @@ class NodeState:
                 **history_to_record(self.history),
                 # GIP only: other methods' records stay as they were
                 **({"index-epsilon": self.index_epsilon} if self.index_epsilon else {}),
+                # error-feedback only, likewise
+                **({_RESIDUAL: self.residual} if self.residual else {}),
             }
         )
         context.state.array_records[STATE_MODEL] = ArrayRecord({"flat": Array(self.model.numpy())})
@@ -128,6 +174,8 @@ class StateFiles:
         data: dict[str, Any] = {"format": _STATE_FORMAT, "last-round": state.last_round}
         if state.index_epsilon:  # GIP only: other methods' files stay as they were
             data["index-epsilon"] = state.index_epsilon
+        if state.residual:  # error-feedback only, likewise
+            data[_RESIDUAL] = base64.b64encode(state.residual).decode("ascii")
         data.update(history_to_record(state.history))
         path = self.folder / f"round-{state.last_round}.json"
         write_atomically(path, json.dumps(data), mode=PRIVATE)  # floats as repr: exact
@@ -138,12 +186,16 @@ class StateFiles:
             if r > server_round:
                 (self.folder / f"round-{r}.json").unlink(missing_ok=True)
 
-    def restore(self, *, up_to: int) -> NodeState:
+    def restore(self, *, up_to: int, numel: int | None = None) -> NodeState:
         """The state of the latest file of a round <= ``up_to`` (empty if there is none).
+
+        Args:
+            numel: the model's size, which a stored residual must have (None: not checked).
 
         Raises:
             ValueError: that file is unreadable (a damaged file must not read as a fresh
-                accountant); the message names it.
+                accountant, nor a residual of another length as this model's); the message
+                names it.
         """
         rounds = [r for r in self.rounds() if r <= up_to]
         if not rounds:
@@ -158,9 +210,14 @@ class StateFiles:
                 raise ValueError(f"last-round={last_round!r}: expected {rounds[-1]}")
             history = history_from_record(data)
             index = float(data.get("index-epsilon", 0.0))
+            residual = base64.b64decode(data.get(_RESIDUAL, ""), validate=True)
+            if numel is not None:
+                residual_vector(residual, numel)
         except (OSError, ValueError, TypeError, KeyError, AttributeError) as err:
             raise ValueError(f"node state {path}: unreadable ({err})") from None
-        return NodeState(history=history, last_round=last_round, index_epsilon=index)
+        return NodeState(
+            history=history, last_round=last_round, index_epsilon=index, residual=residual
+        )
 
 
 def apply_downlink(

@@ -33,6 +33,7 @@ from fedsparse.common.config_keys import (
     ADDED_KEYS,
     CODECS,
     METHOD_OPTIONS,
+    NO_ERROR_FEEDBACK,
     RESUME_MAY_DIFFER,
     TRACKERS,
     CodecName,
@@ -152,6 +153,10 @@ class FederatedConfig:
     value_dtype: PayloadDType = "fp32"
     # int4/int2/int1: values per float32 step (32 / value-block bits per value); else unused
     value_block: int = DEFAULT_VALUE_BLOCK
+    # the client carries each round's quantization error (what value-dtype's rounding lost on
+    # the sent values) into its next round's values, in its node state (fp16, bf16, int8,
+    # int4, int2: docs/explanation/bandwidth.md)
+    error_feedback: bool = False
     compression: Compression = "none"
     # data and model
     dataset: DatasetName = "digits"
@@ -215,6 +220,12 @@ class FederatedConfig:
             fail("seed", "0 <= seed < 2**63")
         if not 1 <= self.value_block < 2**32:
             fail("value_block", "1 <= value-block < 2**32")
+        if self.error_feedback and self.value_dtype in NO_ERROR_FEEDBACK:
+            fail(
+                "error_feedback",
+                f"false with value-dtype={self.value_dtype!r} "
+                f"({NO_ERROR_FEEDBACK[self.value_dtype]})",
+            )
         if not -1 <= self.split_seed < 2**63:
             fail("split_seed", "-1 (the run's seed) or 0 <= split-seed < 2**63")
         if self.dirichlet_alpha <= 0:

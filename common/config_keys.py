@@ -44,6 +44,7 @@ __all__ = [
     "ADDED_KEYS",
     "CODECS",
     "METHOD_OPTIONS",
+    "NO_ERROR_FEEDBACK",
     "NAMED_FIELDS",
     "RESUME_MAY_DIFFER",
     "TRACKERS",
@@ -105,9 +106,20 @@ ADDED_KEYS: Final[dict[str, Any]] = {
     "max-client-examples": 0,
     # Only the low-bit value dtypes (added with it) read it: an earlier run ran at any value.
     "value-block": DEFAULT_VALUE_BLOCK,
+    # Off is what every run did before it.
+    "error-feedback": False,
     # A plug-in method's own keys travelled as top-level keys before it (and no built-in
     # method has any): a run recorded without it ran with none.
     "method-options": "",
+}
+
+
+#: The value dtypes ``error-feedback`` refuses, and why. The stochastic sign's error is about
+#: ``max |v|`` a value, larger than the values it rounds: fed back, the residual grows by a
+#: constant factor a round (diverging within tens of rounds), while int2's stays about a step.
+NO_ERROR_FEEDBACK: Final[dict[str, str]] = {
+    "fp32": "lossless: no error to feed back",
+    "int1": "the stochastic sign's residual grows geometrically when fed back",
 }
 
 

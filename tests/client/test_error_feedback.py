@@ -1,0 +1,164 @@
+"""Error feedback on the client (``error-feedback``): the residual's arithmetic, its refusal
+for fp32 and int1, and its place in the node's state (``Context.state`` and state files)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import Context, RecordDict
+
+from fedsparse.client.local_round import feed_back
+from fedsparse.client.state import NodeState, StateFiles, residual_bytes, residual_vector
+from fedsparse.common.config import ADDED_KEYS, FederatedConfig, with_added_keys
+from fedsparse.common.wire.payload import decode_update, encode_update
+from fedsparse.common.wire.protocol import STATE_RECORD
+
+D, BLOCK = 1024, 64
+
+
+def _support() -> torch.Tensor:
+    """A fixed support: every other coordinate."""
+    mask = torch.zeros(D, dtype=torch.bool)
+    mask[::2] = True
+    return mask
+
+
+def _true_values(r: int, k: int) -> torch.Tensor:
+    """Round ``r``'s noised values: a fixed mean plus fresh unit Gaussian noise (as DP adds)."""
+    mean = np.linspace(-0.5, 0.5, k)
+    return torch.from_numpy((mean + np.random.default_rng(r).normal(size=k)).astype(np.float32))
+
+
+def _rounds(
+    value_dtype: str, rounds: int, *, ef: bool, seed: int = 3
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``rounds`` rounds on the fixed support: (sum of decoded sent values - sum of true values
+    (float64), the final residual, the last values sent, the expected squared cumulative error
+    without EF (the rounding's variance summed over rounds), the residual off the support)."""
+    support = _support()
+    k = int(support.sum())
+    rounding = np.random.default_rng(seed)
+    residual = torch.zeros(D)
+    residual[~support] = 0.25  # off the support: never touched
+    error = torch.zeros(k, dtype=torch.float64)
+    variance = torch.zeros(k, dtype=torch.float64)
+    sent = torch.zeros(k)
+    for r in range(1, rounds + 1):
+        v = _true_values(r, k)
+        sent = v + residual[support] if ef else v
+        payload = encode_update(
+            sent,
+            dense_size=D,
+            round=r,
+            indices=torch.nonzero(support).flatten(),
+            encoding="coo",
+            value_dtype=value_dtype,  # type: ignore[arg-type]
+            value_block=BLOCK,
+            rounding=rounding,
+        )
+        decoded = decode_update(payload).values
+        if ef:
+            feed_back(residual, support, sent, payload, server_round=r)
+        error += decoded.double() - v.double()
+        # int2's rounding variance |x| (m - |x|) per value, m its block's largest |x|
+        m = sent.abs().reshape(-1, BLOCK).amax(dim=1).repeat_interleave(BLOCK)
+        variance += (sent.abs() * (m - sent.abs())).double()
+    return error, residual, sent, variance, residual[~support]
+
+
+def test_the_sent_error_telescopes_to_the_final_residual() -> None:
+    """With EF the decoded values sum to the true values minus the final residual (exactly up
+    to float32 addition), so the cumulative error stays within one step of each coordinate."""
+    error, residual, last, _, off = _rounds("int2", 300, ef=True)
+    final = residual[_support()].double()
+    assert torch.allclose(error, -final, rtol=0, atol=1e-4)
+    step = last.abs().reshape(-1, BLOCK).amax(dim=1).repeat_interleave(BLOCK)  # int2: s = m
+    assert bool((final.abs() <= step.double() * (1 + 1e-6)).all())
+    assert float(step.max()) < 20  # the steps stay bounded (unit-noise values: about 3-5)
+    assert torch.equal(off, torch.full_like(off, 0.25))
+
+
+def test_without_ef_the_error_grows_like_the_root_of_the_rounds() -> None:
+    """Without EF the rounding errors add up independently: the mean squared cumulative error
+    is the summed rounding variance (about 300 rounds' worth), within 5 standard errors; with
+    EF it is that of one round's residual."""
+    error, _, _, variance, _ = _rounds("int2", 300, ef=False)
+    k = error.numel()
+    ratio = float(error.pow(2).mean() / variance.mean())
+    # each coordinate's squared sum is about chi-square(1) times its variance: sd sqrt(2 / k)
+    assert abs(ratio - 1) < 5 * (2 / k) ** 0.5
+    with_ef, _, _, _, _ = _rounds("int2", 300, ef=True)
+    # measured: 17.8 against 3.3 (one residual, up to a step of about 4)
+    assert float(error.pow(2).mean().sqrt()) > 4 * float(with_ef.pow(2).mean().sqrt())
+    short, _, _, short_variance, _ = _rounds("int2", 75, ef=False)
+    # a quarter of the rounds: about half the rms error
+    assert float(error.pow(2).mean() / short.pow(2).mean()) == pytest.approx(4, rel=0.3)
+    assert float(variance.mean() / short_variance.mean()) == pytest.approx(4, rel=0.1)
+
+
+def test_the_stochastic_sign_diverges_when_fed_back() -> None:
+    """Why ``error-feedback`` refuses int1: its rounding error (about ``max |v|`` a value)
+    exceeds the values, so the fed-back residual grows by a factor every round."""
+    _, residual, _, _, _ = _rounds("int1", 20, ef=True)
+    assert float(residual[_support()].abs().mean()) > 100
+
+
+@pytest.mark.parametrize("value_dtype", ["fp32", "int1"])
+def test_error_feedback_is_refused_where_it_has_nothing_or_diverges(value_dtype: str) -> None:
+    with pytest.raises(ValueError, match=rf"^error-feedback=True: .*value-dtype='{value_dtype}'"):
+        FederatedConfig(error_feedback=True, value_dtype=value_dtype)  # type: ignore[arg-type]
+    for lossy in ("fp16", "bf16", "int8", "int4", "int2"):
+        assert FederatedConfig(error_feedback=True, value_dtype=lossy).error_feedback  # type: ignore[arg-type]
+
+
+def test_a_run_recorded_before_the_key_reads_as_without_error_feedback() -> None:
+    old = FederatedConfig().to_run_config()
+    del old["error-feedback"]
+    assert ADDED_KEYS["error-feedback"] is False
+    assert FederatedConfig.from_run_config(with_added_keys(old)) == FederatedConfig()
+
+
+def test_the_residual_round_trips_through_the_context_and_the_state_files(tmp_path: Path) -> None:
+    residual = torch.randn(10)
+    residual[3] = -0.0
+    raw = residual_bytes(residual)
+    assert raw == residual.numpy().astype("<f4").tobytes() and len(raw) == 40
+    ctx = Context(run_id=1, node_id=7, node_config={}, state=RecordDict(), run_config={})
+    NodeState(torch.zeros(10), 1, [(1.0, 0.5, 2)], last_round=2, residual=raw).save(ctx)
+    assert ctx.state.config_records[STATE_RECORD]["ef-residual"] == raw
+    back = NodeState.load(ctx, 10)
+    assert back.residual == raw
+    assert torch.equal(residual_vector(back.residual, 10), residual)
+    files = StateFiles(tmp_path, 0)
+    files.save(back)
+    restored = files.restore(up_to=2, numel=10)
+    assert restored.residual == raw and restored.history == [(1.0, 0.5, 2)]
+    # without EF nothing is stored: the records and files stay as they were
+    NodeState(torch.zeros(10), 1, [], last_round=3).save(ctx)
+    assert "ef-residual" not in ctx.state.config_records[STATE_RECORD]
+    files.save(NodeState(last_round=3))
+    assert "ef-residual" not in json.loads((files.folder / "round-3.json").read_text())
+    assert torch.equal(residual_vector(b"", 4), torch.zeros(4))
+
+
+def test_a_residual_of_another_length_is_refused_in_one_line(tmp_path: Path) -> None:
+    raw = residual_bytes(torch.ones(10))
+    with pytest.raises(ValueError, match=r"^node state: ef-residual holds 40 bytes, expected 44 "):
+        residual_vector(raw, 11)
+    ctx = Context(run_id=1, node_id=7, node_config={}, state=RecordDict(), run_config={})
+    NodeState(torch.zeros(10), 1, [], last_round=1, residual=raw).save(ctx)
+    with pytest.raises(ValueError, match="expected 44"):
+        NodeState.load(ctx, 11)
+    files = StateFiles(tmp_path, 1)
+    files.save(NodeState(last_round=1, residual=raw))
+    with pytest.raises(ValueError, match=r"round-1\.json: unreadable \(.*expected 36") as err:
+        files.restore(up_to=1, numel=9)
+    assert "\n" not in str(err.value)
+    path = files.folder / "round-1.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "ef-residual": "not base64!"}))
+    with pytest.raises(ValueError, match="unreadable"):
+        files.restore(up_to=1, numel=10)
