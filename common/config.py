@@ -155,7 +155,7 @@ class FederatedConfig:
     value_block: int = DEFAULT_VALUE_BLOCK
     # the client carries each round's quantization error (what value-dtype's rounding lost on
     # the sent values) into its next round's values, in its node state (fp16, bf16, int8,
-    # int4, int2: docs/explanation/bandwidth.md)
+    # int4, int2; needs dp-norm-bound='off': docs/explanation/bandwidth.md)
     error_feedback: bool = False
     compression: Compression = "none"
     # data and model
@@ -226,6 +226,8 @@ class FederatedConfig:
                 f"false with value-dtype={self.value_dtype!r} "
                 f"({NO_ERROR_FEEDBACK[self.value_dtype]})",
             )
+        if self.error_feedback and self.dp_norm_bound == "auto":  # it bounds v, not v + e
+            fail("error_feedback", "false with dp-norm-bound='auto'; set dp-norm-bound='off'")
         if not -1 <= self.split_seed < 2**63:
             fail("split_seed", "-1 (the run's seed) or 0 <= split-seed < 2**63")
         if self.dirichlet_alpha <= 0:

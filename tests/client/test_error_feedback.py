@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -107,12 +108,16 @@ def test_the_stochastic_sign_diverges_when_fed_back() -> None:
     assert float(residual[_support()].abs().mean()) > 100
 
 
+#: Error feedback with the derived norm bound off (the bound covers v, not v + e).
+EF_OFF_BOUND: dict[str, Any] = {"error_feedback": True, "dp_norm_bound": "off"}
+
+
 @pytest.mark.parametrize("value_dtype", ["fp32", "int1"])
 def test_error_feedback_is_refused_where_it_has_nothing_or_diverges(value_dtype: str) -> None:
     with pytest.raises(ValueError, match=rf"^error-feedback=True: .*value-dtype='{value_dtype}'"):
-        FederatedConfig(error_feedback=True, value_dtype=value_dtype)  # type: ignore[arg-type]
+        FederatedConfig(**{**EF_OFF_BOUND, "value_dtype": value_dtype})
     for lossy in ("fp16", "bf16", "int8", "int4", "int2"):
-        assert FederatedConfig(error_feedback=True, value_dtype=lossy).error_feedback  # type: ignore[arg-type]
+        assert FederatedConfig(**{**EF_OFF_BOUND, "value_dtype": lossy}).error_feedback
 
 
 def test_a_run_recorded_before_the_key_reads_as_without_error_feedback() -> None:
@@ -162,3 +167,11 @@ def test_a_residual_of_another_length_is_refused_in_one_line(tmp_path: Path) -> 
     path.write_text(json.dumps({**json.loads(path.read_text()), "ef-residual": "not base64!"}))
     with pytest.raises(ValueError, match="unreadable"):
         files.restore(up_to=1, numel=10)
+
+
+def test_error_feedback_needs_the_derived_norm_bound_off() -> None:
+    """``dp-norm-bound='auto'`` bounds an honest update's values, not values plus carried
+    error: an honest client with error feedback could be rejected, so the pair is refused."""
+    with pytest.raises(ValueError, match="dp-norm-bound='off'"):
+        FederatedConfig(error_feedback=True, value_dtype="int2")
+    assert FederatedConfig(error_feedback=True, value_dtype="int2", dp_norm_bound="off")
