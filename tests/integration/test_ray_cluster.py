@@ -180,9 +180,16 @@ sys.exit(1)
 """
 
 
+@dataclasses.dataclass
+class _Cluster:
+    address: str
+    head: subprocess.Popen[str]
+    node: subprocess.Popen[str]
+
+
 @pytest.fixture
-def two_nodes(ray_tmpdir: Path, tmp_path: Path) -> Iterator[str]:
-    """A Ray head (1 CPU, resource hostA) and a second node (1 CPU, hostB); their address."""
+def two_nodes(ray_tmpdir: Path, tmp_path: Path) -> Iterator[_Cluster]:
+    """A Ray head (1 CPU, resource hostA) and a second node (1 CPU, hostB)."""
     port = _free_port()
     address = f"127.0.0.1:{port}"
     env = _env(ray_tmpdir)
@@ -220,19 +227,19 @@ def two_nodes(ray_tmpdir: Path, tmp_path: Path) -> Iterator[str]:
         assert check.returncode == 0, (
             check.stdout + check.stderr + (tmp_path / "node.log").read_text()
         )[-3000:]
-        yield address
+        yield _Cluster(address, head, nodes[1])
     finally:
         for node in reversed(nodes):
             _stop_group(node)
 
 
 def test_a_simulation_on_a_two_node_cluster_equals_one_node(
-    two_nodes: str, ray_tmpdir: Path, tmp_path: Path
+    two_nodes: _Cluster, ray_tmpdir: Path, tmp_path: Path
 ) -> None:
     args = ["simulate", "--backend", "ray", "--clients", "20", "--rounds", "2", *QUICK]
     env = _env(ray_tmpdir)
     on_cluster = _fedsparse(
-        [*args, "--out", str(tmp_path / "cluster"), "--ray-address", two_nodes],
+        [*args, "--out", str(tmp_path / "cluster"), "--ray-address", two_nodes.address],
         env=env,
         timeout=120,
     )
@@ -246,3 +253,34 @@ def test_a_simulation_on_a_two_node_cluster_equals_one_node(
     assert "1 Ray node)" in alone.stdout, alone.stdout
     records = _records(tmp_path / "cluster")
     assert len(records) == 2 and records == _records(tmp_path / "alone")
+
+
+def test_losing_a_node_mid_run_costs_its_clients_not_the_run(
+    two_nodes: _Cluster, ray_tmpdir: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "run"
+    args = ["simulate", "--backend", "ray", "--clients", "20", "--rounds", "3", *QUICK]
+    args += ["--out", str(out), "--ray-address", two_nodes.address]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "fedsparse.lab.cli", *args],
+        env={**_env(ray_tmpdir), "COLUMNS": "200"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 90
+        while process.poll() is None and time.monotonic() < deadline:
+            rounds = out / "rounds.jsonl"
+            if rounds.exists() and rounds.read_text().count("\n") >= 1:
+                break
+            time.sleep(0.2)
+        _stop_group(two_nodes.node)  # the second node goes, with its worker
+        stdout, _ = process.communicate(timeout=120)
+    finally:
+        _stop_group(process)
+    assert process.returncode == 0, stdout[-3000:]
+    clients = [entry.num_clients for entry in read_rounds(out / "rounds.jsonl")]
+    # Round 1 had both workers' 10 clients each; the rounds after it the head's 10 alone.
+    assert clients[0] == 20 and clients[-1] == 10 and len(clients) == 3, clients
