@@ -29,7 +29,13 @@ from fedsparse.lab.cli.utils import (
 )
 from fedsparse.lab.launch.backends import BACKEND_ALIASES, BACKEND_HELP, BACKENDS
 
-__all__ = ["SHORTCUTS", "demo", "resume_command", "shortcuts", "simulate"]
+#: ``--ray-address``'s help (``fedsparse simulate`` and ``fedsparse sweep``).
+RAY_ADDRESS_HELP = (
+    "--backend ray: run on an existing Ray cluster, auto or HOST:PORT (its head; "
+    "default $FEDSPARSE_RAY_ADDRESS, else a local Ray of the run's own)"
+)
+
+__all__ = ["RAY_ADDRESS_HELP", "SHORTCUTS", "demo", "resume_command", "shortcuts", "simulate"]
 
 
 def simulate(
@@ -51,6 +57,7 @@ def simulate(
         str | None,
         Opt(help="tensorboard, mlflow or both: per-round metrics in OUT (--set log=...)"),
     ] = None,
+    ray_address: Annotated[str | None, Opt(help=RAY_ADDRESS_HELP)] = None,
 ) -> None:
     """Federated DP-SGD + RS on Flower's simulation engine (Ray backend).
 
@@ -58,6 +65,9 @@ def simulate(
     workers (one per CPU, or per --gpus-per-client share of a GPU) each hold many virtual
     clients and train a batch of them per Ray task: for 1000+ clients. With the same seeds
     and full participation it ends with the same model as --backend flower, bit for bit.
+    --ray-address auto|HOST:PORT runs --backend ray on an existing Ray cluster (started with
+    `ray start --head`; FEDSPARSE_RAY_ADDRESS alike); without it every backend starts a local
+    Ray of its own, never one that an earlier `ray start` left behind.
     --backend inprocess runs the clients in this process (quick looks); --backend deploy on
     a loopback deployment (TLS, authenticated SuperNodes; no --resume, no GPUs).
 
@@ -87,6 +97,7 @@ def simulate(
         gpus_per_client=gpus_per_client,
         timeout=timeout,
         backend=backend,
+        ray_address=ray_address,
     )
     try:
         with removed_on_failed_start(out), stop_hint(out, again, resume=resume):
@@ -101,6 +112,7 @@ def simulate(
                 resume=resume,
                 backend=choice("backend", backend, BACKENDS, aliases=BACKEND_ALIASES),
                 command=command_line(sys.argv),
+                ray_address=ray_address,
             )
     except ValueError as err:
         raise typer.BadParameter(str(err)) from err
@@ -131,6 +143,7 @@ def demo(out: Annotated[Path, Opt(help="output directory")] = Path("runs/demo"))
         rounds=None,
         seed=None,
         log=None,
+        ray_address=None,
     )
 
 
@@ -171,6 +184,7 @@ def resume_command(
     gpus_per_client: float,
     timeout: float,
     backend: str,
+    ray_address: str | None = None,
 ) -> str:
     """The ``fedsparse simulate ... --resume`` line that continues this run (options at their
     defaults left out)."""
@@ -183,6 +197,7 @@ def resume_command(
     args += ["--cpus-per-client", f"{cpus_per_client:g}"] if cpus_per_client != 1.0 else []
     args += ["--gpus-per-client", f"{gpus_per_client:g}"] if gpus_per_client else []
     args += ["--timeout", f"{timeout:g}"] if timeout != 3600.0 else []
+    args += ["--ray-address", ray_address] if ray_address else []
     return shlex.join([*args, "--resume"])
 
 

@@ -13,6 +13,7 @@ from typing import Annotated
 
 import typer
 
+from fedsparse.lab.cli.simulate import RAY_ADDRESS_HELP
 from fedsparse.lab.cli.utils import (
     Opt,
     check_run_config,
@@ -53,6 +54,7 @@ def sweep(
         Opt("--tune", help="key=v1,v2,...: tune each grid point (arm) over these, on validation"),
     ] = None,
     tune_seeds: Annotated[int, Opt(help="--tune: seeds per tuning combination")] = 2,
+    ray_address: Annotated[str | None, Opt(help=RAY_ADDRESS_HELP)] = None,
     scale_clip: Annotated[
         bool,
         Opt(
@@ -95,6 +97,7 @@ def sweep(
             timeout=timeout,
             uplink_bps=rate("uplink-rate", uplink_rate),
             downlink_bps=rate("downlink-rate", downlink_rate),
+            ray_address=ray_address,
         )
         check_jobs(settings, jobs)
         if not tune:
@@ -114,6 +117,7 @@ def sweep(
     args += [a for t in tune or [] for a in ("--tune", t)]
     args += ["--tune-seeds", str(tune_seeds)] if tune else []
     args += ["--scale-clip"] if scale_clip else []
+    args += ["--ray-address", ray_address] if ray_address else []
     runs_dir = runs_dir or out / "runs"
     extra: list[str] = []
     try:

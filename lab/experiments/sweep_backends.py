@@ -45,6 +45,7 @@ class RunSettings:
     timeout: float = 3600.0
     uplink_bps: float | None = None  # deploy only: each node's shaped uplink (bit/s)
     downlink_bps: float | None = None  # deploy only: each node's shaped downlink (bit/s)
+    ray_address: str | None = None  # ray only: a Ray cluster (auto, HOST:PORT); None: local
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "backend", backend_name(self.backend))  # an older spelling
@@ -57,6 +58,11 @@ class RunSettings:
                     f"{name.replace('_bps', '-rate')}: shaped links need --backend deploy "
                     f"(backend={self.backend!r})"
                 )
+        if self.ray_address and self.backend != "ray":
+            raise ValueError(
+                f"ray-address {self.ray_address}: a cluster address needs --backend ray "
+                f"(backend={self.backend!r})"
+            )
         if self.clients < 1:
             raise ValueError(f"clients={self.clients}: expected >= 1")
         if not self.cpus_per_client > 0:
@@ -96,7 +102,7 @@ class _RaySession:
             from fedsparse.client.app import app as client_app
             from fedsparse.lab.simulation.rayworkers import RayWorkers, ray_cluster
 
-            self.stack.enter_context(ray_cluster())
+            self.stack.enter_context(ray_cluster(address=self.settings.ray_address))
             self.workers = self.stack.enter_context(
                 RayWorkers(
                     client_app,

@@ -139,6 +139,7 @@ def run_simulation(
     resume: bool = False,
     backend: Backend = "flower",
     command: str | None = None,
+    ray_address: str | None = None,
 ) -> RunSummary:
     """Runs one simulated federation; returns its ``summary.json``.
 
@@ -159,6 +160,12 @@ def run_simulation(
     ``command``: the command line that started the run, recorded in ``summary.json`` (None:
     the Python API).
 
+    ``ray_address`` (``ray`` only): the Ray cluster to run on, ``auto`` or ``HOST:PORT``
+    (default ``FEDSPARSE_RAY_ADDRESS``, else a local cluster of its own:
+    ``rayworkers.ray_cluster``). Flower's engine always starts a local cluster of its own
+    (its SuperLink gets ``RAY_ADDRESS=local``): a cluster address that ``ray start`` left
+    behind never reaches it.
+
     Raises:
         ValueError: a bad run-config override (named key and value), ``clients`` below
             ``min-clients``, missing dataset files, an unusable ``out``.
@@ -175,6 +182,7 @@ def run_simulation(
         console=console,
         resume=resume,
         backend=backend,
+        ray_address=ray_address,
     )
     return record_command(Path(out) / "summary.json", summary, command)
 
@@ -190,6 +198,7 @@ def _simulate(
     console: Console | None,
     resume: bool,
     backend: Backend,
+    ray_address: str | None = None,
 ) -> RunSummary:
     """``run_simulation`` without the command line."""
     console = console or _console()
@@ -201,6 +210,8 @@ def _simulate(
         raise ValueError(f"gpus_per_client={gpus_per_client}: expected a finite value >= 0")
     if gpus_per_client > 0 and backend not in ("flower", "ray"):
         raise ValueError(f"gpus_per_client: GPUs need backend flower or ray (backend={backend!r})")
+    if ray_address and backend != "ray":
+        raise ValueError(f"ray_address={ray_address}: a cluster address needs backend ray")
     if resume and backend == "deploy":
         raise ValueError(
             "resume: a deployment does not resume; use backend flower, ray or inprocess"
@@ -242,6 +253,7 @@ def _simulate(
                 timeout=timeout,
                 state_dir=state_dir,
                 status=live_rounds.set_status,
+                ray_address=ray_address,
             )
     link = connect(run, name="sim")
     superlink = superlink_args(
@@ -270,6 +282,9 @@ def _simulate(
                     **link.env,
                     **simulation_policy_env(state_dir=state_dir),
                     EXPECTED_NODES_ENV: str(clients),
+                    # Its engine's ray.init() takes no address: never the cluster that a
+                    # `ray start` left in Ray's temp folder (it may be gone: a silent hang).
+                    "RAY_ADDRESS": "local",
                 },
                 log=run.superlink_log,
                 ports=[link.http_port],
@@ -315,12 +330,14 @@ def _run_on_ray(
     timeout: float,
     state_dir: Path,
     status: Callable[[str], None],
+    ray_address: str | None = None,
 ) -> RunSummary:
     """``run`` on ``RayGrid``: the ServerApp loop here, the clients on Ray workers.
 
     The virtual clients keep their state files in ``state_dir`` as Flower's simulated nodes
     do, so ``resume`` continues a ray run as it continues a Flower one. ``status`` is told
-    what the run waits for (the cluster, then round 1).
+    what the run waits for (the cluster, then round 1). ``ray_address``: the cluster
+    (``ray_cluster``; default a local one).
 
     Raises:
         RuntimeError: the run failed (``FederationFailed``) or timed out.
@@ -336,7 +353,7 @@ def _run_on_ray(
     try:
         with (
             flower_logs_in_this_process(),
-            ray_cluster(),
+            ray_cluster(address=ray_address),
             RayWorkers(
                 client_app, cpus_per_client=cpus_per_client, gpus_per_client=gpus_per_client
             ) as workers,
@@ -348,7 +365,11 @@ def _run_on_ray(
                 node_config=node_config,
                 stop_at=stop_at,
             )
-            status(f"waiting for round 1 ({clients} clients on {len(workers.actors)} workers)...")
+            nodes = len({s.node_id for s in workers.stats()})
+            status(
+                f"waiting for round 1 ({clients} clients on {len(workers.actors)} workers, "
+                f"{nodes} Ray node{'s' if nodes != 1 else ''})..."
+            )
             return run_federated(grid, run.config)
     except TimeoutError as err:
         raise RuntimeError(f"timeout={timeout:g} s: {err}") from err

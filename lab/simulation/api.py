@@ -45,6 +45,7 @@ def simulate(
     cpus_per_client: float = 1.0,
     gpus_per_client: float = 0.0,
     resume: bool = False,
+    ray_address: str | None = None,
 ) -> RunSummary:
     """Runs one federation of ``clients`` simulated nodes; returns its ``summary.json``.
 
@@ -61,13 +62,17 @@ def simulate(
         cpus_per_client: Ray CPUs per virtual client (``--cpus-per-client``).
         gpus_per_client: Ray GPUs per virtual client, fractional (``--gpus-per-client``).
         resume: continue the run in ``out`` from its checkpoint (``--resume``).
+        ray_address: ``backend="ray"`` only: the Ray cluster to run on, ``auto`` or
+            ``HOST:PORT`` (``--ray-address``); default ``FEDSPARSE_RAY_ADDRESS``, else a
+            local cluster of the run's own.
 
     Raises:
         ValueError: a bad argument or run-config value, in one line naming the field and its
             value (``run config key 'num-round' is unknown; did you mean 'num-rounds'?``);
             a start that fails so removes the ``out`` it created.
         TypeError: ``config`` is neither a ``FederatedConfig`` nor a mapping.
-        RuntimeError: the run failed (with the log's tail).
+        RuntimeError: the run failed (with the log's tail), or no Ray cluster answers at
+            ``ray_address``.
     """
     from rich.console import Console
 
@@ -102,6 +107,7 @@ def simulate(
             console=None if progress else Console(quiet=True),
             resume=resume,
             backend=name,
+            ray_address=ray_address,
         )
     except ValueError:  # a failed start leaves nothing behind (a folder that was there stays)
         if not existed:

@@ -6,7 +6,9 @@ their messages per remote call, with an error reply where the ClientApp raises.
 ``RayWorkers`` makes it a set of Ray actors (by default one per free CPU; with
 ``gpus_per_client`` a fractional GPU each) that lives for a whole run or a whole sweep, and
 ``worker_count`` says how many fit. ``ray_cluster`` starts a local Ray cluster for this
-process, or reuses the one that is running, and shuts down only what it started.
+process (or attaches to an existing one given its address: ``--ray-address``,
+``FEDSPARSE_RAY_ADDRESS``), or reuses the one that is running, and shuts down only what it
+started.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import os
 import pickle
 import resource
 import signal
+import socket
 import threading
 import time
 import warnings
@@ -31,11 +34,13 @@ from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 
 __all__ = [
+    "RAY_ADDRESS_ENV",
     "ClientFn",
     "RayWorkers",
     "VirtualClients",
     "WorkerStats",
     "error_reply",
+    "ray_address",
     "ray_cluster",
     "worker_count",
 ]
@@ -44,6 +49,10 @@ ClientFn = Callable[[Message, Context], Message]
 
 #: Seconds the workers get to start (a worker that needs more resources than are free waits).
 START_TIMEOUT = 300.0
+#: The environment variable that names a Ray cluster to attach to (as ``--ray-address``).
+RAY_ADDRESS_ENV = "FEDSPARSE_RAY_ADDRESS"
+#: Seconds a cluster address gets to answer before the run stops with an error.
+CONNECT_TIMEOUT = 10.0
 #: Seconds ``RayWorkers.close`` waits for the cluster to count the workers' CPUs as free.
 RELEASE_TIMEOUT = 10.0
 
@@ -67,6 +76,7 @@ class WorkerStats:
     rss_bytes: int  # the worker process's resident memory now
     peak_rss_bytes: int  # and at its peak
     gpu_ids: tuple[str, ...]  # the GPUs Ray assigned to the worker
+    node_id: str = ""  # the Ray node the worker runs on (hex; "" outside Ray)
 
 
 def _rss_bytes() -> tuple[int, int]:
@@ -140,7 +150,9 @@ class VirtualClients:
         rss, peak = _rss_bytes()
         peak = max(peak, rss)  # rusage's peak lags the current size by a page or so
         # Outside Ray (a test), ray.get_gpu_ids would start a cluster: ask only inside it.
-        gpus = tuple(str(g) for g in ray.get_gpu_ids()) if ray.is_initialized() else ()
+        inside = ray.is_initialized()
+        gpus = tuple(str(g) for g in ray.get_gpu_ids()) if inside else ()
+        node = ray.get_runtime_context().get_node_id() if inside else ""
         return WorkerStats(
             pid=os.getpid(),
             clients=len(self._contexts),
@@ -151,6 +163,7 @@ class VirtualClients:
             rss_bytes=rss,
             peak_rss_bytes=peak,
             gpu_ids=gpus,
+            node_id=node,
         )
 
 
@@ -284,29 +297,91 @@ class RayWorkers:
         self.close()
 
 
-@contextlib.contextmanager
-def ray_cluster(*, num_cpus: int | None = None, num_gpus: int | None = None) -> Iterator[None]:
-    """A local Ray cluster for this process: the running one, else a new one shut down on exit.
+def ray_address(address: str | None = None) -> str:
+    """The cluster to use: ``address``, else ``FEDSPARSE_RAY_ADDRESS``, else ``"local"``.
 
-    A new cluster is always local (``address="local"``: never one that ``ray start`` or
-    ``RAY_ADDRESS`` points at) and keeps this process's SIGTERM handler (``ray.init`` would
-    replace it by an exit that skips the command line's clean-up).
+    ``"local"`` starts a cluster of our own (never one that ``ray start`` left behind);
+    ``"auto"`` is the cluster that ``RAY_ADDRESS`` or the last ``ray start`` on this machine
+    names; ``HOST:PORT`` is a cluster's head (its GCS port, 6379 by default).
+
+    Raises:
+        ValueError: an address that is none of these.
+    """
+    value = (address or os.environ.get(RAY_ADDRESS_ENV, "") or "local").strip()
+    if value in ("local", "auto"):
+        return value
+    host, sep, port = value.rpartition(":")
+    if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
+        raise ValueError(f"ray_address={value!r}: expected auto, local or HOST:PORT")
+    return value
+
+
+def _reachable(address: str) -> str:
+    """``address`` (``auto`` resolved to ``HOST:PORT``) once its head answers on TCP.
+
+    Raises:
+        RuntimeError: no cluster found for ``auto``, or nothing answers at the address
+            within ``CONNECT_TIMEOUT`` (one line naming it).
+    """
+    if address == "auto":
+        from ray._private import services
+
+        try:
+            found = services.canonicalize_bootstrap_address("auto")
+        except Exception as err:  # Ray raises ConnectionError when it finds none
+            raise RuntimeError(f"ray_address=auto: no running Ray cluster found ({err})") from None
+        if not found:
+            raise RuntimeError("ray_address=auto: no running Ray cluster found")
+        address = found
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT):
+            pass
+    except OSError as err:
+        raise RuntimeError(
+            f"ray_address={address}: no Ray cluster answers there ({err}); start one with "
+            "'ray start --head', or leave the address out for a local cluster"
+        ) from None
+    return address
+
+
+@contextlib.contextmanager
+def ray_cluster(
+    *, num_cpus: int | None = None, num_gpus: int | None = None, address: str | None = None
+) -> Iterator[None]:
+    """A Ray cluster for this process: the running one, else a new local one or the one at
+    ``address``; the connection is shut down on exit (a cluster we did not start stays up).
+
+    ``address`` (default ``FEDSPARSE_RAY_ADDRESS``, else ``"local"``: ``ray_address``): a
+    new cluster is local (``address="local"``: never one that ``ray start`` or
+    ``RAY_ADDRESS`` points at) unless an address is given; a given one must answer within
+    ``CONNECT_TIMEOUT``. Either way this process keeps its SIGTERM handler (``ray.init``
+    would replace it by an exit that skips the command line's clean-up).
 
     Args:
-        num_cpus, num_gpus: the new cluster's resources (default: what Ray detects).
+        num_cpus, num_gpus: the new local cluster's resources (default: what Ray detects);
+            an existing cluster has its own.
+
+    Raises:
+        ValueError: a malformed address.
+        RuntimeError: an address where no cluster answers (``_reachable``).
     """
     if ray.is_initialized():
         yield
         return
+    where = ray_address(address)
+    if where != "local":
+        where = _reachable(where)
+    local = where == "local"
     main = threading.current_thread() is threading.main_thread()
     handler = signal.getsignal(signal.SIGTERM) if main else None
     with warnings.catch_warnings():  # a tip about a future default of CUDA_VISIBLE_DEVICES
         warnings.simplefilter("ignore", FutureWarning)
         ray.init(
-            address="local",
-            num_cpus=num_cpus,
-            num_gpus=num_gpus,
-            include_dashboard=False,
+            address=where,
+            num_cpus=num_cpus if local else None,  # an existing cluster has its own
+            num_gpus=num_gpus if local else None,
+            include_dashboard=False if local else None,
             log_to_driver=False,
             logging_level=logging.WARNING,
         )
