@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fedsparse.common.atomic import SHARED, write_atomically
 from fedsparse.common.config import METHOD_OPTIONS, FederatedConfig
 from fedsparse.common.data.datasets import load_dataset
 from fedsparse.common.data.readers import DatasetFormatError
@@ -240,9 +241,7 @@ def _strip_ansi_file(path: Path) -> None:
         return
     plain = _ANSI.sub("", text.decode(errors="surrogateescape")).encode(errors="surrogateescape")
     if plain != text:
-        partial = path.with_name(f".{path.name}.plain")
-        partial.write_bytes(plain)
-        os.replace(partial, path)
+        write_atomically(path, plain, mode=SHARED)
 
 
 @contextmanager
