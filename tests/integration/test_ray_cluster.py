@@ -259,8 +259,10 @@ def test_losing_a_node_mid_run_costs_its_clients_not_the_run(
     two_nodes: _Cluster, ray_tmpdir: Path, tmp_path: Path
 ) -> None:
     out = tmp_path / "run"
-    args = ["simulate", "--backend", "ray", "--clients", "20", "--rounds", "3", *QUICK]
-    args += ["--out", str(out), "--ray-address", two_nodes.address]
+    # Rounds of some seconds each (8 local epochs), so the node is surely gone before the last
+    # round however late this test sees round 1's record on a loaded machine.
+    args = ["simulate", "--backend", "ray", "--clients", "20", "--rounds", "5", *QUICK]
+    args += ["--set", "local-epochs=8", "--out", str(out), "--ray-address", two_nodes.address]
     process = subprocess.Popen(
         [sys.executable, "-m", "fedsparse.lab.cli", *args],
         env={**_env(ray_tmpdir), "COLUMNS": "200"},
@@ -275,12 +277,17 @@ def test_losing_a_node_mid_run_costs_its_clients_not_the_run(
             rounds = out / "rounds.jsonl"
             if rounds.exists() and rounds.read_text().count("\n") >= 1:
                 break
-            time.sleep(0.2)
-        _stop_group(two_nodes.node)  # the second node goes, with its worker
-        stdout, _ = process.communicate(timeout=120)
+            time.sleep(0.1)
+        # The second node crashes (KILL at once, raylet and worker together): a graceful TERM
+        # lets its worker serve a round or two more while it shuts down.
+        os.killpg(two_nodes.node.pid, signal.SIGKILL)
+        stdout, _ = process.communicate(timeout=180)
     finally:
         _stop_group(process)
     assert process.returncode == 0, stdout[-3000:]
     clients = [entry.num_clients for entry in read_rounds(out / "rounds.jsonl")]
-    # Round 1 had both workers' 10 clients each; the rounds after it the head's 10 alone.
-    assert clients[0] == 20 and clients[-1] == 10 and len(clients) == 3, clients
+    # Round 1 had both workers' 10 clients each; the rounds after the loss the head's 10 alone.
+    # The round under way when the node went may still have all 20: a Ray task already running
+    # on the lost node's worker returns its result to the driver without that node's raylet.
+    assert len(clients) == 5 and clients[0] == 20 and clients[-1] == 10, clients
+    assert clients == sorted(clients, reverse=True) and set(clients) <= {10, 20}, clients
