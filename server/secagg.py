@@ -14,7 +14,9 @@ shares each, the self-mask seed of every node of ``U2`` and the ``sk1`` of every
 ``U1 - U2``, whose pairwise masks with ``U2`` it removes; it never asks for both of one node.
 
 Every payload's bytes are counted as Flower's ``ConfigRecord`` counts them, per stage and
-direction (:attr:`SecAggServer.bytes`).
+direction (:attr:`SecAggServer.bytes`): each message sent, each reply accepted. A reply that
+breaks the protocol raises :class:`SecAggError` with its ``node``, before any state changes:
+the caller may drop it (a dropout) and call again.
 """
 
 from __future__ import annotations
@@ -99,8 +101,12 @@ class SecAggServer:
                 f"secure aggregation, stage {stage!r}: a reply from node {strangers[0]}, "
                 "which was not asked"
             )
-        checked = {nid: check_payload(replies[nid], stage, "up") for nid in sorted(replies)}
-        self.bytes[stage]["up"] += sum(payload_bytes(replies[nid]) for nid in checked)
+        checked = {}
+        for nid in sorted(replies):
+            try:
+                checked[nid] = check_payload(replies[nid], stage, "up")
+            except SecAggError as exc:
+                raise SecAggError(f"{exc} (node {nid})", node=nid) from None
         if len(checked) < self.params.threshold:
             raise SecAggDropoutError(
                 f"secure aggregation, stage {stage!r}: {len(checked)} of "
@@ -108,6 +114,11 @@ class SecAggServer:
                 f"{self.params.threshold}"
             )
         return checked
+
+    def _accept(self, stage: str, replies: Mapping[int, Any], next_stage: str) -> None:
+        """Count the accepted replies' bytes and move on (a failed call changes nothing)."""
+        self.bytes[stage]["up"] += sum(payload_bytes(reply) for reply in replies.values())
+        self._next = next_stage
 
     def setup_messages(self) -> dict[int, dict[str, Any]]:
         self._stage(SETUP)
@@ -118,7 +129,7 @@ class SecAggServer:
         self._stage(SETUP)
         checked = self._replies(SETUP, replies, self.sampled)
         self._pk = {nid: (r["pk1"], r["pk2"]) for nid, r in checked.items()}
-        self._next = SHARE_KEYS
+        self._accept(SETUP, replies, SHARE_KEYS)
 
     def share_keys_messages(self) -> dict[int, dict[str, Any]]:
         self._stage(SHARE_KEYS)
@@ -141,13 +152,14 @@ class SecAggServer:
             if sorted(reply["dsts"]) != [nid for nid in u0 if nid != src]:
                 raise SecAggError(
                     f"secure aggregation, stage {SHARE_KEYS!r}: field 'dsts' of node {src} "
-                    "must name every other node of the round once"
+                    "must name every other node of the round once",
+                    node=src,
                 )
             for dst, ciphertext in zip(reply["dsts"], reply["ctxts"], strict=True):
                 if dst in forward:
                     forward[dst][src] = ciphertext
         self._u1, self._forward = u1, forward
-        self._next = COLLECT
+        self._accept(SHARE_KEYS, replies, COLLECT)
 
     def collect_messages(self) -> dict[int, dict[str, Any]]:
         self._stage(COLLECT)
@@ -169,12 +181,13 @@ class SecAggServer:
             except ValueError as exc:
                 raise SecAggError(
                     f"secure aggregation, stage {COLLECT!r}: field 'masked_params' of node "
-                    f"{nid}: {exc}"
+                    f"{nid}: {exc}",
+                    node=nid,
                 ) from None
         self._masked_total = ring_sum(vectors, self.params.bits)
         self._u2 = sorted(checked)
         self._forward = {}
-        self._next = UNMASK
+        self._accept(COLLECT, replies, UNMASK)
 
     def unmask_messages(self) -> dict[int, dict[str, Any]]:
         self._stage(UNMASK)
@@ -193,7 +206,8 @@ class SecAggServer:
             if sorted(reply["nids"]) != expected:
                 raise SecAggError(
                     f"secure aggregation, stage {UNMASK!r}: field 'nids' of node {nid} must "
-                    "name every live and dead node once"
+                    "name every live and dead node once",
+                    node=nid,
                 )
             for owner, share in zip(reply["nids"], reply["shares"], strict=True):
                 shares[owner].append(share)
@@ -216,7 +230,7 @@ class SecAggServer:
         assert self._masked_total is not None
         total = remove_masks(self._masked_total, self_seeds, pairs, self.params.bits)
         self._masked_total = None
-        self._next = SETUP
+        self._accept(UNMASK, replies, SETUP)
         return total
 
     def _secret(self, share_list: list[bytes], owner: int) -> bytes:

@@ -77,7 +77,15 @@ PARALLEL: Final[dict[tuple[str, str], tuple[str, ...]]] = {
 
 
 class SecAggError(ProtocolError):
-    """A secure-aggregation payload or state that does not match the protocol."""
+    """A secure-aggregation payload or state that does not match the protocol.
+
+    ``node`` is the node whose reply broke it, when one did: the server's state is unchanged
+    by the failed call, so a caller may drop that reply and call again.
+    """
+
+    def __init__(self, message: str, node: int | None = None) -> None:
+        super().__init__(message)
+        self.node = node
 
 
 def _type_name(spec: Any) -> str:

@@ -172,8 +172,19 @@ def test_a_malformed_masked_vector_is_named() -> None:
         r.server.receive_collect(short)
     wrong = dict(replies)
     wrong[303] = {"masked_params": [1, 2, 3]}
-    with pytest.raises(SecAggError, match="field 'masked_params' must be bytes, got a list of int"):
+    with pytest.raises(
+        SecAggError, match="field 'masked_params' must be bytes, got a list of int"
+    ) as err:
         r.server.receive_collect(wrong)
+    assert err.value.node == 303
+    # nothing changed: the stage runs again without the broken reply, 303 now a dropout
+    r.server.receive_collect({n: reply for n, reply in replies.items() if n != 303})
+    total = r.server.receive_unmask(
+        {n: r.clients[n].handle(m) for n, m in r.server.unmask_messages().items()}
+    )
+    assert torch.equal(total, r.expected([101, 202, 404, 505]))
+    up = r.server.bytes["collect_masked_vectors"]["up"]
+    assert up == 4 * (K * r.p.element_bytes + len("masked_params"))  # accepted replies only
 
 
 @pytest.mark.parametrize(
@@ -258,3 +269,18 @@ def test_payload_bytes_counts_as_a_config_record_does() -> None:
 
     payload = {"a": 1, "bb": 2.5, "c": b"xyz", "d": [1, 2, 3], "e": [b"ab", b"c"], "f": True}
     assert payload_bytes(payload) == ConfigRecord(payload).count_bytes()  # type: ignore[arg-type]
+
+
+def test_what_colluding_peers_recover_still_carries_the_nodes_noise_share() -> None:
+    """The worst case: every other node colludes with the server (or is the server's, under
+    unauthenticated keys). What comes out is the node's input with its own noise share."""
+    p = params(sigma=1.0)
+    r = Round(p)
+    r.keys()
+    r.collect()
+    total = r.unmask()
+    others = r.expected([n for n in IDS if n != 303])
+    recovered = (total - others) & (p.modulus - 1)
+    assert torch.equal(recovered, encode(r.inputs[303], p, noise_gen(303)))
+    error = r.server.decode(recovered) - r.inputs[303]
+    assert float(error.std()) == pytest.approx(p.share_std / p.scale, rel=0.1)
