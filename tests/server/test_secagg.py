@@ -134,9 +134,11 @@ def test_each_masked_vector_looks_uniform_to_the_server() -> None:
     r = Round(p, {nid: same for nid in IDS})
     r.keys()
     r.collect()
+    # the keys and self-mask seeds come from OS entropy: 10 p-values per run, each failing
+    # with probability 1e-6 when the vectors are uniform
     for reply in r.masked.values():
         chi, ks = _uniform_pvalues(reply["masked_params"], p)
-        assert chi > 1e-4 and ks > 1e-4
+        assert chi > 1e-6 and ks > 1e-6
     # the control: the same vector unmasked is nowhere near uniform
     plain = encode(same, p, noise_gen(0))
     chi, ks = _uniform_pvalues(pack_ring(plain, p.bits), p)
