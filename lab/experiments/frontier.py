@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_ARMS",
     "DEFAULT_TUNE",
+    "grid_edges",
     "TARGET_POINTS",
     "ArmOutcome",
     "parse_arm",
@@ -76,7 +77,7 @@ DEFAULT_ARMS: Final[tuple[Mapping[str, str], ...]] = (
 )
 #: Each arm's tuning grid: learning rate and rounds.
 DEFAULT_TUNE: Final[Mapping[str, Sequence[str]]] = {
-    "lr": ("0.1", "0.25", "0.5", "1.0"),
+    "lr": ("0.05", "0.1", "0.25", "0.5"),
     "num-rounds": ("20", "40"),
 }
 #: "At the accuracy of dense DP-SGD": within this many points of the tuned dense arm.
@@ -132,6 +133,18 @@ class ArmOutcome:
     high: float
     verdict: str
     by_seed: Mapping[int, float]
+    edge: str = ""  # the tuned values at an end of their grid (``lr=0.05 (lowest)``)
+
+
+def grid_edges(best: Sequence[tuple[str, str]], tune: Mapping[str, Sequence[str]]) -> str:
+    """The picked values that are the first or last of their tuning list (of 2 or more): the
+    optimum may lie beyond the grid, and the report says so."""
+    edges = []
+    for key, value in best:
+        values = list(tune.get(key, ()))
+        if len(values) > 1 and value in (values[0], values[-1]):
+            edges.append(f"{key}={value} ({'lowest' if value == values[0] else 'highest'})")
+    return ", ".join(edges)
 
 
 def _bits(rows: Sequence[Mapping[str, Any]], payload: str, dense: str) -> float:
@@ -145,6 +158,7 @@ def _outcome(
     *,
     clients: int,
     baseline: Mapping[int, float] | None,
+    tune: Mapping[str, Sequence[str]],
 ) -> ArmOutcome:
     rows = [r for r in tuned.rows if r["status"] == "ok"]
     by_seed = {int(r["seed"]): float(r["final_test_accuracy"]) for r in rows}
@@ -174,6 +188,7 @@ def _outcome(
         high=high,
         verdict="baseline" if baseline is None else verdict(low, high),
         by_seed=by_seed,
+        edge=grid_edges(tuned.choices[0].best, tune),
     )
 
 
@@ -220,7 +235,7 @@ def run_frontier(
             jobs=jobs,
             console=console,
         )
-        outcome = _outcome(arm, tuned, clients=settings.clients, baseline=baseline)
+        outcome = _outcome(arm, tuned, clients=settings.clients, baseline=baseline, tune=tune)
         outcomes.append(outcome)
         if baseline is None:
             baseline = outcome.by_seed
@@ -240,12 +255,14 @@ _COLUMNS: Final = (
     "difference_low",
     "difference_high",
     "verdict",
+    "tuned_at_grid_edge",
 )
 
 
 def _row(o: ArmOutcome) -> dict[str, Any]:
     values: list[Any] = [o.label, o.best, o.seeds, o.accuracy, o.accuracy_se, o.uplink_bits]
     values += [o.downlink_bits, o.client_megabytes, o.difference, o.low, o.high, o.verdict]
+    values.append(o.edge)
     return dict(zip(_COLUMNS, values, strict=True))
 
 
@@ -335,6 +352,14 @@ def write_frontier(
             f"{o.uplink_bits:.3f} | {o.downlink_bits:.3f} | {o.client_megabytes:.2f} | "
             f"{100 * o.difference:+.1f} | {interval} | {o.verdict} |"
         )
+    edges = [f"{o.label}: {o.edge}" for o in outcomes if o.edge]
+    if edges:
+        lines += [
+            "",
+            "Picked at an end of its tuning grid (the optimum may lie beyond it): "
+            + "; ".join(edges)
+            + ".",
+        ]
     refs = "; ".join(f"{k} ≈ {v:g}" for k, v in BITS_PER_PARAM_REFERENCES.items())
     lines += ["", f"Published reference points (bits/param at no accuracy loss): {refs}.", ""]
     lines += [f"![{x}]({name})" for name, (x, _, _) in PLOTS.items()]

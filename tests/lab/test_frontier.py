@@ -16,6 +16,7 @@ from fedsparse.lab.cli import app
 from fedsparse.lab.experiments.frontier import (
     DEFAULT_ARMS,
     DEFAULT_TUNE,
+    grid_edges,
     parse_arm,
     verdict,
 )
@@ -46,6 +47,14 @@ def test_the_verdict_reads_the_interval_against_one_point() -> None:
     assert verdict(-0.05, -0.011) == "not within"
     assert verdict(-0.02, 0.01) == "inconclusive"
     assert verdict(math.nan, math.nan).startswith("inconclusive")
+
+
+def test_a_pick_at_an_end_of_its_grid_is_named() -> None:
+    tune = {"lr": ["0.05", "0.1", "0.25"], "num-rounds": ["20", "40"], "momentum": ["0.9"]}
+    assert grid_edges((("lr", "0.1"), ("momentum", "0.9")), tune) == ""
+    assert grid_edges((("lr", "0.05"), ("num-rounds", "40")), tune) == (
+        "lr=0.05 (lowest), num-rounds=40 (highest)"
+    )
 
 
 def test_every_default_arm_is_a_valid_run_config_and_the_baseline_is_dense_fp32() -> None:
