@@ -18,7 +18,8 @@ add centralized evaluation, run records and checkpoints.
   each update above it (``norm-action``); (3) the rest are aggregated (weight 1 each, or
   their claimed example counts: ``weighting``) by ``SparseAggregator`` or a coordinate-wise
   trimmed mean / median (``aggregator``), or under ``dp-level=user`` by DP-FedAvg's noisy
-  clipped sum (``common/dp/central.py``); (4) a new model with a non-finite value is refused.
+  clipped sum (``common/dp/central.py``); (4) a new model with a non-finite value is refused;
+  (5) a lossy ``downlink-dtype`` moves it by the decoded change (``server/downlink.py``).
   A round that changes nothing is failed (``RoundStats.failure``, ``server/round_stats.py``)
   and ``max-failed-rounds`` of them in a row raise ``FederationFailed``. It returns the new
   global model and the round's numbers as a ``MetricRecord``; ``last_round`` keeps them
