@@ -8,6 +8,7 @@ further behind (exact values); the records carry downlink bits per parameter bes
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -19,12 +20,14 @@ from fedsparse.client.app import app as client_app
 from fedsparse.common.config import FederatedConfig
 from fedsparse.common.layout import ParamLayout
 from fedsparse.common.models.classifiers import build_model
+from fedsparse.common.wire.payload import payload_size
 from fedsparse.common.wire.protocol import (
     CONFIG_RECORD,
     DOWNLINK_KIND,
     STATE_MODEL,
     STATE_RECORD,
     TrainInstruction,
+    round_seed,
 )
 from fedsparse.lab.simulation.inprocess import InProcessGrid
 from fedsparse.server.app import run_federated
@@ -57,6 +60,7 @@ def test_every_node_holds_the_servers_model_after_each_round(
 
     monkeypatch.setattr(SparseFedAvg, "configure_train", recording_configure)
     held: dict[int, int] = {}
+    deltas: list[tuple[int, int]] = []  # (version, payload bytes)
     copies: list[tuple[int, int, str, str, torch.Tensor]] = []
 
     def recording_client(msg: Message, context: Context) -> Message:
@@ -72,11 +76,14 @@ def test_every_node_holds_the_servers_model_after_each_round(
         flat = torch.from_numpy(context.state.array_records[STATE_MODEL]["flat"].numpy().copy())
         kind = str(record.get(DOWNLINK_KIND, "values"))
         copies.append((node, task.model_version, kind, gap, flat))
+        if kind == "delta":
+            deltas.append((task.model_version, len(task.model)))
         held[node] = task.model_version
         return reply
 
     grid = InProcessGrid(recording_client, num_nodes=NODES, run_config=cfg.to_run_config())
     run_federated(grid, cfg)
+    d = _numel(cfg)
     cases = set()
     for node, version, kind, gap, flat in copies:
         assert torch.equal(flat, server[version]), (node, version, kind, gap)
@@ -89,6 +96,23 @@ def test_every_node_holds_the_servers_model_after_each_round(
     for line in lines:
         bits = 32 * line["downlink_payload_bytes"] / line["dense_downlink_bytes"]
         assert line["downlink_bits_per_param"] == pytest.approx(bits)
+    # Each change costs what the int4 codec says for its round's support (seeded mask, or
+    # dense in round 1): about keep / 2 bytes and a float32 step per 256 values.
+    versions = {version for version, _ in deltas}
+    assert 1 in versions and len(versions) > 1, versions  # a dense change and sparse ones
+    for version, size in deltas:
+        keep = lines[version - 1]["keep"]
+        sparse = keep < d
+        expected = payload_size(
+            keep=keep,
+            dense_size=d,
+            round=version + 1,
+            encoding="seeded" if sparse else "dense",
+            mask_seed=round_seed(cfg.seed, version) if sparse else 0,
+            value_dtype="int4",
+        )
+        assert size == expected
+        assert keep / 2 + 4 * math.ceil(keep / 256) < size < keep / 2 + 4 * keep / 256 + 40
     summary: dict[str, Any] = json.loads((tmp_path / "summary.json").read_text())
     assert summary["config"]["downlink-dtype"] == "int4"
     total = 32 * summary["total_downlink_payload_bytes"] / summary["total_dense_downlink_bytes"]

@@ -137,13 +137,16 @@ def test_a_change_for_a_version_the_node_does_not_hold_is_refused() -> None:
         )
 
 
-@pytest.mark.parametrize(("dtype", "block"), [("int4", 256), ("int1", 64), ("fp16", 256)])
+@pytest.mark.parametrize(
+    ("dtype", "block"), [("int4", 256), ("int1", 64), ("fp16", 256), ("fp32", 256)]
+)
 def test_every_node_holds_the_servers_model_bit_for_bit(
     make_synthetic_client, dtype: str, block: int
 ) -> None:
     """8 rounds, 12 nodes, 5 a round, dense round 1 (gradual): each selected node patches its
     copy with the real ``apply_downlink`` and holds exactly the server's model, whether it is
-    fresh, one version behind (the change) or further behind (exact values)."""
+    fresh, one version behind (the change) or further behind (exact values); fp32 sends
+    values to all, in the messages of before (no ``downlink-kind``)."""
     cfg = FederatedConfig(
         num_rounds=8,
         final_rate=0.6,
@@ -170,7 +173,9 @@ def test_every_node_holds_the_servers_model_bit_for_bit(
             stored, version = copies.get(node, (None, -1))
             behind = "fresh" if stored is None else f"{min(server_round - 1 - version, 2)} behind"
             seen.add(f"{kind}, {behind}")
-            assert (kind == "delta") == (behind == "1 behind" and server_round > 1)
+            lossy = dtype != "fp32" and behind == "1 behind" and server_round > 1
+            assert (kind == "delta") == lossy
+            assert (DOWNLINK_KIND in record) == lossy  # fp32: the messages of before
             flat = apply_downlink(
                 stored,
                 version,
@@ -188,4 +193,5 @@ def test_every_node_holds_the_servers_model_bit_for_bit(
         assert strategy.last_round.downlink_payload_bytes == down
         arrays, _ = strategy.aggregate_train(server_round, replies)
         assert arrays is not None
-    assert {"values, fresh", "delta, 1 behind", "values, 2 behind"} <= seen, seen
+    one_behind = "values" if dtype == "fp32" else "delta"
+    assert {"values, fresh", f"{one_behind}, 1 behind", "values, 2 behind"} <= seen, seen
