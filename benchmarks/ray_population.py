@@ -18,8 +18,14 @@ for comparison, on Flower's simulation engine (``--engines flower``). Printed pe
   copy and accountant), and the tree's peak PSS growth from the smallest N to the largest,
   divided by the difference in N.
 
+``--dataset synthetic`` replaces the embedded digits (1,797 images: too few for 10,000
+clients) by ``benchmarks/population_data.py``'s synthetic digits-shaped set, with
+``--examples-per-client`` examples for each client of every N (the same work per client);
+``--clients-per-round`` samples that many clients a round (0: all).
+
 Usage: python benchmarks/ray_population.py [--clients 100 1000] [--rounds 3]
            [--config default|fixed-noise] [--engines ray flower] [--cpus-per-client 1]
+           [--dataset digits|synthetic] [--examples-per-client 2] [--clients-per-round 0]
 """
 
 from __future__ import annotations
@@ -143,7 +149,12 @@ def _child_flower(
 def child(args: argparse.Namespace) -> None:
     """One run (``--child``): prints its numbers as one JSON line."""
     started = time.time()
-    overrides = {**CONFIGS[args.config], "num-rounds": str(args.rounds), "dataset": "digits"}
+    overrides = {**CONFIGS[args.config], "num-rounds": str(args.rounds)}
+    overrides["clients-per-round"] = str(args.clients_per_round)
+    if args.dataset == "synthetic":
+        overrides |= {"dataset": "population_data:load", "model": "digits-cnn"}
+    else:
+        overrides["dataset"] = "digits"
     with tempfile.TemporaryDirectory(prefix="ray-population-") as tmp:
         out = Path(tmp)
         run = _child_ray if args.engine == "ray" else _child_flower
@@ -157,9 +168,15 @@ def measure(engine: str, clients: int, args: argparse.Namespace) -> dict[str, An
     """Runs one child and samples its process tree."""
     cmd = [sys.executable, __file__, "--child", str(clients), "--engine", engine]
     cmd += ["--rounds", str(args.rounds), "--config", args.config]
-    cmd += ["--cpus-per-client", str(args.cpus_per_client)]
+    cmd += ["--cpus-per-client", str(args.cpus_per_client), "--dataset", args.dataset]
+    cmd += ["--clients-per-round", str(args.clients_per_round)]
+    env = dict(os.environ)
+    if args.dataset == "synthetic":
+        here = str(Path(__file__).resolve().parent)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
+        env["FEDSPARSE_BENCH_EXAMPLES"] = str(args.examples_per_client * clients)
     started = time.perf_counter()
-    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
     sampler = TreeSampler(process.pid)
     sampler.start()
     stdout, _ = process.communicate()
@@ -212,6 +229,9 @@ def main() -> None:
     parser.add_argument("--config", choices=sorted(CONFIGS), default="default")
     parser.add_argument("--engines", nargs="+", choices=["ray", "flower"], default=["ray"])
     parser.add_argument("--cpus-per-client", type=float, default=1.0)
+    parser.add_argument("--dataset", choices=["digits", "synthetic"], default="digits")
+    parser.add_argument("--examples-per-client", type=int, default=2)
+    parser.add_argument("--clients-per-round", type=int, default=0)
     parser.add_argument("--json", type=Path, help="also write every result here")
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--engine", choices=["ray", "flower"], help=argparse.SUPPRESS)
@@ -219,8 +239,21 @@ def main() -> None:
     if args.child is not None:
         child(args)
         return
+    data = (
+        "digits"
+        if args.dataset == "digits"
+        else (
+            f"synthetic digits-shaped data ({args.examples_per_client} examples per client, "
+            "population_data.py)"
+        )
+    )
+    sampled = (
+        f"{args.clients_per_round} clients a round"
+        if args.clients_per_round
+        else ("every client every round")
+    )
     print(
-        f"digits, config {args.config}, {args.rounds} rounds, every client every round, "
+        f"{data}, config {args.config}, {args.rounds} rounds, {sampled}, "
         f"{os.cpu_count()} CPUs, {args.cpus_per_client:g} CPU per client trained"
     )
     results = []

@@ -10,6 +10,7 @@ overlay are parsed with PyYAML and their commands compared, flag by flag, with
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import re
 import shutil
 import subprocess
@@ -20,7 +21,9 @@ from typing import Any
 import pytest
 import yaml
 
+from fedsparse.client.node_data import NodeData
 from fedsparse.lab.launch.compose import load_compose
+from fedsparse.lab.launch.compose_hosts import main as compose_hosts_main
 from fedsparse.lab.launch.deploy import deployment_args
 from fedsparse.lab.launch.tls import TlsFiles
 
@@ -257,3 +260,126 @@ def test_the_earlier_tls_overlay_still_works_and_changes_nothing() -> None:
     # `-f docker-compose.yml -f deploy/with-tls.yml` was the TLS command; TLS is the default now.
     overlay = yaml.safe_load((ROOT / "deploy" / "with-tls.yml").read_text())
     assert overlay == {"services": {}}
+
+
+# -- across hosts: deploy/superlink-host.yml and deploy/node-host.yml ---------------------------
+
+SUPERLINK_HOST = ROOT / "deploy" / "superlink-host.yml"
+NODE_HOST = ROOT / "deploy" / "node-host.yml"
+#: What the node host's variables are set to below (host A's address as its nodes dial it).
+HOST_ENV = {"SUPERLINK_ADDRESS": "203.0.113.7:9092", "PARTITION_ID": "1", "NUM_PARTITIONS": "4"}
+_VARIABLE = re.compile(r"\$\{([A-Z_]+)(?::[-?][^}]*)?\}")
+
+
+def _interpolate(text: str, env: dict[str, str]) -> str:
+    """Compose's ``${VAR}``, ``${VAR:-default}``, ``${VAR:?message}`` with ``env``."""
+
+    def value(match: re.Match[str]) -> str:
+        name, spec = match.group(1), match.group(0)
+        if name in env:
+            return env[name]
+        if ":-" in spec:
+            return spec[spec.index(":-") + 2 : -1]
+        raise KeyError(f"{name} is required: {spec}")
+
+    return _VARIABLE.sub(value, text)
+
+
+@pytest.mark.parametrize(
+    ("checked_in", "host"), [(SUPERLINK_HOST, "superlink"), (NODE_HOST, "node")]
+)
+def test_host_files_are_the_generators_output(tmp_path: Path, checked_in: Path, host: Any) -> None:
+    assert compose_hosts_main(["--host", host, "--out", str(tmp_path / "out.yml")]) == 0
+    assert checked_in.read_text() == (tmp_path / "out.yml").read_text(), (
+        f"{checked_in.name} drifted: `python -m fedsparse.lab.launch.compose_hosts --host {host} "
+        f"--out deploy/{checked_in.name}`"
+    )
+
+
+def test_superlink_host_is_the_superlink_of_the_one_host_file_with_its_fleet_api_published() -> (
+    None
+):
+    [(name, service)] = load_compose(SUPERLINK_HOST)["services"].items()
+    one_host = load_compose(COMPOSE)["services"]["superlink"]
+    assert name == "superlink" and service["command"] == one_host["command"]
+    # same flags as the deployment the two-host test runs, the Fleet API on every interface
+    superlink, _ = deployment_args(
+        http_port=HTTP_PORT,
+        fleet_port=FLEET_PORT,
+        num_nodes=1,
+        node_ports=[NODE_PORT],
+        tls=TLS,
+        auth_keys=[KEYS[0]],
+        fleet_host="0.0.0.0",
+    )
+    opts, ref = _options(service["command"]), _options(superlink)
+    assert opts.pop("--host") == CONTROL_IP and ref.pop("--host") == "127.0.0.1"
+    assert opts == ref
+    assert service["ports"] == [
+        f"127.0.0.1:{HTTP_PORT}:{HTTP_PORT}",  # the API that starts runs: this host only
+        f"${{FLEET_API_BIND:-0.0.0.0}}:{FLEET_PORT}:{FLEET_PORT}",  # other hosts' nodes
+    ]
+    assert service["build"]["context"] == ".."  # relative to deploy/, the file's folder
+    mounts = _mounts(service)
+    assert {mounts[path] for path in (opts["--ssl-certfile"], opts["--ssl-keyfile"])} == {
+        "./certs/server.pem",
+        "./certs/server.key",
+    }
+    assert mounts[str(opts["--ssl-ca-certfile"])] == "./certs/ca.crt"
+    assert not any("ca.key" in source or "nodes" in source for source in mounts.values())
+
+
+def test_node_host_dials_the_configured_superlink_with_its_own_key_and_the_handed_ca() -> None:
+    [(name, service)] = load_compose(NODE_HOST)["services"].items()
+    assert name == "supernode"
+    command = [_interpolate(arg, HOST_ENV) for arg in service["command"]]
+    assert command[:2] == ["fedsparse", "node"]
+    _, [reference] = deployment_args(
+        http_port=HTTP_PORT,
+        fleet_port=FLEET_PORT,
+        num_nodes=1,
+        node_ports=[NODE_PORT],
+        tls=TLS,
+        auth_keys=[Path("/app/keys/node")],
+        superlink_hosts=["203.0.113.7"],
+        ledger_dirs=[LEDGER_DIR],
+        data=[NodeData(dataset="digits", partition_id=1, num_partitions=4)],
+    )
+    assert _options(command) == _options(reference)
+    volumes = [_interpolate(volume, {}) for volume in service["volumes"]]
+    mounts = {volume.split(":")[1]: volume.split(":")[0] for volume in volumes}
+    assert mounts == {
+        LEDGER_DIR: "ledger",
+        "/app/certificates/ca.crt": "./certs/ca.crt",  # CA_CERT's default, in deploy/
+        "/app/keys/node": "./certs/nodes/node",  # NODE_KEY's default
+    }
+    assert all(v.endswith(":ro") for v in service["volumes"] if not v.startswith("ledger:"))
+    for variable in ("CA_CERT", "NODE_KEY"):  # both movable
+        assert any(f"${{{variable}:-" in volume for volume in service["volumes"]), variable
+    for variable in HOST_ENV:  # required: no default anywhere
+        others = {k: v for k, v in HOST_ENV.items() if k != variable}
+        with pytest.raises(KeyError, match=variable):
+            _interpolate(" ".join(service["command"]), others)
+    assert "ports" not in service and "networks" not in service  # dials out, serves nothing
+
+
+def _compose_cli() -> list[str] | None:
+    """``docker compose`` (the plugin) or ``docker-compose`` (v1), whichever is here."""
+    if _compose_available():
+        return ["docker", "compose"]
+    return ["docker-compose"] if shutil.which("docker-compose") else None
+
+
+@pytest.mark.skipif(_compose_cli() is None, reason="no docker compose / docker-compose")
+@pytest.mark.parametrize("path", [SUPERLINK_HOST, NODE_HOST], ids=["superlink", "node"])
+def test_host_files_are_valid_compose(path: Path) -> None:
+    cli = _compose_cli()
+    assert cli is not None
+    env = {**os.environ, **HOST_ENV}
+    run = [*cli, "-f", str(path), "config", "-q"]
+    result = subprocess.run(run, capture_output=True, text=True, check=False, env=env)
+    assert result.returncode == 0, result.stderr
+    if path == NODE_HOST:  # a required variable unset: compose refuses, naming it
+        env.pop("SUPERLINK_ADDRESS")
+        result = subprocess.run(run, capture_output=True, text=True, check=False, env=env)
+        assert result.returncode != 0 and "HOST:9092" in result.stderr, result.stderr

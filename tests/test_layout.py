@@ -59,6 +59,7 @@ def test_server_holds_only_serverapp_code() -> None:
         "round_stats",
         "round_updates",
         "run_records",
+        "secagg",
         "strategy",
         "tracking",
         "validation",

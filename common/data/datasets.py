@@ -66,6 +66,7 @@ __all__ = [
     "EvalSplit",
     "Split",
     "VALIDATION_FRACTION",
+    "dataset_files",
     "dataset_input_shape",
     "hold_out_validation",
     "load_dataset",
@@ -211,6 +212,37 @@ def load_dataset(
     if name == "cifar10":
         return _load_cifar10(root)
     return _load_svhn(root)
+
+
+def dataset_files(
+    name: DatasetName | str, *, data_dir: str | os.PathLike[str] | None = None
+) -> list[Path]:
+    """The files ``load_dataset(name, data_dir=...)`` reads, found without reading them: none
+    for ``"digits"`` and for a user's dataset (its loader alone knows); the errors of
+    ``load_dataset`` where they are missing (each names the dataset, the directories searched
+    and the expected files). Where a run's processes are spread over machines (a Ray cluster),
+    each checks it holds them before its first round."""
+    if plugins.is_reference(name) or name == "digits":
+        return []
+    if name not in DATASET_NAMES:
+        raise ValueError(f"dataset name={name!r}: expected one of {', '.join(DATASET_NAMES)}")
+    if name == "mnist-5k":
+        return [_mnist_5k_path(None if data_dir is None else Path(data_dir))]
+    if data_dir is None:
+        raise ValueError(
+            f"data-dir is not set: dataset {name!r} is not embedded; give the folder holding "
+            f"{_EXPECTED_FILES[name]}"
+        )
+    root = Path(data_dir)
+    if name in _MNIST_SUBDIRS:
+        found = _find_files(name, [root, root / _MNIST_SUBDIRS[name]], _MNIST_FILES, allow_gz=True)
+    elif name == "cifar10":
+        found = _find_files(
+            name, [root, root / "cifar-10-batches-py"], _CIFAR_FILES, allow_gz=False
+        )
+    else:
+        found = _find_files(name, [root], _SVHN_FILES, allow_gz=False)
+    return list(found.values())
 
 
 def _load_user_dataset(

@@ -17,6 +17,7 @@ import typer
 from fedsparse.lab.cli.compose import compose, node
 from fedsparse.lab.cli.deploy import deploy
 from fedsparse.lab.cli.export import export
+from fedsparse.lab.cli.frontier import frontier
 from fedsparse.lab.cli.reconstruct import reconstruct
 from fedsparse.lab.cli.reproduce import reproduce
 from fedsparse.lab.cli.simulate import demo, simulate
@@ -68,6 +69,7 @@ def _command(function: Callable[..., Any], name: str | None = None, **settings: 
 _command(train)
 _command(simulate)
 _command(sweep)
+_command(frontier)
 _command(reproduce)
 _command(reconstruct)
 _command(demo)

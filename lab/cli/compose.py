@@ -18,21 +18,37 @@ __all__ = ["compose", "node"]
 
 
 def compose(
-    out: Annotated[Path, Opt(help="compose file to write")] = Path("docker-compose.yml"),
+    out: Annotated[
+        Path | None,
+        Opt(help="compose file to write (docker-compose.yml; with --host, deploy/HOST-host.yml)"),
+    ] = None,
     nodes: Annotated[int, Opt(help="SuperNodes (partition i of N each)")] = 3,
     overlay: Annotated[str | None, Opt(help="write an overlay instead: insecure | gpu")] = None,
     certs: Annotated[str, Opt(help="folder of deploy/certs/generate.sh's files")] = (
         "./deploy/certs"
     ),
     dataset: Annotated[str, Opt(help="the dataset the SuperNodes declare")] = "digits",
+    host: Annotated[
+        str | None,
+        Opt(help="write one host's file of a deployment across machines: superlink | node"),
+    ] = None,
 ) -> None:
-    """Writes the compose file for N SuperNodes (TLS + SuperNode auth), or an overlay."""
+    """Writes the compose file for N SuperNodes (TLS + SuperNode auth), an overlay, or the file
+    of one host of a deployment across machines (deploy/README.md, "Across hosts")."""
     from fedsparse.lab.launch.compose import Overlay, write_compose
+    from fedsparse.lab.launch.compose_hosts import HOST_FILES, Host, write_host_compose
 
     overlays: tuple[Overlay, ...] = ("insecure", "gpu")
     try:
+        if host is not None:
+            role: Host = choice("host", host, tuple(HOST_FILES))
+            path = write_host_compose(out or Path(HOST_FILES[role]), role, dataset=dataset)
+            console.print(f"wrote {path} ({host} host)")
+            return
         kind = None if overlay is None else choice("overlay", overlay, overlays)
-        path = write_compose(out, nodes, overlay=kind, certs=certs, dataset=dataset)
+        path = write_compose(
+            out or Path("docker-compose.yml"), nodes, overlay=kind, certs=certs, dataset=dataset
+        )
     except ValueError as err:
         raise typer.BadParameter(str(err)) from err
     console.print(f"wrote {path} ({nodes} SuperNodes{f', {overlay} overlay' if overlay else ''})")

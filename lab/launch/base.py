@@ -181,8 +181,15 @@ def connect(
     )
 
 
-def superlink_args(flags: Sequence[str], *, http_port: int, fleet_port: int) -> list[str]:
-    """``flower-superlink`` on 127.0.0.1: ``flags``, then the ports; no runtime installs."""
+def superlink_args(
+    flags: Sequence[str], *, http_port: int, fleet_port: int, fleet_host: str = "127.0.0.1"
+) -> list[str]:
+    """``flower-superlink`` on 127.0.0.1: ``flags``, then the ports; no runtime installs.
+
+    Args:
+        fleet_host: the address the Fleet API (the SuperNodes' side) listens on; the Control
+            and Runtime HTTP API stays on 127.0.0.1.
+    """
     return [
         tool("flower-superlink"),
         *flags,
@@ -191,7 +198,7 @@ def superlink_args(flags: Sequence[str], *, http_port: int, fleet_port: int) -> 
         "--port",
         str(http_port),
         "--fleet-api-address",
-        f"127.0.0.1:{fleet_port}",
+        f"{fleet_host}:{fleet_port}",
         "--disable-runtime-dependency-installation",
     ]
 
@@ -250,9 +257,15 @@ def flwr_run(
     connection: SuperLinkConnection,
     *extra: str,
     pids: list[int] | None = None,
+    prefix: Sequence[str] = (),
 ) -> Iterator[Process]:
-    """``flwr run <bundle> <connection> --run-config ... <extra> --stream``, into ``flwr.log``."""
+    """``flwr run <bundle> <connection> --run-config ... <extra> --stream``, into ``flwr.log``.
+
+    Args:
+        prefix: what runs the command (e.g. ``ip netns exec <namespace>``); default nothing.
+    """
     args = [
+        *prefix,
         tool("flwr"),
         "run",
         str(run.app),

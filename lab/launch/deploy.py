@@ -64,6 +64,7 @@ def deployment_args(
     ledger_dirs: Sequence[str] | None = None,
     superlink_hosts: Sequence[str] | None = None,
     data: Sequence[NodeData] | None = None,
+    fleet_host: str = "127.0.0.1",
 ) -> tuple[list[str], list[list[str]]]:
     """``flower-superlink`` and ``fedsparse node`` argument lists for a loopback deployment.
 
@@ -71,7 +72,8 @@ def deployment_args(
     (grpc-rere) Fleet API on ``fleet_port``; SuperNode ``i`` (``fedsparse node``:
     ``flower-supernode`` running only the node's own ClientApp, ``client/node.py``) serves its
     Runtime API on ``node_ports[i]`` and holds ``data[i]``. Everything listens on 127.0.0.1
-    only. (SuperNodes install no runtime dependencies.)
+    only, unless ``fleet_host`` moves the Fleet API. (SuperNodes install no runtime
+    dependencies.)
 
     Args:
         superlink_ports: port SuperNode ``i`` dials for the Fleet API (a relay in front of
@@ -86,6 +88,8 @@ def deployment_args(
             default: the node policy's own default.
         data: what SuperNode ``i`` declares it holds (``client/node_data.py``); default:
             partition ``i`` of ``num_nodes`` of digits.
+        fleet_host: the address the SuperLink's Fleet API listens on (another host's nodes
+            dial it); the HTTP API that starts runs stays on 127.0.0.1.
     """
     targets = list(superlink_ports) if superlink_ports is not None else [fleet_port] * num_nodes
     if len(targets) != num_nodes:
@@ -110,7 +114,10 @@ def deployment_args(
         raise ValueError(f"data has {len(declared)} declarations: expected {num_nodes}")
     auth = ["--enable-supernode-auth"] if auth_keys is not None else []
     superlink = superlink_args(
-        [*security_args(tls, server=True), *auth], http_port=http_port, fleet_port=fleet_port
+        [*security_args(tls, server=True), *auth],
+        http_port=http_port,
+        fleet_port=fleet_port,
+        fleet_host=fleet_host,
     )
     supernodes = [
         [

@@ -56,12 +56,14 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from fedsparse.lab.launch.processes import Process, check_running, raise_if_stopping
 
 __all__ = [
     "DEFAULT_PREFIX",
     "FRAME_BYTES",
+    "InNamespace",
     "NodeLink",
     "QUEUE_LATENCY_MS",
     "burst_bytes",
@@ -403,13 +405,25 @@ def socket_in(
     return made
 
 
-def wait_for_port_in(
-    link: NodeLink, port: int, *, timeout: float, process: Process | None = None
-) -> None:
-    """Waits until ``127.0.0.1:port`` inside ``link``'s namespace accepts TCP connections.
+class InNamespace(Protocol):
+    """Anything naming a network namespace (``NodeLink``, ``hosts.NetnsHost``)."""
 
-    The namespace's own loopback: what a process started with ``link.command(...)`` listens on
-    when told ``--host 127.0.0.1``.
+    @property
+    def namespace(self) -> str: ...
+
+
+def wait_for_port_in(
+    link: InNamespace,
+    port: int,
+    *,
+    timeout: float,
+    process: Process | None = None,
+    host: str = "127.0.0.1",
+) -> None:
+    """Waits until ``host:port`` inside ``link``'s namespace accepts TCP connections.
+
+    By default the namespace's own loopback: what a process started with ``link.command(...)``
+    listens on when told ``--host 127.0.0.1``.
 
     Raises:
         RuntimeError: if ``process`` exits first, or on timeout.
@@ -422,9 +436,9 @@ def wait_for_port_in(
             check_running([process])
         with socket_in(link.namespace) as sock:
             sock.settimeout(0.5)
-            if sock.connect_ex(("127.0.0.1", port)) == 0:
+            if sock.connect_ex((host, port)) == 0:
                 return
         time.sleep(0.2)
     raise RuntimeError(
-        f"nothing listened on 127.0.0.1:{port} in {link.namespace} within {timeout:.0f} s"
+        f"nothing listened on {host}:{port} in {link.namespace} within {timeout:.0f} s"
     )

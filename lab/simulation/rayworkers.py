@@ -33,6 +33,8 @@ from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 
+from fedsparse.common.data import dataset_files
+
 __all__ = [
     "RAY_ADDRESS_ENV",
     "ClientFn",
@@ -111,7 +113,13 @@ class VirtualClients:
         run_config: Mapping[str, Any],
         overrides: Mapping[int, ClientFn],
     ) -> int:
-        """Replaces the clients by fresh ones, a ``(node id, partition id)`` each; the pid."""
+        """Replaces the clients by fresh ones, a ``(node id, partition id)`` each; the pid.
+
+        Raises:
+            FileNotFoundError: the run's dataset files are not where ``data-dir`` says on this
+                worker's machine (``dataset_files``); the message names the Ray node.
+        """
+        _check_data(run_config)
         self._contexts = {
             node: Context(
                 run_id=run_id,
@@ -165,6 +173,25 @@ class VirtualClients:
             gpu_ids=gpus,
             node_id=node,
         )
+
+
+def _check_data(run_config: Mapping[str, Any]) -> None:
+    """Raises where this machine lacks the files of the run's dataset, naming the machine."""
+    name, data_dir = str(run_config.get("dataset", "digits")), str(run_config.get("data-dir", ""))
+    try:
+        dataset_files(name, data_dir=data_dir or None)
+    except (FileNotFoundError, ValueError) as err:
+        if ray.is_initialized():
+            where = (
+                f"Ray node {ray.get_runtime_context().get_node_id()[:12]} "
+                f"({ray.util.get_node_ip_address()}, host {socket.gethostname()})"
+            )
+        else:
+            where = f"host {socket.gethostname()}"
+        raise FileNotFoundError(
+            f"{where}: {err}. Every node of the cluster reads the dataset from the same "
+            "data-dir: copy the files there (or mount them) on each node"
+        ) from None
 
 
 def worker_count(
@@ -256,12 +283,22 @@ class RayWorkers:
         return self._remote.remote(self._app)
 
     def assign(self, index: int, **kwargs: Any) -> Any:
-        """``VirtualClients.assign`` on worker ``index``; a dead worker is replaced first."""
+        """``VirtualClients.assign`` on worker ``index``; a dead worker is replaced first.
+
+        Raises:
+            FileNotFoundError: the worker's machine lacks the dataset's files (its message,
+                not Ray's traceback).
+        """
         try:
-            return ray.get(self.actors[index].assign.remote(**kwargs))
-        except ray.exceptions.RayActorError:
-            self.actors[index] = self._start()
-            return ray.get(self.actors[index].assign.remote(**kwargs))
+            try:
+                return ray.get(self.actors[index].assign.remote(**kwargs))
+            except ray.exceptions.RayActorError:
+                self.actors[index] = self._start()
+                return ray.get(self.actors[index].assign.remote(**kwargs))
+        except ray.exceptions.RayTaskError as err:
+            if isinstance(err.cause, FileNotFoundError):
+                raise FileNotFoundError(str(err.cause)) from None
+            raise
 
     def stats(self) -> list[WorkerStats]:
         """Each worker's ``WorkerStats``, in worker order."""

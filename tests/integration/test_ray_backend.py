@@ -198,6 +198,26 @@ def test_a_dead_worker_costs_its_clients_not_the_run(workers: RayWorkers, tmp_pa
     assert read_rounds(tmp_path / "next" / "rounds.jsonl")[0].num_accepted == 2
 
 
+def test_a_worker_without_the_dataset_files_names_its_node(
+    workers: RayWorkers, tmp_path: Path
+) -> None:
+    # The files are checked where each worker runs, before the clients are made.
+    run_config = {"dataset": "mnist", "data-dir": str(tmp_path / "nowhere"), "num-rounds": 1}
+    with pytest.raises(FileNotFoundError) as info:
+        RayGrid(workers, num_nodes=2, run_config=run_config)
+    text = str(info.value)
+    assert text.startswith("Ray node ") and "host " in text, text
+    assert "dataset 'mnist': expected files train-images-idx3-ubyte" in text, text
+    assert str(tmp_path / "nowhere") in text and "on each node" in text, text
+    assert "Traceback" not in text, text
+    # The files found, the same check passes (empty files: only their presence is checked).
+    (tmp_path / "nowhere").mkdir()
+    for name in ("train-images", "train-labels", "t10k-images", "t10k-labels"):
+        kind = "idx3" if "images" in name else "idx1"
+        (tmp_path / "nowhere" / f"{name}-{kind}-ubyte").write_bytes(b"")
+    RayGrid(workers, num_nodes=2, run_config=run_config)
+
+
 def test_fractional_gpus_put_several_workers_on_one_gpu(workers: RayWorkers) -> None:
     # The module's cluster has 4 CPUs (2 taken by ``workers``) and 1 logical GPU.
     with RayWorkers(client_app, gpus_per_client=0.5) as shared:

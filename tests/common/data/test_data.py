@@ -23,6 +23,7 @@ from fedsparse.common.data.datasets import (
     MNIST_5K_FILE,
     NORMALIZATION,
     Split,
+    dataset_files,
     load_dataset,
 )
 from fedsparse.common.data.readers import (
@@ -244,6 +245,27 @@ def test_mnist_missing_files_message(tmp_path: Path, name: str) -> None:
     assert repr(name) in message and str(tmp_path) in message and ".gz" in message
     for file_name in MNIST_FILES:
         assert file_name in message
+
+
+@pytest.mark.parametrize("name", ["mnist", "fmnist"])
+def test_dataset_files_finds_what_load_dataset_reads_and_fails_as_it_does(
+    tmp_path: Path, name: str
+) -> None:
+    assert dataset_files("digits") == [] and dataset_files("my_lab.data:load") == []
+    assert dataset_files("mnist-5k")[0].name == MNIST_5K_FILE
+    subdir = tmp_path / ("MNIST/raw" if name == "mnist" else "FashionMNIST/raw")
+    with pytest.raises(FileNotFoundError) as info:
+        dataset_files(name, data_dir=tmp_path)
+    with pytest.raises(FileNotFoundError) as loaded:
+        load_dataset(name, data_dir=tmp_path)
+    assert str(info.value) == str(loaded.value)
+    with pytest.raises(ValueError, match="data-dir is not set"):
+        dataset_files(name)
+    _write_mnist(subdir, _mnist_arrays(seed=0), gz=True)
+    found = dataset_files(name, data_dir=tmp_path)
+    assert sorted(p.name for p in found) == sorted(f"{f}.gz" for f in MNIST_FILES)
+    assert all(p.parent == subdir for p in found)
+    load_dataset(name, data_dir=tmp_path)  # what it found is what loads
 
 
 # -------------------------------------------------------------------------- CIFAR-10

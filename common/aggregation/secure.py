@@ -1,0 +1,376 @@
+"""Secure aggregation's math: the integer ring, the distributed noise, the masks.
+
+Every client of a round masks the same ``k`` kept coordinates (the round's seed-shared mask),
+so the masked sum runs over ``k`` ring elements per client, not the model's dimension.
+
+**Ring.** A client's kept values ``x`` (clipped here to L2 norm ``C``) are scaled by ``s``,
+stochastically rounded to integers (unbiased: ``E[SR(v)] = v``; randomness from a passed
+``torch.Generator``), given an integer noise share, and reduced mod ``2^b``. The server
+decodes the ring sum by the centered lift (``r - 2^b`` when ``r >= 2^(b-1)``) and divides by
+``s``. The scale keeps the rounding's cost on the sensitivity to a fraction ``gamma``
+(``rounding_slack``): rounding moves each coordinate by less than 1, so the rounded vector's
+norm is at most ``sC + sqrt(k)`` and ``s = sqrt(k) / (gamma C)`` makes that ``(1 + gamma) sC``.
+
+**Wrap bound.** Coordinate ``j`` of the sum over ``m <= n`` clients is ``S_j = Q_j + Z_j``:
+``|Q_j| <= n (sC + 1)`` (``|x_j| <= ||x||_2 <= C``, rounding adds less than 1), and ``Z_j``,
+a sum of ``m`` independent discrete Gaussians of variance parameter ``v = (s sigma C)^2 / t``,
+is sub-Gaussian with proxy ``V = n v`` (a discrete Gaussian is sub-Gaussian with its
+parameter: "The Discrete Gaussian for Differential Privacy", arXiv:2004.00010). The centered
+lift is exact while ``-2^(b-1) <= S_j < 2^(b-1)``, so with ``a = 2^(b-1) - 1 - n (sC + 1)``
+
+    P(some coordinate wraps) <= 2 k exp(-a^2 / (2 V))        (union bound over k),
+
+and :func:`choose_ring` takes the smallest ``b`` that puts this below ``wrap_probability``.
+
+**Noise shares** (distributed DP, "The Distributed Discrete Gaussian Mechanism for Federated
+Learning with Secure Aggregation", arXiv:2102.06387): each client adds discrete Gaussian
+noise ``N_Z(0, (s sigma C)^2 / t)`` in ring units (``sigma C / sqrt(t)`` in value units),
+sampled by Canonne-Kamath-Steinke's rejection from the discrete Laplace, in floating point.
+Any ``m >= t`` survivors' shares sum to variance ``m/t (s sigma C)^2 >= (s sigma C)^2``. The
+noise is integer, so it adds no rounding of its own; the rounding of ``x`` enters through the
+sensitivity ``sC + sqrt(k)``. The sum of discrete Gaussians is not exactly one: Kairouz et al.
+bound the gap by ``tau = 10 sum_{j=1}^{m-1} exp(-2 pi^2 v j/(j+1))``
+(:func:`sum_divergence_tau`), negligible for share parameters of a few ring units and more.
+
+**Masks** ("Practical Secure Aggregation for Privacy-Preserving Machine Learning", Bonawitz et
+al.; SecAgg+: "Secure Single-Server Aggregation with (Poly)Logarithmic Overhead", Bell et al.):
+client ``i`` sends ``y_i = x_i + sum_{j>i} m_ij - sum_{j<i} m_ji + m_i (mod 2^b)``, each mask
+the expansion of a 32-byte seed by SHAKE-256 (an extendable-output function of the standard
+library's ``hashlib``); the pairwise ones cancel in the sum.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+__all__ = [
+    "SEED_BYTES",
+    "RingParams",
+    "central_noise_multiplier",
+    "check_threshold",
+    "choose_ring",
+    "decode_sum",
+    "discrete_gaussian",
+    "discrete_gaussian_variance",
+    "encode",
+    "expand_mask",
+    "mask_input",
+    "noise_share_std",
+    "pack_ring",
+    "pairwise_sign",
+    "quantize",
+    "remove_masks",
+    "ring_sum",
+    "stochastic_round",
+    "sum_divergence_tau",
+    "unpack_ring",
+    "worst_case_noise_multiplier",
+    "wrap_probability_bound",
+]
+
+SEED_BYTES = 32
+"""Length of a mask seed."""
+
+MAX_BITS = 62
+"""The largest ring: two elements below ``2^62`` add without leaving ``int64``."""
+
+
+def check_threshold(clients: int, threshold: int) -> None:
+    """Refuse a threshold that lets disjoint halves of the clients betray one of them.
+
+    Each client answers the unmask stage once; with ``t > n/2`` no two disjoint sets of ``t``
+    clients exist, so a server that lies about who dropped cannot collect both a client's
+    self-mask seed and its key (which together unmask its vector) from honest clients.
+    """
+    if clients < 2:
+        raise ValueError(f"secure aggregation needs at least 2 clients, got {clients}")
+    if not clients / 2 < threshold <= clients:
+        raise ValueError(f"threshold must satisfy n/2 < t <= n (n={clients}), got t={threshold}")
+
+
+@dataclass(frozen=True)
+class RingParams:
+    """The public parameters of one round's secure sum (everyone can derive them)."""
+
+    clip: float
+    """``C``: the L2 bound of a client's kept values (clipped to it when encoded)."""
+    sigma: float
+    """The central noise multiplier the sum of any ``threshold`` clients carries (0: none)."""
+    clients: int
+    """``n``: the clients that start the round."""
+    threshold: int
+    """``t``: the fewest survivors the sum is decoded for; each share is ``1/sqrt(t)``."""
+    kept: int
+    """``k``: the kept coordinates, one ring element each."""
+    scale: float
+    """``s``: ring units per value unit."""
+    bits: int
+    """``b``: the ring is the integers mod ``2^b``."""
+
+    @property
+    def modulus(self) -> int:
+        return 1 << self.bits
+
+    @property
+    def share_std(self) -> float:
+        """A client's noise share, in ring units: ``s sigma C / sqrt(t)``."""
+        return self.scale * noise_share_std(self.sigma, self.clip, self.threshold)
+
+    @property
+    def sensitivity(self) -> float:
+        """L2 bound of a client's rounded, scaled values: ``sC + sqrt(k)``."""
+        return self.scale * self.clip + math.sqrt(self.kept)
+
+    @property
+    def element_bytes(self) -> int:
+        """Bytes of one ring element on the wire."""
+        return (self.bits + 7) // 8
+
+
+def choose_ring(
+    *,
+    clip: float,
+    sigma: float,
+    clients: int,
+    threshold: int,
+    kept: int,
+    wrap_probability: float = 1e-9,
+    rounding_slack: float = 0.01,
+) -> RingParams:
+    """The scale ``s = sqrt(k) / (gamma C)`` and the smallest ring whose wrap bound holds."""
+    check_threshold(clients, threshold)
+    if not (clip > 0 and math.isfinite(clip)):
+        raise ValueError(f"clip must be positive and finite, got {clip}")
+    if not (sigma >= 0 and math.isfinite(sigma)):
+        raise ValueError(f"sigma must be >= 0 and finite, got {sigma}")
+    if kept < 1:
+        raise ValueError(f"kept must be >= 1, got {kept}")
+    if not 0 < wrap_probability < 1:
+        raise ValueError(f"wrap_probability must be in (0, 1), got {wrap_probability}")
+    if rounding_slack <= 0:
+        raise ValueError(f"rounding_slack must be positive, got {rounding_slack}")
+    scale = math.sqrt(kept) / (rounding_slack * clip)
+    signal = clients * (scale * clip + 1)
+    variance = clients * (scale * sigma * clip) ** 2 / threshold
+    tail = math.sqrt(2 * variance * math.log(2 * kept / wrap_probability))
+    bits = max(2, math.ceil(math.log2(signal + 1 + tail)) + 1)
+    if bits > MAX_BITS:
+        raise ValueError(f"the ring needs {bits} bits, more than {MAX_BITS}")
+    return RingParams(clip, sigma, clients, threshold, kept, scale, bits)
+
+
+def wrap_probability_bound(params: RingParams) -> float:
+    """The module docstring's bound on P(some coordinate of the sum wraps), at most 1."""
+    margin = (params.modulus >> 1) - 1 - params.clients * (params.scale * params.clip + 1)
+    if margin <= 0:
+        return 1.0
+    variance = params.clients * params.share_std**2
+    if variance == 0:
+        return 0.0
+    return min(1.0, 2 * params.kept * math.exp(-(margin**2) / (2 * variance)))
+
+
+def noise_share_std(sigma: float, clip: float, threshold: int) -> float:
+    """A client's noise share in value units: ``sigma C / sqrt(t)``."""
+    return sigma * clip / math.sqrt(threshold)
+
+
+def central_noise_multiplier(params: RingParams, survivors: int) -> float:
+    """The noise multiplier of the decoded sum of ``survivors`` clients' shares.
+
+    Noise std ``s sigma C sqrt(m/t)`` over the rounded sensitivity ``sC + sqrt(k)``:
+    ``sigma sqrt(m/t) / (1 + sqrt(k)/(sC))``, at least ``sigma / (1 + gamma)`` for ``m >= t``.
+    """
+    if survivors < params.threshold:
+        raise ValueError(f"{survivors} survivors, fewer than the threshold {params.threshold}")
+    return params.share_std * math.sqrt(survivors) / params.sensitivity
+
+
+def worst_case_noise_multiplier(params: RingParams) -> float:
+    """A node's own share alone (everyone else colludes with the server): ``~sigma/sqrt(t)``."""
+    return params.share_std / params.sensitivity
+
+
+def sum_divergence_tau(share_std: float, survivors: int) -> float:
+    """Kairouz et al.'s ``tau`` for a sum of ``survivors`` discrete Gaussians of parameter
+    ``share_std`` (ring units): the sum's distance from one discrete Gaussian."""
+    v = share_std**2
+    return 10 * sum(math.exp(-2 * math.pi**2 * v * j / (j + 1)) for j in range(1, survivors))
+
+
+def stochastic_round(values: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Unbiased rounding to ``int64``: ``floor(v) + 1`` with probability ``v - floor(v)``."""
+    v = values.to(torch.float64)
+    low = torch.floor(v)
+    up = torch.rand(v.shape, generator=generator, dtype=torch.float64) < (v - low)
+    return low.to(torch.int64) + up.to(torch.int64)
+
+
+def quantize(values: torch.Tensor, params: RingParams, generator: torch.Generator) -> torch.Tensor:
+    """Clip ``values`` to L2 norm ``C``, scale by ``s``, round stochastically (``int64``)."""
+    if values.dim() != 1 or values.numel() != params.kept:
+        raise ValueError(f"expected {params.kept} kept values, got shape {tuple(values.shape)}")
+    v = values.to(torch.float64)
+    norm = float(torch.linalg.vector_norm(v))
+    if not math.isfinite(norm):
+        raise ValueError("kept values must be finite")
+    if norm > params.clip:
+        v = v * (params.clip / norm)
+    return stochastic_round(v * params.scale, generator)
+
+
+def _discrete_laplace(count: int, scale: int, generator: torch.Generator) -> torch.Tensor:
+    """``P(y) ~ exp(-|y|/scale)``: the difference of two geometrics ``floor(scale * Exp(1))``."""
+    e = torch.empty(2, count, dtype=torch.float64).exponential_(generator=generator)
+    g = torch.floor(e * scale).to(torch.int64)
+    return g[0] - g[1]
+
+
+def discrete_gaussian(count: int, sigma: float, generator: torch.Generator) -> torch.Tensor:
+    """``count`` draws of ``N_Z(0, sigma^2)``: ``P(y) ~ exp(-y^2 / (2 sigma^2))`` on the integers.
+
+    Canonne, Kamath and Steinke's algorithm with ``t = floor(sigma) + 1``: draw ``Y`` from the
+    discrete Laplace of scale ``t``, keep it with probability
+    ``exp(-(|Y| - sigma^2/t)^2 / (2 sigma^2))``. Floating point, not their exact arithmetic.
+    """
+    if sigma < 0 or not math.isfinite(sigma):
+        raise ValueError(f"sigma must be >= 0 and finite, got {sigma}")
+    out = torch.zeros(count, dtype=torch.int64)
+    if sigma == 0 or count == 0:
+        return out
+    t = math.floor(sigma) + 1
+    pending = torch.arange(count)
+    while pending.numel():
+        y = _discrete_laplace(pending.numel(), t, generator)
+        keep = torch.exp(-((y.abs().to(torch.float64) - sigma**2 / t) ** 2) / (2 * sigma**2))
+        ok = torch.rand(pending.numel(), generator=generator, dtype=torch.float64) < keep
+        out[pending[ok]] = y[ok]
+        pending = pending[~ok]
+    return out
+
+
+def discrete_gaussian_variance(sigma: float) -> float:
+    """The variance of ``N_Z(0, sigma^2)`` (a little below ``sigma^2`` for small ``sigma``)."""
+    if sigma == 0:
+        return 0.0
+    y = np.arange(-math.ceil(40 * sigma + 10), math.ceil(40 * sigma + 10) + 1, dtype=np.float64)
+    w = np.exp(-(y**2) / (2 * sigma**2))
+    return float((w * y**2).sum() / w.sum())
+
+
+def encode(values: torch.Tensor, params: RingParams, generator: torch.Generator) -> torch.Tensor:
+    """A client's ring input: quantized values plus its discrete Gaussian share, mod ``2^b``.
+
+    The generator is drawn from in a fixed order (rounding, then noise), so the same seed gives
+    the same ring input.
+    """
+    q = quantize(values, params, generator)
+    q = q + discrete_gaussian(params.kept, params.share_std, generator)
+    return q & (params.modulus - 1)
+
+
+def ring_sum(vectors: Iterable[torch.Tensor], bits: int) -> torch.Tensor:
+    """The sum of ring vectors mod ``2^bits`` (reduced after every addition: no overflow)."""
+    total: torch.Tensor | None = None
+    mask = (1 << bits) - 1
+    for v in vectors:
+        total = v.clone() if total is None else (total + v) & mask
+    if total is None:
+        raise ValueError("ring_sum of no vectors")
+    return total & mask
+
+
+def decode_sum(ring_total: torch.Tensor, params: RingParams) -> torch.Tensor:
+    """The centered lift of a ring sum, in value units (``float64``)."""
+    half = params.modulus >> 1
+    lifted = torch.where(ring_total >= half, ring_total - params.modulus, ring_total)
+    return lifted.to(torch.float64) / params.scale
+
+
+def expand_mask(seed: bytes, kept: int, bits: int, label: bytes) -> torch.Tensor:
+    """``kept`` uniform ring elements from a 32-byte seed (SHAKE-256, domain ``label``).
+
+    Each element is the low ``bits`` of a 64-bit little-endian word of the output: exactly
+    uniform, because ``2^bits`` divides ``2^64``.
+    """
+    if not isinstance(seed, bytes) or len(seed) != SEED_BYTES:
+        raise ValueError(f"a mask seed is {SEED_BYTES} bytes")
+    xof = hashlib.shake_256(b"fedsparse/secagg/" + label + b"\x00" + seed)
+    words = np.frombuffer(xof.digest(8 * kept), dtype="<u8")
+    ring = words & np.uint64((1 << bits) - 1)
+    return torch.from_numpy(ring.astype(np.int64))
+
+
+SELF_LABEL = b"self"
+PAIR_LABEL = b"pair"
+
+
+def pairwise_sign(own: int, other: int) -> int:
+    """How node ``own`` applies the mask it shares with ``other``: ``+1`` below, ``-1`` above."""
+    if own == other:
+        raise ValueError(f"node {own} shares no mask with itself")
+    return 1 if own < other else -1
+
+
+def mask_input(
+    ring_input: torch.Tensor,
+    own: int,
+    pair_seeds: Mapping[int, bytes],
+    self_seed: bytes,
+    bits: int,
+) -> torch.Tensor:
+    """``y = x + sum_{j>own} m_(own,j) - sum_{j<own} m_(j,own) + m_own (mod 2^bits)``."""
+    kept = ring_input.numel()
+    mask = (1 << bits) - 1
+    y = (ring_input + expand_mask(self_seed, kept, bits, SELF_LABEL)) & mask
+    for other, seed in sorted(pair_seeds.items()):
+        y = (y + pairwise_sign(own, other) * expand_mask(seed, kept, bits, PAIR_LABEL)) & mask
+    return y
+
+
+def remove_masks(
+    masked_total: torch.Tensor,
+    self_seeds: Iterable[bytes],
+    dropped_pairs: Iterable[tuple[int, int, bytes]],
+    bits: int,
+) -> torch.Tensor:
+    """The sum of the survivors' inputs from the sum of their masked vectors.
+
+    ``self_seeds``: each survivor's self-mask seed; ``dropped_pairs``: ``(survivor, dropped,
+    seed)`` for every pair mask a survivor applied with a client whose vector never came.
+    """
+    kept = masked_total.numel()
+    mask = (1 << bits) - 1
+    total = masked_total.clone()
+    for seed in self_seeds:
+        total = (total - expand_mask(seed, kept, bits, SELF_LABEL)) & mask
+    for survivor, dropped, seed in dropped_pairs:
+        m = expand_mask(seed, kept, bits, PAIR_LABEL)
+        total = (total - pairwise_sign(survivor, dropped) * m) & mask
+    return total
+
+
+def pack_ring(values: torch.Tensor, bits: int) -> bytes:
+    """Ring elements as ``ceil(bits/8)`` little-endian bytes each."""
+    width = (bits + 7) // 8
+    words = values.to(torch.int64).numpy().astype("<u8")
+    return words.view(np.uint8).reshape(-1, 8)[:, :width].tobytes()
+
+
+def unpack_ring(data: bytes, kept: int, bits: int) -> torch.Tensor:
+    """The inverse of :func:`pack_ring`; ``ValueError`` for a wrong length or a value >= 2^b."""
+    width = (bits + 7) // 8
+    if len(data) != kept * width:
+        raise ValueError(f"expected {kept * width} bytes ({kept} x {width}), got {len(data)}")
+    raw = np.zeros((kept, 8), dtype=np.uint8)
+    raw[:, :width] = np.frombuffer(data, dtype=np.uint8).reshape(kept, width)
+    words = raw.reshape(-1).view("<u8")
+    if kept and int(words.max()) >> bits:
+        raise ValueError(f"a ring element is not below 2^{bits}")
+    return torch.from_numpy(words.astype(np.int64))

@@ -1,0 +1,160 @@
+"""Secure aggregation's stage messages: names, field types, checks and byte counts, no Flower.
+
+Four stages, each a request from the server and a reply from every client that is still there
+(the names and keys follow Flower's SecAgg+ where they mean the same):
+
+=========================  ====================================  ===========================
+stage                      server -> client                      client -> server
+=========================  ====================================  ===========================
+``setup``                  the ring's public parameters          ``pk1``, ``pk2`` (PEM keys)
+``share_keys``             ``nids``, ``pk1``, ``pk2`` (lists)    ``dsts``, ``ctxts``
+``collect_masked_vectors`` ``srcs``, ``ctxts`` (shares for it)   ``masked_params`` (bytes)
+``unmask``                 ``active_nids``, ``dead_nids``        ``nids``, ``shares``
+=========================  ====================================  ===========================
+
+A payload is a plain ``dict`` of ``int``, ``float``, ``bytes`` and lists of them, what a
+Flower ``ConfigRecord`` holds. :func:`check_payload` is the trust boundary: a missing field,
+a value of the wrong type (``bool`` is not an ``int``), or parallel lists of different lengths
+raise one :class:`SecAggError` naming the stage and the field. :func:`payload_bytes` counts
+a payload as ``ConfigRecord.count_bytes`` does (8 per number, the length of each bytes or
+string, the keys' lengths), so the wiring can record every stage's bytes, up and down.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Final
+
+from fedsparse.common.wire.protocol import ProtocolError
+
+__all__ = [
+    "DOWN",
+    "STAGES",
+    "UP",
+    "SecAggError",
+    "check_payload",
+    "payload_bytes",
+]
+
+STAGE: Final = "stage"
+SETUP: Final = "setup"
+SHARE_KEYS: Final = "share_keys"
+COLLECT: Final = "collect_masked_vectors"
+UNMASK: Final = "unmask"
+STAGES: Final = (SETUP, SHARE_KEYS, COLLECT, UNMASK)
+
+#: The setup's ring parameters, by name and type (``RingParams``'s fields).
+RING_FIELDS: Final[dict[str, type]] = {
+    "clip": float,
+    "sigma": float,
+    "clients": int,
+    "threshold": int,
+    "kept": int,
+    "scale": float,
+    "bits": int,
+}
+
+#: Field -> type: ``int``, ``float``, ``bytes``, or ``(list, element type)``.
+DOWN: Final[dict[str, dict[str, Any]]] = {
+    SETUP: dict(RING_FIELDS),
+    SHARE_KEYS: {"nids": (list, int), "pk1": (list, bytes), "pk2": (list, bytes)},
+    COLLECT: {"srcs": (list, int), "ctxts": (list, bytes)},
+    UNMASK: {"active_nids": (list, int), "dead_nids": (list, int)},
+}
+UP: Final[dict[str, dict[str, Any]]] = {
+    SETUP: {"pk1": bytes, "pk2": bytes},
+    SHARE_KEYS: {"dsts": (list, int), "ctxts": (list, bytes)},
+    COLLECT: {"masked_params": bytes},
+    UNMASK: {"nids": (list, int), "shares": (list, bytes)},
+}
+#: Lists that pair up element by element.
+PARALLEL: Final[dict[tuple[str, str], tuple[str, ...]]] = {
+    (SHARE_KEYS, "down"): ("nids", "pk1", "pk2"),
+    (SHARE_KEYS, "up"): ("dsts", "ctxts"),
+    (COLLECT, "down"): ("srcs", "ctxts"),
+    (UNMASK, "up"): ("nids", "shares"),
+}
+
+
+class SecAggError(ProtocolError):
+    """A secure-aggregation payload or state that does not match the protocol.
+
+    ``node`` is the node whose reply broke it, when one did: the server's state is unchanged
+    by the failed call, so a caller may drop that reply and call again.
+    """
+
+    def __init__(self, message: str, node: int | None = None) -> None:
+        super().__init__(message)
+        self.node = node
+
+
+def _type_name(spec: Any) -> str:
+    return f"list of {spec[1].__name__}" if isinstance(spec, tuple) else spec.__name__
+
+
+def _fits(value: Any, spec: Any) -> bool:
+    if isinstance(spec, tuple):
+        return isinstance(value, list) and all(_fits(v, spec[1]) for v in value)
+    if spec is float:
+        return type(value) in (float, int)
+    return type(value) is spec
+
+
+def check_payload(payload: Any, stage: str, direction: str) -> dict[str, Any]:
+    """``payload``'s fields for ``stage`` (``direction`` "down" or "up"), checked; a copy."""
+    if stage not in STAGES:
+        raise SecAggError(f"secure aggregation: unknown stage {stage!r}")
+    schema = {"down": DOWN, "up": UP}[direction][stage]
+    where = f"secure aggregation, stage {stage!r} ({direction})"
+    if not isinstance(payload, Mapping):
+        raise SecAggError(f"{where}: the payload must be a mapping, got {type(payload).__name__}")
+    if direction == "down" and payload.get(STAGE) != stage:
+        raise SecAggError(f"{where}: field {STAGE!r} must be {stage!r}, got {payload.get(STAGE)!r}")
+    out: dict[str, Any] = {}
+    for field, spec in schema.items():
+        if field not in payload:
+            raise SecAggError(f"{where}: field {field!r} is missing")
+        value = payload[field]
+        if not _fits(value, spec):
+            raise SecAggError(
+                f"{where}: field {field!r} must be {_type_name(spec)}, got {_describe(value)}"
+            )
+        out[field] = float(value) if spec is float else value
+    extra = sorted(set(payload) - set(schema) - {STAGE})
+    if extra:
+        raise SecAggError(f"{where}: unexpected field {extra[0]!r}")
+    lists = PARALLEL.get((stage, direction), ())
+    lengths = {field: len(out[field]) for field in lists}
+    if len(set(lengths.values())) > 1:
+        sizes = ", ".join(f"{f}={n}" for f, n in lengths.items())
+        raise SecAggError(f"{where}: field {lists[-1]!r} must pair with {lists[0]!r} ({sizes})")
+    return out
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, list):
+        kinds = sorted({type(v).__name__ for v in value})
+        return f"a list of {'/'.join(kinds) or 'nothing'}"
+    return type(value).__name__
+
+
+def _value_bytes(value: Any) -> int:
+    if isinstance(value, bool):
+        return 1
+    if isinstance(value, int | float):
+        return 8
+    if isinstance(value, str):
+        return len(value.encode())
+    if isinstance(value, bytes):
+        return len(value)
+    raise SecAggError(f"secure aggregation: cannot count a {type(value).__name__}")
+
+
+def payload_bytes(payload: Mapping[str, Any]) -> int:
+    """A payload's bytes as a Flower ``ConfigRecord`` counts them, keys included."""
+    total = 0
+    for key, value in payload.items():
+        total += len(key.encode())
+        items = value if isinstance(value, list) else [value]
+        total += sum(_value_bytes(v) for v in items)
+    return total

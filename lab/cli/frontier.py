@@ -1,0 +1,112 @@
+"""``fedsparse frontier``: accuracy against bits per parameter, every arm tuned, best vs best
+(``lab/experiments/frontier.py``); here are the options and the command line the report
+records."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Final
+
+import typer
+
+from fedsparse.lab.cli.utils import Opt, check_run_config, choice, console, parse_sets
+from fedsparse.lab.launch.backends import BACKEND_ALIASES, BACKEND_HELP, BACKENDS
+
+__all__ = ["frontier"]
+
+#: The fixed settings unless ``--set`` says otherwise: federated digits at epsilon 3.
+DEFAULT_FIXED: Final = {"dataset": "digits", "target-epsilon": "3"}
+
+
+def frontier(
+    out: Annotated[Path, Opt(help="output: frontier.csv, plots, report.md")] = Path(
+        "runs/frontier"
+    ),
+    arm: Annotated[
+        list[str] | None,
+        Opt(
+            "--arm",
+            help="key=value,key=value: one arm (repeat; the first is the baseline); default "
+            "dense fp32 and int8, RS r*=0.9 fp32 and int8, and constant rates 0.7-0.9 with "
+            "int8/int4/int2/int1 values (lab/experiments/frontier.py: DEFAULT_ARMS)",
+        ),
+    ] = None,
+    set_: Annotated[
+        list[str] | None,
+        Opt("--set", help="fixed override key=value (default dataset=digits target-epsilon=3)"),
+    ] = None,
+    tune: Annotated[
+        list[str] | None,
+        Opt("--tune", help="key=v1,v2,...: each arm's tuning grid (default lr and num-rounds)"),
+    ] = None,
+    seeds: Annotated[int, Opt(help="final seeds per arm, paired across arms")] = 10,
+    tune_seeds: Annotated[int, Opt(help="seeds per tuning combination")] = 2,
+    clients: Annotated[int, Opt(help="clients (SuperNodes) per run")] = 10,
+    backend: Annotated[str, Opt(help=BACKEND_HELP)] = "inprocess",
+    jobs: Annotated[int, Opt(help="runs at a time")] = 1,
+    timeout: Annotated[float, Opt(help="seconds per simulation run")] = 3600.0,
+    runs_dir: Annotated[Path | None, Opt(help="per-run directories (default OUT/runs)")] = None,
+) -> None:
+    """Accuracy against uplink and downlink bits per parameter: each arm (a set of run-config
+    values) tuned on validation, then run at its best with paired seeds; each compared with
+    the first arm (dense fp32), verdict "within 1 point" from its 95% interval.
+
+    Finished runs are reused, so an interrupted frontier resumes. The committed frontier:
+    docs/frontier.
+    """
+    import shlex
+
+    from fedsparse.lab.experiments.frontier import (
+        DEFAULT_ARMS,
+        DEFAULT_TUNE,
+        parse_arm,
+        run_frontier,
+        write_frontier,
+    )
+    from fedsparse.lab.experiments.sweep import check_jobs
+    from fedsparse.lab.experiments.sweep_backends import RunSettings
+    from fedsparse.lab.experiments.sweep_plan import parse_grid
+
+    try:
+        fixed = {**DEFAULT_FIXED, **parse_sets(set_ or [])}
+        check_run_config(fixed)
+        arms = [parse_arm(a) for a in arm] if arm else [dict(a) for a in DEFAULT_ARMS]
+        tuning = parse_grid(tune) if tune else {k: list(v) for k, v in DEFAULT_TUNE.items()}
+        settings = RunSettings(
+            backend=choice("backend", backend, BACKENDS, aliases=BACKEND_ALIASES),
+            clients=clients,
+            timeout=timeout,
+        )
+        check_jobs(settings, jobs)
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from err
+    args = ["fedsparse", "frontier", "--out", str(out)]
+    args += [a for x in arm or [] for a in ("--arm", x)]
+    args += [a for s in set_ or [] for a in ("--set", s)]
+    args += [a for t in tune or [] for a in ("--tune", t)]
+    args += ["--seeds", str(seeds), "--tune-seeds", str(tune_seeds), "--clients", str(clients)]
+    args += ["--backend", backend, "--jobs", str(jobs)]
+    args += ["--runs-dir", str(runs_dir)] if runs_dir else []
+    try:
+        outcomes = run_frontier(
+            arms,
+            tuning,
+            fixed,
+            tune_seeds=tune_seeds,
+            seeds=seeds,
+            settings=settings,
+            runs_dir=runs_dir or out / "runs",
+            jobs=jobs,
+            console=console,
+        )
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from err
+    write_frontier(
+        out, outcomes, command=shlex.join(args), fixed=fixed, tune=tuning, tune_seeds=tune_seeds
+    )
+    for o in outcomes:
+        console.print(
+            f"{o.label}: accuracy {o.accuracy:.4f}, uplink {o.uplink_bits:.3f} bits/param, "
+            f"downlink {o.downlink_bits:.3f}; {o.verdict}"
+        )
+    console.print(f"wrote {out / 'report.md'} and {out / 'frontier.csv'}")
