@@ -63,6 +63,7 @@ from fedsparse.common.training.local import evaluate
 from fedsparse.common.wire.payload import decode_update
 from fedsparse.common.wire.protocol import (
     CONFIG_RECORD,
+    DOWNLINK_KIND,
     METRICS_RECORD,
     SERVER_SUPPORT,
     EvaluateInstruction,
@@ -198,6 +199,7 @@ def train(msg: Message, context: Context) -> Message:
         base_version=task.base_version,
         numel=layout.numel,
         server_round=task.server_round,
+        kind=record.get(DOWNLINK_KIND, "values"),
     )
     try:  # from here on the node's data is read: refusals by name, anything else fixed
         reply = _private_round(

@@ -33,7 +33,14 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context
 from fedsparse.common.atomic import PRIVATE, write_atomically
 from fedsparse.common.dp.accounting import history_from_record, history_to_record
 from fedsparse.common.wire.payload import decode_update
-from fedsparse.common.wire.protocol import RESUMED_FROM, STATE_MODEL, STATE_RECORD, ProtocolError
+from fedsparse.common.wire.protocol import (
+    DOWNLINK_KIND,
+    DOWNLINK_KINDS,
+    RESUMED_FROM,
+    STATE_MODEL,
+    STATE_RECORD,
+    ProtocolError,
+)
 
 __all__ = [
     "RESUMED_FROM",
@@ -228,18 +235,31 @@ def apply_downlink(
     base_version: int,
     numel: int,
     server_round: int,
+    kind: object = "values",
 ) -> torch.Tensor:
     """The global model after patching ``stored`` with the downlink ``payload`` (exact).
 
+    ``kind`` (the train message's ``downlink-kind``): ``"values"``, global-model values that
+    replace the node's; ``"delta"``, a lossy ``downlink-dtype``'s decoded change, added to the
+    node's copy of ``base_version`` exactly as the server added it (``server/downlink.py:
+    add_delta``), so both hold the same model bit for bit.
+
     Raises:
+        ProtocolError: ``kind`` is not one of ``DOWNLINK_KINDS`` (named with its value).
         PayloadError: the payload does not decode for this model and round.
-        ValueError: a sparse patch for a version this node does not hold.
+        ValueError: a sparse patch or a change for a version this node does not hold.
     """
+    if not isinstance(kind, str) or kind not in DOWNLINK_KINDS:
+        raise ProtocolError(
+            f"train instruction: {DOWNLINK_KIND}={kind!r}: expected one of "
+            f"{', '.join(DOWNLINK_KINDS)}"
+        )
     update = decode_update(payload, expected_dense_size=numel, expected_round=server_round)
     # seeded: every node of a process patches from the same mask (``seeded_support``, shared:
     # only read, as an index)
     support = update.support(shared=True)  # read only
-    if support is None:
+    delta = kind == "delta"
+    if support is None and not delta:
         return update.values.clone()
     if stored is None or stored_version != base_version:
         raise ValueError(
@@ -247,5 +267,10 @@ def apply_downlink(
             "the server must send the dense model"
         )
     flat = stored.clone()
-    flat[support] = update.values
+    if support is None:
+        flat += update.values
+    elif delta:
+        flat[support] += update.values
+    else:
+        flat[support] = update.values
     return flat

@@ -158,6 +158,10 @@ class FederatedConfig:
     # int4, int2; needs dp-norm-bound='off': docs/explanation/bandwidth.md)
     error_feedback: bool = False
     compression: Compression = "none"
+    # the broadcast's value dtype (value-dtype's names; fp32: exact values, as before): a lossy
+    # one sends the round's model change, rounded (int4/int2/int1 with value-block), to nodes a
+    # version behind; the server adopts the decoded change, so every copy stays bit-identical
+    downlink_dtype: PayloadDType = "fp32"
     # data and model
     dataset: DatasetName = "digits"
     data_dir: str = ""

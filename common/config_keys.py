@@ -111,6 +111,8 @@ ADDED_KEYS: Final[dict[str, Any]] = {
     # A plug-in method's own keys travelled as top-level keys before it (and no built-in
     # method has any): a run recorded without it ran with none.
     "method-options": "",
+    # Exact fp32 values are what every downlink carried before it.
+    "downlink-dtype": "fp32",
 }
 
 
@@ -159,6 +161,7 @@ NAMED_FIELDS: Final[dict[str, tuple[str, ...]]] = {
     "mask_scope": MASK_SCOPES,
     "codec": CODECS,
     "value_dtype": PAYLOAD_DTYPES,
+    "downlink_dtype": PAYLOAD_DTYPES,
     "compression": COMPRESSIONS,
     "dataset": DATASET_NAMES,
     "eval_split": EVAL_SPLITS,

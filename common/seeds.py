@@ -56,6 +56,10 @@ class Stream(enum.IntEnum):
     #: (``payload.lowbit``; path: under ``client_train_seed``). Seeded in simulation only, like
     #: the DP noise: a deployed node rounds from OS entropy (``value_rounding``).
     VALUE_ROUNDING = 10
+    #: Public: the stochastic rounding of the server's lossy downlink delta (``downlink-dtype``;
+    #: path: round). Seeded, not OS entropy: the delta is post-processing of a model every node
+    #: receives, so its rounding hides nothing, and a resumed run rounds as the uninterrupted one.
+    DOWNLINK_ROUNDING = 0xD0D0
     #: Public: the mask seed the server broadcasts each round (path: round).
     ROUND_MASK = 0x5EED
     #: Public: a per-client mask seed under ``mask-scope=client`` (path: node id).

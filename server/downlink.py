@@ -8,6 +8,19 @@ smaller. Applying the payload on the node is exact, so the node's copy equals th
 Downloads carry global-model VALUES in fp32 (never quantized: the global model is not a noisy
 update) with the run's codec and compression for the support.
 
+A lossy ``downlink-dtype`` (fp16, bf16, int8, int4, int2, int1) changes what a node one version
+behind receives: ``lossy_round`` encodes the round's model change on the round's public
+support (the seeded mask, or every coordinate in a dense round) in that dtype, decodes it, and
+the server's new global model is the previous one plus the DECODED change, computed as the
+node computes it (``client/state.py: apply_downlink``), so the node's copy and the server's
+model are equal bit for bit. Such a node gets that payload (``kind`` ``"delta"``, the
+train message's ``downlink-kind``); every other node gets exact fp32 values of the server's
+(already decoded) model as above. The stochastic rounding of int4/int2/int1 draws from
+``Stream.DOWNLINK_ROUNDING`` under the run seed and the round, not from OS entropy: the change
+is post-processing of an already-noised aggregate that every selected node receives anyway,
+so a predictable rounding reveals nothing, and a resumed run rounds as the uninterrupted one.
+A change that overflows the dtype (fp16 past 65504) travels as exact values that round.
+
 A round's payload depends only on the version a node holds (its base), so ``payloads``
 encodes each base once, lazily, and the nodes with the same base share one ``bytes`` object:
 one dense encoding, one seeded mask and at most one union per base a round. ``payload`` is the
@@ -19,13 +32,36 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from fedsparse.common.config import CodecName, wire_encoding
+from fedsparse.common.config import CodecName, FederatedConfig, wire_encoding
 from fedsparse.common.masks import seeded_mask
-from fedsparse.common.wire.payload import Compression, encode_update
+from fedsparse.common.seeds import Stream, stream_seed
+from fedsparse.common.wire.payload import (
+    DEFAULT_VALUE_BLOCK,
+    Compression,
+    PayloadDType,
+    SparseUpdate,
+    decode_update,
+    encode_update,
+)
+from fedsparse.common.wire.protocol import DOWNLINK_KINDS
 
-__all__ = ["DownlinkCache"]
+__all__ = ["DownlinkCache", "add_delta"]
+
+
+def add_delta(model: torch.Tensor, delta: SparseUpdate) -> torch.Tensor:
+    """``model`` plus the decoded ``delta`` on its support, in float32: the one expression the
+    server and every node evaluate (``client/state.py`` spells it alike), so they agree bit for
+    bit."""
+    flat = model.clone()
+    support = delta.support(shared=True)  # read only
+    if support is None:
+        flat += delta.values
+    else:
+        flat[support] += delta.values
+    return flat
 
 
 @dataclass
@@ -37,6 +73,66 @@ class DownlinkCache:
     versions: dict[int, int] = field(default_factory=dict)  # node -> version it holds
     touched: dict[int, torch.Tensor] = field(default_factory=dict)  # version -> changed coords
     seeded: dict[int, tuple[int, int]] = field(default_factory=dict)  # version -> (seed, keep)
+    dtype: PayloadDType = "fp32"  # downlink-dtype: fp32 sends values only, exact
+    value_block: int = DEFAULT_VALUE_BLOCK
+    seed: int = 0  # the run's seed (the lossy rounding's stream)
+    deltas: dict[int, bytes] = field(default_factory=dict)  # version -> its encoded change
+
+    @classmethod
+    def for_run(cls, cfg: FederatedConfig) -> DownlinkCache:
+        """The cache of a run configured by ``cfg`` (codec, compression, downlink-dtype)."""
+        return cls(
+            codec=cfg.codec,
+            compression=cfg.compression,
+            dtype=cfg.downlink_dtype,
+            value_block=cfg.value_block,
+            seed=cfg.seed,
+        )
+
+    def lossy_round(
+        self,
+        version: int,
+        before: torch.Tensor,
+        after: torch.Tensor,
+        *,
+        mask: tuple[int, int] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The model the server adopts for ``version`` under a lossy ``dtype``, and its
+        changed coordinates: ``before`` plus the decoded change ``after - before`` on the
+        round's support (``mask``: its ``(seed, keep)``; None: every coordinate). None: fp32,
+        or a change the dtype cannot hold (``after`` stands, sent as exact values).
+        """
+        if self.dtype == "fp32":
+            return None
+        d = before.numel()
+        touched = (
+            torch.ones(d, dtype=torch.bool) if mask is None else seeded_mask(d, mask[1], mask[0])
+        )
+        change = (after - before)[touched]
+        rounding = np.random.default_rng(stream_seed(self.seed, Stream.DOWNLINK_ROUNDING, version))
+        try:
+            payload = encode_update(
+                change,
+                dense_size=d,
+                round=version + 1,  # sent in the next round, to the nodes holding version - 1
+                mask_seed=None if mask is None else mask[0],
+                encoding=wire_encoding(self.codec, sparse=mask is not None),
+                value_dtype=self.dtype,
+                value_block=self.value_block,
+                rounding=rounding,
+                compression=self.compression,
+            )
+        except ValueError:  # the change overflows the dtype: exact values this round
+            return None
+        self.deltas = {version: payload}  # only the latest version's change is ever sent
+        decoded = decode_update(payload, expected_dense_size=d, expected_round=version + 1)
+        return add_delta(before, decoded), touched
+
+    def kind(self, base: int, version: int) -> str:
+        """What a payload patching ``base`` to ``version`` holds (``DOWNLINK_KINDS``):
+        ``"delta"`` for a lossy round's change, else ``"values"``."""
+        lossy = base >= 0 and base + 1 == version and version in self.deltas
+        return DOWNLINK_KINDS[1] if lossy else DOWNLINK_KINDS[0]
 
     def record_version(
         self, version: int, touched: torch.Tensor, *, seeded: tuple[int, int] | None
@@ -86,6 +182,8 @@ class DownlinkCache:
         held = self.versions.get(node)
         if held is None or any(v not in self.touched for v in range(held + 1, version + 1)):
             return dense, -1
+        if held + 1 == version and version in self.deltas:
+            return self.deltas[version], held
         if held + 1 == version and version in self.seeded:
             seed, keep = self.seeded[version]
             mask = seeded_mask(d, keep, seed)
@@ -145,6 +243,8 @@ class _RoundPayloads:
         d = weights.numel()
         if held is None or any(v not in cache.touched for v in range(held + 1, version + 1)):
             return self.dense(), -1
+        if held + 1 == version and version in cache.deltas:
+            return cache.deltas[version], held
         if held + 1 == version and version in cache.seeded:
             seed, keep = cache.seeded[version]
             mask = seeded_mask(d, keep, seed)

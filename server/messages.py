@@ -31,6 +31,7 @@ from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 
 from fedsparse.common.wire.protocol import (
     CONFIG_RECORD,
+    DOWNLINK_KIND,
     RESUMED_FROM,
     SERVER_SUPPORT,
     TrainInstruction,
@@ -146,7 +147,12 @@ def _record_body_bytes(record: Any) -> int | None:
 
 
 def train_message(
-    instruction: TrainInstruction, *, node: int, resumed_from: int = 0, support: bytes = b""
+    instruction: TrainInstruction,
+    *,
+    node: int,
+    resumed_from: int = 0,
+    support: bytes = b"",
+    downlink_kind: str = "values",
 ) -> Message:
     """The ``train`` message carrying ``instruction`` to ``node``.
 
@@ -158,6 +164,8 @@ def train_message(
         record[RESUMED_FROM] = resumed_from
     if support:  # method=ranked: the server's mask (common/methods/ranked.py)
         record[SERVER_SUPPORT] = support
+    if downlink_kind != "values":  # a lossy downlink-dtype's change (server/downlink.py)
+        record[DOWNLINK_KIND] = downlink_kind
     return Message(
         content=RecordDict({CONFIG_RECORD: ConfigRecord(record)}),
         dst_node_id=node,

@@ -18,7 +18,8 @@ add centralized evaluation, run records and checkpoints.
   each update above it (``norm-action``); (3) the rest are aggregated (weight 1 each, or
   their claimed example counts: ``weighting``) by ``SparseAggregator`` or a coordinate-wise
   trimmed mean / median (``aggregator``), or under ``dp-level=user`` by DP-FedAvg's noisy
-  clipped sum (``common/dp/central.py``); (4) a new model with a non-finite value is refused.
+  clipped sum (``common/dp/central.py``); (4) a new model with a non-finite value is refused;
+  (5) a lossy ``downlink-dtype`` moves it by the decoded change (``server/downlink.py``).
   A round that changes nothing is failed (``RoundStats.failure``, ``server/round_stats.py``)
   and ``max-failed-rounds`` of them in a row raise ``FederationFailed``. It returns the new
   global model and the round's numbers as a ``MetricRecord``; ``last_round`` keeps them
@@ -133,7 +134,7 @@ class SparseFedAvg(Strategy):
         # freeze-after + 1 on); 0 for the methods that freeze nothing.
         self.frozen_prefix = self.method.accept_frozen_prefix(frozen_prefix, num_parameters)
         self.schedule = cfg.sparsity().rate_schedule(cfg.num_rounds)
-        self.downlink = DownlinkCache(codec=cfg.codec, compression=cfg.compression)
+        self.downlink = DownlinkCache.for_run(cfg)
         self._rng = np.random.default_rng(stream_seed(cfg.seed, Stream.CLIENT_SELECTION))
         self.norm_bound = cfg.norm_bound()
         self._epsilons: dict[int, float] = {}
@@ -372,7 +373,11 @@ class SparseFedAvg(Strategy):
                 model=payload,
             )
             message = train_message(
-                instruction, node=node, resumed_from=self.resumed_from, support=support_bytes
+                instruction,
+                node=node,
+                resumed_from=self.resumed_from,
+                support=support_bytes,
+                downlink_kind=self.downlink.kind(base, version),
             )
             messages.append(message)
             stats.downlink_payload_bytes += len(payload) + len(support_bytes)
@@ -409,19 +414,23 @@ class SparseFedAvg(Strategy):
             log(WARNING, "round %d: dropped %s", server_round, reason)
         for reason in stats.clipped:
             log(WARNING, "round %d: clipped %s", server_round, reason)
-        seeded = (
+        public = (  # the round's support is public: its seeded mask, or every coordinate
             self.cfg.mask_scope == "round"
-            and stats.keep < self.d
             and not stats.frozen
             and stats.explicit is None
             and not stats.client_support
             and not stats.failed
         )
+        seeded = public and stats.keep < self.d
+        mask = (stats.mask_seed, stats.keep) if seeded else None
+        lossy = None
+        if public:  # a lossy downlink-dtype: the decoded change moves the model (downlink.py)
+            lossy = self.downlink.lossy_round(server_round, weights, new_weights, mask=mask)
+        if lossy is not None:
+            new_weights, touched = lossy
         if not stats.failed:  # ranked: the aggregate the next round ranks
             self.method.after_round(before=weights, after=new_weights, touched=touched)
-        self.downlink.record_version(
-            server_round, touched, seeded=(stats.mask_seed, stats.keep) if seeded else None
-        )
+        self.downlink.record_version(server_round, touched, seeded=mask)
         self._count_failures(stats)
         return flat_array(new_weights), stats.metrics()
 

@@ -32,6 +32,8 @@ from fedsparse.common.seeds import Stream, stream_seed
 
 __all__ = [
     "CONFIG_RECORD",
+    "DOWNLINK_KIND",
+    "DOWNLINK_KINDS",
     "MASK_SCOPES",
     "MaskScope",
     "METRICS_RECORD",
@@ -58,6 +60,11 @@ RESUMED_FROM = "resumed-from"
 #: chosen by the server, as a bitmap of ``d`` bits (absent: no explicit support). Outside
 #: ``TrainInstruction`` so that every other run's messages keep their bytes.
 SERVER_SUPPORT = "server-support"
+#: Train-message config key: what ``model`` holds, ``"values"`` (global-model values; absent:
+#: this) or ``"delta"`` (a lossy ``downlink-dtype``'s decoded change from ``base-version``,
+#: added to the node's copy). Outside ``TrainInstruction`` so that fp32 runs keep their bytes.
+DOWNLINK_KIND = "downlink-kind"
+DOWNLINK_KINDS: Final = ("values", "delta")
 
 MaskScope = Literal["round", "client"]
 """One mask per round for every client, or one per (round, client)."""

@@ -164,10 +164,12 @@ class RoundLog:
     #: a line older than the fields)
     noise_multiplier_min: float | None = None
     noise_multiplier_max: float | None = None
+    downlink_bits_per_param: float = field(default=math.nan, metadata=_PER_ROUND)  # per selected
 
     def __post_init__(self) -> None:
-        bits = uplink_bits_per_param(self.uplink_payload_bytes, self.dense_uplink_bytes)
-        object.__setattr__(self, "uplink_bits_per_param", bits)
+        for link in LINKS:
+            bits = uplink_bits_per_param(self.payload_bytes(link), self.dense_bytes(link))
+            object.__setattr__(self, f"{link}_bits_per_param", bits)
         if self.num_accepted == -1:
             object.__setattr__(self, "num_accepted", self.num_replies - self.num_rejected)
         if self.noise not in NOISE_ORIGINS:
@@ -254,10 +256,14 @@ class RunSummary:
     #: sigma over the run's rounds (``RoundLog.noise_multiplier_min``/``_max``)
     noise_multiplier_min: float | None = None
     noise_multiplier_max: float | None = None
+    #: downlink payload bits per parameter per selected client-round over the run (derived)
+    downlink_bits_per_param: float = field(default=math.nan, metadata=_METRIC)
 
     def __post_init__(self) -> None:
-        bits = uplink_bits_per_param(self.total_uplink_payload_bytes, self.total_dense_uplink_bytes)
-        object.__setattr__(self, "uplink_bits_per_param", bits)
+        for link in LINKS:
+            total = getattr(self, f"total_{link}_payload_bytes")
+            bits = uplink_bits_per_param(total, getattr(self, f"total_dense_{link}_bytes"))
+            object.__setattr__(self, f"{link}_bits_per_param", bits)
 
     @classmethod
     def from_rounds(

@@ -59,6 +59,7 @@ NAMED_KEYS = {
     "mask-scope": MASK_SCOPES,
     "codec": CODECS,
     "value-dtype": PAYLOAD_DTYPES,
+    "downlink-dtype": PAYLOAD_DTYPES,
     "compression": COMPRESSIONS,
     "dataset": DATASET_NAMES,
     "eval-split": EVAL_SPLITS,

@@ -31,7 +31,7 @@ NODES = 3
 #: Per-round fields that depend on the clock, not on what the run computed.
 CLOCK = ("wall_seconds", "started_at", "ended_at")
 #: Per-round downlink fields: a resumed run sends each node the dense model once.
-DOWNLINK = ("downlink_payload_bytes", "downlink_message_bytes")
+DOWNLINK = ("downlink_payload_bytes", "downlink_message_bytes", "downlink_bits_per_param")
 
 BASE: dict[str, Any] = dict(
     num_rounds=4,
@@ -127,7 +127,8 @@ def _assert_same_run(resumed: Path, reference: Path) -> None:
     assert ours[2]["downlink_payload_bytes"] > theirs[2]["downlink_payload_bytes"]
     summary = json.loads((resumed / "summary.json").read_text())
     expected = json.loads((reference / "summary.json").read_text())
-    for key in ("wall_seconds", "total_downlink_payload_bytes", "total_downlink_message_bytes"):
+    downlink = ("total_downlink_payload_bytes", "total_downlink_message_bytes")
+    for key in ("wall_seconds", *downlink, "downlink_bits_per_param"):
         summary.pop(key), expected.pop(key)
     summary["config"].pop("out-dir"), expected["config"].pop("out-dir")
     assert summary == expected
@@ -160,6 +161,27 @@ def test_a_sparse_downlink_run_resumes_identically(tmp_path: Path) -> None:
     _assert_same_run(out, reference)
     # After the dense round 3, round 4 patches sparsely again, as the reference does.
     assert _lines(out)[3]["downlink_payload_bytes"] == lines[3]["downlink_payload_bytes"]
+
+
+@pytest.mark.slow
+def test_a_lossy_downlink_run_resumes_identically(uninterrupted: Path, tmp_path: Path) -> None:
+    """downlink-dtype=int4: the server's rounding of each round's change is seeded by the run
+    and the round, so the resumed run adopts the same decoded models as the uninterrupted one
+    (its first resumed round sends exact dense values, which equal them)."""
+    kwargs = dict(downlink_dtype="int4", value_block=64)
+    reference = tmp_path / "reference"
+    cfg = _cfg(reference, **kwargs)
+    run_federated(_grid(cfg, _sim_policy(reference)), cfg)
+    # the same nodes sampled as in the fp32 run: the int4 changes cost fewer bytes
+    ours, fp32 = _lines(reference), _lines(uninterrupted)
+    assert sum(r["downlink_payload_bytes"] for r in ours) < sum(
+        r["downlink_payload_bytes"] for r in fp32
+    )
+    out = tmp_path / "resumed"
+    _killed_then_resumed(out, _sim_policy(out), **kwargs)
+    _assert_same_run(out, reference)
+    # the rounding was applied: the model is not the fp32 downlink's
+    assert not torch.equal(_weights(out), _weights(uninterrupted))
 
 
 @pytest.mark.slow

@@ -196,3 +196,20 @@ def test_a_launcher_records_the_command_line_in_the_written_summary(tmp_path) ->
     stamped = record_command(path, summary, "fedsparse simulate --rounds 2")
     assert stamped.command == "fedsparse simulate --rounds 2"
     assert RunSummary.from_json(path.read_text()) == stamped
+
+
+def test_downlink_bits_sit_beside_uplink_and_old_records_derive_them() -> None:
+    """``32 * downlink payload / dense downlink`` (4 d per selected client), per round and per
+    run; a line or summary written before the field parses and gets it from its bytes."""
+    entry = dataclasses.replace(_round(1, up=D, answering=2), downlink_payload_bytes=D // 2)
+    assert entry.downlink_bits_per_param == pytest.approx(32 * (D // 2) / (8 * D))
+    assert "downlink_bits_per_param" in per_round_fields()
+    assert "downlink_bits_per_param" in summary_metrics()
+    line = json.loads(entry.to_json())
+    del line["downlink_bits_per_param"]
+    assert RoundLog.from_json(line).downlink_bits_per_param == pytest.approx(2.0)
+    logs = [entry, _round(2, up=D, answering=2)]  # dense fp32 down: 32 bits
+    data = RunSummary.from_rounds(logs, parameters=D, delta=1e-5, config={}).to_dict()
+    assert data["downlink_bits_per_param"] == pytest.approx(32 * (D // 2 + 8 * D) / (16 * D))
+    del data["downlink_bits_per_param"]
+    assert RunSummary.from_json(data).downlink_bits_per_param == pytest.approx(17.0)
