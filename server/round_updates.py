@@ -143,6 +143,9 @@ def validate_replies(
         epsilons[node] = valid.reply.epsilon
         if cfg.save_updates:
             stats.updates[node] = valid.reply.update
+        # The values are decoded: the payload's bytes go with the reply's message (a round of
+        # 10,000 dense updates would otherwise hold them twice until it is summed).
+        valid = replace(valid, reply=replace(valid.reply, update=b""))
         candidates.append(Candidate(node, valid, valid.values, l2_norm(valid.values)))
     stats.missing = len(selected - seen)
     return candidates

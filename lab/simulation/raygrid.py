@@ -16,7 +16,14 @@ pfl-research does (each worker process trains many users per task):
   of the global model and its accountant history, ``client/state.py``);
 * a round is one remote call per worker, carrying all of that worker's messages (the
   downlink payloads that nodes share are one ``bytes`` object, pickled once per call); the
-  worker runs the ClientApp for each, one after the other, and returns the replies.
+  worker runs the ClientApp for each, one after the other, and returns the replies. A worker
+  with more than ``chunk_size`` messages gets them in calls of ``chunk_size`` (queued on the
+  actor, run in order), so that no call's messages and replies, in the worker and in Ray's
+  object store, outgrow a few hundred updates;
+* ``send_and_receive`` yields the replies as each call's arrive, so the server validates
+  and decodes a call's replies while later calls still train, and a reply's message is
+  garbage as soon as it is decoded (at 10,000 dense updates the round's messages alone are
+  1.5 GB).
 
 Equivalence: each virtual client sees what a simulated node sees (the ClientApp, a Context
 with ``partition-id``/``num-partitions``, the node policy, its state) and the server
@@ -40,7 +47,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 from uuid import uuid4
@@ -60,6 +67,8 @@ __all__ = ["RayGrid"]
 
 #: Seconds between two looks at a round's tasks (a stop request is honoured in between).
 POLL_SECONDS = 0.2
+#: The most messages one remote call carries (``RayGrid(chunk_size=...)``).
+CHUNK_SIZE = 500
 
 
 @dataclass
@@ -86,6 +95,7 @@ class RayGrid(Grid):
         run_id: the run id every node's Context carries.
         stop_at: a ``time.monotonic()`` deadline for the whole run: waiting past it raises
             ``TimeoutError``.
+        chunk_size: the most messages one remote call carries.
     """
 
     def __init__(
@@ -99,7 +109,11 @@ class RayGrid(Grid):
         node_config: Mapping[str, Any] | None = None,
         run_id: int = 1,
         stop_at: float | None = None,
+        chunk_size: int = CHUNK_SIZE,
     ) -> None:
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size={chunk_size}: expected >= 1")
+        self._chunk = chunk_size
         ids = list(node_ids) if node_ids is not None else [1001 + i for i in range(num_nodes)]
         if len(ids) != num_nodes or len(set(ids)) != num_nodes:
             raise ValueError(f"node_ids: expected {num_nodes} distinct ids, got {ids[:5]}...")
@@ -132,6 +146,7 @@ class RayGrid(Grid):
         self._tasks: dict[Any, _Task] = {}  # ObjectRef -> its task
         self._task_of: dict[str, Any] = {}  # message id -> ObjectRef
         self._replies: dict[str, Message] = {}  # message id -> reply (not pulled yet)
+        self._received: dict[Any, _Task] = {}  # ObjectRef -> its task, received, not yielded
         self._counter = itertools.count()
 
     def set_run(self, run: Any) -> None:  # noqa: D102 - no run object in process
@@ -164,7 +179,7 @@ class RayGrid(Grid):
         return list(self._nodes)
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
-        """Sends the messages: one remote call per worker, carrying all of its messages."""
+        """Sends the messages: one remote call per worker and ``chunk_size`` of its messages."""
         batches: dict[int, list[Message]] = {}
         ids = []
         for msg in messages:
@@ -177,11 +192,13 @@ class RayGrid(Grid):
             msg.metadata.__dict__["_src_node_id"] = SUPERLINK_NODE_ID
             batches.setdefault(self._home[node], []).append(msg)
             ids.append(msg.metadata.message_id)
-        for worker, batch in batches.items():
-            ref = self._workers.actors[worker].handle.remote(batch)
-            self._tasks[ref] = _Task(worker, batch)
-            for msg in batch:
-                self._task_of[msg.metadata.message_id] = ref
+        for worker, messages_of in batches.items():
+            for start in range(0, len(messages_of), self._chunk):
+                batch = messages_of[start : start + self._chunk]
+                ref = self._workers.actors[worker].handle.remote(batch)
+                self._tasks[ref] = _Task(worker, batch)
+                for msg in batch:
+                    self._task_of[msg.metadata.message_id] = ref
         return ids
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
@@ -192,28 +209,50 @@ class RayGrid(Grid):
 
     def send_and_receive(
         self, messages: Iterable[Message], *, timeout: float | None = None
-    ) -> Iterable[Message]:
-        """Pushes, waits up to ``timeout`` seconds, returns the replies (late ones dropped)."""
+    ) -> Iterator[Message]:
+        """Pushes now; yields the replies as their calls finish, for up to ``timeout``
+        seconds from this call (late ones dropped). The messages are sent before it returns;
+        the waiting happens as the caller iterates (``KeyboardInterrupt`` for a stop,
+        ``TimeoutError`` past the run's deadline, raised there)."""
         ids = list(self.push_messages(messages))
-        self._wait(self._refs(ids), timeout=timeout)
-        replies = [self._replies.pop(i) for i in ids if i in self._replies]
-        for message_id in ids:  # no reply in time: forget the task (Ray frees its result)
-            ref = self._task_of.pop(message_id, None)
-            if ref is not None:
-                self._tasks.pop(ref, None)
-        return replies
+        deadline = None if timeout is None else time.monotonic() + timeout
+        return self._stream(ids, deadline)
+
+    def _stream(self, ids: list[str], deadline: float | None) -> Iterator[Message]:
+        try:
+            for ref in self._arrivals(self._refs(ids), deadline=deadline):
+                task = self._received.pop(ref)
+                for msg in task.messages:
+                    reply = self._replies.pop(msg.metadata.message_id, None)
+                    if reply is not None:
+                        yield reply
+            for message_id in ids:  # replies received before the stream began (pulled late)
+                if message_id in self._replies:
+                    yield self._replies.pop(message_id)
+        finally:
+            self._received.clear()  # a stream left early: what it did not yield
+            for message_id in ids:  # no reply in time: forget the task (Ray frees its result)
+                ref = self._task_of.pop(message_id, None)
+                if ref is not None:
+                    self._tasks.pop(ref, None)
 
     def _refs(self, message_ids: Sequence[str]) -> list[Any]:
         return list(dict.fromkeys(self._task_of[i] for i in message_ids if i in self._task_of))
 
     def _wait(self, refs: list[Any], *, timeout: float | None) -> None:
-        """Receives the tasks of ``refs`` as they finish, until all did or ``timeout`` passed.
+        """Receives the tasks of ``refs`` as they finish, until all did or ``timeout`` passed."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for ref in self._arrivals(refs, deadline=deadline):
+            self._received.pop(ref, None)
+
+    def _arrivals(self, refs: list[Any], *, deadline: float | None) -> Iterator[Any]:
+        """Receives the tasks of ``refs`` as they finish, yielding each one's ref once its
+        replies are in ``_replies``, until all did or ``deadline`` passed.
 
         Raises:
             KeyboardInterrupt: a stop was requested (``processes.request_stop``).
             TimeoutError: the run's ``stop_at`` passed.
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
         while refs:
             raise_if_stopping()
             now = time.monotonic()
@@ -223,11 +262,13 @@ class RayGrid(Grid):
             ready, refs = ray.wait(refs, num_returns=len(refs), timeout=max(left, 0.0))
             for ref in ready:
                 self._receive(ref)
+                yield ref
             if deadline is not None and time.monotonic() >= deadline:
                 return
 
     def _receive(self, ref: Any) -> None:
         task = self._tasks.pop(ref)
+        self._received[ref] = task
         for msg in task.messages:
             self._task_of.pop(msg.metadata.message_id, None)
         try:

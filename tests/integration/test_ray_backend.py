@@ -164,6 +164,35 @@ def test_one_remote_call_per_worker_per_round_and_a_client_holds_only_its_state(
         assert s.context_bytes / s.clients < per_client + 8192  # + node and run config
 
 
+def test_calls_of_chunk_size_messages_stream_their_replies_and_change_no_record(
+    workers: RayWorkers, tmp_path: Path
+) -> None:
+    # 7 nodes on 2 workers (4 and 3), calls of at most 2 messages: 2 calls on each a round.
+    sets = {"num-rounds": "2", "final-rate": "0.5"}
+    cfg = _config(tmp_path / "chunked", **sets)
+    grid = RayGrid(workers, num_nodes=7, run_config=cfg.to_run_config(), chunk_size=2)
+    run_federated(grid, cfg)
+    assert [(s.clients, s.calls, s.messages) for s in workers.stats()] == [(4, 4, 8), (3, 4, 6)]
+    whole = _config(tmp_path / "whole", **sets)
+    run_federated(RayGrid(workers, num_nodes=7, run_config=whole.to_run_config()), whole)
+    assert [s.calls for s in workers.stats()] == [2, 2]
+    assert torch.equal(_weights(tmp_path / "chunked"), _weights(tmp_path / "whole"))
+    assert _records(tmp_path / "chunked") == _records(tmp_path / "whole")
+    # The messages leave at once; the replies come as the caller iterates, and all of them.
+    echo = RayGrid(workers, num_nodes=3, run_config={"num-rounds": 1}, chunk_size=1)
+    msgs = [
+        Message(content=RecordDict(), dst_node_id=n, message_type=MessageType.QUERY, group_id="1")
+        for n in echo.get_node_ids()
+    ]
+    stream = echo.send_and_receive(msgs, timeout=60)
+    assert not isinstance(stream, list)
+    assert sorted(s.calls for s in workers.stats()) == [1, 2]  # sent before any iteration
+    replies = list(stream)
+    assert sorted(r.metadata.src_node_id for r in replies) == [1001, 1002, 1003]
+    with pytest.raises(ValueError, match="chunk_size=0"):
+        RayGrid(workers, num_nodes=2, run_config={}, chunk_size=0)
+
+
 def test_a_raising_client_gets_an_error_reply_and_the_rounds_go_on(
     workers: RayWorkers, tmp_path: Path
 ) -> None:
