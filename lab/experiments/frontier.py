@@ -77,8 +77,8 @@ DEFAULT_ARMS: Final[tuple[Mapping[str, str], ...]] = (
 )
 #: Each arm's tuning grid: learning rate and rounds.
 DEFAULT_TUNE: Final[Mapping[str, Sequence[str]]] = {
-    "lr": ("0.05", "0.1", "0.25", "0.5"),
-    "num-rounds": ("20", "40"),
+    "lr": ("0.05", "0.1", "0.25", "0.5", "1.0"),
+    "num-rounds": ("20", "40", "80"),
 }
 #: "At the accuracy of dense DP-SGD": within this many points of the tuned dense arm.
 TARGET_POINTS: Final = 1.0
