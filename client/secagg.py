@@ -119,10 +119,12 @@ def fresh_generators() -> tuple[torch.Generator, torch.Generator]:
 def seeded_generators(seed: int, round_id: int) -> tuple[torch.Generator, torch.Generator]:
     """Simulation only (``noise="seeded"``): the rounding and noise streams of ``seed`` in
     ``round_id``. Anyone who knows both can strip the noise share from the sum."""
-    return tuple(  # type: ignore[return-value]
-        _seeded(hashlib.sha256(f"fedsparse/secagg/{label}/{seed}/{round_id}".encode()).digest())
-        for label in ("rounding", "noise")
-    )
+
+    def stream(label: str) -> torch.Generator:
+        material = f"fedsparse/secagg/{label}/{seed}/{round_id}".encode()
+        return _seeded(hashlib.sha256(material).digest())
+
+    return stream("rounding"), stream("noise")
 
 
 class SecAggClient:
