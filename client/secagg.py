@@ -10,16 +10,35 @@ discrete Gaussian noise share), and the masks are SHAKE-256 expansions of full 3
 (Flower's ``pseudo_rand_gen`` folds its seed to 32 bits for NumPy's Mersenne Twister).
 
 No Flower message here: each method takes the server's payload (a ``dict``) and returns the
-reply. The client checks what it can: the ring parameters equal its own (the public DP
-parameters of its run config), its own keys come back unaltered, the threshold is met at
-every stage, no node is both alive and dead, and it answers the unmask stage once per round.
+reply. The server writes every payload (and, in a deployment, the run config), so the client
+decides its own privacy:
+
+* **Randomness.** The stochastic rounding and the noise share come from two generators seeded
+  afresh from OS entropy (``os.urandom``) for every masked input (``noise="fresh"``, the
+  default). ``noise="seeded"`` with a ``noise_seed`` is for simulations only: whoever knows
+  the seed and the round can regenerate the noise share and strip it from the sum. The setup
+  reply says which (``seeded_noise``).
+* **Ring.** :func:`~fedsparse.common.aggregation.secure.check_ring` with the node's own
+  ``min_noise_multiplier`` (on the worst case: its share alone), ``colluders`` bound,
+  ``wrap_probability`` and ``rounding_slack``: the threshold, ``sigma > 0``, and the scale
+  and bits recomputed; and the setup's parameters must equal the ones it was built with.
+* **One release per round.** The setup binds the round to its ``round_id`` and the server's
+  ``nonce``; every later message must carry both, and the client releases one masked input
+  per ``round_id`` (:attr:`SecAggClient.released_rounds`, to persist with the node's state):
+  a server that restarts the round cannot collect the same values twice with fresh noise.
+* **Payloads.** Its own keys come back unaltered, every peer key parses and agrees, the
+  threshold is met at every stage, no node is both alive and dead, and it answers the unmask
+  stage once per round.
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
+import math
 import os
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, Literal
 
 import torch
 from cryptography.fernet import InvalidToken
@@ -44,12 +63,14 @@ from flwr.supercore.primitives.asymmetric import (
 from fedsparse.common.aggregation.secure import (
     SEED_BYTES,
     RingParams,
+    check_ring,
     encode,
     mask_input,
     pack_ring,
 )
 from fedsparse.common.wire.secagg import (
     COLLECT,
+    NONCE_BYTES,
     RING_FIELDS,
     SETUP,
     SHARE_KEYS,
@@ -57,9 +78,25 @@ from fedsparse.common.wire.secagg import (
     UNMASK,
     SecAggError,
     check_payload,
+    seed_commitment,
 )
 
-__all__ = ["SecAggClient", "pair_seed"]
+__all__ = [
+    "SecAggClient",
+    "SecAggInputError",
+    "fresh_generators",
+    "pair_seed",
+    "seeded_generators",
+]
+
+NoiseSource = Literal["fresh", "seeded"]
+
+
+class SecAggInputError(ValueError):
+    """The node's own values cannot be encoded (not finite, wrong shape): a local refusal.
+
+    Its message is for the node's log, never for the server, which sees a dropout.
+    """
 
 
 def pair_seed(private_pem: bytes, public_pem: bytes) -> bytes:
@@ -70,20 +107,94 @@ def pair_seed(private_pem: bytes, public_pem: bytes) -> bytes:
     return seed
 
 
-class SecAggClient:
-    """One node's secure-aggregation round; ``handle`` runs whichever stage a payload names."""
+def _seeded(material: bytes) -> torch.Generator:
+    return torch.Generator().manual_seed(int.from_bytes(material[:8], "little") >> 1)
 
-    def __init__(self, node_id: int, params: RingParams) -> None:
+
+def fresh_generators() -> tuple[torch.Generator, torch.Generator]:
+    """The rounding and noise streams of one masked input, each seeded by ``os.urandom``."""
+    return _seeded(os.urandom(8)), _seeded(os.urandom(8))
+
+
+def seeded_generators(seed: int, round_id: int) -> tuple[torch.Generator, torch.Generator]:
+    """Simulation only (``noise="seeded"``): the rounding and noise streams of ``seed`` in
+    ``round_id``. Anyone who knows both can strip the noise share from the sum."""
+
+    def stream(label: str) -> torch.Generator:
+        material = f"fedsparse/secagg/{label}/{seed}/{round_id}".encode()
+        return _seeded(hashlib.sha256(material).digest())
+
+    return stream("rounding"), stream("noise")
+
+
+class SecAggClient:
+    """One node's secure aggregation; ``handle`` runs whichever stage a payload names.
+
+    ``params`` are the ring the node expects (from its run config); ``min_noise_multiplier``
+    and ``colluders`` are the node's own policy, not the server's. ``released_rounds``: the
+    rounds it already released a masked input for (restored from the node's state).
+    """
+
+    def __init__(
+        self,
+        node_id: int,
+        params: RingParams,
+        *,
+        min_noise_multiplier: float,
+        colluders: int = 0,
+        noise: NoiseSource = "fresh",
+        noise_seed: int | None = None,
+        wrap_probability: float = 1e-9,
+        rounding_slack: float = 0.01,
+        released_rounds: Iterable[int] = (),
+    ) -> None:
+        if type(node_id) is not int or not 0 <= node_id < 1 << 64:
+            raise SecAggError(
+                f"secure aggregation: node id {node_id!r} is not an unsigned 64-bit id"
+            )
         self.node_id = node_id
+        if noise not in ("fresh", "seeded"):
+            raise SecAggError(
+                f"{self._where(SETUP)}: noise must be 'fresh' or 'seeded', got {noise!r}"
+            )
+        if (noise == "seeded") != (noise_seed is not None):
+            raise SecAggError(
+                f"{self._where(SETUP)}: noise='seeded' (simulation) needs a noise_seed, "
+                "'fresh' takes none"
+            )
+        if not (min_noise_multiplier >= 0 and math.isfinite(min_noise_multiplier)):
+            raise SecAggError(
+                f"{self._where(SETUP)}: min_noise_multiplier must be >= 0 and finite, "
+                f"got {min_noise_multiplier}"
+            )
+        self.noise: NoiseSource = noise
+        self._noise_seed = noise_seed
+        self._policy: dict[str, Any] = {
+            "min_noise_multiplier": min_noise_multiplier,
+            "colluders": colluders,
+            "wrap_probability": wrap_probability,
+            "rounding_slack": rounding_slack,
+        }
+        try:
+            check_ring(params, **self._policy)
+        except ValueError as exc:
+            raise SecAggError(f"{self._where(SETUP)}: ring parameters refused: {exc}") from None
         self.params = params
+        self._released: set[int] = set(released_rounds)
+        self._round: tuple[int, bytes] | None = None
         self._done = UNMASK  # a round starts at setup
         self._reset()
+
+    @property
+    def released_rounds(self) -> frozenset[int]:
+        """The round ids this node released a masked input for: never another for these."""
+        return frozenset(self._released)
 
     def _reset(self) -> None:
         self._sk1 = self._sk2 = self._pk1 = self._pk2 = b""
         self._self_seed = b""
-        self._pk1_of: dict[int, bytes] = {}
-        self._pk2_of: dict[int, bytes] = {}
+        self._pair_seed_of: dict[int, bytes] = {}
+        self._share_key_of: dict[int, bytes] = {}
         self._seed_shares: dict[int, bytes] = {}
         self._sk1_shares: dict[int, bytes] = {}
         self._masked_with: set[int] = set()
@@ -97,48 +208,63 @@ class SecAggClient:
         if stage != SETUP and stage != expected:
             raise SecAggError(f"{self._where(stage)}: expected stage {expected!r} next")
 
-    def handle(
-        self,
-        payload: dict[str, Any],
-        values: torch.Tensor | None = None,
-        generator: torch.Generator | None = None,
-    ) -> dict[str, Any]:
-        """The reply to ``payload``; ``values`` and ``generator`` serve the collect stage."""
+    def _bind(self, fields: dict[str, Any], stage: str) -> tuple[int, bytes]:
+        """The round this message is for: the one the setup bound, or a refusal."""
+        assert self._round is not None  # _enter lets no later stage in before a setup
+        if (fields["round_id"], fields["nonce"]) != self._round:
+            raise SecAggError(
+                f"{self._where(stage)}: field 'round_id'/'nonce' is not this round's "
+                f"(round {self._round[0]})"
+            )
+        return self._round
+
+    def handle(self, payload: dict[str, Any], values: torch.Tensor | None = None) -> dict[str, Any]:
+        """The reply to ``payload``; ``values`` (the kept values) serve the collect stage."""
         stage = payload.get(STAGE) if isinstance(payload, dict) else None
         if stage == SETUP:
             return self.setup(payload)
         if stage == SHARE_KEYS:
             return self.share_keys(payload)
         if stage == COLLECT:
-            if values is None or generator is None:
-                raise SecAggError(f"{self._where(COLLECT)}: needs the kept values and a generator")
-            return self.collect(payload, values, generator)
+            if values is None:
+                raise SecAggError(f"{self._where(COLLECT)}: needs the kept values")
+            return self.collect(payload, values)
         if stage == UNMASK:
             return self.unmask(payload)
         raise SecAggError(f"secure aggregation, node {self.node_id}: unknown stage {stage!r}")
 
     def setup(self, payload: dict[str, Any]) -> dict[str, Any]:
-        """Check the ring parameters against this node's own; reply two new public keys."""
+        """Check the ring and the round; reply two new public keys and the noise source."""
         self._enter(SETUP)
         fields = check_payload(payload, SETUP, "down")
+        where = self._where(SETUP)
         for name in RING_FIELDS:
             if fields[name] != getattr(self.params, name):
                 raise SecAggError(
-                    f"{self._where(SETUP)}: field {name!r} is {fields[name]!r}, "
+                    f"{where}: field {name!r} is {fields[name]!r}, "
                     f"this node's run config says {getattr(self.params, name)!r}"
                 )
+        round_id, nonce = fields["round_id"], fields["nonce"]
+        if round_id in self._released:
+            raise SecAggError(f"{where}: round {round_id} already has this node's masked input")
+        if len(nonce) < NONCE_BYTES:
+            raise SecAggError(
+                f"{where}: field 'nonce' has {len(nonce)} bytes, fewer than {NONCE_BYTES}"
+            )
         self._reset()
         sk1, pk1 = generate_key_pairs()
         sk2, pk2 = generate_key_pairs()
         self._sk1, self._pk1 = private_key_to_bytes(sk1), public_key_to_bytes(pk1)
         self._sk2, self._pk2 = private_key_to_bytes(sk2), public_key_to_bytes(pk2)
+        self._round = (round_id, nonce)
         self._done = SETUP
-        return {"pk1": self._pk1, "pk2": self._pk2}
+        return {"pk1": self._pk1, "pk2": self._pk2, "seeded_noise": int(self.noise == "seeded")}
 
     def share_keys(self, payload: dict[str, Any]) -> dict[str, Any]:
         """Shamir-share the self-mask seed and ``sk1``; one encrypted share per other node."""
         self._enter(SHARE_KEYS)
         fields = check_payload(payload, SHARE_KEYS, "down")
+        self._bind(fields, SHARE_KEYS)
         where = self._where(SHARE_KEYS)
         nids: list[int] = fields["nids"]
         if len(set(nids)) != len(nids):
@@ -156,40 +282,52 @@ class SecAggClient:
         keys = fields["pk1"] + fields["pk2"]
         if len(set(keys)) != len(keys):
             raise SecAggError(f"{where}: field 'pk1'/'pk2' repeats a public key")
-        self._pk1_of = dict(zip(nids, fields["pk1"], strict=True))
-        self._pk2_of = dict(zip(nids, fields["pk2"], strict=True))
+        sk2 = bytes_to_private_key(self._sk2)
+        pair_seeds: dict[int, bytes] = {}
+        share_keys: dict[int, bytes] = {}
+        for nid, pk1, pk2 in zip(nids, fields["pk1"], fields["pk2"], strict=True):
+            if nid == self.node_id:
+                continue
+            try:  # both of a peer's keys must parse and agree with this node's now
+                pair_seeds[nid] = pair_seed(self._sk1, pk1)
+                share_keys[nid] = generate_shared_key(sk2, bytes_to_public_key(pk2))
+            except (ValueError, TypeError, AssertionError) as exc:
+                raise SecAggError(
+                    f"{where}: field 'pk1'/'pk2' of node {nid} is not a usable key: {exc}"
+                ) from None
         self._self_seed = os.urandom(SEED_BYTES)
         threshold, count = self.params.threshold, len(nids)
         seed_shares = create_shares(self._self_seed, threshold, count)
         sk1_shares = create_shares(self._sk1, threshold, count)
         dsts: list[int] = []
         ctxts: list[bytes] = []
-        sk2 = bytes_to_private_key(self._sk2)
         for nid, seed_share, sk1_share in zip(nids, seed_shares, sk1_shares, strict=True):
             if nid == self.node_id:
                 self._seed_shares[nid], self._sk1_shares[nid] = seed_share, sk1_share
                 continue
-            try:
-                key = generate_shared_key(sk2, bytes_to_public_key(self._pk2_of[nid]))
-            except ValueError as exc:
-                raise SecAggError(f"{where}: field 'pk2' of node {nid}: {exc}") from None
             plaintext = share_keys_plaintext_concat(self.node_id, nid, seed_share, sk1_share)
             dsts.append(nid)
-            ctxts.append(encrypt(key, plaintext))
+            ctxts.append(encrypt(share_keys[nid], plaintext))
+        self._pair_seed_of, self._share_key_of = pair_seeds, share_keys
         self._done = SHARE_KEYS
-        return {"dsts": dsts, "ctxts": ctxts}
+        return {"dsts": dsts, "ctxts": ctxts, "seed_commit": seed_commitment(self._self_seed)}
 
-    def collect(
-        self, payload: dict[str, Any], values: torch.Tensor, generator: torch.Generator
-    ) -> dict[str, Any]:
-        """Keep the shares sent to this node; reply its masked ring input on the kept values."""
+    def collect(self, payload: dict[str, Any], values: torch.Tensor) -> dict[str, Any]:
+        """Keep the shares sent to this node; reply its masked ring input on the kept values.
+
+        Once per round: the round id is then spent. ``SecAggInputError`` (local, before
+        anything changes) for values that are not ``k`` finite numbers.
+        """
         self._enter(COLLECT)
         fields = check_payload(payload, COLLECT, "down")
+        round_id, nonce = self._bind(fields, COLLECT)
         where = self._where(COLLECT)
+        if round_id in self._released:
+            raise SecAggError(f"{where}: round {round_id} already has this node's masked input")
         srcs: list[int] = fields["srcs"]
         if len(set(srcs)) != len(srcs) or self.node_id in srcs:
             raise SecAggError(f"{where}: field 'srcs' repeats a node or names this one")
-        unknown = sorted(set(srcs) - set(self._pk2_of))
+        unknown = sorted(set(srcs) - set(self._share_key_of))
         if unknown:
             raise SecAggError(f"{where}: field 'srcs' names node {unknown[0]}, not in the round")
         if len(srcs) + 1 < self.params.threshold:
@@ -197,32 +335,54 @@ class SecAggClient:
                 f"{where}: {len(srcs) + 1} nodes remain, fewer than the threshold "
                 f"{self.params.threshold}"
             )
-        sk2 = bytes_to_private_key(self._sk2)
+        received: dict[int, tuple[bytes, bytes]] = {}
         for src, ciphertext in zip(srcs, fields["ctxts"], strict=True):
-            key = generate_shared_key(sk2, bytes_to_public_key(self._pk2_of[src]))
             try:
-                plaintext = decrypt(key, ciphertext)
-            except InvalidToken:
+                actual_src, dst, seed_share, sk1_share = share_keys_plaintext_separate(
+                    decrypt(self._share_key_of[src], ciphertext)
+                )
+            except (InvalidToken, ValueError, IndexError):
                 raise SecAggError(
                     f"{where}: field 'ctxts' from node {src} does not decrypt"
                 ) from None
-            actual_src, dst, seed_share, sk1_share = share_keys_plaintext_separate(plaintext)
             if actual_src != src or dst != self.node_id:
                 raise SecAggError(
                     f"{where}: field 'ctxts' from node {src} carries {actual_src} -> {dst}"
                 )
-            self._seed_shares[src], self._sk1_shares[src] = seed_share, sk1_share
-        ring_input = encode(values, self.params, generator)
-        pair_seeds = {src: pair_seed(self._sk1, self._pk1_of[src]) for src in srcs}
+            received[src] = (seed_share, sk1_share)
+        values = self._own_values(values)
+        rounding, noise = (
+            fresh_generators()
+            if self._noise_seed is None
+            else seeded_generators(self._noise_seed, round_id)
+        )
+        ring_input = encode(values, self.params, rounding, noise)
+        pair_seeds = {src: self._pair_seed_of[src] for src in srcs}
         masked = mask_input(ring_input, self.node_id, pair_seeds, self._self_seed, self.params.bits)
+        for src, (seed_share, sk1_share) in received.items():
+            self._seed_shares[src], self._sk1_shares[src] = seed_share, sk1_share
+        self._released.add(round_id)
         self._masked_with = set(srcs)
         self._done = COLLECT
-        return {"masked_params": pack_ring(masked, self.params.bits)}
+        return {
+            "masked_params": pack_ring(masked, self.params.bits),
+            "round_id": round_id,
+            "nonce": nonce,
+        }
+
+    def _own_values(self, values: torch.Tensor) -> torch.Tensor:
+        kept = self.params.kept
+        if not isinstance(values, torch.Tensor) or tuple(values.shape) != (kept,):
+            raise SecAggInputError(f"{self._where(COLLECT)}: expected {kept} kept values")
+        if not bool(torch.isfinite(values).all()):
+            raise SecAggInputError(f"{self._where(COLLECT)}: the kept values are not finite")
+        return values
 
     def unmask(self, payload: dict[str, Any]) -> dict[str, Any]:
         """The self-mask seed share of each live node, the ``sk1`` share of each dead one."""
         self._enter(UNMASK)
         fields = check_payload(payload, UNMASK, "down")
+        self._bind(fields, UNMASK)
         where = self._where(UNMASK)
         active: list[int] = fields["active_nids"]
         dead: list[int] = fields["dead_nids"]

@@ -12,6 +12,12 @@ the sum is theirs), ``U3`` the unmasking (shares). Each set must keep at least `
 the round ends with :class:`SecAggDropoutError`. Unmasking rebuilds, from ``t`` or more
 shares each, the self-mask seed of every node of ``U2`` and the ``sk1`` of every node of
 ``U1 - U2``, whose pairwise masks with ``U2`` it removes; it never asks for both of one node.
+A rebuilt seed must match the commitment its node sent with its shares, a rebuilt ``sk1`` the
+``pk1`` its node advertised; when one does not and more than ``t`` shares came, the reply
+whose share is bad is found by leaving each out in turn and named.
+
+Every message carries the round's ``round_id`` and a fresh ``nonce`` (the clients bind the
+round to them), and each masked vector must come back naming both.
 
 Every payload's bytes are counted as Flower's ``ConfigRecord`` counts them, per stage and
 direction (:attr:`SecAggServer.bytes`): each message sent, each reply accepted. A reply that
@@ -22,13 +28,18 @@ the caller may drop it (a dropout) and call again.
 from __future__ import annotations
 
 import base64
-from collections.abc import Mapping, Sequence
+import os
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from flwr.common.secure_aggregation.crypto.shamir import combine_shares
 from flwr.common.secure_aggregation.crypto.symmetric_encryption import generate_shared_key
-from flwr.supercore.primitives.asymmetric import bytes_to_private_key, bytes_to_public_key
+from flwr.supercore.primitives.asymmetric import (
+    bytes_to_private_key,
+    bytes_to_public_key,
+    public_key_to_bytes,
+)
 
 from fedsparse.common.aggregation.secure import (
     SEED_BYTES,
@@ -41,6 +52,8 @@ from fedsparse.common.aggregation.secure import (
 )
 from fedsparse.common.wire.secagg import (
     COLLECT,
+    COMMIT_BYTES,
+    NONCE_BYTES,
     RING_FIELDS,
     SETUP,
     SHARE_KEYS,
@@ -50,6 +63,7 @@ from fedsparse.common.wire.secagg import (
     SecAggError,
     check_payload,
     payload_bytes,
+    seed_commitment,
 )
 
 __all__ = ["SecAggDropoutError", "SecAggServer"]
@@ -60,12 +74,34 @@ class SecAggDropoutError(SecAggError):
 
 
 class SecAggServer:
-    """One round's secure sum over ``node_ids``; call the stages in order."""
+    """One round's secure sum over ``node_ids``; call the stages in order.
 
-    def __init__(self, params: RingParams, node_ids: Sequence[int]) -> None:
-        check_threshold(params.clients, params.threshold)
+    ``round_id`` names the training round (a client releases one masked input per round id);
+    ``nonce`` defaults to fresh OS entropy.
+    """
+
+    def __init__(
+        self,
+        params: RingParams,
+        node_ids: Sequence[int],
+        *,
+        round_id: int,
+        nonce: bytes | None = None,
+    ) -> None:
+        check_threshold(params.clients, params.threshold, params.colluders)
         if len(set(node_ids)) != len(node_ids) or len(node_ids) != params.clients:
             raise ValueError(f"expected {params.clients} distinct node ids, got {list(node_ids)}")
+        if any(type(n) is not int or not 0 <= n < 1 << 64 for n in node_ids):
+            raise ValueError(f"node ids must be unsigned 64-bit ints, got {list(node_ids)}")
+        if not 0 <= round_id < 1 << 64:
+            raise ValueError(f"round_id must be an unsigned 64-bit int, got {round_id}")
+        self.nonce = os.urandom(NONCE_BYTES) if nonce is None else nonce
+        if len(self.nonce) < NONCE_BYTES:
+            raise ValueError(f"the nonce needs at least {NONCE_BYTES} bytes")
+        self.round_id = round_id
+        self.seeded_noise: dict[int, bool] = {}
+        """Node -> whether its setup reply says its noise is seeded (a simulation)."""
+        self._commit: dict[int, bytes] = {}
         self.params = params
         self.sampled = sorted(node_ids)
         self.bytes: dict[str, dict[str, int]] = {s: {"down": 0, "up": 0} for s in STAGES}
@@ -89,6 +125,8 @@ class SecAggServer:
             )
 
     def _send(self, stage: str, payloads: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
+        for payload in payloads.values():
+            payload.update(round_id=self.round_id, nonce=self.nonce)
         self.bytes[stage]["down"] += sum(payload_bytes(p) for p in payloads.values())
         return payloads
 
@@ -128,7 +166,15 @@ class SecAggServer:
     def receive_setup(self, replies: Mapping[int, Any]) -> None:
         self._stage(SETUP)
         checked = self._replies(SETUP, replies, self.sampled)
+        for nid, reply in checked.items():
+            if reply["seeded_noise"] not in (0, 1):
+                raise SecAggError(
+                    f"secure aggregation, stage {SETUP!r}: field 'seeded_noise' of node {nid} "
+                    "must be 0 or 1",
+                    node=nid,
+                )
         self._pk = {nid: (r["pk1"], r["pk2"]) for nid, r in checked.items()}
+        self.seeded_noise = {nid: bool(r["seeded_noise"]) for nid, r in checked.items()}
         self._accept(SETUP, replies, SHARE_KEYS)
 
     def share_keys_messages(self) -> dict[int, dict[str, Any]]:
@@ -155,10 +201,17 @@ class SecAggServer:
                     "must name every other node of the round once",
                     node=src,
                 )
+            if len(reply["seed_commit"]) != COMMIT_BYTES:
+                raise SecAggError(
+                    f"secure aggregation, stage {SHARE_KEYS!r}: field 'seed_commit' of node "
+                    f"{src} must be {COMMIT_BYTES} bytes",
+                    node=src,
+                )
             for dst, ciphertext in zip(reply["dsts"], reply["ctxts"], strict=True):
                 if dst in forward:
                     forward[dst][src] = ciphertext
         self._u1, self._forward = u1, forward
+        self._commit = {nid: r["seed_commit"] for nid, r in checked.items()}
         self._accept(SHARE_KEYS, replies, COLLECT)
 
     def collect_messages(self) -> dict[int, dict[str, Any]]:
@@ -174,6 +227,12 @@ class SecAggServer:
         checked = self._replies(COLLECT, replies, self._u1)
         vectors = []
         for nid, reply in checked.items():
+            if (reply["round_id"], reply["nonce"]) != (self.round_id, self.nonce):
+                raise SecAggError(
+                    f"secure aggregation, stage {COLLECT!r}: field 'round_id'/'nonce' of node "
+                    f"{nid} is not this round's",
+                    node=nid,
+                )
             try:
                 vectors.append(
                     unpack_ring(reply["masked_params"], self.params.kept, self.params.bits)
@@ -201,7 +260,7 @@ class SecAggServer:
         checked = self._replies(UNMASK, replies, self._u2)
         dead = [nid for nid in self._u1 if nid not in self._u2]
         expected = sorted(self._u2 + dead)
-        shares: dict[int, list[bytes]] = {nid: [] for nid in expected}
+        shares: dict[int, list[tuple[int, bytes]]] = {nid: [] for nid in expected}
         for nid, reply in checked.items():
             if sorted(reply["nids"]) != expected:
                 raise SecAggError(
@@ -209,21 +268,21 @@ class SecAggServer:
                     "name every live and dead node once",
                     node=nid,
                 )
+            index = sorted(self._pk).index(nid) + 1  # Shamir's x of the shares nid was sent
             for owner, share in zip(reply["nids"], reply["shares"], strict=True):
-                shares[owner].append(share)
-        self_seeds = [self._secret(shares[nid], nid) for nid in self._u2]
-        for seed, nid in zip(self_seeds, self._u2, strict=True):
-            if len(seed) != SEED_BYTES:
-                raise SecAggError(f"secure aggregation: node {nid}'s self-mask seed is malformed")
+                if int.from_bytes(share[:4], "little") != index:
+                    raise SecAggError(
+                        f"secure aggregation, stage {UNMASK!r}: field 'shares' of node {nid} "
+                        f"holds a share of node {owner} that was not sent to it",
+                        node=nid,
+                    )
+                shares[owner].append((nid, share))
+        self_seeds = [
+            self._secret(shares[nid], nid, "self-mask seed", self._seed_ok) for nid in self._u2
+        ]
         pairs = []
         for gone in dead:
-            sk1 = self._secret(shares[gone], gone)
-            try:
-                private = bytes_to_private_key(sk1)
-            except ValueError:
-                raise SecAggError(
-                    f"secure aggregation: node {gone}'s key does not rebuild"
-                ) from None
+            private = bytes_to_private_key(self._secret(shares[gone], gone, "key", self._key_ok))
             for live in self._u2:
                 key = generate_shared_key(private, bytes_to_public_key(self._pk[live][0]))
                 pairs.append((live, gone, base64.urlsafe_b64decode(key)))
@@ -233,15 +292,51 @@ class SecAggServer:
         self._accept(UNMASK, replies, SETUP)
         return total
 
-    def _secret(self, share_list: list[bytes], owner: int) -> bytes:
-        if len({len(s) for s in share_list}) > 1 or any(len(s) < 20 for s in share_list):
-            raise SecAggError(f"secure aggregation: field 'shares' for node {owner} is malformed")
+    def _seed_ok(self, owner: int, secret: bytes) -> bool:
+        return len(secret) == SEED_BYTES and seed_commitment(secret) == self._commit[owner]
+
+    def _key_ok(self, owner: int, secret: bytes) -> bool:
         try:
-            return combine_shares(share_list)
+            public = bytes_to_private_key(secret).public_key()
+        except (ValueError, TypeError):
+            return False
+        return public_key_to_bytes(public) == self._pk[owner][0]
+
+    def _secret(
+        self,
+        shares: list[tuple[int, bytes]],
+        owner: int,
+        what: str,
+        valid: Callable[[int, bytes], bool],
+    ) -> bytes:
+        """``owner``'s secret from its shares, checked; a bad share's sender named if found."""
+        secret = self._combine([share for _, share in shares], owner, valid)
+        if secret is not None:
+            return secret
+        culprit = None
+        if len(shares) > self.params.threshold:  # leave each reply out: which one breaks it?
+            for sender, _ in shares:
+                rest = [share for nid, share in shares if nid != sender]
+                if self._combine(rest, owner, valid) is not None:
+                    culprit = sender
+                    break
+        who = f"node {culprit}'s share is bad" if culprit is not None else "no culprit found"
+        raise SecAggError(
+            f"secure aggregation: the shares of node {owner} do not rebuild its {what} ({who})",
+            node=culprit,
+        )
+
+    @staticmethod
+    def _combine(
+        share_list: list[bytes], owner: int, valid: Callable[[int, bytes], bool]
+    ) -> bytes | None:
+        if len({len(s) for s in share_list}) > 1 or any(len(s) < 20 for s in share_list):
+            return None
+        try:
+            secret = combine_shares(share_list)
         except ValueError:
-            raise SecAggError(
-                f"secure aggregation: the shares of node {owner} do not combine"
-            ) from None
+            return None
+        return secret if valid(owner, secret) else None
 
     def decode(self, ring_total: torch.Tensor) -> torch.Tensor:
         """The survivors' sum in value units (the centered lift over the scale)."""

@@ -4,10 +4,11 @@ Every client of a round masks the same ``k`` kept coordinates (the round's seed-
 so the masked sum runs over ``k`` ring elements per client, not the model's dimension.
 
 **Ring.** A client's kept values ``x`` (clipped here to L2 norm ``C``) are scaled by ``s``,
-stochastically rounded to integers (unbiased: ``E[SR(v)] = v``; randomness from a passed
-``torch.Generator``), given an integer noise share, and reduced mod ``2^b``. The server
-decodes the ring sum by the centered lift (``r - 2^b`` when ``r >= 2^(b-1)``) and divides by
-``s``. The scale keeps the rounding's cost on the sensitivity to a fraction ``gamma``
+stochastically rounded to integers (unbiased: ``E[SR(v)] = v``), given an integer noise
+share, and reduced mod ``2^b`` (:func:`encode`; its two ``torch.Generator`` streams, rounding
+and noise, are the caller's: the client seeds them from OS entropy). The server decodes the
+ring sum by the centered lift (``r - 2^b`` when ``r >= 2^(b-1)``) and divides by ``s``. The
+scale keeps the rounding's cost on the sensitivity to a fraction ``gamma``
 (``rounding_slack``): rounding moves each coordinate by less than 1, so the rounded vector's
 norm is at most ``sC + sqrt(k)`` and ``s = sqrt(k) / (gamma C)`` makes that ``(1 + gamma) sC``.
 
@@ -28,9 +29,11 @@ noise ``N_Z(0, (s sigma C)^2 / t)`` in ring units (``sigma C / sqrt(t)`` in valu
 sampled by Canonne-Kamath-Steinke's rejection from the discrete Laplace, in floating point.
 Any ``m >= t`` survivors' shares sum to variance ``m/t (s sigma C)^2 >= (s sigma C)^2``. The
 noise is integer, so it adds no rounding of its own; the rounding of ``x`` enters through the
-sensitivity ``sC + sqrt(k)``. The sum of discrete Gaussians is not exactly one: Kairouz et al.
-bound the gap by ``tau = 10 sum_{j=1}^{m-1} exp(-2 pi^2 v j/(j+1))``
-(:func:`sum_divergence_tau`), negligible for share parameters of a few ring units and more.
+sensitivity ``sC + sqrt(k)``. The sum of discrete Gaussians is not exactly one: Kairouz et al.'s
+bound adds ``tau`` per coordinate, ``k tau`` in all, with
+``tau = 10 sum_{j=1}^{m-1} exp(-2 pi^2 v j/(j+1))`` (:func:`sum_divergence_tau`); the
+accounting leaves it out, so :func:`check_ring` refuses a noisy ring where ``k tau`` exceeds
+``TAU_LIMIT`` (shares of a few ring units and more make it underflow to 0).
 
 **Masks** ("Practical Secure Aggregation for Privacy-Preserving Machine Learning", Bonawitz et
 al.; SecAgg+: "Secure Single-Server Aggregation with (Poly)Logarithmic Overhead", Bell et al.):
@@ -53,6 +56,7 @@ __all__ = [
     "SEED_BYTES",
     "RingParams",
     "central_noise_multiplier",
+    "check_ring",
     "check_threshold",
     "choose_ring",
     "decode_sum",
@@ -80,18 +84,32 @@ SEED_BYTES = 32
 MAX_BITS = 62
 """The largest ring: two elements below ``2^62`` add without leaving ``int64``."""
 
+DECODE_BITS = 54
+"""The largest ring :func:`choose_ring` picks: every centered lift is exact in ``float64``."""
 
-def check_threshold(clients: int, threshold: int) -> None:
-    """Refuse a threshold that lets disjoint halves of the clients betray one of them.
+TAU_LIMIT = 1e-6
+"""The most ``k tau`` (the sum's divergence from one discrete Gaussian) a noisy ring may have."""
 
-    Each client answers the unmask stage once; with ``t > n/2`` no two disjoint sets of ``t``
-    clients exist, so a server that lies about who dropped cannot collect both a client's
-    self-mask seed and its key (which together unmask its vector) from honest clients.
+
+def check_threshold(clients: int, threshold: int, colluders: int = 0) -> None:
+    """Refuse a threshold that lets a lying server and ``colluders`` clients betray a client.
+
+    Each honest client answers the unmask stage once, giving a node's self-seed share or its
+    ``sk1`` share, never both; a colluding client gives both, and the victim gives its own
+    seed share. Rebuilding both secrets of one victim from ``t`` shares each then needs
+    ``2t - c - 1`` answers out of the ``n - 1`` other clients, so ``2t - n > c`` (with
+    ``c = 0``: ``t > n/2``) stops a server that tells clients different stories of who
+    dropped. It does not stop fake peers (unauthenticated keys): that needs a PKI.
     """
     if clients < 2:
         raise ValueError(f"secure aggregation needs at least 2 clients, got {clients}")
-    if not clients / 2 < threshold <= clients:
-        raise ValueError(f"threshold must satisfy n/2 < t <= n (n={clients}), got t={threshold}")
+    if colluders < 0:
+        raise ValueError(f"colluders must be >= 0, got {colluders}")
+    if not (clients + colluders) / 2 < threshold <= clients:
+        raise ValueError(
+            f"threshold must satisfy 2t - n > c and t <= n (n={clients}, c={colluders}), "
+            f"got t={threshold}"
+        )
 
 
 @dataclass(frozen=True)
@@ -112,6 +130,21 @@ class RingParams:
     """``s``: ring units per value unit."""
     bits: int
     """``b``: the ring is the integers mod ``2^b``."""
+    colluders: int = 0
+    """``c``: the clients that may collude with the server; the threshold keeps ``2t - n > c``."""
+
+    def __post_init__(self) -> None:
+        check_threshold(self.clients, self.threshold, self.colluders)
+        for name in ("clip", "scale"):
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"{name} must be positive and finite, got {value}")
+        if not (self.sigma >= 0 and math.isfinite(self.sigma)):
+            raise ValueError(f"sigma must be >= 0 and finite, got {self.sigma}")
+        if self.kept < 1:
+            raise ValueError(f"kept must be >= 1, got {self.kept}")
+        if not 2 <= self.bits <= MAX_BITS:
+            raise ValueError(f"bits must be in [2, {MAX_BITS}], got {self.bits}")
 
     @property
     def modulus(self) -> int:
@@ -142,9 +175,14 @@ def choose_ring(
     kept: int,
     wrap_probability: float = 1e-9,
     rounding_slack: float = 0.01,
+    colluders: int = 0,
 ) -> RingParams:
-    """The scale ``s = sqrt(k) / (gamma C)`` and the smallest ring whose wrap bound holds."""
-    check_threshold(clients, threshold)
+    """The scale ``s = sqrt(k) / (gamma C)`` and the smallest ring whose wrap bound holds.
+
+    ``ValueError`` for a ring over :data:`DECODE_BITS` bits, or a noisy one whose sum is too
+    far from one discrete Gaussian for the accounting (``k tau > TAU_LIMIT``).
+    """
+    check_threshold(clients, threshold, colluders)
     if not (clip > 0 and math.isfinite(clip)):
         raise ValueError(f"clip must be positive and finite, got {clip}")
     if not (sigma >= 0 and math.isfinite(sigma)):
@@ -153,26 +191,79 @@ def choose_ring(
         raise ValueError(f"kept must be >= 1, got {kept}")
     if not 0 < wrap_probability < 1:
         raise ValueError(f"wrap_probability must be in (0, 1), got {wrap_probability}")
-    if rounding_slack <= 0:
-        raise ValueError(f"rounding_slack must be positive, got {rounding_slack}")
+    if not (rounding_slack > 0 and math.isfinite(rounding_slack)):
+        raise ValueError(f"rounding_slack must be positive and finite, got {rounding_slack}")
     scale = math.sqrt(kept) / (rounding_slack * clip)
     signal = clients * (scale * clip + 1)
     variance = clients * (scale * sigma * clip) ** 2 / threshold
     tail = math.sqrt(2 * variance * math.log(2 * kept / wrap_probability))
     bits = max(2, math.ceil(math.log2(signal + 1 + tail)) + 1)
-    if bits > MAX_BITS:
-        raise ValueError(f"the ring needs {bits} bits, more than {MAX_BITS}")
-    return RingParams(clip, sigma, clients, threshold, kept, scale, bits)
+    if bits > DECODE_BITS:
+        raise ValueError(f"the ring needs {bits} bits, more than {DECODE_BITS}")
+    params = RingParams(clip, sigma, clients, threshold, kept, scale, bits, colluders)
+    tau = sum_divergence_tau(params.share_std, clients) * kept
+    if sigma > 0 and not tau <= TAU_LIMIT:
+        raise ValueError(
+            f"the noise shares ({params.share_std:.3g} ring units) are too small for the "
+            f"accounting: k tau = {tau:.3g} > {TAU_LIMIT} (raise sigma or lower rounding_slack)"
+        )
+    return params
+
+
+def check_ring(
+    params: RingParams,
+    *,
+    min_noise_multiplier: float,
+    colluders: int = 0,
+    wrap_probability: float = 1e-9,
+    rounding_slack: float = 0.01,
+) -> None:
+    """A client's own check of a round's ring (``ValueError`` naming what is wrong).
+
+    The server writes the parameters, so the client recomputes what follows from them:
+    the threshold against ``colluders`` (its own bound, at most the ring's declared ``c``),
+    ``sigma > 0``, the scale and bits :func:`choose_ring` gives for its own
+    ``wrap_probability`` and ``rounding_slack``, and a worst-case noise multiplier (its
+    share alone) of at least its own ``min_noise_multiplier``.
+    """
+    if params.colluders < colluders:
+        raise ValueError(
+            f"colluders is {params.colluders}, this node requires at least {colluders}"
+        )
+    if not params.sigma > 0:
+        raise ValueError(f"sigma must be positive, got {params.sigma}")
+    expected = choose_ring(
+        clip=params.clip,
+        sigma=params.sigma,
+        clients=params.clients,
+        threshold=params.threshold,
+        kept=params.kept,
+        wrap_probability=wrap_probability,
+        rounding_slack=rounding_slack,
+        colluders=params.colluders,
+    )
+    for name in ("scale", "bits"):
+        if getattr(params, name) != getattr(expected, name):
+            raise ValueError(
+                f"{name} is {getattr(params, name)!r}, the parameters give "
+                f"{getattr(expected, name)!r}"
+            )
+    worst = worst_case_noise_multiplier(params)
+    if not worst >= min_noise_multiplier:
+        raise ValueError(
+            f"the worst-case noise multiplier (this node's share alone) is {worst:.4g}, "
+            f"below this node's minimum {min_noise_multiplier}"
+        )
 
 
 def wrap_probability_bound(params: RingParams) -> float:
     """The module docstring's bound on P(some coordinate of the sum wraps), at most 1."""
     margin = (params.modulus >> 1) - 1 - params.clients * (params.scale * params.clip + 1)
-    if margin <= 0:
-        return 1.0
     variance = params.clients * params.share_std**2
     if variance == 0:
-        return 0.0
+        return 0.0 if margin >= 0 else 1.0
+    if margin <= 0:
+        return 1.0
     return min(1.0, 2 * params.kept * math.exp(-(margin**2) / (2 * variance)))
 
 
@@ -182,14 +273,16 @@ def noise_share_std(sigma: float, clip: float, threshold: int) -> float:
 
 
 def central_noise_multiplier(params: RingParams, survivors: int) -> float:
-    """The noise multiplier of the decoded sum of ``survivors`` clients' shares.
+    """The noise multiplier of the decoded sum of ``survivors`` clients' shares, once.
 
-    Noise std ``s sigma C sqrt(m/t)`` over the rounded sensitivity ``sC + sqrt(k)``:
-    ``sigma sqrt(m/t) / (1 + sqrt(k)/(sC))``, at least ``sigma / (1 + gamma)`` for ``m >= t``.
+    Noise std ``s sigma C sqrt((m-c)/t)`` (the ``c`` colluders can subtract their own shares)
+    over the rounded sensitivity ``sC + sqrt(k)``: ``sigma sqrt((m-c)/t) / (1 + sqrt(k)/(sC))``,
+    at least ``sigma / (1 + gamma)`` for ``m >= t`` and ``c = 0``. The adjacency: one client's
+    values zeroed, its noise share still there.
     """
     if survivors < params.threshold:
         raise ValueError(f"{survivors} survivors, fewer than the threshold {params.threshold}")
-    return params.share_std * math.sqrt(survivors) / params.sensitivity
+    return params.share_std * math.sqrt(survivors - params.colluders) / params.sensitivity
 
 
 def worst_case_noise_multiplier(params: RingParams) -> float:
@@ -264,14 +357,19 @@ def discrete_gaussian_variance(sigma: float) -> float:
     return float((w * y**2).sum() / w.sum())
 
 
-def encode(values: torch.Tensor, params: RingParams, generator: torch.Generator) -> torch.Tensor:
+def encode(
+    values: torch.Tensor,
+    params: RingParams,
+    rounding: torch.Generator,
+    noise: torch.Generator,
+) -> torch.Tensor:
     """A client's ring input: quantized values plus its discrete Gaussian share, mod ``2^b``.
 
-    The generator is drawn from in a fixed order (rounding, then noise), so the same seed gives
-    the same ring input.
+    Deterministic given the two generators: whoever can predict them can strip the noise from
+    the decoded sum, so a client seeds them from OS entropy (``client/secagg.py``).
     """
-    q = quantize(values, params, generator)
-    q = q + discrete_gaussian(params.kept, params.share_std, generator)
+    q = quantize(values, params, rounding)
+    q = q + discrete_gaussian(params.kept, params.share_std, noise)
     return q & (params.modulus - 1)
 
 

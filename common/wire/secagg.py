@@ -6,22 +6,32 @@ Four stages, each a request from the server and a reply from every client that i
 =========================  ====================================  ===========================
 stage                      server -> client                      client -> server
 =========================  ====================================  ===========================
-``setup``                  the ring's public parameters          ``pk1``, ``pk2`` (PEM keys)
-``share_keys``             ``nids``, ``pk1``, ``pk2`` (lists)    ``dsts``, ``ctxts``
-``collect_masked_vectors`` ``srcs``, ``ctxts`` (shares for it)   ``masked_params`` (bytes)
+``setup``                  the ring's public parameters          ``pk1``, ``pk2`` (PEM keys),
+                                                                 ``seeded_noise`` (0 or 1)
+``share_keys``             ``nids``, ``pk1``, ``pk2`` (lists)    ``dsts``, ``ctxts``,
+                                                                 ``seed_commit``
+``collect_masked_vectors`` ``srcs``, ``ctxts`` (shares for it)   ``masked_params`` (bytes),
+                                                                 ``round_id``, ``nonce``
 ``unmask``                 ``active_nids``, ``dead_nids``        ``nids``, ``shares``
 =========================  ====================================  ===========================
+
+Every message from the server also carries the round's ``round_id`` and ``nonce`` (the
+server's random bytes): a client binds the round to them at setup and releases one masked
+input per ``round_id``, whose reply names the round again.
 
 A payload is a plain ``dict`` of ``int``, ``float``, ``bytes`` and lists of them, what a
 Flower ``ConfigRecord`` holds. :func:`check_payload` is the trust boundary: a missing field,
 a value of the wrong type (``bool`` is not an ``int``), or parallel lists of different lengths
-raise one :class:`SecAggError` naming the stage and the field. :func:`payload_bytes` counts
+raise one :class:`SecAggError` naming the stage and the field; so do a node id outside
+``[0, 2^64)``, a bytes field over :data:`MAX_FIELD_BYTES` (but the masked vector, whose
+length the ring fixes), and a ``stage`` field in a reply. :func:`payload_bytes` counts
 a payload as ``ConfigRecord.count_bytes`` does (8 per number, the length of each bytes or
 string, the keys' lengths), so the wiring can record every stage's bytes, up and down.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from typing import Any, Final
 
@@ -34,6 +44,7 @@ __all__ = [
     "SecAggError",
     "check_payload",
     "payload_bytes",
+    "seed_commitment",
 ]
 
 STAGE: Final = "stage"
@@ -52,19 +63,30 @@ RING_FIELDS: Final[dict[str, type]] = {
     "kept": int,
     "scale": float,
     "bits": int,
+    "colluders": int,
 }
+#: What ties each message to one round: the round's id and the server's nonce.
+BINDING: Final[dict[str, type]] = {"round_id": int, "nonce": bytes}
+NONCE_BYTES: Final = 16
+"""The fewest bytes of a server's nonce (it draws this many from OS entropy)."""
+COMMIT_BYTES: Final = 32
+"""A self-seed commitment: SHA-256."""
+MAX_FIELD_BYTES: Final = 4096
+"""The most bytes a key, share, nonce or ciphertext may have (theirs are a few hundred)."""
+#: Fields whose ints are node ids (Flower's are unsigned 64-bit).
+NODE_ID_FIELDS: Final = frozenset({"nids", "dsts", "srcs", "active_nids", "dead_nids"})
 
 #: Field -> type: ``int``, ``float``, ``bytes``, or ``(list, element type)``.
 DOWN: Final[dict[str, dict[str, Any]]] = {
-    SETUP: dict(RING_FIELDS),
-    SHARE_KEYS: {"nids": (list, int), "pk1": (list, bytes), "pk2": (list, bytes)},
-    COLLECT: {"srcs": (list, int), "ctxts": (list, bytes)},
-    UNMASK: {"active_nids": (list, int), "dead_nids": (list, int)},
+    SETUP: {**RING_FIELDS, **BINDING},
+    SHARE_KEYS: {"nids": (list, int), "pk1": (list, bytes), "pk2": (list, bytes), **BINDING},
+    COLLECT: {"srcs": (list, int), "ctxts": (list, bytes), **BINDING},
+    UNMASK: {"active_nids": (list, int), "dead_nids": (list, int), **BINDING},
 }
 UP: Final[dict[str, dict[str, Any]]] = {
-    SETUP: {"pk1": bytes, "pk2": bytes},
-    SHARE_KEYS: {"dsts": (list, int), "ctxts": (list, bytes)},
-    COLLECT: {"masked_params": bytes},
+    SETUP: {"pk1": bytes, "pk2": bytes, "seeded_noise": int},
+    SHARE_KEYS: {"dsts": (list, int), "ctxts": (list, bytes), "seed_commit": bytes},
+    COLLECT: {"masked_params": bytes, **BINDING},
     UNMASK: {"nids": (list, int), "shares": (list, bytes)},
 }
 #: Lists that pair up element by element.
@@ -110,6 +132,8 @@ def check_payload(payload: Any, stage: str, direction: str) -> dict[str, Any]:
         raise SecAggError(f"{where}: the payload must be a mapping, got {type(payload).__name__}")
     if direction == "down" and payload.get(STAGE) != stage:
         raise SecAggError(f"{where}: field {STAGE!r} must be {stage!r}, got {payload.get(STAGE)!r}")
+    if direction == "up" and STAGE in payload:
+        raise SecAggError(f"{where}: unexpected field {STAGE!r} in a reply")
     out: dict[str, Any] = {}
     for field, spec in schema.items():
         if field not in payload:
@@ -119,6 +143,9 @@ def check_payload(payload: Any, stage: str, direction: str) -> dict[str, Any]:
             raise SecAggError(
                 f"{where}: field {field!r} must be {_type_name(spec)}, got {_describe(value)}"
             )
+        problem = _out_of_range(field, value)
+        if problem:
+            raise SecAggError(f"{where}: field {field!r} {problem}")
         out[field] = float(value) if spec is float else value
     extra = sorted(set(payload) - set(schema) - {STAGE})
     if extra:
@@ -129,6 +156,17 @@ def check_payload(payload: Any, stage: str, direction: str) -> dict[str, Any]:
         sizes = ", ".join(f"{f}={n}" for f, n in lengths.items())
         raise SecAggError(f"{where}: field {lists[-1]!r} must pair with {lists[0]!r} ({sizes})")
     return out
+
+
+def _out_of_range(field: str, value: Any) -> str:
+    items = value if isinstance(value, list) else [value]
+    if field in NODE_ID_FIELDS or field == "round_id":
+        bad = [v for v in items if not 0 <= v < 1 << 64]
+        return f"holds {bad[0]}, not an unsigned 64-bit id" if bad else ""
+    if field != "masked_params":
+        long = [len(v) for v in items if isinstance(v, bytes) and len(v) > MAX_FIELD_BYTES]
+        return f"holds {long[0]} bytes, more than {MAX_FIELD_BYTES}" if long else ""
+    return ""
 
 
 def _describe(value: Any) -> str:
@@ -158,3 +196,9 @@ def payload_bytes(payload: Mapping[str, Any]) -> int:
         items = value if isinstance(value, list) else [value]
         total += sum(_value_bytes(v) for v in items)
     return total
+
+
+def seed_commitment(seed: bytes) -> bytes:
+    """A client's commitment to its self-mask seed (SHA-256, domain-separated): the server
+    checks a rebuilt seed against it, so a bad share cannot silently change the sum."""
+    return hashlib.sha256(b"fedsparse/secagg/self-seed\x00" + seed).digest()

@@ -1,30 +1,58 @@
 """Secure aggregation end to end, server and clients as plain state machines: the exact sum,
-dropouts between stages, what the server sees, too few survivors, malformed payloads, bytes."""
+dropouts between stages, what the server sees, too few survivors, malformed payloads, bytes,
+bad shares named, noise nobody can predict, and a split view with a colluder."""
 
 from __future__ import annotations
 
-from collections.abc import Collection
+import itertools
+from collections.abc import Collection, Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from flwr.common.secure_aggregation.crypto.shamir import combine_shares
 from scipy import stats
 
-from fedsparse.client.secagg import SecAggClient
+import fedsparse.client.secagg as client_secagg
+from fedsparse.client.secagg import SecAggClient, seeded_generators
 from fedsparse.common.aggregation.secure import (
+    PAIR_LABEL,
+    SELF_LABEL,
     RingParams,
     choose_ring,
+    discrete_gaussian,
     encode,
+    expand_mask,
     pack_ring,
+    pairwise_sign,
     ring_sum,
     unpack_ring,
 )
-from fedsparse.common.wire.secagg import SecAggError, payload_bytes
+from fedsparse.common.wire.secagg import RING_FIELDS, SecAggError, payload_bytes
 from fedsparse.server.secagg import SecAggDropoutError, SecAggServer
 
 IDS = [101, 202, 303, 404, 505]
 K = 1000
+ROUND = 4
+
+RING_INPUTS: list[torch.Tensor] = []
+
+
+@pytest.fixture(autouse=True)
+def record_ring_inputs(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Each client's ring input as it computed it (values, rounding, noise): what the test
+    compares the unmasked sum with. Nobody else can compute it: the noise is fresh."""
+
+    def recording(*args: Any) -> torch.Tensor:
+        out = encode(*args)
+        RING_INPUTS.append(out)
+        return out
+
+    monkeypatch.setattr(client_secagg, "encode", recording)
+    RING_INPUTS.clear()
+    yield
+    RING_INPUTS.clear()
 
 
 def params(sigma: float = 1.0) -> RingParams:
@@ -36,19 +64,20 @@ def values(nid: int) -> torch.Tensor:
     return v * (0.9 / float(v.norm()))
 
 
-def noise_gen(nid: int) -> torch.Generator:
-    return torch.Generator().manual_seed(7 * nid)
-
-
 class Round:
     """A server and five clients; ``drop_*`` name the nodes that stop answering there."""
 
-    def __init__(self, p: RingParams, inputs: dict[int, torch.Tensor] | None = None) -> None:
+    def __init__(self, p: RingParams, inputs: dict | None = None, **policy: Any) -> None:
+        """``policy``: the clients' own; ``seeded=True``: simulation noise seeded by node id."""
         self.p = p
-        self.server = SecAggServer(p, IDS)
-        self.clients = {nid: SecAggClient(nid, p) for nid in IDS}
+        self.server = SecAggServer(p, IDS, round_id=ROUND)
+        policy.setdefault("min_noise_multiplier", 0.5)
+        seeded = policy.pop("seeded", False)
+        sim = {nid: {"noise": "seeded", "noise_seed": nid} if seeded else {} for nid in IDS}
+        self.clients = {nid: SecAggClient(nid, p, **policy, **sim[nid]) for nid in IDS}
         self.inputs = inputs or {nid: values(nid) for nid in IDS}
         self.masked: dict[int, dict[str, Any]] = {}
+        self.ring_inputs: dict[int, torch.Tensor] = {}
 
     def keys(self, drop: Collection[int] = ()) -> None:
         s = self.server
@@ -59,13 +88,17 @@ class Round:
         )
 
     def collect(self, drop: Collection[int] = ()) -> None:
-        msgs = self.server.collect_messages()
-        self.masked = {
-            n: self.clients[n].handle(m, self.inputs[n], noise_gen(n))
-            for n, m in msgs.items()
-            if n not in drop
-        }
-        self.server.receive_collect(self.masked)
+        self.server.receive_collect(self.replies(drop))
+
+    def replies(
+        self, drop: Collection[int] = (), msgs: dict[int, dict[str, Any]] | None = None
+    ) -> dict[int, dict[str, Any]]:
+        """The masked inputs, kept with the ring inputs they hide."""
+        for n, m in (msgs or self.server.collect_messages()).items():
+            if n not in drop:
+                self.masked[n] = self.clients[n].handle(m, self.inputs[n])
+                self.ring_inputs[n] = RING_INPUTS.pop()
+        return dict(self.masked)
 
     def unmask(self, drop: Collection[int] = ()) -> torch.Tensor:
         msgs = self.server.unmask_messages()
@@ -75,13 +108,12 @@ class Round:
 
     def expected(self, nodes: Collection[int]) -> torch.Tensor:
         """The plain sum of the nodes' quantized, noised ring inputs."""
-        inputs = [encode(self.inputs[n], self.p, noise_gen(n)) for n in sorted(nodes)]
-        return ring_sum(inputs, self.p.bits)
+        return ring_sum([self.ring_inputs[n] for n in sorted(nodes)], self.p.bits)
 
 
-@pytest.mark.parametrize("sigma", [0.0, 1.0])
+@pytest.mark.parametrize("sigma", [0.5, 1.0])
 def test_the_unmasked_sum_is_the_sum_of_the_quantized_inputs(sigma: float) -> None:
-    r = Round(params(sigma))
+    r = Round(params(sigma), min_noise_multiplier=0.2)
     r.keys()
     r.collect()
     total = r.unmask()
@@ -127,7 +159,7 @@ def _uniform_pvalues(data: bytes, p: RingParams) -> tuple[float, float]:
 
 
 def test_each_masked_vector_looks_uniform_to_the_server() -> None:
-    p = params(sigma=0.0)
+    p = params()
     # the most structured input there is: every client sends the same tiny vector
     same = torch.zeros(K, dtype=torch.float64)
     same[:10] = 0.01
@@ -140,7 +172,7 @@ def test_each_masked_vector_looks_uniform_to_the_server() -> None:
         chi, ks = _uniform_pvalues(reply["masked_params"], p)
         assert chi > 1e-6 and ks > 1e-6
     # the control: the same vector unmasked is nowhere near uniform
-    plain = encode(same, p, noise_gen(0))
+    plain = r.ring_inputs[101]
     chi, ks = _uniform_pvalues(pack_ring(plain, p.bits), p)
     assert chi < 1e-10 and ks < 1e-10
     assert torch.equal(r.unmask(), r.expected(IDS))
@@ -166,14 +198,13 @@ def test_fewer_survivors_than_the_threshold_is_a_clear_error() -> None:
 def test_a_malformed_masked_vector_is_named() -> None:
     r = Round(params())
     r.keys()
-    msgs = r.server.collect_messages()
-    replies = {n: r.clients[n].handle(m, r.inputs[n], noise_gen(n)) for n, m in msgs.items()}
+    replies = r.replies()
     short = dict(replies)
-    short[303] = {"masked_params": replies[303]["masked_params"][:-1]}
+    short[303] = {**replies[303], "masked_params": replies[303]["masked_params"][:-1]}
     with pytest.raises(SecAggError, match="'masked_params' of node 303: expected 3000 bytes"):
         r.server.receive_collect(short)
     wrong = dict(replies)
-    wrong[303] = {"masked_params": [1, 2, 3]}
+    wrong[303] = {**replies[303], "masked_params": [1, 2, 3]}
     with pytest.raises(
         SecAggError, match="field 'masked_params' must be bytes, got a list of int"
     ) as err:
@@ -186,7 +217,7 @@ def test_a_malformed_masked_vector_is_named() -> None:
     )
     assert torch.equal(total, r.expected([101, 202, 404, 505]))
     up = r.server.bytes["collect_masked_vectors"]["up"]
-    assert up == 4 * (K * r.p.element_bytes + len("masked_params"))  # accepted replies only
+    assert up == 4 * (K * r.p.element_bytes + BINDING_BYTES)  # accepted replies only
 
 
 @pytest.mark.parametrize(
@@ -222,6 +253,10 @@ def test_the_server_refuses_replies_from_strangers_and_stages_out_of_order() -> 
         r.server.receive_setup(replies)
 
 
+#: Per reply of the collection beyond the vector: its key's name, the round id and the nonce.
+BINDING_BYTES = len("masked_params") + len("round_id") + 8 + len("nonce") + 16
+
+
 def counted(*payloads: dict[int, dict[str, Any]]) -> list[int]:
     return [sum(payload_bytes(p) for p in by_node.values()) for by_node in payloads]
 
@@ -234,35 +269,28 @@ def test_every_stage_message_is_counted_up_and_down() -> None:
     msgs = s.setup_messages()
     replies = {n: r.clients[n].handle(m) for n, m in msgs.items()}
     s.receive_setup(replies)
-    sent["setup"] = [
-        sum(map(payload_bytes, msgs.values())),
-        sum(map(payload_bytes, replies.values())),
-    ]
+    sent["setup"] = counted(msgs, replies)
     msgs = s.share_keys_messages()
     replies = {n: r.clients[n].handle(m) for n, m in msgs.items()}
     s.receive_share_keys(replies)
-    sent["share_keys"] = [
-        sum(map(payload_bytes, msgs.values())),
-        sum(map(payload_bytes, replies.values())),
-    ]
+    sent["share_keys"] = counted(msgs, replies)
     msgs = s.collect_messages()
-    replies = {n: r.clients[n].handle(m, r.inputs[n], noise_gen(n)) for n, m in msgs.items()}
+    replies = r.replies(msgs=msgs)
     s.receive_collect(replies)
     sent["collect_masked_vectors"] = counted(msgs, replies)
     msgs = s.unmask_messages()
     replies = {n: r.clients[n].handle(m) for n, m in msgs.items()}
     s.receive_unmask(replies)
-    sent["unmask"] = [
-        sum(map(payload_bytes, msgs.values())),
-        sum(map(payload_bytes, replies.values())),
-    ]
+    sent["unmask"] = counted(msgs, replies)
     assert s.bytes == {stage: {"down": d, "up": u} for stage, (d, u) in sent.items()}
     # the masked vectors: k elements of ceil(b/8) bytes each, per client, plus the key's name
-    masked = 5 * (K * p.element_bytes + len("masked_params"))
+    masked = 5 * (K * p.element_bytes + BINDING_BYTES)
     assert s.bytes["collect_masked_vectors"]["up"] == masked
-    # the setup: 7 ring fields of 8 bytes, their names and the stage, to each of 5 clients
-    names = sum(len(f) for f in ("clip", "sigma", "clients", "threshold", "kept", "scale", "bits"))
-    assert s.bytes["setup"]["down"] == 5 * (7 * 8 + names + len("stage") + len("setup"))
+    # the setup: 8 ring fields of 8 bytes, their names, the stage and the round's id and
+    # 16-byte nonce, to each of 5 clients
+    names = sum(len(f) for f in RING_FIELDS)
+    binding = len("round_id") + 8 + len("nonce") + 16
+    assert s.bytes["setup"]["down"] == 5 * (8 * 8 + names + len("stage") + len("setup") + binding)
     assert all(v > 0 for stage in s.bytes.values() for v in stage.values())
 
 
@@ -281,8 +309,189 @@ def test_what_colluding_peers_recover_still_carries_the_nodes_noise_share() -> N
     r.keys()
     r.collect()
     total = r.unmask()
-    others = r.expected([n for n in IDS if n != 303])
+    others = r.expected([n for n in IDS if n != 303])  # each colluder knows its own input
     recovered = (total - others) & (p.modulus - 1)
-    assert torch.equal(recovered, encode(r.inputs[303], p, noise_gen(303)))
+    assert torch.equal(recovered, r.ring_inputs[303])
     error = r.server.decode(recovered) - r.inputs[303]
     assert float(error.std()) == pytest.approx(p.share_std / p.scale, rel=0.1)
+
+
+def test_the_self_mask_hides_a_survivor_whose_pair_keys_are_known() -> None:
+    """A server that learned 303's sk1 (all its pair masks) but not its self seed still sees
+    a uniform vector; with the self seed too it sees 303's ring input."""
+    p = params()
+    r = Round(p)
+    r.keys()
+    r.collect()
+    y = unpack_ring(r.masked[303]["masked_params"], p.kept, p.bits)
+    for other, seed in r.clients[303]._pair_seed_of.items():
+        y = (y - pairwise_sign(303, other) * expand_mask(seed, p.kept, p.bits, PAIR_LABEL)) & (
+            p.modulus - 1
+        )
+    chi, ks = _uniform_pvalues(pack_ring(y, p.bits), p)
+    assert chi > 1e-6 and ks > 1e-6
+    plain = (y - expand_mask(r.clients[303]._self_seed, p.kept, p.bits, SELF_LABEL)) & (
+        p.modulus - 1
+    )
+    assert torch.equal(plain, r.ring_inputs[303])
+    chi, ks = _uniform_pvalues(pack_ring(plain, p.bits), p)
+    assert chi < 1e-10 and ks < 1e-10
+
+
+def _strip_seeded_noise(r: Round, total: torch.Tensor) -> torch.Tensor:
+    """What a party that knows the node ids and the round does: regenerate each node's noise
+    share as the seeded simulation draws it, and take it off the decoded sum."""
+    noise = sum(
+        discrete_gaussian(r.p.kept, r.p.share_std, seeded_generators(nid, ROUND)[1]) for nid in IDS
+    )
+    assert isinstance(noise, torch.Tensor)
+    half = r.p.modulus >> 1
+    lifted = torch.where(total >= half, total - r.p.modulus, total)
+    return (lifted - noise).to(torch.float64) / r.p.scale
+
+
+def test_fresh_noise_cannot_be_predicted_from_public_values() -> None:
+    p = params()
+    same = {nid: values(1) for nid in IDS}  # identical inputs everywhere
+    rings = []
+    for _ in range(2):  # the same round twice: same ids, round id, nonce and inputs
+        r = Round(p, same)
+        r.server.nonce = b"\x01" * 16
+        r.keys()
+        r.collect()
+        rings.append(r.ring_inputs)
+        assert r.server.seeded_noise == {nid: False for nid in IDS}
+    for nid in IDS:
+        assert not torch.equal(rings[0][nid], rings[1][nid])
+        for other in IDS:
+            if other != nid:
+                assert not torch.equal(rings[0][nid], rings[0][other])
+        replay = encode(same[nid], p, *seeded_generators(nid, ROUND))
+        assert not torch.equal(rings[0][nid], replay)
+    total = r.unmask()
+    truth = sum(same.values())
+    assert isinstance(truth, torch.Tensor)
+    error = _strip_seeded_noise(r, total) - truth  # the replay attack removes nothing here
+    assert float(error.std()) > 0.5 * 5**0.5 * p.share_std / p.scale
+
+
+def test_seeded_noise_is_a_simulation_the_server_can_strip() -> None:
+    """Only in the named simulation mode (``noise="seeded"``, here seeded by node id) can a
+    party that knows the node ids and the round remove the noise from the sum."""
+    p = params()
+    r = Round(p, seeded=True)
+    r.keys()
+    assert r.server.seeded_noise == {nid: True for nid in IDS}
+    r.collect()
+    for nid in IDS:
+        assert torch.equal(
+            r.ring_inputs[nid], encode(r.inputs[nid], p, *seeded_generators(nid, ROUND))
+        )
+    truth = sum(r.inputs.values())
+    assert isinstance(truth, torch.Tensor)
+    stripped = _strip_seeded_noise(r, r.unmask())
+    assert float((stripped - truth).abs().max()) <= 5 / p.scale  # rounding only: no DP left
+
+
+def test_a_bad_unmask_share_is_named_and_the_stage_runs_again_without_it() -> None:
+    r = Round(params())
+    r.keys()
+    r.collect(drop={202})  # 202's key is rebuilt from shares, the others' self seeds
+    msgs = r.server.unmask_messages()
+    replies = {n: r.clients[n].handle(m) for n, m in msgs.items()}
+    replayed = {**replies[505], "shares": list(replies[404]["shares"])}  # a4: 404's shares
+    seeds = list(replies[505]["shares"])
+    seeds[0] = seeds[0][:4] + bytes(32) + seeds[0][36:]  # a5: a seed chunk, padding intact
+    keys = list(replies[505]["shares"])
+    k = replies[505]["nids"].index(202)
+    keys[k] = keys[k][:4] + bytes(16) + keys[k][20:]  # 202's sk1 share
+    for bad, what in [(replayed, "not sent to it"), (seeds, "self-mask seed"), (keys, "key")]:
+        broken = {**replies, 505: bad if isinstance(bad, dict) else {**replies[505], "shares": bad}}
+        with pytest.raises(SecAggError, match=f"node 505.*{what}|{what}.*node 505's") as err:
+            r.server.receive_unmask(broken)
+        assert err.value.node == 505
+    # exactly t replies: a bad share is caught (not a silently wrong sum), its sender unknown
+    few = {n: replies[n] for n in (101, 303)} | {505: {**replies[505], "shares": seeds}}
+    with pytest.raises(SecAggError, match="no culprit found") as err:
+        r.server.receive_unmask(few)
+    assert err.value.node is None
+    total = r.server.receive_unmask({n: reply for n, reply in replies.items() if n != 505})
+    assert torch.equal(total, r.expected([101, 303, 404, 505]))
+
+
+def test_a_masked_vector_must_name_its_round() -> None:
+    r = Round(params())
+    r.keys()
+    replies = r.replies()
+    for change in ({"round_id": ROUND + 1}, {"nonce": b"\x00" * 16}):
+        with pytest.raises(SecAggError, match="'round_id'/'nonce' of node 303 is not this round"):
+            r.server.receive_collect({**replies, 303: {**replies[303], **change}})
+    with pytest.raises(SecAggError, match="unexpected field 'stage' in a reply"):
+        r.server.receive_collect({**replies, 303: {**replies[303], "stage": "junk"}})
+    r.server.receive_collect(replies)
+
+
+def rebuilds(shares: list[bytes], secret: bytes) -> bool:
+    try:
+        return combine_shares(shares) == secret
+    except ValueError:  # the padding does not check out: nothing rebuilt
+        return False
+
+
+def _split_view(
+    r: Round, victim: int, colluder: int, alive: list[int], dead: list[int]
+) -> tuple[list[bytes], list[bytes]]:
+    """M1: the server tells ``alive`` the victim is alive (their answers hold its seed share)
+    and ``dead`` that it dropped (its sk1 share); the colluder hands over both. Every story
+    passes the clients' checks. The victim's seed shares and sk1 shares the server holds."""
+    seed, sk1 = (
+        [r.clients[colluder]._seed_shares[victim]],
+        [r.clients[colluder]._sk1_shares[victim]],
+    )
+    bind = {"stage": "unmask", "round_id": ROUND, "nonce": r.server.nonce}
+    for nodes, dead_nids, into in [(alive, [], seed), (dead, [victim], sk1)]:
+        story = {
+            **bind,
+            "active_nids": [n for n in IDS if n not in dead_nids],
+            "dead_nids": dead_nids,
+        }
+        for n in nodes:
+            reply = r.clients[n].handle(dict(story))
+            into.append(dict(zip(reply["nids"], reply["shares"], strict=True))[victim])
+    return seed, sk1
+
+
+def _unmask_one(r: Round, victim: int, seed: bytes, sk1: bytes) -> torch.Tensor:
+    p = r.p
+    y = unpack_ring(r.masked[victim]["masked_params"], p.kept, p.bits)
+    y = y - expand_mask(seed, p.kept, p.bits, SELF_LABEL)
+    for j in IDS:
+        if j != victim:
+            pair = client_secagg.pair_seed(sk1, r.server._pk[j][0])
+            y = y - pairwise_sign(victim, j) * expand_mask(pair, p.kept, p.bits, PAIR_LABEL)
+    return y & (p.modulus - 1)
+
+
+def test_a_split_view_with_one_colluder_needs_a_collusion_aware_threshold() -> None:
+    # n=5, t=3 (t > n/2 but 2t - n = 1, not above c = 1): one colluder is enough (a1)
+    r = Round(params())
+    r.keys()
+    r.collect()
+    seed, sk1 = _split_view(r, 303, 505, alive=[303, 101], dead=[202, 404])
+    recovered = _unmask_one(r, 303, combine_shares(seed), combine_shares(sk1))
+    assert torch.equal(recovered, r.ring_inputs[303])  # its input, with its own noise share
+    # a node that allows for one colluder refuses that ring
+    with pytest.raises(SecAggError, match="colluders is 0, this node requires at least 1"):
+        SecAggClient(303, params(), min_noise_multiplier=0.5, colluders=1)
+    # at t=4 with c=1, no split of the three honest nodes gives the server t shares of both
+    p4 = choose_ring(clip=1.0, sigma=1.0, clients=5, threshold=4, kept=K, colluders=1)
+    for size in range(4):
+        for alive in itertools.combinations([101, 202, 404], size):
+            r = Round(p4, min_noise_multiplier=0.4, colluders=1)
+            r.keys()
+            r.collect()
+            dead = [n for n in (101, 202, 404) if n not in alive]
+            seed, sk1 = _split_view(r, 303, 505, alive=[303, *alive], dead=dead)
+            assert len(seed) < 4 or len(sk1) < 4
+            victim = r.clients[303]
+            assert not (rebuilds(seed, victim._self_seed) and rebuilds(sk1, victim._sk1))

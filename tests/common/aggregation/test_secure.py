@@ -12,8 +12,11 @@ import torch
 from scipy import stats
 
 from fedsparse.common.aggregation.secure import (
+    DECODE_BITS,
+    TAU_LIMIT,
     RingParams,
     central_noise_multiplier,
+    check_ring,
     check_threshold,
     choose_ring,
     decode_sum,
@@ -69,6 +72,62 @@ def test_the_ring_is_the_smallest_whose_wrap_bound_holds() -> None:
     assert ring(rounding_slack=0.1).bits < ring().bits
 
 
+def test_a_ring_built_by_hand_is_checked() -> None:
+    p = ring()
+    for field, value in [("threshold", 1), ("scale", 0.0), ("bits", 63), ("sigma", math.nan)]:
+        with pytest.raises(ValueError, match=field):
+            dataclasses.replace(p, **{field: value})
+
+
+def test_a_ring_over_the_exact_decoding_range_is_refused() -> None:
+    with pytest.raises(ValueError, match=f"more than {DECODE_BITS}"):
+        ring(rounding_slack=1e-16)
+    # at the largest ring it picks, the lift's extremes (±2^53) decode exactly in float64
+    p = RingParams(1.0, 1.0, 5, 3, 1, 1.0, DECODE_BITS)
+    top = 2 ** (DECODE_BITS - 1)
+    decoded = decode_sum(torch.tensor([top - 1, top, top + 1]), p)
+    assert [int(v) for v in decoded.tolist()] == [top - 1, -top, -top + 1]
+
+
+def test_the_wrap_bound_of_a_noiseless_ring_that_just_fits_is_zero() -> None:
+    # 2 clients, one coordinate: |Q| <= 2 (sC + 1) = 7 = 2^(b-1) - 1 at b = 4: nothing wraps
+    fits = RingParams(clip=1.0, sigma=0.0, clients=2, threshold=2, kept=1, scale=2.5, bits=4)
+    assert wrap_probability_bound(fits) == 0.0
+    assert wrap_probability_bound(dataclasses.replace(fits, bits=3)) == 1.0
+
+
+def test_a_noisy_ring_too_fine_for_the_accounting_is_refused() -> None:
+    # share std 0.065 ring units: the sum is nothing like one discrete Gaussian (all zeros)
+    with pytest.raises(ValueError, match="too small for the accounting"):
+        choose_ring(clip=1.0, sigma=0.5, clients=100, threshold=60, kept=1, rounding_slack=1.0)
+    p = ring()
+    assert sum_divergence_tau(p.share_std, p.clients) * p.kept <= TAU_LIMIT
+
+
+def test_the_client_side_check_recomputes_the_ring_and_its_noise_floor() -> None:
+    p = ring()  # n=5, t=3: worst case 0.572
+    check_ring(p, min_noise_multiplier=0.5)
+    with pytest.raises(ValueError, match="worst-case noise multiplier .* below .* 0.6"):
+        check_ring(p, min_noise_multiplier=0.6)
+    # a large nominal n shrinks each share while the central multiplier stays near sigma
+    big = choose_ring(clip=1.0, sigma=1.0, clients=1000, threshold=501, kept=1000)
+    assert central_noise_multiplier(big, 501) > 0.98
+    with pytest.raises(ValueError, match=r"share alone\) is 0.0442\d, below"):
+        check_ring(big, min_noise_multiplier=0.5)
+    with pytest.raises(ValueError, match="sigma must be positive"):
+        check_ring(ring(sigma=0.0), min_noise_multiplier=0.0)
+    for field, value in [("scale", p.scale * 1.01), ("bits", p.bits + 1)]:
+        with pytest.raises(ValueError, match=f"{field} is .* the parameters give"):
+            check_ring(dataclasses.replace(p, **{field: value}), min_noise_multiplier=0.5)
+    # the client's own slack or wrap probability gives its own ring
+    with pytest.raises(ValueError, match="scale is"):
+        check_ring(p, min_noise_multiplier=0.5, rounding_slack=0.02)
+    with pytest.raises(ValueError, match="colluders is 0, this node requires at least 1"):
+        check_ring(p, min_noise_multiplier=0.5, colluders=1)
+    four = ring(threshold=4, colluders=1)
+    check_ring(four, min_noise_multiplier=0.4, colluders=1)
+
+
 def test_the_rounded_sensitivity_costs_at_most_the_slack() -> None:
     p = ring(rounding_slack=0.01)
     assert p.sensitivity == pytest.approx(p.scale * p.clip * 1.01)
@@ -83,6 +142,27 @@ def test_a_threshold_at_or_below_half_the_clients_is_refused(n: int, t: int) -> 
 
 
 @pytest.mark.parametrize(
+    ("n", "t", "c", "ok"),
+    [(5, 3, 0, True), (5, 3, 1, False), (5, 4, 1, True), (10, 6, 2, False), (10, 7, 2, True)]
+    + [(100, 60, 19, True), (100, 60, 20, False), (5, 5, 5, False), (5, 3, -1, False)],
+)
+def test_the_threshold_keeps_2t_minus_n_above_the_colluders(
+    n: int, t: int, c: int, ok: bool
+) -> None:
+    # each honest client answers once, a colluder gives both shares, the victim its seed share:
+    # both of a victim's secrets need 2t - c - 1 answers from the n - 1 others
+    assert ok == (2 * t - c - 1 > n - 1 and c >= 0)
+    if ok:
+        check_threshold(n, t, c)
+        assert choose_ring(clip=1.0, sigma=1.0, clients=n, threshold=t, kept=10, colluders=c)
+    else:
+        with pytest.raises(ValueError, match="2t - n > c|colluders"):
+            check_threshold(n, t, c)
+        with pytest.raises(ValueError):
+            RingParams(1.0, 1.0, n, t, 10, 1.0, 20, c)
+
+
+@pytest.mark.parametrize(
     ("field", "value"), [("clip", 0.0), ("sigma", -1.0), ("kept", 0), ("wrap_probability", 1.0)]
 )
 def test_bad_ring_parameters_are_refused_by_name(field: str, value: float) -> None:
@@ -94,11 +174,11 @@ def test_the_decoded_sum_is_the_exact_integer_sum_mod_the_ring() -> None:
     p = ring(sigma=1.0)
     inputs = unit_vectors(5, p.kept, 1.0, seed=1)
     quantized = [quantize(x, p, gen(10 + i)) for i, x in enumerate(inputs)]
-    encoded = [encode(x, p, gen(10 + i)) for i, x in enumerate(inputs)]
+    encoded = [encode(x, p, gen(10 + i), gen(50 + i)) for i, x in enumerate(inputs)]
     total = ring_sum(encoded, p.bits)
     # the integers each client put in: its quantized values plus its noise share
     integers = [
-        (quantize(x, p, g := gen(10 + i)), discrete_gaussian(p.kept, p.share_std, g))
+        (quantize(x, p, gen(10 + i)), discrete_gaussian(p.kept, p.share_std, gen(50 + i)))
         for i, x in enumerate(inputs)
     ]
     for (q, _), q2 in zip(integers, quantized, strict=True):
@@ -119,7 +199,8 @@ def test_the_decoded_sum_is_the_exact_integer_sum_mod_the_ring() -> None:
 def test_the_decoded_sum_is_unbiased(sigma: float) -> None:
     p = ring(sigma=sigma, kept=20000, rounding_slack=0.5)  # coarse: rounding shows
     inputs = unit_vectors(5, p.kept, 0.8, seed=2)
-    decoded = decode_sum(ring_sum([encode(x, p, gen(i)) for i, x in enumerate(inputs)], p.bits), p)
+    encoded = [encode(x, p, gen(i), gen(100 + i)) for i, x in enumerate(inputs)]
+    decoded = decode_sum(ring_sum(encoded, p.bits), p)
     error = decoded - sum(inputs)
     se = float(error.std()) / math.sqrt(p.kept)
     assert abs(float(error.mean())) < 4 * se
@@ -215,6 +296,10 @@ def test_the_noise_accounting_central_and_worst_case() -> None:
     assert worst_case_noise_multiplier(p) == pytest.approx(1.2 / math.sqrt(6) / rounding)
     with pytest.raises(ValueError, match="fewer than the threshold"):
         central_noise_multiplier(p, 5)
+    # c colluding clients subtract their own shares: m - c shares are left
+    pc = ring(sigma=1.2, clients=10, threshold=7, kept=5000, colluders=2)
+    expected = 1.2 * math.sqrt((9 - 2) / 7) / rounding
+    assert central_noise_multiplier(pc, 9) == pytest.approx(expected)
     # the shares of m survivors sum to the noise the central multiplier claims
     m = 8
     z = sum(discrete_gaussian(p.kept, p.share_std, gen(i)) for i in range(m))
