@@ -55,7 +55,8 @@ __all__ = [
 #: The baseline first: dense fp32 DP-SGD (``final-rate=0``: no sparsification). Then dense int8
 #: (quantization alone), the RS paper's gradual cooling to r* = 0.9 (fp32, int8), and arms
 #: sparse from round 1 (``schedule=constant``) whose uplink is at most 1 bit per parameter:
-#: a kept fraction ``1 - r`` of ``b``-bit values costs about ``(1 - r) b`` bits per parameter.
+#: a kept fraction ``1 - r`` of ``b``-bit values costs about ``(1 - r) b`` bits per parameter;
+#: the last two compress the downlink as well (``downlink-dtype``).
 DEFAULT_ARMS: Final[tuple[Mapping[str, str], ...]] = (
     {"final-rate": "0", "value-dtype": "fp32"},
     {"final-rate": "0", "value-dtype": "int8"},
@@ -74,6 +75,9 @@ DEFAULT_ARMS: Final[tuple[Mapping[str, str], ...]] = (
         "dp-norm-bound": "off",
     },
     {"final-rate": "0.9", "value-dtype": "int1", "schedule": "constant"},
+    # the downlink in the same codecs (the server adopts the decoded change)
+    {"final-rate": "0.9", "value-dtype": "int8", "schedule": "constant", "downlink-dtype": "int8"},
+    {"final-rate": "0.9", "value-dtype": "int4", "schedule": "constant", "downlink-dtype": "int4"},
 )
 #: Each arm's tuning grid: learning rate and rounds.
 DEFAULT_TUNE: Final[Mapping[str, Sequence[str]]] = {
