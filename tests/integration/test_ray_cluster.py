@@ -236,7 +236,7 @@ def two_nodes(ray_tmpdir: Path, tmp_path: Path) -> Iterator[_Cluster]:
 def test_a_simulation_on_a_two_node_cluster_equals_one_node(
     two_nodes: _Cluster, ray_tmpdir: Path, tmp_path: Path
 ) -> None:
-    args = ["simulate", "--backend", "ray", "--clients", "20", "--rounds", "2", *QUICK]
+    args = ["simulate", "--backend", "ray", "--clients", "100", "--rounds", "2", *QUICK]
     env = _env(ray_tmpdir)
     on_cluster = _fedsparse(
         [*args, "--out", str(tmp_path / "cluster"), "--ray-address", two_nodes.address],
@@ -244,8 +244,8 @@ def test_a_simulation_on_a_two_node_cluster_equals_one_node(
         timeout=120,
     )
     assert on_cluster.returncode == 0, on_cluster.stdout[-3000:]
-    # Its two workers (one CPU on each node) ran on both nodes, 10 clients each.
-    assert "20 clients on 2 workers, 2 Ray nodes" in on_cluster.stdout, on_cluster.stdout
+    # Its two workers (one CPU on each node) ran on both nodes, 50 clients each.
+    assert "100 clients on 2 workers, 2 Ray nodes" in on_cluster.stdout, on_cluster.stdout
     # Without an address the run starts a Ray of its own, though `ray start` left the live
     # cluster's address in this RAY_TMPDIR.
     alone = _fedsparse([*args, "--out", str(tmp_path / "alone")], env=env, timeout=120)
