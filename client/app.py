@@ -37,7 +37,14 @@ from fedsparse.client.guard import (
 )
 from fedsparse.client.local_round import train_round
 from fedsparse.client.node_data import NodeData
-from fedsparse.client.node_policy import NodePolicy, PrivacyRefusal, TrainingRequest
+from fedsparse.client.node_policy import SECAGG, NodePolicy, PrivacyRefusal, TrainingRequest
+from fedsparse.client.secagg_node import (
+    SECAGG_ACTION,
+    SECAGG_RECORD,
+    SecAggRound,
+    answer,
+    sample_level_multiplier,
+)
 from fedsparse.client.state import (
     NodeState,
     StateFiles,
@@ -50,6 +57,7 @@ from fedsparse.common.config import FederatedConfig
 from fedsparse.common.dp.accounting import (
     AccountantName,
     calibrate_noise_multiplier,
+    compute_epsilon_of_history,
     sample_rate,
     steps_per_epoch,
 )
@@ -178,13 +186,17 @@ def train(msg: Message, context: Context) -> Message:
     record = msg.content.config_records[CONFIG_RECORD]
     task = TrainInstruction.from_record(record)
     privacy = cfg.privacy()
+    secure = cfg.secure_aggregation  # the release is the masked input (client/secagg_node.py)
     policy.precheck(
-        mechanism=privacy.mechanism,
+        mechanism=SECAGG if secure else privacy.mechanism,
         local_epochs=task.local_epochs,
-        noise_multiplier=None if privacy.target_epsilon is not None else privacy.noise_multiplier,
-        batch_size=task.batch_size,
+        noise_multiplier=None
+        if secure or privacy.target_epsilon is not None
+        else privacy.noise_multiplier,
+        batch_size=None if secure else task.batch_size,
     )
     declared = _declaration(context, cfg, policy)
+    secagg = SecAggRound.open(msg, context, cfg, policy, task, declared) if secure else None
     reusable = model_cache.process_model(cfg.model_name, cfg.seed)
     layout = reusable.layout
     frozen = _frozen_prefix(cfg, task, layout)
@@ -216,8 +228,17 @@ def train(msg: Message, context: Context) -> Message:
             global_flat=global_flat,
             frozen=frozen,
             explicit=explicit,
+            secagg=secagg,
         )
         config, metrics = reply.to_records()
+        if secagg is not None:  # the keys go up; the values stay in the node's state
+            content = RecordDict(
+                {
+                    SECAGG_RECORD: ConfigRecord(secagg.finish_train(reply.update, context)),
+                    METRICS_RECORD: MetricRecord(metrics),
+                }
+            )
+            return Message(content=content, reply_to=msg)
     except (PrivacyRefusal, ProtocolError):
         raise  # the policy's, the ledger's or the request's: named, no private numbers
     except Exception as err:
@@ -243,6 +264,7 @@ def _private_round(
     global_flat: torch.Tensor,
     frozen: int,
     explicit: torch.Tensor | None,
+    secagg: SecAggRound | None = None,
 ) -> TrainReply:
     """The part of ``train`` that reads the node's data: budget, σ, the ledger's charge, the
     round, and the node's state after it; returns the reply.
@@ -275,6 +297,15 @@ def _private_round(
             index_epsilon=index_epsilon,
             calibrated=cfg.privacy().target_epsilon is not None,
         )
+        if secagg is not None:  # one release of the clipped update, the node's share of noise
+            request = dataclasses.replace(
+                request,
+                mechanism=SECAGG,
+                noise_multiplier=secagg.worst_case,
+                sample_rate=1.0,
+                steps=1,
+                calibrated=False,
+            )
         authorize(
             policy,
             ledger,
@@ -319,6 +350,10 @@ def _private_round(
                 )
         except Exception as err:
             raise released_error(err, data_read=True) from None
+    if secagg is not None:  # what the node's data spent: its worst case (secagg_node.py)
+        history = [*state.history, (sample_level_multiplier(secagg.worst_case), 1.0, 1)]
+        epsilon = compute_epsilon_of_history(history, delta=policy.delta, accountant="rdp")
+        reply = dataclasses.replace(reply, epsilon=epsilon, noise_multiplier=secagg.worst_case)
     spent = state.index_epsilon + (selector.spent if selector is not None else 0.0)
     state = NodeState(
         global_flat,
@@ -404,6 +439,18 @@ def _node_state(
         return NodeState.load(context, numel)
     files.discard_after(resumed)
     return files.restore(up_to=resumed, numel=numel) if resumed else NodeState()
+
+
+@app.query(SECAGG_ACTION)
+def secure_aggregation(msg: Message, context: Context) -> Message:
+    """A later stage of the round's secure sum (share keys, collect, unmask): ``answer``."""
+    torch.set_num_threads(1)
+    try:
+        return answer(msg, context)
+    except ProtocolError:
+        raise  # the stage's refusal, naming the field
+    except Exception as err:
+        raise released_error(err, data_read=True) from None
 
 
 @app.evaluate()

@@ -26,7 +26,7 @@ from pathlib import Path
 from flwr.app import Context
 from flwr.common.logger import log
 
-from fedsparse.client.ledger import PrivacyLedger, ledger_key, ledger_path
+from fedsparse.client.ledger import PrivacyLedger, accounted, ledger_key, ledger_path
 from fedsparse.client.node_data import NodeData
 from fedsparse.client.node_policy import (
     POLICY_ENV,
@@ -112,10 +112,12 @@ def authorize(
         )
     if ledger is not None:
         return ledger.charge(request, budget=policy.epsilon_budget, delta=policy.delta)
-    if request.mechanism != "dpsgd" or request.noise_multiplier == 0:
+    entry = accounted(
+        request.mechanism, request.noise_multiplier, request.sample_rate, request.steps
+    )
+    if entry is None:
         spent = float("inf")
     else:
-        entry = (request.noise_multiplier, request.sample_rate, request.steps)
         spent = compute_epsilon_of_history([*history, entry], delta=policy.delta, accountant="rdp")
         spent += index_spent + request.index_epsilon
     if spent > policy.epsilon_budget:

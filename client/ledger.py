@@ -38,9 +38,27 @@ from fedsparse.client.node_policy import PrivacyRefusal, TrainingRequest
 from fedsparse.common.atomic import PRIVATE, write_atomically
 from fedsparse.common.dp.accounting import AccountantName, compute_epsilon_of_history
 
-__all__ = ["LedgerEntry", "PrivacyLedger", "ledger_key", "ledger_path"]
+__all__ = ["LedgerEntry", "PrivacyLedger", "accounted", "ledger_key", "ledger_path"]
 
 _FORMAT = 1
+
+
+def accounted(
+    mechanism: str, noise_multiplier: float, sample_rate: float, steps: int
+) -> tuple[float, float, int] | None:
+    """The accountant's ``(sigma, rate, steps)`` of one ledger round (None: not private).
+
+    ``dpsgd`` rounds are as recorded. A ``secagg`` round records the node's worst-case
+    multiplier on its clipped update (its own noise share, ``client/secagg_node.py``); one
+    example moves that update by up to twice the clip, so its data sees half the multiplier.
+    """
+    if noise_multiplier == 0:
+        return None
+    if mechanism == "dpsgd":
+        return (noise_multiplier, sample_rate, steps)
+    if mechanism == "secagg":
+        return (noise_multiplier / 2.0, sample_rate, steps)
+    return None
 
 
 def ledger_key(dataset: str, partition_id: int, num_partitions: int) -> str:
@@ -115,10 +133,14 @@ class PrivacyLedger:
         The accountant's ε of the Gaussian rounds plus the pure ε of GIP's index selections
         (basic composition, GIP Thm. 2)."""
         entries = [*self.entries(), *([extra] if extra else [])]
-        if any(e.mechanism != "dpsgd" or e.noise_multiplier == 0 for e in entries):
+        history = [
+            accounted(e.mechanism, e.noise_multiplier, e.sample_rate, e.steps) for e in entries
+        ]
+        if any(h is None for h in history):
             return math.inf
-        history = [(e.noise_multiplier, e.sample_rate, e.steps) for e in entries]
-        gaussian = compute_epsilon_of_history(history, delta=delta, accountant=self.accountant)
+        gaussian = compute_epsilon_of_history(
+            [h for h in history if h is not None], delta=delta, accountant=self.accountant
+        )
         return gaussian + sum(e.index_epsilon for e in entries)
 
     def charge(self, request: TrainingRequest, *, budget: float, delta: float) -> float:

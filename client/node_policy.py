@@ -53,6 +53,15 @@ key                        default        meaning
                                           and with the server's values of its own keys
 ``plugin-models``          ""             the same for ``model``: ``package.module:factory``
                                           model factories (``common/models/classifiers.py``)
+``secure-aggregation``     "allow"        ``allow``: take part in runs with or without
+                                          secure aggregation; ``require``: refuse every
+                                          round whose update the server would see alone;
+                                          ``refuse``: never (``client/secagg_node.py``). With
+                                          it, ``min-noise-multiplier`` bounds the node's own
+                                          noise share (the worst case), whatever the server
+``secagg-colluders``       0              the most clients this node assumes collude with
+                                          the server: it refuses a threshold ``t`` unless
+                                          ``2t - n`` exceeds it
 =========================  =============  ====================================================
 
 The node's data is declared next to its policy, in the same node config
@@ -80,8 +89,11 @@ from fedsparse.common.methods.registry import is_plugin
 __all__ = [
     "NOISE_SOURCES",
     "POLICY_ENV",
+    "SECAGG",
+    "SECURE_AGGREGATION",
     "NodePolicy",
     "NoiseSource",
+    "SecureAggregation",
     "PrivacyRefusal",
     "TrainingRequest",
     "parse_assignments",
@@ -89,6 +101,10 @@ __all__ = [
 
 NoiseSource = Literal["fresh", "seeded"]
 NOISE_SOURCES: Final[tuple[NoiseSource, ...]] = get_args(NoiseSource)
+#: ``TrainingRequest.mechanism`` of a round released through secure aggregation.
+SECAGG: Final = "secagg"
+SecureAggregation = Literal["allow", "require", "refuse"]
+SECURE_AGGREGATION: Final[tuple[SecureAggregation, ...]] = get_args(SecureAggregation)
 #: Environment variable with ``key=value`` policy entries (node config syntax).
 POLICY_ENV: Final = "FEDSPARSE_NODE_POLICY"
 #: Node config keys that belong to Flower or the node's data, not to the policy.
@@ -113,7 +129,8 @@ class TrainingRequest:
 
     run_id: int
     server_round: int
-    mechanism: MechanismName
+    #: ``secagg``: a secure-aggregation release, ``noise_multiplier`` the node's worst case
+    mechanism: MechanismName | Literal["secagg"]
     noise_multiplier: float
     sample_rate: float
     steps: int
@@ -146,6 +163,8 @@ class NodePolicy:
     allowed_fab_hashes: tuple[str, ...] = ()
     plugin_methods: tuple[str, ...] = ()
     plugin_models: tuple[str, ...] = ()
+    secure_aggregation: SecureAggregation = "allow"
+    secagg_colluders: int = 0
 
     def __post_init__(self) -> None:
         def fail(key: str, value: Any, expected: str) -> None:
@@ -176,6 +195,10 @@ class NodePolicy:
             for name in names:
                 if not is_plugin(name):
                     fail(key, name, "package.module:attribute names")
+        if self.secure_aggregation not in SECURE_AGGREGATION:
+            fail("secure-aggregation", self.secure_aggregation, "allow, require or refuse")
+        if self.secagg_colluders < 0:
+            fail("secagg-colluders", self.secagg_colluders, ">= 0")
         if self.state_dir and self.noise != "seeded":
             # Restoring run state follows the server's resume point: only an experimenter's
             # own simulated nodes may take it; a deployed node's ledger is its history.
@@ -250,7 +273,17 @@ class NodePolicy:
         Raises:
             PrivacyRefusal: naming the field, the value the server sent and the limit.
         """
-        if mechanism not in self.allowed_mechanisms:
+        if mechanism == SECAGG:
+            if self.secure_aggregation == "refuse":
+                raise PrivacyRefusal(
+                    "secure-aggregation=true: this node's policy refuses secure aggregation"
+                )
+        elif self.secure_aggregation == "require":
+            raise PrivacyRefusal(
+                "secure-aggregation=false: this node takes part only in secure aggregation "
+                "(node policy secure-aggregation=require)"
+            )
+        elif mechanism not in self.allowed_mechanisms:
             allowed = ",".join(self.allowed_mechanisms)
             raise PrivacyRefusal(f"mechanism={mechanism!r}: this node allows only {allowed}")
         if local_epochs > self.max_local_epochs:
@@ -262,7 +295,7 @@ class NodePolicy:
                 f"batch-size={batch_size}: this node requires >= {self.min_batch_size}"
             )
         if (
-            mechanism == "dpsgd"
+            mechanism in ("dpsgd", SECAGG)
             and noise_multiplier is not None
             and noise_multiplier < self.min_noise_multiplier
         ):

@@ -37,8 +37,8 @@ import base64
 import hashlib
 import math
 import os
-from collections.abc import Iterable
-from typing import Any, Literal
+from collections.abc import Iterable, Mapping
+from typing import Any, Final, Literal
 
 import torch
 from cryptography.fernet import InvalidToken
@@ -406,3 +406,74 @@ class SecAggClient:
         shares += [self._sk1_shares[nid] for nid in dead]
         self._self_seed = b""
         return {"nids": active + dead, "shares": shares}
+
+    def to_state(self) -> dict[str, Any]:
+        """Everything this node holds of its secure aggregation, as a ``ConfigRecord``'s
+        values (ints, floats, strings, bytes and lists of them): its private keys and shares
+        too, so it is kept only in the node's own ``Context.state``, never sent."""
+        state: dict[str, Any] = {
+            "node_id": self.node_id,
+            **{f"ring.{name}": getattr(self.params, name) for name in RING_FIELDS},
+            **{f"policy.{name}": value for name, value in self._policy.items()},
+            "noise": self.noise,
+            "noise_seed": -1 if self._noise_seed is None else self._noise_seed,
+            "released": sorted(self._released),
+            "round_id": -1 if self._round is None else self._round[0],
+            "nonce": b"" if self._round is None else self._round[1],
+            "done": self._done,
+            "sk1": self._sk1,
+            "sk2": self._sk2,
+            "pk1": self._pk1,
+            "pk2": self._pk2,
+            "self_seed": self._self_seed,
+            "masked_with": sorted(self._masked_with),
+        }
+        for name in _STATE_MAPS:
+            mapping: dict[int, bytes] = getattr(self, f"_{name}")
+            state[f"{name}.nids"] = list(mapping)
+            state[f"{name}.values"] = list(mapping.values())
+        return state
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any]) -> SecAggClient:
+        """The node's client as ``to_state`` left it; the ring is checked again against the
+        policy stored with it.
+
+        Raises:
+            SecAggError: a state that is not one ``to_state`` wrote.
+        """
+        try:
+            params = RingParams(**{name: state[f"ring.{name}"] for name in RING_FIELDS})
+            seed = int(state["noise_seed"])
+            client = cls(
+                int(state["node_id"]),
+                params,
+                noise=state["noise"],
+                noise_seed=None if seed < 0 else seed,
+                released_rounds=[int(r) for r in state["released"]],
+                min_noise_multiplier=float(state["policy.min_noise_multiplier"]),
+                colluders=int(state["policy.colluders"]),
+                wrap_probability=float(state["policy.wrap_probability"]),
+                rounding_slack=float(state["policy.rounding_slack"]),
+            )
+            round_id = int(state["round_id"])
+            client._round = None if round_id < 0 else (round_id, bytes(state["nonce"]))
+            client._done = str(state["done"])
+            for name in ("sk1", "sk2", "pk1", "pk2", "self_seed"):
+                setattr(client, f"_{name}", bytes(state[name]))
+            client._masked_with = {int(n) for n in state["masked_with"]}
+            for name in _STATE_MAPS:
+                nids, values = state[f"{name}.nids"], state[f"{name}.values"]
+                pairs = zip(nids, values, strict=True)  # ValueError on different lengths
+                setattr(client, f"_{name}", {int(n): bytes(v) for n, v in pairs})
+        except (KeyError, TypeError, ValueError) as exc:
+            raise SecAggError(
+                f"secure aggregation: the node's saved state is unusable: {exc}"
+            ) from None
+        if client._done not in (SETUP, SHARE_KEYS, COLLECT, UNMASK):
+            raise SecAggError(f"secure aggregation: saved stage {client._done!r} is unknown")
+        return client
+
+
+#: The node-id -> bytes maps ``SecAggClient.to_state`` saves as two parallel lists.
+_STATE_MAPS: Final = ("pair_seed_of", "share_key_of", "seed_shares", "sk1_shares")

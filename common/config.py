@@ -37,6 +37,7 @@ from fedsparse.common.config_keys import (
     RESUME_MAY_DIFFER,
     TRACKERS,
     CodecName,
+    check_dp_level,
     check_names,
     method_option_values,
     wire_encoding,
@@ -122,6 +123,10 @@ class FederatedConfig:
     central_noise_multiplier: float = 1.0
     central_clip: float = 1.0
     central_noise: CentralNoise = "fresh"  # "seeded": reproducible, the noise is not secret
+    # dp-level=user without a trusted server: the server decodes only the round's sum, each
+    # client adds its share of the central noise (server/secagg_round.py); c colluders tolerated
+    secure_aggregation: bool = False
+    secagg_colluders: int = 0
     # sparsification
     final_rate: float = 0.7
     schedule: ScheduleName = "gradual"
@@ -237,7 +242,7 @@ class FederatedConfig:
         if self.dirichlet_alpha <= 0:
             fail("dirichlet_alpha", "> 0")
         self._check_robustness(fail)
-        self._check_dp_level(fail)
+        check_dp_level(self, fail)
         method = self.method_class()
         # one spelling per value (resume and a finished sweep run compare run configs)
         canonical = format_pairs(METHOD_OPTIONS, dict(self.plugin_options()))
@@ -275,26 +280,6 @@ class FederatedConfig:
             self.norm_bound()
         except ValueError as err:
             raise ValueError(str(err).replace("_", "-")) from err
-
-    def _check_dp_level(self, fail: Callable[[str, str], None]) -> None:
-        if not (math.isfinite(self.central_clip) and self.central_clip > 0):
-            fail("central_clip", "a finite value > 0")
-        if not (
-            math.isfinite(self.central_noise_multiplier) and self.central_noise_multiplier >= 0
-        ):
-            fail("central_noise_multiplier", "a finite value >= 0")
-        if self.dp_level != "user":
-            return
-        if self.clients_per_round < 1:
-            fail("clients_per_round", ">= 1 with dp-level=user (the expected users per round)")
-        if self.method_class().selects_per_step:
-            fail("dp_level", "'sample' with method gip or random-k (the clients choose supports)")
-        if self.mask_scope != "round":
-            fail("dp_level", "'sample' with mask-scope=client (the noise needs one public mask)")
-        if self.aggregator != "mean" or self.weighting != "uniform":
-            fail("dp_level", "'sample' unless aggregator=mean and weighting=uniform")
-        if self.secure_mode and self.central_noise != "fresh":
-            fail("central_noise", "'fresh' with secure-mode=true (hardened noise takes no seed)")
 
     def method_class(self) -> type[Method]:
         """The class of ``method`` (``common/methods/registry.py``; a plug-in's module is

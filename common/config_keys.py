@@ -11,6 +11,7 @@ the allowed names are the ``Literal`` types of the modules that implement them
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Final, Literal, get_args
 
@@ -49,6 +50,7 @@ __all__ = [
     "RESUME_MAY_DIFFER",
     "TRACKERS",
     "CodecName",
+    "check_dp_level",
     "check_names",
     "method_option_values",
     "with_added_keys",
@@ -113,6 +115,9 @@ ADDED_KEYS: Final[dict[str, Any]] = {
     "method-options": "",
     # Exact fp32 values are what every downlink carried before it.
     "downlink-dtype": "fp32",
+    # Every earlier run aggregated in the clear.
+    "secure-aggregation": False,
+    "secagg-colluders": 0,
 }
 
 
@@ -253,3 +258,40 @@ def check_names(cfg: FederatedConfig, fail: Callable[[str, str], None]) -> None:
 
 def _shape(shape: tuple[int, ...]) -> str:
     return "x".join(map(str, shape))
+
+
+def check_dp_level(cfg: FederatedConfig, fail: Callable[[str, str], None]) -> None:
+    """Checks the user-level DP keys (``dp-level``, ``central-*``, ``secure-aggregation``).
+
+    Args:
+        fail: called with the field and what it expected (raises).
+    """
+    if not (math.isfinite(cfg.central_clip) and cfg.central_clip > 0):
+        fail("central_clip", "a finite value > 0")
+    if not (math.isfinite(cfg.central_noise_multiplier) and cfg.central_noise_multiplier >= 0):
+        fail("central_noise_multiplier", "a finite value >= 0")
+    if cfg.secagg_colluders < 0:
+        fail("secagg_colluders", ">= 0")
+    if cfg.secure_aggregation:
+        # the server sees no single update: nothing to encode lossily, feed back or save
+        if cfg.dp_level != "user":
+            fail("secure_aggregation", "false unless dp-level=user (distributed DP-FedAvg)")
+        if cfg.value_dtype != "fp32" or cfg.error_feedback or cfg.downlink_dtype != "fp32":
+            fail(
+                "secure_aggregation",
+                "false with value-dtype or downlink-dtype other than fp32, or error-feedback",
+            )
+        if cfg.save_updates:
+            fail("save_updates", "false with secure-aggregation=true (no single update is seen)")
+    if cfg.dp_level != "user":
+        return
+    if cfg.clients_per_round < 1:
+        fail("clients_per_round", ">= 1 with dp-level=user (the expected users per round)")
+    if cfg.method_class().selects_per_step:
+        fail("dp_level", "'sample' with method gip or random-k (the clients choose supports)")
+    if cfg.mask_scope != "round":
+        fail("dp_level", "'sample' with mask-scope=client (the noise needs one public mask)")
+    if cfg.aggregator != "mean" or cfg.weighting != "uniform":
+        fail("dp_level", "'sample' unless aggregator=mean and weighting=uniform")
+    if cfg.secure_mode and cfg.central_noise != "fresh":
+        fail("central_noise", "'fresh' with secure-mode=true (hardened noise takes no seed)")

@@ -56,6 +56,10 @@ class Stream(enum.IntEnum):
     #: (``payload.lowbit``; path: under ``client_train_seed``). Seeded in simulation only, like
     #: the DP noise: a deployed node rounds from OS entropy (``value_rounding``).
     VALUE_ROUNDING = 10
+    #: Private: a node's secure-aggregation rounding and noise share, under node policy
+    #: ``noise=seeded`` only (simulation; path: under ``client_train_seed`` of round 0, the
+    #: round mixed in by ``client/secagg.py: seeded_generators``).
+    SECAGG_NOISE = 11
     #: Public: the stochastic rounding of the server's lossy downlink delta (``downlink-dtype``;
     #: path: round). Seeded, not OS entropy: the delta is post-processing of a model every node
     #: receives, so its rounding hides nothing, and a resumed run rounds as the uninterrupted one.

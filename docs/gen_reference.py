@@ -82,6 +82,11 @@ MEANINGS: dict[str, str] = {
     "central-noise-multiplier": "dp-level=user: sigma of the server's Gaussian noise, in "
     "units of central-clip.",
     "central-clip": "dp-level=user: the L2 bound S the server clips each user's update to.",
+    "secure-aggregation": "dp-level=user without a trusted server: the server decodes only "
+    "the round's sum over the shared mask; each client clips its update to central-clip and "
+    "adds its share of the central noise (docs/explanation/secure-aggregation.md).",
+    "secagg-colluders": "secure-aggregation: the clients that may collude with the server; the "
+    "threshold t is the smallest with 2t - n above it (each node's policy sets its own floor).",
     "central-noise": "dp-level=user: where the server's noise comes from: `fresh` from OS "
     "entropy; `seeded` from the run seed, reproducible and not secret (simulations only).",
     "final-rate": "r*: the share of coordinates dropped once the schedule reaches its end "

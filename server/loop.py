@@ -25,7 +25,7 @@ from logging import INFO
 from pathlib import Path
 
 import torch
-from flwr.app import ConfigRecord
+from flwr.app import ArrayRecord, ConfigRecord
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 
@@ -46,6 +46,7 @@ from fedsparse.server.checkpoint import (
 from fedsparse.server.launch_markers import EXPECTED_NODES_ENV
 from fedsparse.server.round_stats import FederationFailed, RoundStats
 from fedsparse.server.run_records import RunRecorder
+from fedsparse.server.secagg_round import secure_round
 from fedsparse.server.strategy import SparseFedAvg, flat_array, flat_tensor
 
 __all__ = ["expected_nodes", "run_federated", "wait_for_nodes"]
@@ -157,11 +158,17 @@ def run_federated(grid: Grid, cfg: FederatedConfig, *, expected_nodes: int = 0) 
         strategy.drop_absent_nodes(nodes)
     recorder.begin()
     for server_round in range(done + 1, cfg.num_rounds + 1):
-        messages = strategy.configure_train(server_round, arrays, ConfigRecord(), grid)
-        replies = grid.send_and_receive(messages, timeout=cfg.round_timeout)
+        messages = list(strategy.configure_train(server_round, arrays, ConfigRecord(), grid))
         failed: FederationFailed | None = None
+        new_arrays: ArrayRecord | None
         try:
-            new_arrays, _ = strategy.aggregate_train(server_round, replies)
+            if cfg.secure_aggregation:  # the server decodes the sum only (secagg_round.py)
+                new_arrays = secure_round(
+                    strategy, grid, server_round, messages, timeout=cfg.round_timeout
+                )
+            else:
+                replies = grid.send_and_receive(messages, timeout=cfg.round_timeout)
+                new_arrays, _ = strategy.aggregate_train(server_round, replies)
         except FederationFailed as err:  # the model is unchanged; record the round first
             failed, new_arrays = err, None
         arrays = new_arrays if new_arrays is not None else arrays
@@ -265,4 +272,6 @@ def _round_log(stats: RoundStats, *, d: int, test_accuracy: float, test_loss: fl
         user_epsilon=stats.user_epsilon,
         noise_multiplier_min=stats.noise_multiplier_min,
         noise_multiplier_max=stats.noise_multiplier_max,
+        central_epsilon=stats.central_epsilon,
+        secagg_bytes=stats.secagg_bytes,
     )

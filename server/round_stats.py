@@ -68,6 +68,10 @@ class RoundStats:
     #: it was set (``NormBound.bound``: "dp-norm-bound=...", "max-norm-ratio=...", ...)
     norm_bound: float = math.inf
     norm_bound_how: str = ""
+    #: secure-aggregation=true: the central epsilon at rate 1 and each stage's payload bytes
+    #: (``RoundLog.central_epsilon``, ``secagg_bytes``)
+    central_epsilon: float | None = None
+    secagg_bytes: dict[str, dict[str, int]] | None = None
 
     @property
     def failed(self) -> bool:

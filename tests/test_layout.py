@@ -60,6 +60,7 @@ def test_server_holds_only_serverapp_code() -> None:
         "round_updates",
         "run_records",
         "secagg",
+        "secagg_round",
         "strategy",
         "tracking",
         "validation",

@@ -69,6 +69,7 @@ __all__ = [
     "pack_ring",
     "pairwise_sign",
     "quantize",
+    "smallest_threshold",
     "remove_masks",
     "ring_sum",
     "stochastic_round",
@@ -110,6 +111,16 @@ def check_threshold(clients: int, threshold: int, colluders: int = 0) -> None:
             f"threshold must satisfy 2t - n > c and t <= n (n={clients}, c={colluders}), "
             f"got t={threshold}"
         )
+
+
+def smallest_threshold(clients: int, colluders: int = 0) -> int:
+    """The smallest ``t`` with ``2t - n > c``: the most dropouts :func:`check_threshold` allows.
+
+    ``ValueError`` where no ``t <= n`` satisfies it (fewer than 2 clients, or too many
+    colluders for ``n``)."""
+    threshold = (clients + colluders) // 2 + 1
+    check_threshold(clients, threshold, colluders)
+    return threshold
 
 
 @dataclass(frozen=True)

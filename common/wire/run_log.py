@@ -30,18 +30,27 @@ Pure Python (no Flower): a record is plain data.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import importlib.metadata
 import json
 import math
-import shlex
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final, Literal, Self
+from typing import Any, Literal, Self
 
 from fedsparse.common.atomic import SHARED, write_atomically
+from fedsparse.common.wire.run_header import (
+    SCHEMA,
+    SHARED_SUMMARY_KEYS,
+    SOFTWARE,
+    UNHASHED_KEYS,
+    RunKind,
+    command_line,
+    config_hash,
+    shared_key_problems,
+    software_versions,
+    summary_header,
+)
 
 __all__ = [
     "BITS_PER_PARAM_REFERENCES",
@@ -165,6 +174,11 @@ class RoundLog:
     noise_multiplier_min: float | None = None
     noise_multiplier_max: float | None = None
     downlink_bits_per_param: float = field(default=math.nan, metadata=_PER_ROUND)  # per selected
+    #: secure-aggregation=true: the run's central epsilon against the server, which knows who
+    #: it sampled (rate 1 every round; ``user_epsilon`` is the released models' figure), and
+    #: each stage's payload bytes, ``{stage: {"down": ..., "up": ...}}`` (None: in the clear)
+    central_epsilon: float | None = None
+    secagg_bytes: dict[str, dict[str, int]] | None = None
 
     def __post_init__(self) -> None:
         for link in LINKS:
@@ -258,6 +272,8 @@ class RunSummary:
     noise_multiplier_max: float | None = None
     #: downlink payload bits per parameter per selected client-round over the run (derived)
     downlink_bits_per_param: float = field(default=math.nan, metadata=_METRIC)
+    #: secure-aggregation=true: ``RoundLog.central_epsilon`` after the last round
+    central_epsilon: float | None = None
 
     def __post_init__(self) -> None:
         for link in LINKS:
@@ -309,6 +325,7 @@ class RunSummary:
             noise=run_noise([entry.noise for entry in logs]),
             total_density=_total_density(logs),
             user_epsilon=last.user_epsilon,
+            central_epsilon=last.central_epsilon,
             **summary_header(
                 "federated",
                 config=config,
@@ -334,81 +351,6 @@ class RunSummary:
         return _from_mapping(cls, mapping, "summary.json")  # type: ignore[no-any-return]
 
 
-RunKind = Literal["federated", "train"]
-
-#: The version of the ``summary.json`` schema written now (1: before the shared header).
-SCHEMA: Final = 2
-
-#: The keys every ``summary.json`` has, federated or ``train``, with their JSON types
-#: (``type(None)``: ``null`` where the figure does not apply or is not known).
-_FIGURES = ("final_test_accuracy", "final_test_loss", "epsilon_max", "delta", "wall_seconds")
-SHARED_SUMMARY_KEYS: Final[dict[str, tuple[type, ...]]] = {
-    **dict.fromkeys(("kind", "config_hash"), (str,)),
-    **dict.fromkeys(("schema", "parameters"), (int,)),
-    **dict.fromkeys(("command", "engine"), (str, type(None))),
-    **dict.fromkeys(("versions", "config"), (dict,)),
-    **dict.fromkeys(("noise_multiplier_min", "noise_multiplier_max"), (float, type(None))),
-    **dict.fromkeys((*_FIGURES, "total_density"), (float,)),
-}
-
-
-def summary_header(
-    kind: RunKind,
-    *,
-    config: Mapping[str, Any],
-    command: str | None,
-    engine: str | None,
-    noise_multiplier_min: float | None,
-    noise_multiplier_max: float | None,
-) -> dict[str, Any]:
-    """The header every ``summary.json`` starts from (module docstring): ``kind``,
-    ``schema``, ``command``, ``config_hash`` (of ``config``), ``versions``, ``engine`` and
-    the sigma range; both writers (``RunSummary.from_rounds``, ``fedsparse train``) use it."""
-    return {
-        "kind": kind,
-        "schema": SCHEMA,
-        "command": command,
-        "config_hash": config_hash(config),
-        "versions": software_versions(),
-        "engine": engine,
-        "noise_multiplier_min": noise_multiplier_min,
-        "noise_multiplier_max": noise_multiplier_max,
-    }
-
-
-def shared_key_problems(summary: Mapping[str, Any]) -> list[str]:
-    """What a decoded ``summary.json`` lacks of ``SHARED_SUMMARY_KEYS``: one line per key
-    that is missing or of another JSON type (empty: it has them all)."""
-    problems = []
-    for key, types in SHARED_SUMMARY_KEYS.items():
-        if key not in summary:
-            problems.append(f"{key}: missing")
-        elif not isinstance(summary[key], types) or isinstance(summary[key], bool):
-            names = " or ".join("null" if t is type(None) else t.__name__ for t in types)
-            problems.append(f"{key}={summary[key]!r}: expected {names}")
-    return problems
-
-
-#: Config keys ``config_hash`` leaves out: where a run writes, not what it computes.
-UNHASHED_KEYS: Final = ("out-dir",)
-
-
-def config_hash(config: Mapping[str, Any]) -> str:
-    """The first 16 hex digits of the SHA-256 of ``config``'s canonical JSON (sorted keys, no
-    spaces; a value JSON cannot hold is written as its ``str``), ``UNHASHED_KEYS`` left out:
-    the same settings run into two directories hash alike."""
-    kept = {k: v for k, v in config.items() if k not in UNHASHED_KEYS}
-    text = json.dumps(kept, sort_keys=True, separators=(",", ":"), default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def command_line(argv: Sequence[str]) -> str:
-    """``argv`` as one shell-quoted line, the program by its file name (``fedsparse ...``)."""
-    if not argv:
-        return ""
-    return shlex.join([Path(argv[0]).name, *argv[1:]])
-
-
 def record_command(path: Path, summary: RunSummary, command: str | None) -> RunSummary:
     """``summary`` with ``command`` set, written into the ``summary.json`` at ``path`` (by a
     launcher, once the run wrote it: the ServerApp may run in another process, which cannot
@@ -432,21 +374,6 @@ def noise_range(sigmas: Sequence[float], *, private: bool) -> tuple[float | None
 def _none_or(pick: Any, values: Sequence[float | None]) -> float | None:
     known = [v for v in values if v is not None]
     return float(pick(known)) if known else None
-
-
-#: The distributions whose versions a run records.
-SOFTWARE: Final = ("fedsparse", "flwr", "opacus", "torch")
-
-
-def software_versions() -> dict[str, str]:
-    """The installed versions of ``SOFTWARE`` ("" for one that is not installed)."""
-    found = {}
-    for name in SOFTWARE:
-        try:
-            found[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            found[name] = ""
-    return found
 
 
 def _total_density(logs: Sequence[RoundLog]) -> float:

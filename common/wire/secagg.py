@@ -39,6 +39,8 @@ from fedsparse.common.wire.protocol import ProtocolError
 
 __all__ = [
     "DOWN",
+    "SECAGG_ACTION",
+    "SECAGG_RECORD",
     "STAGES",
     "UP",
     "SecAggError",
@@ -47,6 +49,10 @@ __all__ = [
     "seed_commitment",
 ]
 
+#: The ``ConfigRecord`` of a Flower message that carries a stage, both ways: the setup rides
+#: on the train message (and its reply), the later stages on ``query.secagg`` messages.
+SECAGG_RECORD: Final = "fedsparse.secagg"
+SECAGG_ACTION: Final = "secagg"
 STAGE: Final = "stage"
 SETUP: Final = "setup"
 SHARE_KEYS: Final = "share_keys"

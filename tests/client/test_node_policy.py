@@ -232,3 +232,57 @@ def test_plugin_method_entries_must_be_module_colon_class() -> None:
         NodePolicy(plugin_methods=("rs",))
     with pytest.raises(ValueError, match=r"plugin-models='a-b:C'"):
         NodePolicy.from_sources({"plugin-models": "a-b:C"})
+
+
+def test_secure_aggregation_policy_requires_refuses_and_bounds_the_nodes_share() -> None:
+    from fedsparse.client.node_policy import SECAGG
+
+    allow = NodePolicy(min_noise_multiplier=0.5)
+    allow.precheck(mechanism=SECAGG, local_epochs=1, noise_multiplier=0.6)
+    with pytest.raises(PrivacyRefusal, match="requires >= 0.5"):
+        allow.precheck(mechanism=SECAGG, local_epochs=1, noise_multiplier=0.4)
+    require = NodePolicy(secure_aggregation="require")
+    require.precheck(mechanism=SECAGG, local_epochs=1, noise_multiplier=1.0)
+    with pytest.raises(PrivacyRefusal, match="secure-aggregation=false"):
+        require.precheck(mechanism="dpsgd", local_epochs=1, noise_multiplier=1.0)
+    refuse = NodePolicy(secure_aggregation="refuse")
+    with pytest.raises(PrivacyRefusal, match="refuses secure aggregation"):
+        refuse.precheck(mechanism=SECAGG, local_epochs=1, noise_multiplier=1.0)
+    with pytest.raises(ValueError, match="secure-aggregation='sometimes'"):
+        NodePolicy.from_sources({"secure-aggregation": "sometimes"})
+    with pytest.raises(ValueError, match="secagg-colluders=-1"):
+        NodePolicy.from_sources({"secagg-colluders": -1})
+    assert NodePolicy.from_sources({"secagg-colluders": "2"}).secagg_colluders == 2
+
+
+def test_a_secure_aggregation_round_is_charged_at_half_its_worst_case_multiplier(
+    tmp_path: Path,
+) -> None:
+    """One example moves a clipped update by up to 2C: the node's share of noise, sigma_wc,
+    is a multiplier of sigma_wc / 2 for its data, at rate 1, one step a round; ledger and
+    the ledger-less guard agree."""
+    from fedsparse.client.guard import authorize
+    from fedsparse.client.node_policy import SECAGG
+    from fedsparse.common.dp.accounting import compute_epsilon_of_history
+
+    ledger = PrivacyLedger(tmp_path / "l" / "data.json")
+    secure = [
+        TrainingRequest(
+            run_id=1,
+            server_round=rnd,
+            mechanism=SECAGG,
+            noise_multiplier=0.9,
+            sample_rate=1.0,
+            steps=1,
+            local_epochs=1,
+        )
+        for rnd in (1, 2)
+    ]
+    policy = NodePolicy(min_noise_multiplier=0.5, epsilon_budget=math.inf)
+    for req in secure:
+        ledger.charge(req, budget=math.inf, delta=1e-5)
+    expected = compute_epsilon_of_history([(0.45, 1.0, 2)], delta=1e-5, accountant="rdp")
+    assert ledger.epsilon(1e-5) == pytest.approx(expected, rel=1e-12)
+    assert [e.mechanism for e in ledger.entries()] == ["secagg", "secagg"]
+    without = authorize(policy, None, secure[1], history=[(0.45, 1.0, 1)], last_round=1)
+    assert without == pytest.approx(expected, rel=1e-12)

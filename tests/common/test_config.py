@@ -368,3 +368,22 @@ def test_method_options_carries_a_plugins_keys_only() -> None:
     assert str(info.value) == expected
     with pytest.raises(ValueError, match=r"^method-options='stride': expected key=value;key=value"):
         FederatedConfig.from_run_config({"method-options": "stride"})
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({}, "secure-aggregation=True: expected false unless dp-level=user"),
+        ({"dp_level": "user", "clients_per_round": 4, "value_dtype": "int8"}, "value-dtype"),
+        ({"dp_level": "user", "clients_per_round": 4, "downlink_dtype": "int4"}, "downlink"),
+        ({"dp_level": "user", "clients_per_round": 4, "save_updates": True}, "save-updates"),
+        ({"dp_level": "user", "clients_per_round": 4, "secagg_colluders": -1}, "colluders"),
+    ],
+)
+def test_secure_aggregation_is_distributed_dp_fedavg_in_fp32(
+    overrides: dict[str, object], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        FederatedConfig(secure_aggregation=True, **overrides)  # type: ignore[arg-type]
+    ok = FederatedConfig(secure_aggregation=True, dp_level="user", clients_per_round=4)
+    assert ok.to_run_config()["secure-aggregation"] is True

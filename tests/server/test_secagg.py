@@ -495,3 +495,54 @@ def test_a_split_view_with_one_colluder_needs_a_collusion_aware_threshold() -> N
             assert len(seed) < 4 or len(sk1) < 4
             victim = r.clients[303]
             assert not (rebuilds(seed, victim._self_seed) and rebuilds(sk1, victim._sk1))
+
+
+def _through_proto(client: SecAggClient) -> SecAggClient:
+    """The client as a node keeps it between messages: ``Context.state``'s ConfigRecord,
+    serialized as the SuperNode does."""
+    from flwr.app import ConfigRecord
+    from flwr.common.serde import config_record_from_proto, config_record_to_proto
+
+    record = config_record_from_proto(config_record_to_proto(ConfigRecord(client.to_state())))
+    return SecAggClient.from_state(dict(record))
+
+
+def test_clients_saved_and_restored_between_every_stage_give_the_exact_sum() -> None:
+    """Each stage runs on a client rebuilt from its saved state (as a Flower node between
+    messages), with a dropout after key sharing: the sum is the survivors' exactly."""
+    r = Round(params(), seeded=True)
+    s = r.server
+
+    def handled(msgs: dict[int, dict[str, Any]], drop: Collection[int] = ()) -> dict[int, Any]:
+        out = {}
+        for n, m in msgs.items():
+            if n in drop:
+                continue
+            r.clients[n] = _through_proto(r.clients[n])
+            if m.get("stage") == "collect_masked_vectors":
+                out[n] = r.clients[n].handle(m, r.inputs[n])
+                r.ring_inputs[n] = RING_INPUTS.pop()
+            else:
+                out[n] = r.clients[n].handle(m)
+        return out
+
+    s.receive_setup(handled(s.setup_messages()))
+    s.receive_share_keys(handled(s.share_keys_messages()))
+    s.receive_collect(handled(s.collect_messages(), drop=[IDS[1]]))
+    total = s.receive_unmask(handled(s.unmask_messages()))
+    assert torch.equal(total, r.expected([n for n in IDS if n != IDS[1]]))
+    # what a node saved still refuses a second masked input for the round
+    restored = _through_proto(r.clients[IDS[0]])
+    assert restored.released_rounds == frozenset({ROUND})
+
+
+def test_a_saved_state_that_is_not_one_is_a_clear_error() -> None:
+    state = SecAggClient(IDS[0], params(), min_noise_multiplier=0.5).to_state()
+    for broken in (
+        {k: v for k, v in state.items() if k != "sk1"},
+        {**state, "done": "nonsense"},
+        {**state, "pair_seed_of.nids": [1, 2]},
+        {**state, "ring.bits": 3},
+    ):
+        with pytest.raises(SecAggError, match="secure aggregation"):
+            SecAggClient.from_state(broken)

@@ -215,7 +215,7 @@ def test_seeds_come_from_the_registry_and_are_pinned() -> None:
     assert client_mask_seed(7, 1001) == 4208161663410830846
     assert stream_seed(0, Stream.CLIENT_SELECTION) == 1788728487251936618
     assert len({round_seed(0, r) for r in range(1, 101)}) == 100
-    streams = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 0xD0D0, 0x5EED, 0xC11E, 0xC0FFEE}
+    streams = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 0xD0D0, 0x5EED, 0xC11E, 0xC0FFEE}
     assert {int(s) for s in Stream} == streams
     # The later streams, pinned too: every party derives the ranking noise and DP-SSGD's split.
     assert stream_seed(0, Stream.RANKING_NOISE, 2) == 2140077671786211028
@@ -225,4 +225,6 @@ def test_seeds_come_from_the_registry_and_are_pinned() -> None:
     assert stream_seed(0, Stream.INDEX_SELECTION) == 8511229059162262994
     # Public: the lossy downlink's rounding, which a resumed run repeats.
     assert stream_seed(0, Stream.DOWNLINK_ROUNDING, 1) == 6028307450975431297
+    # Private, seeded in simulation only: a node's secure-aggregation rounding and share.
+    assert stream_seed(0, Stream.SECAGG_NOISE) == 5730991735984000148
     assert len({stream_seed(0, s) for s in Stream}) == len(Stream)

@@ -1,0 +1,218 @@
+"""Federated runs with secure-aggregation=true (ServerApp loop and ClientApp in process):
+the model moves by exactly the plaintext sum of the clients' quantized, noised inputs; a
+client lost after key sharing or after its masked input costs the round nothing else; bytes,
+both epsilons and the nodes' ledgers recorded."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from flwr.app import Context, Message
+
+import fedsparse.client.app as client_module
+import fedsparse.client.secagg as client_secagg
+import fedsparse.server.loop as loop_module
+import fedsparse.server.secagg as server_secagg
+from fedsparse.client.app import app as client_app
+from fedsparse.client.ledger import PrivacyLedger
+from fedsparse.common.aggregation.secure import (
+    central_noise_multiplier,
+    decode_sum,
+    ring_sum,
+    worst_case_noise_multiplier,
+)
+from fedsparse.common.config import FederatedConfig
+from fedsparse.common.dp.accounting import compute_epsilon_of_history
+from fedsparse.common.wire.secagg import COLLECT, STAGE, STAGES, UNMASK
+from fedsparse.lab.launch.flower import SIMULATION_NODE_POLICY
+from fedsparse.lab.simulation.inprocess import InProcessGrid
+from fedsparse.server.round_updates import round_support
+from fedsparse.server.secagg_round import secure_round
+
+NODES = 6
+
+
+class Recorder:
+    """What each party computed, per round: the clients' ring inputs, the server's decoded
+    sum and ring, and the model before and after."""
+
+    def __init__(self) -> None:
+        self.inputs: dict[int, dict[int, torch.Tensor]] = {}  # round -> node -> ring input
+        self.decoded: dict[int, tuple[torch.Tensor, Any, list[int]]] = {}
+        self.models: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
+
+
+@pytest.fixture
+def recorder(monkeypatch: pytest.MonkeyPatch) -> Iterator[Recorder]:
+    rec = Recorder()
+    collect = client_secagg.SecAggClient.collect
+
+    def collecting(self: Any, payload: dict[str, Any], values: torch.Tensor) -> dict[str, Any]:
+        def encoding(*args: Any) -> torch.Tensor:
+            out = client_secagg_encode(*args)
+            rec.inputs.setdefault(payload["round_id"], {})[self.node_id] = out
+            return out
+
+        monkeypatch.setattr(client_secagg, "encode", encoding)
+        try:
+            return collect(self, payload, values)
+        finally:
+            monkeypatch.setattr(client_secagg, "encode", client_secagg_encode)
+
+    decode = server_secagg.SecAggServer.decode
+
+    def decoding(self: Any, ring_total: torch.Tensor) -> torch.Tensor:
+        out = decode(self, ring_total)
+        rec.decoded[self.round_id] = (out, self.params, self.survivors)
+        return out
+
+    def round_(strategy: Any, grid: Any, server_round: int, messages: Any, **kw: Any) -> Any:
+        before = strategy._weights.clone()
+        arrays = secure_round(strategy, grid, server_round, messages, **kw)
+        after = torch.from_numpy(arrays["flat"].numpy().copy())
+        rec.models[server_round] = (before, after, round_support(strategy.last_round, strategy.d))
+        return arrays
+
+    client_secagg_encode = client_secagg.encode
+    monkeypatch.setattr(client_secagg.SecAggClient, "collect", collecting)
+    monkeypatch.setattr(server_secagg.SecAggServer, "decode", decoding)
+    monkeypatch.setattr(loop_module, "secure_round", round_)
+    yield rec
+
+
+def _run(out: Path, *, node_config: dict[str, Any] | None = None, **kwargs: Any) -> list[dict]:
+    settings: dict[str, Any] = {
+        "num_rounds": 2,
+        "dp_level": "user",
+        "clients_per_round": NODES,  # q = 1: every node, every round
+        "central_noise_multiplier": 1.0,
+        "central_clip": 0.5,
+        "seed": 5,
+        "secure_aggregation": True,
+        "final_rate": 0.9,
+        "schedule": "constant",
+        "lr": 0.5,
+    }
+    cfg = FederatedConfig(out_dir=str(out), **{**settings, **kwargs})
+    grid = InProcessGrid(
+        client_app,
+        num_nodes=NODES,
+        run_config=cfg.to_run_config(),
+        node_config={**SIMULATION_NODE_POLICY, **(node_config or {})},
+    )
+    loop_module.run_federated(grid, cfg)
+    return [json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines()]
+
+
+def _plaintext(rec: Recorder, server_round: int) -> torch.Tensor:
+    noisy_sum, params, survivors = rec.decoded[server_round]
+    inputs = rec.inputs[server_round]
+    return decode_sum(ring_sum([inputs[n] for n in survivors], params.bits), params)
+
+
+@pytest.mark.slow
+def test_a_secure_run_moves_the_model_by_the_plaintext_sum_of_the_same_inputs(
+    tmp_path: Path, recorder: Recorder
+) -> None:
+    rounds = _run(tmp_path / "run")
+    assert [r["num_accepted"] for r in rounds] == [NODES, NODES]
+    assert {r["noise"] for r in rounds} == {"seeded"}  # the simulation's nodes say so
+    for r in rounds:
+        noisy_sum, params, survivors = recorder.decoded[r["round"]]
+        assert len(survivors) == NODES and params.threshold == NODES // 2 + 1
+        plain = _plaintext(recorder, r["round"])
+        assert torch.equal(noisy_sum, plain)  # the masks cancel exactly
+        before, after, support = recorder.models[r["round"]]
+        expected = before.clone()
+        assert support is not None and support.numel() == params.kept
+        expected[support] += plain.to(torch.float32) / NODES  # w + sum / (q N)
+        assert torch.equal(after, expected)
+        # bytes: every stage counted both ways; the uplink is those stages' replies
+        assert set(r["secagg_bytes"]) == set(STAGES)
+        assert r["uplink_payload_bytes"] == sum(s["up"] for s in r["secagg_bytes"].values())
+        masked = r["secagg_bytes"]["collect_masked_vectors"]["up"]
+        assert masked >= NODES * params.kept * params.element_bytes
+    # both epsilons: central at rate 1 over the rounds, each node's worst case (its share)
+    sigma = central_noise_multiplier(params, NODES)
+    central = compute_epsilon_of_history([(sigma, 1.0, 2)], delta=1e-5, accountant="rdp")
+    assert rounds[-1]["central_epsilon"] == pytest.approx(central, rel=1e-9)
+    assert rounds[-1]["user_epsilon"] == pytest.approx(central, rel=1e-9)  # q = 1
+    worst = worst_case_noise_multiplier(params) / 2  # one example moves the update by 2C
+    node = compute_epsilon_of_history([(worst, 1.0, 2)], delta=1e-5, accountant="rdp")
+    assert rounds[-1]["epsilon_max"] == pytest.approx(node, rel=1e-9)
+    assert rounds[-1]["epsilon_max"] > rounds[-1]["central_epsilon"]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["central_epsilon"] == rounds[-1]["central_epsilon"]
+
+
+def _failing(node: int, stage: str) -> Any:
+    answer = client_module.answer
+
+    def failing(msg: Message, context: Context) -> Message:
+        payload = msg.content.config_records["fedsparse.secagg"]
+        if context.node_id == node and payload.get(STAGE) == stage:
+            raise RuntimeError(f"node {node} lost at {stage}")
+        return answer(msg, context)
+
+    return failing
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [COLLECT, UNMASK])
+def test_a_node_lost_between_stages_leaves_the_survivors_sum_exact(
+    tmp_path: Path, recorder: Recorder, monkeypatch: pytest.MonkeyPatch, stage: str
+) -> None:
+    """Lost before its masked input (its pairwise masks come off through its sk1 shares) or
+    after it (its self mask comes off through its seed shares: its input stays in)."""
+    lost = 1003
+    monkeypatch.setattr(client_module, "answer", _failing(lost, stage))
+    rounds = _run(tmp_path / "run", num_rounds=1)
+    noisy_sum, _, survivors = recorder.decoded[1]
+    assert (lost in survivors) == (stage == UNMASK)
+    assert len(survivors) == (NODES if stage == UNMASK else NODES - 1)
+    assert torch.equal(noisy_sum, _plaintext(recorder, 1))
+    assert not rounds[0]["failed"]
+    assert any(f"node {lost}" in reason for reason in rounds[0]["rejected"])
+
+
+@pytest.mark.slow
+def test_too_few_survivors_fail_the_round_and_leave_the_model(
+    tmp_path: Path, recorder: Recorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    answer = client_module.answer
+
+    def most_lost(msg: Message, context: Context) -> Message:
+        if context.node_id % 2 == 0:  # half the nodes: below the threshold n/2 + 1
+            raise RuntimeError("lost")
+        return answer(msg, context)
+
+    monkeypatch.setattr(client_module, "answer", most_lost)
+    rounds = _run(tmp_path / "run", num_rounds=1, max_failed_rounds=0)
+    assert rounds[0]["failed"] and "threshold" in rounds[0]["failure"]
+    before, after, _ = recorder.models[1]
+    assert torch.equal(before, after) and 1 not in recorder.decoded
+    assert rounds[0]["user_epsilon"] is None  # nothing released, nothing accounted
+
+
+@pytest.mark.slow
+def test_each_node_ledger_charges_its_worst_case(tmp_path: Path, recorder: Recorder) -> None:
+    ledgers = tmp_path / "ledgers"
+    _run(tmp_path / "run", num_rounds=2, node_config={"ledger-dir": str(ledgers)})
+    files = sorted(ledgers.glob("data-*.json"))
+    assert len(files) == NODES  # one per node's data
+    _, params, _ = recorder.decoded[2]
+    worst = worst_case_noise_multiplier(params)
+    for path in files:
+        ledger = PrivacyLedger(path)
+        entries = ledger.entries()
+        assert [(e.mechanism, e.server_round) for e in entries] == [("secagg", 1), ("secagg", 2)]
+        assert all(e.noise_multiplier == pytest.approx(worst) for e in entries)
+        expected = compute_epsilon_of_history([(worst / 2, 1.0, 2)], delta=1e-5, accountant="rdp")
+        assert ledger.epsilon(1e-5) == pytest.approx(expected, rel=1e-9)
+        assert math.isfinite(ledger.epsilon(1e-5))
