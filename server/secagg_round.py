@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from logging import WARNING
 from typing import TYPE_CHECKING, Any
 
@@ -96,7 +96,11 @@ def secure_round(
     touched = new_weights != weights
     if not stats.failed:  # ranked: the aggregate the next round ranks
         strategy.method.after_round(before=weights, after=new_weights, touched=touched)
-    strategy.downlink.record_version(server_round, touched, seeded=None)
+    # the change lies on the round's seeded mask (when that is its support): nodes a version
+    # behind are sent its values only (server/downlink.py), as in the clear
+    seeded = not (stats.failed or stats.frozen or stats.explicit is not None)
+    mask = (stats.mask_seed, stats.keep) if seeded and stats.keep < strategy.d else None
+    strategy.downlink.record_version(server_round, touched, seeded=mask)
     strategy._count_failures(stats)
     return flat_array(new_weights)
 
@@ -127,7 +131,7 @@ def _run(
         )
         stats.downlink_message_bytes += message_bytes(message)
     replies = grid.send_and_receive(messages, timeout=timeout)
-    answered = _answers(stats, replies, train=strategy)
+    answered = _answers(stats, replies, nodes, train=strategy)
     _receive(stats, server.receive_setup, answered)
     keys = _stage(grid, stats, server.share_keys_messages(), timeout)
     _receive(stats, server.receive_share_keys, keys)
@@ -156,22 +160,34 @@ def _stage(
         for node, payload in payloads.items()
     ]
     stats.downlink_message_bytes += sum(message_bytes(m) for m in messages)
-    return _answers(stats, grid.send_and_receive(messages, timeout=timeout))
+    return _answers(stats, grid.send_and_receive(messages, timeout=timeout), list(payloads))
 
 
 def _answers(
-    stats: RoundStats, replies: Any, *, train: SparseFedAvg | None = None
+    stats: RoundStats,
+    replies: Any,
+    asked: Collection[int],
+    *,
+    train: SparseFedAvg | None = None,
 ) -> dict[int, dict[str, Any]]:
     """Node -> its stage payload; error replies and replies without one are dropouts."""
     answered: dict[int, dict[str, Any]] = {}
-    epsilons, losses = [], []
+    losses = []
+    seen: set[int] = set()
     for reply in replies:
         node = int(reply.metadata.src_node_id)
+        if node not in asked or node in seen:  # a SuperLink notice, a stranger, a repeat
+            continue
+        seen.add(node)
         if train is not None:
             stats.num_replies += 1
         if reply.has_error():
             stats.rejected.append(f"node {node}: client error: {reply.error.reason}")
+            if train is not None:
+                train.downlink.forget(node)  # unknown state: dense next time
             continue
+        if train is not None:  # it applied this round's downlink
+            train.downlink.node_applied(node, stats.server_round - 1)
         record = reply.content.config_records.get(SECAGG_RECORD)
         if record is None:
             stats.rejected.append(f"node {node}: no {SECAGG_RECORD!r} record")
@@ -184,7 +200,6 @@ def _answers(
             epsilon = float(metrics.get("epsilon", -1.0))
             epsilon = math.inf if epsilon == -1.0 else epsilon
             train._epsilons[node] = epsilon
-            epsilons.append(epsilon)
             loss = float(metrics.get("train-loss", math.nan))
             if math.isfinite(loss):
                 losses.append(loss)

@@ -21,6 +21,7 @@ import fedsparse.server.loop as loop_module
 import fedsparse.server.secagg as server_secagg
 from fedsparse.client.app import app as client_app
 from fedsparse.client.ledger import PrivacyLedger
+from fedsparse.client.state import NodeState
 from fedsparse.common.aggregation.secure import (
     central_noise_multiplier,
     decode_sum,
@@ -36,6 +37,7 @@ from fedsparse.server.round_updates import round_support
 from fedsparse.server.secagg_round import secure_round
 
 NODES = 6
+GRIDS: list[InProcessGrid] = []  # the last run's grid: its nodes' contexts
 
 
 class Recorder:
@@ -107,6 +109,7 @@ def _run(out: Path, *, node_config: dict[str, Any] | None = None, **kwargs: Any)
         node_config={**SIMULATION_NODE_POLICY, **(node_config or {})},
     )
     loop_module.run_federated(grid, cfg)
+    GRIDS[:] = [grid]
     return [json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines()]
 
 
@@ -149,6 +152,12 @@ def test_a_secure_run_moves_the_model_by_the_plaintext_sum_of_the_same_inputs(
     assert rounds[-1]["epsilon_max"] > rounds[-1]["central_epsilon"]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["central_epsilon"] == rounds[-1]["central_epsilon"]
+    # Every node holds the server's model of round 1 bit for bit, patched from a values-only
+    # downlink on round 1's seeded mask (no dense model a round).
+    after_first = recorder.models[1][1]
+    for context in GRIDS[0]._contexts.values():
+        assert torch.equal(NodeState.load(context, after_first.numel()).model, after_first)
+    assert rounds[1]["downlink_payload_bytes"] < rounds[0]["downlink_payload_bytes"] / 4
 
 
 def _failing(node: int, stage: str) -> Any:
