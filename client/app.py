@@ -282,6 +282,8 @@ def _private_round(
         else None
     )
     exhausted(policy, ledger)
+    if secagg is not None:
+        secagg.ledger = ledger
     with quiet_known_warnings():
         privacy, budget = _calibrated(privacy, cfg, len(data), node_accountant(policy, privacy))
         steps = task.local_epochs * steps_per_epoch(len(data), task.batch_size)

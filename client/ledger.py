@@ -176,6 +176,25 @@ class PrivacyLedger:
             self._write([*entries, entry])
         return spent
 
+    def release_once(self, run_id: int, round_id: int) -> None:
+        """Secure aggregation's one masked input per round, held beside the ledger under its
+        lock (``<ledger>.released.json``), not in ``Context.state``: two copies of a collect
+        message handled at once both read the same state, so only this file can tell the
+        second it comes too late.
+
+        Raises:
+            PrivacyRefusal: this run's round already released (or began to release) one.
+        """
+        path = self.path.with_suffix(".released.json")
+        with self._locked():
+            done = json.loads(path.read_text()) if path.exists() else []
+            if [run_id, round_id] in done:
+                raise PrivacyRefusal(
+                    f"round={round_id}: this node already released its masked input for "
+                    f"round {round_id} of run {run_id}"
+                )
+            write_atomically(path, json.dumps([*done, [run_id, round_id]]), mode=PRIVATE)
+
     def _write(self, entries: list[LedgerEntry]) -> None:
         payload = {"format": _FORMAT, "entries": [asdict(e) for e in entries]}
         write_atomically(self.path, json.dumps(payload, indent=1), mode=PRIVATE)

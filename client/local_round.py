@@ -144,6 +144,8 @@ def train_round(
         payload, values = selected_payload(cfg, task, delta, selector.union, rounding)
     else:
         values = delta if mask is None else delta[mask]
+        if cfg.secure_aggregation:  # never fail on the node's own values: zero them all
+            values = torch.where(torch.isfinite(values).all(), values, torch.zeros_like(values))
         seeded_mask = mask is not None and not frozen and explicit is None
         payload = encode_update(
             values,
@@ -165,7 +167,7 @@ def train_round(
         num_examples=len(data) if counts else 1,
         examples_seen=examples if counts else 0,
         train_loss=(float(np.nanmean(losses)) if examples else 0.0)
-        if policy.release_train_loss
+        if policy.release_train_loss and not cfg.secure_aggregation  # nothing in the clear
         else math.nan,
         epsilon=float(epsilon),
         noise_multiplier=float(privacy.noise_multiplier or 0.0),

@@ -57,8 +57,10 @@ key                        default        meaning
                                           secure aggregation; ``require``: refuse every
                                           round whose update the server would see alone;
                                           ``refuse``: never (``client/secagg_node.py``). With
-                                          it, ``min-noise-multiplier`` bounds the node's own
-                                          noise share (the worst case), whatever the server
+                                          it, ``min-noise-multiplier`` bounds half the node's
+                                          own noise share (the worst case, ``σ_wc / 2``: what
+                                          its data sees), whatever the server; a deployed
+                                          node needs its ``ledger-dir`` for it
 ``secagg-colluders``       0              the most clients this node assumes collude with
                                           the server: it refuses a threshold ``t`` unless
                                           ``2t - n`` exceeds it
@@ -294,8 +296,16 @@ class NodePolicy:
             raise PrivacyRefusal(
                 f"batch-size={batch_size}: this node requires >= {self.min_batch_size}"
             )
-        if (
-            mechanism in ("dpsgd", SECAGG)
+        if mechanism == SECAGG and noise_multiplier is not None:
+            # its own share, sigma_wc; its data sees sigma_wc / 2 (client/secagg_node.py)
+            if noise_multiplier / 2 < self.min_noise_multiplier:
+                raise PrivacyRefusal(
+                    f"secure aggregation: this node's own noise share, multiplier "
+                    f"{noise_multiplier:.4g}, is {noise_multiplier / 2:.4g} for its data; "
+                    f"this node requires >= {self.min_noise_multiplier:g}"
+                )
+        elif (
+            mechanism == "dpsgd"
             and noise_multiplier is not None
             and noise_multiplier < self.min_noise_multiplier
         ):

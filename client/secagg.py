@@ -186,6 +186,11 @@ class SecAggClient:
         self._reset()
 
     @property
+    def round_id(self) -> int | None:
+        """The round the last setup bound (None: none yet)."""
+        return None if self._round is None else self._round[0]
+
+    @property
     def released_rounds(self) -> frozenset[int]:
         """The round ids this node released a masked input for: never another for these."""
         return frozenset(self._released)

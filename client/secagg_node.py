@@ -24,11 +24,13 @@ mechanism ``secagg`` and accounts it so (``client/ledger.py: accounted``); the r
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Final
 
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
+from fedsparse.client.ledger import PrivacyLedger
 from fedsparse.client.node_data import NodeData
 from fedsparse.client.node_policy import NodePolicy, PrivacyRefusal
 from fedsparse.client.secagg import SecAggClient, SecAggInputError
@@ -62,6 +64,8 @@ __all__ = [
 #: ``Context.state`` records: the node's ``SecAggClient`` and the round's kept values.
 STATE_CLIENT: Final = "fedsparse.secagg.client"
 STATE_VALUES: Final = "fedsparse.secagg.values"
+STATE_LEDGER: Final = "fedsparse.secagg.ledger"
+_LEDGER_KEY: Final = "path"
 _VALUES_KEY: Final = "values"
 
 
@@ -81,6 +85,9 @@ class SecAggRound:
     def __init__(self, client: SecAggClient, setup: dict[str, Any]) -> None:
         self.client = client
         self.setup = setup
+        #: the node's ledger (None: a simulated node without one), where the collect stage
+        #: marks the round released (``PrivacyLedger.release_once``)
+        self.ledger: PrivacyLedger | None = None
 
     @property
     def params(self) -> RingParams:
@@ -104,6 +111,11 @@ class SecAggRound:
         if policy.secure_aggregation == "refuse":
             raise PrivacyRefusal(
                 "secure-aggregation=true: this node's policy refuses secure aggregation"
+            )
+        if not policy.ledger_dir and policy.noise != "seeded":  # where release_once lives
+            raise PrivacyRefusal(
+                "secure-aggregation=true: this node releases a masked input only with its "
+                "ledger (node policy ledger-dir), which holds one release per round"
             )
         record = msg.content.config_records.get(SECAGG_RECORD)
         if record is None:
@@ -134,7 +146,8 @@ class SecAggRound:
         client = SecAggClient(
             context.node_id,
             params,
-            min_noise_multiplier=policy.min_noise_multiplier,
+            # the floor holds for what the node's data sees, sigma_wc / 2 (as for dpsgd)
+            min_noise_multiplier=2.0 * policy.min_noise_multiplier,
             colluders=policy.secagg_colluders,
             noise="seeded" if seeded else "fresh",
             noise_seed=stream_seed(
@@ -161,6 +174,8 @@ class SecAggRound:
             )
         reply = self.client.handle(self.setup)
         _save(context, self.client, values)
+        ledger = "" if self.ledger is None else str(self.ledger.path)
+        context.state.config_records[STATE_LEDGER] = ConfigRecord({_LEDGER_KEY: ledger})
         return reply
 
 
@@ -198,6 +213,9 @@ def answer(msg: Message, context: Context) -> Message:
         if stored is None:
             raise SecAggError("secure aggregation: this node holds no values for the round")
         values = torch.from_numpy(stored[_VALUES_KEY].numpy().copy())
+        saved = context.state.config_records.get(STATE_LEDGER, {}).get(_LEDGER_KEY, "")
+        if saved and client.round_id is not None:  # once per round, whatever the state says
+            PrivacyLedger(Path(str(saved))).release_once(context.run_id, client.round_id)
     reply = client.handle(payload, values)
     _save(context, client, None)
     if values is not None:  # released once: nothing of it stays beside the client

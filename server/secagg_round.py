@@ -93,6 +93,7 @@ def secure_round(
     except (SecAggError, ValueError) as err:
         stats.failure = f"secure aggregation: {err}"
         log(WARNING, "round %d: %s", server_round, stats.failure)
+        _account(strategy, stats, None)  # nothing released: the figures so far
     touched = new_weights != weights
     if not stats.failed:  # ranked: the aggregate the next round ranks
         strategy.method.after_round(before=weights, after=new_weights, touched=touched)
@@ -231,15 +232,18 @@ def _receive(
             del replies[err.node]
 
 
-def _account(strategy: SparseFedAvg, stats: RoundStats, sigma: float) -> None:
-    """The round in the user-level history at the users' rate; the central figure takes the
-    same rounds at rate 1 (the server knows whom it sampled)."""
+def _account(strategy: SparseFedAvg, stats: RoundStats, sigma: float | None) -> None:
+    """The round in the user-level history at the users' rate (``sigma`` None: nothing was
+    released); the central figure takes the same rounds at rate 1 (the server knows whom it
+    sampled). Both stay None until a round released something."""
     cfg = strategy.cfg
     history, rate = strategy._user_history, strategy._user_rate
-    if history and history[-1][:2] == (sigma, rate):
+    if sigma is not None and history and history[-1][:2] == (sigma, rate):
         history[-1] = (sigma, rate, history[-1][2] + 1)
-    else:
+    elif sigma is not None:
         history.append((sigma, rate, 1))
+    if not history:
+        return
     stats.user_epsilon = compute_epsilon_of_history(
         history, delta=cfg.delta, accountant=cfg.accountant
     )

@@ -238,9 +238,9 @@ def test_secure_aggregation_policy_requires_refuses_and_bounds_the_nodes_share()
     from fedsparse.client.node_policy import SECAGG
 
     allow = NodePolicy(min_noise_multiplier=0.5)
-    allow.precheck(mechanism=SECAGG, local_epochs=1, noise_multiplier=0.6)
-    with pytest.raises(PrivacyRefusal, match="requires >= 0.5"):
-        allow.precheck(mechanism=SECAGG, local_epochs=1, noise_multiplier=0.4)
+    allow.precheck(mechanism=SECAGG, local_epochs=1, noise_multiplier=1.0)
+    with pytest.raises(PrivacyRefusal, match="is 0.45 for its data; this node requires >= 0.5"):
+        allow.precheck(mechanism=SECAGG, local_epochs=1, noise_multiplier=0.9)
     require = NodePolicy(secure_aggregation="require")
     require.precheck(mechanism=SECAGG, local_epochs=1, noise_multiplier=1.0)
     with pytest.raises(PrivacyRefusal, match="secure-aggregation=false"):
@@ -278,7 +278,7 @@ def test_a_secure_aggregation_round_is_charged_at_half_its_worst_case_multiplier
         )
         for rnd in (1, 2)
     ]
-    policy = NodePolicy(min_noise_multiplier=0.5, epsilon_budget=math.inf)
+    policy = NodePolicy(min_noise_multiplier=0.45, epsilon_budget=math.inf)
     for req in secure:
         ledger.charge(req, budget=math.inf, delta=1e-5)
     expected = compute_epsilon_of_history([(0.45, 1.0, 2)], delta=1e-5, accountant="rdp")

@@ -213,8 +213,11 @@ def test_too_few_survivors_fail_the_round_and_leave_the_model(
 def test_each_node_ledger_charges_its_worst_case(tmp_path: Path, recorder: Recorder) -> None:
     ledgers = tmp_path / "ledgers"
     _run(tmp_path / "run", num_rounds=2, node_config={"ledger-dir": str(ledgers)})
-    files = sorted(ledgers.glob("data-*.json"))
+    files = sorted(p for p in ledgers.glob("data-*.json") if ".released" not in p.name)
     assert len(files) == NODES  # one per node's data
+    for path in files:  # and the rounds it released a masked input for, under its lock
+        released = json.loads(path.with_suffix(".released.json").read_text())
+        assert released == [[1, 1], [1, 2]]
     _, params, _ = recorder.decoded[2]
     worst = worst_case_noise_multiplier(params)
     for path in files:
@@ -225,3 +228,51 @@ def test_each_node_ledger_charges_its_worst_case(tmp_path: Path, recorder: Recor
         expected = compute_epsilon_of_history([(worst / 2, 1.0, 2)], delta=1e-5, accountant="rdp")
         assert ledger.epsilon(1e-5) == pytest.approx(expected, rel=1e-9)
         assert math.isfinite(ledger.epsilon(1e-5))
+
+
+@pytest.mark.slow
+def test_a_node_whose_values_overflow_sends_zeros_not_an_error(
+    tmp_path: Path, recorder: Recorder
+) -> None:
+    """A server that picks the model and the lr can overflow a weight on one example alone;
+    an error reply would then tell it that example is in the node's data. Under secure
+    aggregation a node never fails on its own values: a non-finite vector travels as zeros."""
+    rounds = _run(tmp_path / "run", num_rounds=1, lr=3.4e38)
+    assert rounds[0]["rejected"] == [] and not rounds[0]["failed"]
+    noisy_sum, params, survivors = recorder.decoded[1]
+    assert len(survivors) == NODES
+    # every input was zeros plus noise: the sum is the noise alone, of the survivors' shares
+    share = params.share_std / params.scale
+    assert float(noisy_sum.std()) == pytest.approx(share * NODES**0.5, rel=0.1)
+
+
+@pytest.mark.slow
+def test_a_second_collect_on_a_copy_of_the_state_is_refused(
+    tmp_path: Path, recorder: Recorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two copies of a collect message handled at once read the same Context.state; the
+    release marker beside the node's ledger, under its lock, refuses the second."""
+    import copy
+
+    from fedsparse.client.node_policy import PrivacyRefusal
+
+    answer = client_module.answer
+    outcomes: list[str] = []
+
+    def twice(msg: Message, context: Context) -> Message:
+        payload = msg.content.config_records["fedsparse.secagg"]
+        if context.node_id != 1001 or payload.get(STAGE) != COLLECT:
+            return answer(msg, context)
+        snapshot = copy.deepcopy(context)
+        reply = answer(msg, context)
+        try:
+            answer(msg, snapshot)
+            outcomes.append("released twice")
+        except PrivacyRefusal as err:
+            outcomes.append(str(err))
+        return reply
+
+    monkeypatch.setattr(client_module, "answer", twice)
+    _run(tmp_path / "run", num_rounds=1, node_config={"ledger-dir": str(tmp_path / "l")})
+    assert outcomes == ["round=1: this node already released its masked input for round 1 of run 1"]
+    assert recorder.decoded[1][2] == list(range(1001, 1001 + NODES))
