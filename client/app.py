@@ -38,13 +38,7 @@ from fedsparse.client.guard import (
 from fedsparse.client.local_round import train_round
 from fedsparse.client.node_data import NodeData
 from fedsparse.client.node_policy import SECAGG, NodePolicy, PrivacyRefusal, TrainingRequest
-from fedsparse.client.secagg_node import (
-    SECAGG_ACTION,
-    SECAGG_RECORD,
-    SecAggRound,
-    answer,
-    sample_level_multiplier,
-)
+from fedsparse.client.secagg_node import SecAggRound, answer, sample_level_multiplier
 from fedsparse.client.state import (
     NodeState,
     StateFiles,
@@ -80,6 +74,7 @@ from fedsparse.common.wire.protocol import (
     TrainInstruction,
     TrainReply,
 )
+from fedsparse.common.wire.secagg import SECAGG_ACTION, SECAGG_RECORD
 
 __all__ = ["app"]
 

@@ -45,7 +45,6 @@ from fedsparse.common.wire.protocol import TrainInstruction
 from fedsparse.common.wire.secagg import (
     COLLECT,
     RING_FIELDS,
-    SECAGG_ACTION,
     SECAGG_RECORD,
     SETUP,
     STAGE,
@@ -54,8 +53,6 @@ from fedsparse.common.wire.secagg import (
 )
 
 __all__ = [
-    "SECAGG_ACTION",
-    "SECAGG_RECORD",
     "SecAggRound",
     "answer",
     "sample_level_multiplier",
