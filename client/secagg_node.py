@@ -210,9 +210,12 @@ def answer(msg: Message, context: Context) -> Message:
         if stored is None:
             raise SecAggError("secure aggregation: this node holds no values for the round")
         values = torch.from_numpy(stored[_VALUES_KEY].numpy().copy())
-        saved = context.state.config_records.get(STATE_LEDGER, {}).get(_LEDGER_KEY, "")
+        record = context.state.config_records.get(STATE_LEDGER)
+        saved = str(record.get(_LEDGER_KEY, "")) if record is not None else ""
+        if not saved and client.noise == "fresh":
+            raise SecAggError("secure aggregation: this node kept no ledger for the round")
         if saved and client.round_id is not None:  # once per round, whatever the state says
-            PrivacyLedger(Path(str(saved))).release_once(context.run_id, client.round_id)
+            PrivacyLedger(Path(saved)).release_once(context.run_id, client.round_id)
     reply = client.handle(payload, values)
     _save(context, client, None)
     if values is not None:  # released once: nothing of it stays beside the client
