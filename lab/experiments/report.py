@@ -237,6 +237,7 @@ TABLE = (  # (header, metric, digits, scale)
     ("dense uplink MB", "total_dense_uplink_bytes", 3, 1e6),
     ("uplink savings ×", "uplink_savings", 2, 1.0),
     ("uplink bits/param", "uplink_bits_per_param", 3, 1.0),
+    ("downlink bits/param", "downlink_bits_per_param", 3, 1.0),
     ("total density", "total_density", 3, 1.0),
     ("wall s", "wall_seconds", 1, 1.0),
 )
