@@ -42,7 +42,7 @@ docs-build: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir build/site
 
 test: $(STAMP) lint typecheck docs-build
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=30
 
 # Real containers (podman, root): TLS + SuperNode auth, 3 nodes vs a simulation. Not in `test`.
 test-containers: $(STAMP)

@@ -17,17 +17,16 @@ from uuid import uuid4
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
-from flwr.serverapp import Grid
-from flwr.supercore.task_identity import TaskIdentity
 
 from fedsparse.lab.launch.flower import SIMULATION_NODE_POLICY
+from fedsparse.lab.simulation.local_grid import LocalGrid, default_node_ids
 
 __all__ = ["InProcessGrid"]
 
 ClientFn = Callable[[Message, Context], Message]
 
 
-class InProcessGrid(Grid):
+class InProcessGrid(LocalGrid):
     """Delivers each message to ``client_app`` with the destination node's ``Context``.
 
     Args:
@@ -53,7 +52,8 @@ class InProcessGrid(Grid):
         node_config: Mapping[str, Any] | None = None,
         run_id: int = 1,
     ) -> None:
-        ids = list(node_ids) if node_ids is not None else [1001 + i for i in range(num_nodes)]
+        super().__init__()
+        ids = default_node_ids(node_ids, num_nodes)
         self._client_app = client_app
         self._overrides = dict(overrides or {})
         self._contexts = {
@@ -70,42 +70,10 @@ class InProcessGrid(Grid):
             )
             for i, node in enumerate(ids)
         }
-        # Flower stamps messages with the process's task identity (set by its runtimes).
-        for attr, value in (("run_id", 1), ("task_id", 1), ("node_id", SUPERLINK_NODE_ID)):
-            try:
-                getattr(TaskIdentity, attr)
-            except RuntimeError:
-                setattr(TaskIdentity, attr, value)
         self._pending: dict[str, Message] = {}
         self._counter = itertools.count()
 
-    def set_run(self, run: Any) -> None:  # noqa: D102 - no run object in process
-        self._run = run
-
-    @property
-    def run(self) -> Any:  # noqa: D102
-        return getattr(self, "_run", None)
-
-    def create_message(
-        self,
-        content: RecordDict,
-        message_type: str,
-        dst_node_id: int,
-        group_id: str,
-        ttl: float | None = None,
-    ) -> Message:  # noqa: D102
-        return Message(
-            content=content,
-            dst_node_id=dst_node_id,
-            message_type=message_type,
-            group_id=group_id,
-            ttl=ttl,
-        )
-
-    def get_node_ids(self) -> Iterable[int]:  # noqa: D102
-        return list(self._contexts)
-
-    def get_nodes(self) -> Iterable[Any]:  # noqa: D102
+    def _node_list(self) -> list[int]:
         return list(self._contexts)
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:  # noqa: D102

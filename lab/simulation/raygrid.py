@@ -53,14 +53,13 @@ from typing import Any
 from uuid import uuid4
 
 import ray
-from flwr.app import Message, RecordDict
+from flwr.app import Message
 from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.common.logger import log
-from flwr.serverapp import Grid
-from flwr.supercore.task_identity import TaskIdentity
 
 from fedsparse.lab.launch.flower import SIMULATION_NODE_POLICY
 from fedsparse.lab.launch.processes import raise_if_stopping
+from fedsparse.lab.simulation.local_grid import LocalGrid, default_node_ids
 from fedsparse.lab.simulation.rayworkers import ClientFn, RayWorkers, error_reply
 
 __all__ = ["RayGrid"]
@@ -79,7 +78,7 @@ class _Task:
     messages: list[Message]
 
 
-class RayGrid(Grid):
+class RayGrid(LocalGrid):
     """Delivers messages to virtual clients on ``workers``: one remote call per worker a push.
 
     Args:
@@ -114,7 +113,8 @@ class RayGrid(Grid):
         if chunk_size < 1:
             raise ValueError(f"chunk_size={chunk_size}: expected >= 1")
         self._chunk = chunk_size
-        ids = list(node_ids) if node_ids is not None else [1001 + i for i in range(num_nodes)]
+        super().__init__()
+        ids = default_node_ids(node_ids, num_nodes)
         if len(ids) != num_nodes or len(set(ids)) != num_nodes:
             raise ValueError(f"node_ids: expected {num_nodes} distinct ids, got {ids[:5]}...")
         self._workers = workers
@@ -137,45 +137,13 @@ class RayGrid(Grid):
             )
         self._nodes = list(ids)  # the nodes still there (a dead worker's leave)
         self._stop_at = stop_at
-        # Flower stamps messages with the process's task identity (set by its runtimes).
-        for attr, value in (("run_id", 1), ("task_id", 1), ("node_id", SUPERLINK_NODE_ID)):
-            try:
-                getattr(TaskIdentity, attr)
-            except RuntimeError:
-                setattr(TaskIdentity, attr, value)
         self._tasks: dict[Any, _Task] = {}  # ObjectRef -> its task
         self._task_of: dict[str, Any] = {}  # message id -> ObjectRef
         self._replies: dict[str, Message] = {}  # message id -> reply (not pulled yet)
         self._received: dict[Any, _Task] = {}  # ObjectRef -> its task, received, not yielded
         self._counter = itertools.count()
 
-    def set_run(self, run: Any) -> None:  # noqa: D102 - no run object in process
-        self._run = run
-
-    @property
-    def run(self) -> Any:  # noqa: D102
-        return getattr(self, "_run", None)
-
-    def create_message(
-        self,
-        content: RecordDict,
-        message_type: str,
-        dst_node_id: int,
-        group_id: str,
-        ttl: float | None = None,
-    ) -> Message:  # noqa: D102
-        return Message(
-            content=content,
-            dst_node_id=dst_node_id,
-            message_type=message_type,
-            group_id=group_id,
-            ttl=ttl,
-        )
-
-    def get_node_ids(self) -> Iterable[int]:  # noqa: D102
-        return list(self._nodes)
-
-    def get_nodes(self) -> Iterable[Any]:  # noqa: D102
+    def _node_list(self) -> list[int]:
         return list(self._nodes)
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
