@@ -12,14 +12,17 @@ made by keys the SuperLink reports, not by the node owner's.
 So a fedsparse node never runs server-supplied code. ``fedsparse node [flower-supernode
 arguments]`` starts ``flower-supernode --isolation process`` (the SuperNode then launches no
 ClientApp itself) and takes over the launcher's job: it polls the SuperNode's Runtime API
-(which must listen on loopback) for ClientApp tasks only, and runs each task in a fresh
-process of its own (``run_task``). That process pulls the task's message, context, run and
-FAB, and checks the FAB (``fab_refusal``): its ``clientapp`` must be fedsparse's own, and when
-the node's policy lists ``allowed-fab-hashes``, the FAB's SHA-256 (computed here, never taken
-from the server) must be one of them. It then calls the ClientApp of the fedsparse installed
-on the node -- the FAB is never installed, extracted or imported. A refused FAB gets an error
-reply naming the reason, and the node's log says so; nothing else runs, so the ledger and the
-data are untouched. Task types other than ClientApps (e.g. agent apps) are never acquired.
+(which must listen on loopback) for ClientApp tasks only, and runs each task in a process
+of its own (``run_task``), forked from the node's task forker (``client/task_forker.py``), a process
+that has done the imports and nothing else: every task starts from that state, none sees
+another's, and none pays an interpreter's start-up. That process pulls the task's message,
+context, run and FAB, and checks the FAB (``fab_refusal``): its ``clientapp`` must be
+fedsparse's own, and when the node's policy lists ``allowed-fab-hashes``, the FAB's SHA-256
+(computed here, never taken from the server) must be one of them. It then calls the ClientApp
+of the fedsparse installed on the node -- the FAB is never installed, extracted or imported. A
+refused FAB gets an error reply naming the reason, and the node's log says so; nothing else
+runs, so the ledger and the data are untouched. Task types other than ClientApps (e.g. agent
+apps) are never acquired.
 
 What this guarantees, and what not: the code that handles the node's data, noise, policy and
 ledger is the code the node owner installed (``pip show fedsparse``). The FAB still carries
@@ -31,6 +34,7 @@ runs ``flower-supernode`` directly instead gets Flower's behaviour.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import ipaddress
 import os
@@ -67,6 +71,8 @@ __all__ = ["CLIENTAPP", "fab_refusal", "run_node", "run_task", "serve_tasks"]
 CLIENTAPP: Final = "fedsparse.client.app:app"
 #: Seconds between polls of the SuperNode's Runtime API for new tasks.
 POLL_SECONDS: Final = 0.5
+#: Seconds a stopping node waits for its task forker (which gives its tasks 10 s) to exit.
+_FORKER_EXIT_SECONDS: Final = 15.0
 _LOOPBACK_NAMES: Final = frozenset({"localhost"})
 
 
@@ -239,8 +245,9 @@ def _is_loopback(host: str) -> bool:
 
 
 class _Launcher:
-    """Starts ``run_task`` processes, one always warm: started ahead, its imports (torch,
-    Opacus, Flower) done, waiting on stdin for the next task's token."""
+    """Hands each task's token to the node's task forker (``task_forker``): one process,
+    started once, its imports (torch, Opacus, Flower, the ClientApp) done, that forks a fresh
+    child per task. A forker found dead is replaced, and the token goes to the new one."""
 
     def __init__(self, address: str, certificates: str | None) -> None:
         # -P: nothing from the working directory can shadow an installed module.
@@ -249,39 +256,43 @@ class _Launcher:
         if certificates is not None:
             self._command += ["--root-certificates", certificates]
         self._lock = threading.Lock()
-        self._running: list[subprocess.Popen[bytes]] = []
-        self._warm = self._spawn()
+        self._forker = self._spawn()
 
     def _spawn(self) -> subprocess.Popen[bytes]:
-        return subprocess.Popen(self._command, stdin=subprocess.PIPE)
+        # It dies with the node even when the node is killed (SIGKILL): SIGTERM, then its
+        # tasks are stopped too (``task_forker``).
+        return subprocess.Popen(self._command, stdin=subprocess.PIPE, preexec_fn=_die_with_parent)
 
     def __call__(self, token: str) -> None:
+        line = token.encode() + b"\n"  # not argv: ps would show it
         with self._lock:
-            process = self._warm if self._warm.poll() is None else self._spawn()
-            assert process.stdin is not None
-            try:
-                process.stdin.write(token.encode() + b"\n")  # not argv: ps would show it
-                process.stdin.close()
-            except OSError:  # the warm process died: a fresh one takes the task
-                process = self._spawn()
-                assert process.stdin is not None
-                process.stdin.write(token.encode() + b"\n")
-                process.stdin.close()
-            self._running = [p for p in self._running if p.poll() is None] + [process]
-            self._warm = self._spawn()
+            for attempt in (1, 2):
+                if self._forker.poll() is not None:
+                    self._forker = self._spawn()
+                assert self._forker.stdin is not None
+                try:
+                    self._forker.stdin.write(line)
+                    self._forker.stdin.flush()
+                    return
+                except OSError:  # it died since: a fresh one takes the task
+                    if attempt == 2:
+                        raise
+                    self._forker.kill()
+                    self._forker.wait()
 
     def close(self) -> None:
-        """Stops the warm process and every task still running (SIGTERM, then SIGKILL)."""
+        """Stops the forker, which stops every task still running (SIGTERM, then SIGKILL)."""
         with self._lock:
-            processes = [p for p in [*self._running, self._warm] if p.poll() is None]
-        for process in processes:
-            process.terminate()
-        for process in processes:
+            forker = self._forker
+        if forker.poll() is None:
+            with contextlib.suppress(OSError):
+                assert forker.stdin is not None
+                forker.stdin.close()  # end of tokens: it stops its tasks and exits
             try:
-                process.wait(10)
+                forker.wait(_FORKER_EXIT_SECONDS)
             except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+                forker.kill()
+                forker.wait()
 
 
 def run_node(supernode_args: Sequence[str], *, supernode: str = "flower-supernode") -> int:
@@ -360,36 +371,20 @@ def _runtime_certificates(supernode_args: Sequence[str]) -> str | None:
 
 
 def _main(argv: Sequence[str] | None = None) -> int:
-    """``python -m fedsparse.client.node``: one task (``run_task``), its token read from stdin
-    once the ClientApp's imports are done."""
-    parser = argparse.ArgumentParser(description="Run one ClientApp task of a fedsparse node.")
+    """``python -m fedsparse.client.node``: the node's task forker (``task_forker``): a
+    ClientApp task per token read from stdin, each in a forked child (``run_task``)."""
+    parser = argparse.ArgumentParser(description="Run the ClientApp tasks of a fedsparse node.")
     parser.add_argument("--runtime-api-address", required=True)
     parser.add_argument("--root-certificates")
     parser.add_argument("--parent-pid", type=int)
-    args = parser.parse_args(argv)
-    import torch
+    from fedsparse.client.task_forker import serve_forks
 
-    from fedsparse.common.dp.engine import flush_denormals
-
-    torch.set_num_threads(1)  # the ClientApp's own setting, before any torch thread starts
-    if (
-        not flush_denormals()
-    ):  # subnormal timing (common/dp/optimizer.py): a fresh process, so it holds
-        log(ERROR, "fedsparse node: this CPU cannot flush subnormal floats to zero")
-    _installed_clientapp()  # imported while waiting: the launcher keeps one process warm
-    token = sys.stdin.readline().strip()
-    if not token:  # the launcher closed stdin without a task: it is shutting down
-        return 0
-    root = None
-    if args.root_certificates:
-        with open(args.root_certificates, "rb") as fh:
-            root = fh.read()
-    try:
-        return run_task(
-            args.runtime_api_address, token, root_certificates=root, parent_pid=args.parent_pid
-        )
-    except KeyboardInterrupt:  # the node process is gone (the parent monitor)
-        return 130
+    # run_task looked up at each task (a test replaces it)
+    return serve_forks(
+        parser.parse_args(argv),
+        run=lambda *a, **kw: run_task(*a, **kw),
+        load_app=_installed_clientapp,
+    )
 
 
 if __name__ == "__main__":
