@@ -357,7 +357,10 @@ def test_a_ray_simulation_stopped_by_sigterm_resumes_to_the_uninterrupted_model(
     sets = ["--set", "num-rounds=20", "--set", "min-clients=2", "--set", "seed=3"]
     base = ["simulate", "--backend", "ray", "--clients", "3", *sets]
     whole, cut = tmp_path / "whole", tmp_path / "cut"
-    process, _ = faults._start([*base, "--out", str(whole)], tmp_path / "whole.log")
+    # The uninterrupted run in process: the same records and model as on Ray, bit for bit
+    # (test_same_records_and_model_as_in_process_with_client_sampling), without Ray's start-up.
+    whole_args = ["simulate", "--backend", "inprocess", "--clients", "3", *sets]
+    process, _ = faults._start([*whole_args, "--out", str(whole)], tmp_path / "whole.log")
     assert process.wait(timeout=400) == 0, (tmp_path / "whole.log").read_text()[-2000:]
     process, marker = faults._start([*base, "--out", str(cut)], tmp_path / "cut.log")
     try:

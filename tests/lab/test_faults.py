@@ -293,7 +293,10 @@ def test_a_simulation_stopped_by_sigterm_resumes_to_the_uninterrupted_model(
     sets = [*QUICK, "--set", "num-rounds=20", "--set", "clients-per-round=0", "--set", "seed=3"]
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     base = ["simulate", "--clients", "3", *sets]
-    process, _ = _start([*base, "--out", str(whole)], tmp_path / "whole.log")
+    # The uninterrupted run in process: with every client in every round it is Flower's
+    # engine's run bit for bit (tests/integration/test_ray_backend.py), without Ray's start-up.
+    whole_args = [*base, "--backend", "inprocess", "--out", str(whole)]
+    process, _ = _start(whole_args, tmp_path / "whole.log")
     assert process.wait(timeout=400) == 0, (tmp_path / "whole.log").read_text()[-2000:]
     process, marker = _start([*base, "--out", str(cut)], tmp_path / "cut.log")
     try:
