@@ -393,7 +393,7 @@ def test_a_node_refuses_arguments_that_would_undo_the_pin(args, match) -> None:
 
 def test_a_killed_node_leaves_no_supernode_or_task_process(tmp_path: Path) -> None:
     """SIGKILL gives ``fedsparse node`` no chance to stop its children: they stop themselves
-    (the SuperNode on its parent's death, the warm task process on its closed stdin)."""
+    (the SuperNode on its parent's death, the task forker on its closed stdin)."""
     import os
     import signal
     import time
@@ -419,7 +419,7 @@ def test_a_killed_node_leaves_no_supernode_or_task_process(tmp_path: Path) -> No
     try:
         wait_for_port(port, timeout=60)
         children = descendants(node.pid)
-        assert len(children) >= 2  # the SuperNode and the warm task process (and theirs)
+        assert len(children) >= 2  # the SuperNode and the task forker (and theirs)
         os.kill(node.pid, signal.SIGKILL)
         node.wait(10)
         deadline = time.monotonic() + 20
