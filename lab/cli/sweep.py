@@ -73,7 +73,8 @@ def sweep(
     --backend ray runs every run on one local Ray cluster and one set of workers
     (lab/simulation/raygrid.py), one run at a time (--jobs 1): each run uses every worker.
     Finished runs (summary.json with the same config) are reused; failed runs are recorded and
-    the sweep goes on (exit code 1 at the end if any failed).
+    the sweep goes on (exit code 1 at the end if any failed). Each run's summary.json records,
+    as its command, the fedsparse simulate (or deploy) line that reruns that run alone.
     """
     import shlex
 

@@ -33,8 +33,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from fedsparse.common.config import FederatedConfig, with_added_keys
 from fedsparse.common.training.configs import planned_engine
-from fedsparse.common.wire.run_log import RunSummary, summary_metrics
-from fedsparse.lab.experiments.sweep_backends import RunSettings, ray_session, run_backend
+from fedsparse.common.wire.run_log import RunSummary, record_command, summary_metrics
+from fedsparse.lab.experiments.sweep_backends import (
+    RunSettings,
+    ray_session,
+    run_backend,
+    standalone_command,
+)
 from fedsparse.lab.experiments.sweep_plan import SweepPlan, SweepRun
 from fedsparse.lab.launch.backends import backend_name
 from fedsparse.lab.launch.processes import request_stop
@@ -139,6 +144,9 @@ def execute_run(run: SweepRun, run_dir: Path, settings: RunSettings) -> dict[str
         line = " | ".join(s for s in message.splitlines() if s.strip())
         return _row(run, run_dir, status="failed", error=line[:300])
     wall = time.perf_counter() - started
+    # the line that reruns this cell alone (the run itself had no command line of its own)
+    command = standalone_command(run.overrides, run_dir, settings)
+    summary = record_command(run_dir / "summary.json", summary, command)
     record = {**identity, "status": "ok", "wall": wall}
     (run_dir / "sweep-run.json").write_text(json.dumps(record, indent=2) + "\n")
     return _row(run, run_dir, status="ok", **_metrics(summary), wall_seconds=wall)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import io
 import math
+import shlex
 import time
 from collections.abc import Iterator, Mapping
 from contextvars import ContextVar
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
 from fedsparse.lab.launch.backends import BACKENDS, Backend, backend_name
 from fedsparse.lab.launch.flower import flower_logs_in_this_process
 
-__all__ = ["RunSettings", "ray_session", "run_backend"]
+__all__ = ["RunSettings", "ray_session", "run_backend", "standalone_command"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -192,3 +193,34 @@ def run_backend(overrides: Mapping[str, str], out: Path, settings: RunSettings) 
         "ray": _run_ray,
     }
     return runners[settings.backend](overrides, out, settings)
+
+
+def _bits_per_second(rate: float) -> str:
+    """A rate in bit/s as ``parse_rate`` reads it back exactly (a bare number)."""
+    return str(int(rate)) if float(rate).is_integer() else repr(float(rate))
+
+
+def standalone_command(overrides: Mapping[str, str], out: Path, settings: RunSettings) -> str:
+    """The ``fedsparse simulate`` (``deploy``: ``fedsparse deploy``) line that runs this one
+    federation on its own, into ``out``, as ``run_backend`` runs it; options at their
+    defaults left out. A sweep records it in each run's ``summary.json`` (``command``)."""
+    sets = [a for key, value in overrides.items() for a in ("--set", f"{key}={value}")]
+    if settings.backend == "deploy":
+        args = ["fedsparse", "deploy", "--out", str(out), "--nodes", str(settings.clients)]
+        args += [*sets, "--idle-seconds", "0"]
+        for flag, rate in (
+            ("--uplink-rate", settings.uplink_bps),
+            ("--downlink-rate", settings.downlink_bps),
+        ):
+            args += [flag, _bits_per_second(rate)] if rate is not None else []
+    else:
+        args = ["fedsparse", "simulate", "--out", str(out), "--clients", str(settings.clients)]
+        args += [*sets]
+        args += ["--backend", settings.backend] if settings.backend != "flower" else []
+        if settings.cpus_per_client != 1.0:
+            args += ["--cpus-per-client", f"{settings.cpus_per_client:g}"]
+        if settings.gpus_per_client:
+            args += ["--gpus-per-client", f"{settings.gpus_per_client:g}"]
+        args += ["--ray-address", settings.ray_address] if settings.ray_address else []
+    args += ["--timeout", f"{settings.timeout:g}"] if settings.timeout != 3600.0 else []
+    return shlex.join(args)

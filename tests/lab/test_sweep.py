@@ -4,6 +4,7 @@ import csv
 import json
 import math
 import os
+import shlex
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +15,7 @@ from fedsparse.lab.cli import app
 from fedsparse.lab.experiments import sweep as sweep_mod
 from fedsparse.lab.experiments.report import PLOTS, ROUND_KEYS, mean_se, write_outputs
 from fedsparse.lab.experiments.sweep import METRICS, run_sweep
-from fedsparse.lab.experiments.sweep_backends import RunSettings
+from fedsparse.lab.experiments.sweep_backends import RunSettings, standalone_command
 from fedsparse.lab.experiments.sweep_plan import parse_grid, plan_sweep, run_slug
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -189,6 +190,41 @@ def test_results_rows_equal_each_runs_summary(swept: Path) -> None:
         assert float(row["wall_seconds"]) > 0
     # The two seeds are different runs (data order, noise, init), not copies.
     assert rows[0]["final_test_accuracy"] != rows[1]["final_test_accuracy"]
+
+
+def test_each_run_records_the_command_that_reruns_it_alone(swept: Path, tmp_path: Path) -> None:
+    row = next(r for r in read_csv(swept / "results.csv") if r["final-rate"] == "0.9")
+    summary = json.loads((swept / row["run_dir"] / "summary.json").read_text())
+    args = shlex.split(summary["command"])
+    assert args[:2] == ["fedsparse", "simulate"] and "--backend" in args
+    assert args[args.index("--clients") + 1] == "3"
+    assert "final-rate=0.9" in args and f"seed={row['seed']}" in args
+    args[args.index("--out") + 1] = str(tmp_path / "alone")
+    result = CliRunner().invoke(app, args[1:], env=ENV)
+    assert result.exit_code == 0, result.output
+    alone = json.loads((tmp_path / "alone" / "summary.json").read_text())
+    # the same federation: the same model, bytes and privacy, bit for bit
+    for key in ("final_test_accuracy", "final_test_loss", "epsilon_max", *INT_METRICS):
+        assert alone[key] == summary[key], key
+
+
+def test_standalone_command_of_a_shaped_deployment(tmp_path: Path) -> None:
+    from fedsparse.lab.launch.netns import parse_rate
+
+    settings = RunSettings(
+        backend="deploy", clients=4, uplink_bps=1.5e6, downlink_bps=8e6, timeout=600.0
+    )
+    line = standalone_command({"final-rate": "0.9", "seed": "3"}, tmp_path / "r", settings)
+    args = shlex.split(line)
+    assert args[:2] == ["fedsparse", "deploy"] and args[args.index("--nodes") + 1] == "4"
+    assert args[args.index("--idle-seconds") + 1] == "0"  # a sweep's deployments skip it
+    assert parse_rate(args[args.index("--uplink-rate") + 1]) == 1.5e6
+    assert parse_rate(args[args.index("--downlink-rate") + 1]) == 8e6
+    assert args[args.index("--timeout") + 1] == "600"
+    assert args[6:10] == ["--set", "final-rate=0.9", "--set", "seed=3"]
+    # the defaults stay out of a simulation's line
+    plain = shlex.split(standalone_command({}, tmp_path, RunSettings(clients=2)))
+    assert plain == ["fedsparse", "simulate", "--out", str(tmp_path), "--clients", "2"]
 
 
 def test_sparsification_shrinks_the_uplink(swept: Path) -> None:
