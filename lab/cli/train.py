@@ -91,6 +91,10 @@ def train(
     eval_split: Annotated[
         str, Opt(help="test | validation (a held-out 20% of the training split, for tuning)")
     ] = "test",
+    split_seed: Annotated[
+        int | None,
+        Opt(help="--eval-split validation: the seed of the held-out split (default: --seed)"),
+    ] = None,
     retain_memory: Annotated[
         bool,
         Opt(help="keep freed memory for reuse (glibc; faster steps, RSS stays at its peak)"),
@@ -191,6 +195,7 @@ def train(
         train=config,
         method=method_config,
         eval_split=split,
+        split_seed=split_seed,
         console=console,
         log=trackers,
         command=command_line(sys.argv),

@@ -7,6 +7,7 @@ import csv
 import dataclasses
 import json
 import math
+import shlex
 from pathlib import Path
 
 import pytest
@@ -177,6 +178,32 @@ def test_run_specs_reuses_finished_runs_and_records_failures(tmp_path: Path) -> 
     for stale in ({**saved, "engine": "opacus"}, dataclasses.asdict(good)):
         (tmp_path / good.slug / "spec.json").write_text(json.dumps(stale))
         assert not run_specs([good], tmp_path)[0]["reused"]
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        # tuning: validation split of seed 0 under another seed (the train CLI's default
+        # split seed is --seed)
+        CentralSpec(epochs=2, lr=0.25, rate=0.5, seed=7, eval_split="validation"),
+        CentralSpec(epochs=2, mechanism="noisy", noise_multiplier=1.0, target_epsilon=None),
+    ],
+    ids=["validation", "noisy"],
+)
+def test_a_central_run_records_the_train_command_that_repeats_it(
+    spec: CentralSpec, tmp_path: Path
+) -> None:
+    (row,) = run_specs([spec], tmp_path / "runs")
+    recorded = json.loads((Path(row["run_dir"]) / "summary.json").read_text())
+    args = shlex.split(recorded["command"])
+    assert args[:2] == ["fedsparse", "train"]
+    args[args.index("--out") + 1] = str(tmp_path / "alone")
+    result = CliRunner().invoke(app, args[1:], env={"COLUMNS": "240"})
+    assert result.exit_code == 0, result.output
+    alone = json.loads((tmp_path / "alone" / "summary.json").read_text())
+    for key in ("final_test_accuracy", "final_test_loss", "epsilon", "noise_multiplier"):
+        assert alone[key] == recorded[key], key
+    assert alone["split_seed"] == recorded["split_seed"] == 0
 
 
 @pytest.mark.slow

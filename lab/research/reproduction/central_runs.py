@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import io
 import json
+import shlex
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from multiprocessing import get_context
@@ -20,7 +21,7 @@ import torch
 from fedsparse.lab.experiments.sweep import stop_pool
 from fedsparse.lab.research.reproduction.plan import CentralSpec, Log
 
-__all__ = ["run_specs"]
+__all__ = ["run_specs", "train_command"]
 
 
 def _execute(spec_json: str, run_dir: str, threads: int) -> dict[str, Any]:
@@ -64,9 +65,27 @@ def _execute(spec_json: str, run_dir: str, threads: int) -> dict[str, Any]:
             ),
             eval_split=spec.eval_split,  # type: ignore[arg-type]
             split_seed=spec.split_seed,
+            command=train_command(spec, out),
         )
     (out / "spec.json").write_text(json.dumps(_recorded_spec(spec)) + "\n")
     return _read_row(spec, out, reused=False)
+
+
+def train_command(spec: CentralSpec, out: Path) -> str:
+    """The ``fedsparse train`` line that runs ``spec`` alone into ``out`` (its
+    ``summary.json``'s ``command``): the same model, bit for bit."""
+    args = ["fedsparse", "train", "--out", str(out), "--dataset", spec.dataset]
+    args += ["--model", spec.model] if spec.model is not None else []
+    args += ["--epochs", str(spec.epochs), "--batch-size", str(spec.batch_size)]
+    args += ["--lr", repr(spec.lr), "--final-rate", repr(spec.rate), "--schedule", "gradual"]
+    if spec.noise_multiplier is not None:  # sigma given: no target epsilon
+        args += ["--noise-multiplier", repr(spec.noise_multiplier)]
+    elif spec.target_epsilon is not None:
+        args += ["--target-epsilon", repr(spec.target_epsilon)]
+    args += ["--max-grad-norm", repr(spec.max_grad_norm), "--momentum", repr(spec.momentum)]
+    args += ["--mechanism", spec.mechanism, "--seed", str(spec.seed)]
+    args += ["--eval-split", spec.eval_split, "--split-seed", str(spec.split_seed)]
+    return shlex.join(args)
 
 
 def _recorded_spec(spec: CentralSpec) -> dict[str, Any]:
