@@ -247,7 +247,8 @@ def apply_downlink(
     Raises:
         ProtocolError: ``kind`` is not one of ``DOWNLINK_KINDS`` (named with its value).
         PayloadError: the payload does not decode for this model and round.
-        ValueError: a sparse patch or a change for a version this node does not hold.
+        ValueError: a sparse patch or a change for a version this node does not hold, or a
+            patched model with non-finite values.
     """
     if not isinstance(kind, str) or kind not in DOWNLINK_KINDS:
         raise ProtocolError(
@@ -273,4 +274,10 @@ def apply_downlink(
         flat[support] += update.values
     else:
         flat[support] = update.values
+    bad = int((~torch.isfinite(flat)).sum())
+    if bad:  # finite values and a finite model can still sum past the float32 limit
+        raise ValueError(
+            f"downlink-kind={kind}: patching model version {stored_version} gives {bad} "
+            "non-finite values"
+        )
     return flat

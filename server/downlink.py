@@ -100,7 +100,8 @@ class DownlinkCache:
         """The model the server adopts for ``version`` under a lossy ``dtype``, and its
         changed coordinates: ``before`` plus the decoded change ``after - before`` on the
         round's support (``mask``: its ``(seed, keep)``; None: every coordinate). None: fp32,
-        or a change the dtype cannot hold (``after`` stands, sent as exact values).
+        a change the dtype cannot hold, or one whose rounding would overflow the model
+        (``after`` stands, sent as exact values).
         """
         if self.dtype == "fp32":
             return None
@@ -124,9 +125,15 @@ class DownlinkCache:
             )
         except ValueError:  # the change overflows the dtype: exact values this round
             return None
-        self.deltas = {version: payload}  # only the latest version's change is ever sent
         decoded = decode_update(payload, expected_dense_size=d, expected_round=version + 1)
-        return add_delta(before, decoded), touched
+        adopted = add_delta(before, decoded)
+        # rounding can move a value past the exact change (int1 sends a zero as +-the block's
+        # largest): near the float32 limit that overflows a model the exact aggregate kept
+        # finite, so this round's change goes as exact values instead
+        if not bool(torch.isfinite(adopted).all()):
+            return None
+        self.deltas = {version: payload}  # only the latest version's change is ever sent
+        return adopted, touched
 
     def kind(self, base: int, version: int) -> str:
         """What a payload patching ``base`` to ``version`` holds (``DOWNLINK_KINDS``):

@@ -17,7 +17,7 @@ from flwr.app import ConfigRecord
 from fedsparse.client.state import apply_downlink
 from fedsparse.common import masks
 from fedsparse.common.config import FederatedConfig
-from fedsparse.common.wire.payload import decode_update, payload_size
+from fedsparse.common.wire.payload import decode_update, encode_update, payload_size
 from fedsparse.common.wire.protocol import (
     CONFIG_RECORD,
     DOWNLINK_KIND,
@@ -110,6 +110,35 @@ def test_fp32_sends_values_and_an_overflow_falls_back_to_them() -> None:
     fp16 = DownlinkCache(dtype="fp16")
     assert fp16.lossy_round(1, before, huge, mask=None) is None
     assert fp16.deltas == {} and fp16.kind(0, 1) == "values"
+
+
+def test_a_rounding_that_would_overflow_the_model_sends_exact_values() -> None:
+    # int1 sends a block's zero change as +-its largest (1e37): added to a coordinate near
+    # the float32 limit that rounds to inf in about half the draws, though the exact model
+    # is finite; such a round goes as exact values, the others as the decoded change
+    before = torch.zeros(8)
+    before[1] = 3.39e38
+    after = before.clone()
+    after[0] = 1e37
+    cache = DownlinkCache(dtype="int1", value_block=8, seed=0)
+    outcomes = [cache.lossy_round(v, before, after, mask=None) for v in range(1, 41)]
+    exact = [v for v, out in enumerate(outcomes, 1) if out is None]
+    assert 5 <= len(exact) <= 35  # both kinds occur (binomial(40, ~1/2))
+    for version, out in enumerate(outcomes, 1):
+        if out is None:
+            assert cache.kind(version - 1, version) == "values"
+        else:
+            assert bool(torch.isfinite(out[0]).all()) and out[0][1] != before[1]
+
+
+def test_a_delta_that_overflows_the_nodes_copy_is_refused() -> None:
+    stored = torch.zeros(8)
+    stored[0] = 3.0e38
+    change = torch.zeros(8)
+    change[0] = 3.0e38  # finite, and so is the copy: their sum is not
+    payload = encode_update(change, dense_size=8, round=5, encoding="dense", value_dtype="fp32")
+    with pytest.raises(ValueError, match="downlink-kind=delta: patching model version 3 gives 1 "):
+        apply_downlink(stored, 3, payload, base_version=3, numel=8, server_round=5, kind="delta")
 
 
 @pytest.mark.parametrize("kind", ["bogus", "", 1, None])
