@@ -25,7 +25,6 @@ from fedsparse.common.aggregation.norm_bounds import (
     HonestClientBound,
     NormAction,
     NormBound,
-    worst_case_noise_multiplier,
 )
 from fedsparse.common.aggregation.sparse import AggregatorName, Weighting
 from fedsparse.common.coerce import coerce, format_pairs, parse_pairs, unknown_key
@@ -49,6 +48,7 @@ from fedsparse.common.dp.accounting import AccountantName
 from fedsparse.common.dp.central import CentralNoise, DPLevel
 from fedsparse.common.dp.engines import EngineName
 from fedsparse.common.dp.optimizer import MechanismName
+from fedsparse.common.dp.worst_case import worst_case_noise_multiplier
 from fedsparse.common.methods import (
     FederatedMethodName,
     Method,
@@ -194,6 +194,9 @@ class FederatedConfig:
     # split the clients' partitions come from, which the server loads; set it where the
     # server cannot load it, or where nodes may declare larger local copies of the dataset)
     max_client_examples: int = 0
+    # the fewest examples an honest client holds, for that bound (0: not declared: it covers
+    # clients from the size the round's log names; declare it for smaller partitions)
+    min_client_examples: int = 0
     norm_action: NormAction = "reject"  # or "clip": scale down to the bound
     max_failed_rounds: int = 3  # this many rounds in a row with no accepted update end the run
     # research: keep every valid reply's payload in <out-dir>/updates/ (what the server sees)
@@ -263,6 +266,10 @@ class FederatedConfig:
             fail("max_failed_rounds", ">= 0 (0: never end the run)")
         if self.max_client_examples < 0:
             fail("max_client_examples", ">= 0 (0: the training split's size)")
+        if self.min_client_examples < 0:
+            fail("min_client_examples", ">= 0 (0: not declared)")
+        if 0 < self.max_client_examples < self.min_client_examples:
+            fail("min_client_examples", f"<= max-client-examples={self.max_client_examples}")
         targeted = self.mechanism == "dpsgd" and self.target_epsilon > 0
         if self.dp_norm_bound_applies and targeted and self.target_epsilon <= _MIN_TARGET:
             fail(
@@ -339,7 +346,7 @@ class FederatedConfig:
     def worst_case_noise_multiplier(self) -> float:
         """The largest sigma an honest client trains with: ``noise-multiplier``, or under a
         target epsilon the largest any data size calibrates
-        (``norm_bounds.worst_case_noise_multiplier`` over ``num-rounds x local-epochs``
+        (``common/dp/worst_case.py`` over ``num-rounds x local-epochs``
         epochs; ``method=gip``: for GIP's ``eps1``).
 
         Raises:
@@ -364,9 +371,18 @@ class FederatedConfig:
             train_examples: the size of the training split the clients' partitions come
                 from, the most examples an honest client holds unless ``max-client-examples``
                 says otherwise (> 0).
+
+        Raises:
+            ValueError: ``min-client-examples`` above the most examples a client holds.
         """
         if not self.dp_norm_bound_applies:
             return None
+        most = self.max_client_examples or train_examples
+        if self.min_client_examples > most:
+            raise ValueError(
+                f"min-client-examples={self.min_client_examples}: expected <= {most}, the most "
+                "examples a client holds (max-client-examples, else the training split's size)"
+            )
         return HonestClientBound(
             lr=self.lr,
             momentum=self.momentum,
@@ -374,7 +390,8 @@ class FederatedConfig:
             noise_multiplier=self.worst_case_noise_multiplier(),
             batch_size=self.batch_size,
             local_epochs=self.local_epochs,
-            max_examples=self.max_client_examples or train_examples,
+            max_examples=most,
+            min_examples=self.min_client_examples,
             value_dtype=self.value_dtype,
             adaptive_support=self.method_class().adaptive_support,  # supports from the data
         )
@@ -478,6 +495,6 @@ class FederatedConfig:
             ) from None
 
 
-#: The smallest target epsilon a worst-case sigma serves (robust.worst_case_noise_multiplier
-#: lowers the target by the calibration tolerance and PRV's error).
+#: The smallest target epsilon a worst-case sigma serves (``worst_case_noise_multiplier`` lowers
+#: the target by the calibration tolerance and PRV's error).
 _MIN_TARGET: Final = 0.03

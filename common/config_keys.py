@@ -106,6 +106,8 @@ ADDED_KEYS: Final[dict[str, Any]] = {
     # honest client can.
     "dp-norm-bound": "auto",
     "max-client-examples": 0,
+    # Undeclared is what the bound assumed before it.
+    "min-client-examples": 0,
     # Only the low-bit value dtypes (added with it) read it: an earlier run ran at any value.
     "value-block": DEFAULT_VALUE_BLOCK,
     # Off is what every run did before it.

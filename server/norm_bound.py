@@ -32,11 +32,13 @@ def derived_bound(
     supports)."""
     # gip, random-k: the payload holds the union of the steps' supports, up to d values
     bound = caps.bound(keep, sent=d if selects_per_step else None)
+    smallest = caps.smallest_covered_examples(keep)
     how = (
         f"dp-norm-bound={bound:.4g}: sigma<={caps.noise_multiplier:.4g}, <={caps.max_steps} "
-        f"steps, keep {keep}, clients of >={caps.smallest_covered_examples(keep)} of "
-        f"<={caps.max_examples} examples"
+        f"steps, keep {keep}, clients of >={smallest} of <={caps.max_examples} examples"
     )
+    if smallest > 1 and not caps.min_examples:  # where a small honest client's reply goes
+        how += "; fewer: set min-client-examples"
     return bound, how
 
 

@@ -7,10 +7,10 @@ functions over public parameters, no Flower).
   ``robust.clip_to_norm`` scales an update down to it.
 * ``honest_update_norm_bound`` is the largest L2 norm an honest DP-SGD client's round can have with
   probability ``>= 1 - failure_probability``, from public parameters only;
-  ``worst_case_noise_multiplier`` the largest sigma a client calibrates for a target epsilon
-  whatever its data size; ``HonestClientBound`` the worst case over the clients' unknown data sizes
-  (run-config ``dp-norm-bound``), which needs no honest majority: it bounds rounds of one or two
-  updates too.
+  ``common/dp/worst_case.py: worst_case_noise_multiplier`` the largest sigma a client calibrates
+  for a target epsilon whatever its data size; ``HonestClientBound`` the worst case over the
+  clients' unknown data sizes (run-config ``dp-norm-bound``), which needs no honest majority: it
+  bounds rounds of one or two updates too.
 
 The honest-update bound
 -----------------------
@@ -69,7 +69,9 @@ clients' partitions come from, or run-config ``max-client-examples``), of the bo
 with ``n < b`` takes one step an epoch on its whole data (``p = 1``, ``b' = n``): its noise term
 grows as ``1 / n``, and it is covered only while that stays under the maximum over ``K``, which is
 usually much larger because it is taken at the most steps (``smallest_covered_examples`` says from
-which ``n`` on; on digits' defaults from 3 or 4 examples). The bound holds per update with
+which ``n`` on; on digits' defaults from 3 or 4 examples). Smaller clients (thousands of clients on
+a small dataset) are covered once their size is declared (``min_examples``, run-config
+``min-client-examples``): ``K = 1`` is then taken at that ``n``. The bound holds per update with
 probability ``1 - HONEST_FAILURE_PROBABILITY`` (1e-9): a run of 10^5 honest updates loses one with
 probability about 1e-4. Nothing bounds an update of the ``noisy`` mechanism (no per-sample
 clipping), and under ``dp-level=user`` the server clips every update itself
@@ -86,9 +88,7 @@ from dataclasses import dataclass
 from typing import Final, Literal, get_args
 
 import numpy as np
-from opacus.accountants import RDPAccountant
 
-from fedsparse.common.dp.accounting import ACCOUNTANTS, AccountantName, calibrate_noise_multiplier
 from fedsparse.common.wire.payload import LOWBIT_DTYPES, PAYLOAD_DTYPES, PayloadDType
 
 __all__ = [
@@ -103,7 +103,6 @@ __all__ = [
     "honest_update_norm_bound",
     "momentum_weights",
     "quantized_norm",
-    "worst_case_noise_multiplier",
 ]
 
 NormAction = Literal["reject", "clip"]
@@ -259,107 +258,6 @@ def honest_update_norm_bound(
     return lr / (1 - momentum) * max_grad_norm * (batches + noise) / expected_batch_size
 
 
-#: Integer orders of Opacus's RDP accountant: those where ``_uniform_epsilon`` bounds its curve.
-_INTEGER_ORDERS: Final = np.array(
-    [a for a in RDPAccountant.DEFAULT_ALPHAS if float(a).is_integer() and a >= 2], dtype=np.float64
-)
-#: PRV's ``eps_upper`` (the estimate at ``delta - delta / 1000`` plus ``eps_error``, 0.01, the
-#: estimate's own error bound) exceeds the true epsilon by about 0.02 at most.
-_PRV_SLACK: Final = 0.02
-_MAX_SIGMA: Final = 1e6
-
-
-def _uniform_epsilon(sigma: float, epochs: int, delta: float) -> float:
-    """An epsilon at ``delta`` that bounds ``(q = 1/K, steps = epochs K)`` for EVERY ``K >= 1``.
-
-    At an integer order ``alpha`` the sampled Gaussian's RDP is ``ln(E[exp(c (J^2 - J))]) / (alpha -
-    1)`` with ``J ~ Bin(alpha, q)``, ``c = 1 / (2 sigma^2)`` (Mironov, Talwar, Zhang, "Rényi
-    Differential Privacy of the Sampled Gaussian Mechanism", arXiv:1908.10530, Sec. 3.3; what Opacus
-    computes there). ``J^2 - J <= (alpha - 1) J`` gives ``<= alpha ln(1 + q (e^(c (alpha - 1)) - 1))
-    <= alpha q (e^(c (alpha - 1)) - 1)``, so ``epochs K`` steps at ``q = 1/K`` compose to at most
-    ``epochs alpha (e^(c (alpha - 1)) - 1) / (alpha - 1)``, free of ``K``. Converted as Opacus
-    converts (Balle et al., "Hypothesis Testing Interpretations and Renyi Differential Privacy",
-    arXiv:1905.09982, Thm. 21; monotone in the RDP), minimum over the integer orders Opacus has.
-    """
-    a = _INTEGER_ORDERS
-    with np.errstate(over="ignore"):
-        rdp = epochs * a * np.expm1((a - 1) / (2 * sigma * sigma)) / (a - 1)
-    eps = rdp - (math.log(delta) + np.log(a)) / (a - 1) + np.log((a - 1) / a)
-    return float(np.min(eps))
-
-
-@functools.lru_cache(maxsize=64)
-def worst_case_noise_multiplier(
-    *,
-    target_epsilon: float,
-    delta: float,
-    epochs: int,
-    accountant: AccountantName,
-    epsilon_tolerance: float = 0.01,
-) -> float:
-    """A sigma no client calibrates above, whatever its data size ``n``.
-
-    A client calibrates sigma for ``target_epsilon`` over ``epochs K`` steps at ``q = 1/K`` (``K =
-    ceil(n / b)``, ``epochs = num-rounds x local-epochs``: ``client/app.py``), to within
-    ``epsilon_tolerance`` below the target (``privacy.calibrate_noise_multiplier``). Which ``K``
-    needs the most noise depends on the target: ``q = 1`` for the usual targets, but for large ones
-    (``epsilon = 30`` over one epoch) ``K = 7`` needs 1.6 times its sigma, so no ``K`` is assumed.
-    Returned: the smallest sigma (to ``1e-9`` relative, rounded up) whose ``_uniform_epsilon`` -- a
-    bound on the RDP accountant's epsilon at every ``K`` -- is at most ``target_epsilon -
-    epsilon_tolerance``; every client's calibrated sigma, whose epsilon is at least that, is then no
-    larger. Deployed nodes calibrate with ``rdp``; a simulated node with the run's ``accountant``:
-    for ``prv`` the target is lowered by 0.02, what PRV's ``eps_upper`` may exceed the true epsilon
-    by (which RDP, and so this bound, bounds), and for ``gdp``, whose ``mu = sqrt(epochs
-    (e^(1/sigma^2) - 1) / K)`` falls with ``K``, the ``q = 1`` calibration is taken if larger.
-    Within 1-9% of the largest calibrated sigma for epsilon <= 8 (tests), up to 1.9x for epsilon =
-    100 over one epoch.
-
-    Raises:
-        ValueError: an argument out of range, or the target is unreachable with sigma <= 1e6.
-    """
-    if not (math.isfinite(target_epsilon) and target_epsilon > 0):
-        raise ValueError(f"target_epsilon={target_epsilon!r}: expected a finite value > 0")
-    if not 0.0 < delta < 1.0:
-        raise ValueError(f"delta={delta!r}: expected 0 < delta < 1")
-    if epochs < 1:
-        raise ValueError(f"epochs={epochs!r}: expected >= 1")
-    if accountant not in ACCOUNTANTS:
-        raise ValueError(f"accountant={accountant!r}: expected one of {', '.join(ACCOUNTANTS)}")
-    target = target_epsilon - epsilon_tolerance - (_PRV_SLACK if accountant == "prv" else 0.0)
-    if target <= 0:
-        raise ValueError(
-            f"target_epsilon={target_epsilon!r}: too small for a worst-case sigma (expected > "
-            f"{target_epsilon - target:g})"
-        )
-    low, high = 0.0, 1.0
-    while _uniform_epsilon(high, epochs, delta) > target:
-        low, high = high, 2 * high
-        if high > _MAX_SIGMA:
-            raise ValueError(
-                f"target_epsilon={target_epsilon!r}: unreachable with noise_multiplier <= "
-                f"{_MAX_SIGMA:g} at delta={delta}, over {epochs} epochs"
-            )
-    while high - low > 1e-9 * high:
-        mid = (low + high) / 2
-        if _uniform_epsilon(mid, epochs, delta) <= target:
-            high = mid
-        else:
-            low = mid
-    if accountant == "gdp":
-        high = max(
-            high,
-            calibrate_noise_multiplier(
-                target_epsilon=target_epsilon - epsilon_tolerance,
-                delta=delta,
-                sample_rate=1.0,
-                steps=epochs,
-                accountant="gdp",
-            ),
-        )
-    return high
-
-
-#: Relative rounding error of the 16-bit value dtypes (round to nearest).
 _RELATIVE_ROUNDING: Final[dict[str, float]] = {"fp32": 0.0, "fp16": 2.0**-11, "bf16": 2.0**-8}
 
 
@@ -401,9 +299,10 @@ class HonestClientBound:
 
     The public caps (the module docstring's derivation): the client's SGD, clipping norm,
     ``noise_multiplier`` (the fixed sigma, or ``worst_case_noise_multiplier``), batch size, local
-    epochs, and ``max_examples``, the most examples a client holds. ``bound(keep)`` is the maximum
-    of ``honest_update_norm_bound`` over ``K = 1 .. ceil(max_examples / batch_size)`` batches an
-    epoch at each ``K``'s smallest data size, in ``value_dtype``.
+    epochs, ``max_examples``, the most examples a client holds, and ``min_examples``, the fewest (0:
+    not declared). ``bound(keep)`` is the maximum of ``honest_update_norm_bound`` over ``K = 1 ..
+    ceil(max_examples / batch_size)`` batches an epoch at each ``K``'s smallest data size (``K =
+    1``: ``smallest_one_batch``), in ``value_dtype``.
 
     Attributes:
         adaptive_support: GIP (the steps' supports depend on the noise: module docstring).
@@ -419,11 +318,17 @@ class HonestClientBound:
     value_dtype: PayloadDType = "fp32"
     adaptive_support: bool = False
     failure_probability: float = HONEST_FAILURE_PROBABILITY
+    min_examples: int = 0
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "local_epochs", "max_examples"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected >= 1")
+        if not 0 <= self.min_examples <= self.max_examples:
+            raise ValueError(
+                f"min_examples={self.min_examples!r}: expected 0 (not declared) to "
+                f"max_examples={self.max_examples}"
+            )
         # the rest is checked where it is used
         self._norm(divisor=1.0, mean=1.0, steps=1, keep=1)
         quantized_norm(1.0, value_dtype=self.value_dtype, keep=1)
@@ -448,6 +353,13 @@ class HonestClientBound:
         return -(-self.max_examples // min(self.batch_size, self.max_examples))
 
     @property
+    def smallest_one_batch(self) -> int:
+        """The ``n`` whose bound ``K = 1`` takes: ``min(b, N)``, or the declared
+        ``min_examples`` below it (the noise term grows as ``1 / n``)."""
+        top = min(self.batch_size, self.max_examples)
+        return min(self.min_examples, top) if self.min_examples else top
+
+    @property
     def max_steps(self) -> int:
         """The most DP steps of a client's round."""
         return self.local_epochs * self.max_batches
@@ -457,7 +369,7 @@ class HonestClientBound:
         (``examples``: K = 1's n)."""
         b = self.batch_size
         if batches == 1:  # p = 1: every example in every step, b' = |B_t| = n
-            n = min(b, self.max_examples) if examples is None else examples
+            n = self.smallest_one_batch if examples is None else examples
             divisor, mean = float(n), float(n)
         else:  # the smallest n with this many batches; Opacus's int(n * (1 / K))
             divisor = float(int(((batches - 1) * b + 1) * (1 / batches)))
@@ -475,11 +387,12 @@ class HonestClientBound:
     def smallest_covered_examples(self, keep: int) -> int:
         """The fewest examples ``n`` from which on every honest client is covered.
 
-        ``min(b, N)`` by construction; a client below ``b`` (``K = 1``, its noise term ``~ 1 /
-        n``) is covered while its own bound stays under ``bound(keep)``, which falls with
-        ``n``: the first such ``n``.
+        ``smallest_one_batch`` (``min(b, N)``, or the declared ``min_examples``) by
+        construction; a client below it (``K = 1``, its noise term ``~ 1 / n``) is covered
+        while its own bound stays under ``bound(keep)``, which falls with ``n``: the first
+        such ``n``.
         """
-        limit, top = self.bound(keep), min(self.batch_size, self.max_examples)
+        limit, top = self.bound(keep), self.smallest_one_batch
         low, high = 1, top  # the answer lies in [1, top]; _at(1, keep, n) falls with n
         while low < high:
             mid = (low + high) // 2

@@ -9,11 +9,7 @@ import pytest
 import torch
 from opacus.accountants import create_accountant
 
-from fedsparse.common.aggregation.norm_bounds import (
-    DP_NORM_BOUNDS,
-    NORM_ACTIONS,
-    worst_case_noise_multiplier,
-)
+from fedsparse.common.aggregation.norm_bounds import DP_NORM_BOUNDS, NORM_ACTIONS
 from fedsparse.common.aggregation.sparse import AGGREGATORS, WEIGHTINGS
 from fedsparse.common.config import (
     ADDED_KEYS,
@@ -33,6 +29,7 @@ from fedsparse.common.dp.accounting import ACCOUNTANTS
 from fedsparse.common.dp.central import CENTRAL_NOISE_SOURCES, DP_LEVELS
 from fedsparse.common.dp.engines import ENGINES
 from fedsparse.common.dp.optimizer import MECHANISMS
+from fedsparse.common.dp.worst_case import worst_case_noise_multiplier
 from fedsparse.common.methods import FEDERATED_METHODS, SELECTION_MODES, SELECTIONS
 from fedsparse.common.methods.schedules import SCHEDULES
 from fedsparse.common.models.classifiers import (
@@ -268,6 +265,11 @@ def test_robustness_defaults_protect_and_can_be_turned_off() -> None:
         ({"max-client-examples": -1}, "max-client-examples=-1: expected >= 0 (0: the training"),
         ({"max-client-examples": "many"}, "max-client-examples='many': expected int"),
         ({"max-client-examples": 1.5}, "max-client-examples=1.5: expected int"),
+        ({"min-client-examples": -1}, "min-client-examples=-1: expected >= 0 (0: not declared)"),
+        (
+            {"min-client-examples": 50, "max-client-examples": 40},
+            "min-client-examples=50: expected <= max-client-examples=40",
+        ),
         (
             {"target-epsilon": 0.02},
             "target-epsilon=0.02: expected > 0.03 with dp-norm-bound='auto' (its worst-case "
@@ -291,6 +293,7 @@ def test_dp_norm_bound_keys_parse() -> None:
     for other in ({"dp-norm-bound": "off"}, {"mechanism": "noisy"}):
         FederatedConfig.from_run_config({"target-epsilon": 0.02, **other})
     assert ADDED_KEYS["dp-norm-bound"] == "auto" and ADDED_KEYS["max-client-examples"] == 0
+    assert ADDED_KEYS["min-client-examples"] == 0 == cfg.min_client_examples
 
 
 @pytest.mark.filterwarnings("ignore:Optimal order is the:UserWarning")
@@ -306,6 +309,10 @@ def test_the_dp_norm_bound_applies_where_the_dp_parameters_bound_an_update() -> 
     assert caps.bound(38_282) == pytest.approx(67.32421636003357, rel=1e-9)  # digits' default
     # max-client-examples replaces the training split's size
     assert FederatedConfig(max_client_examples=100).honest_client_bound(1437).max_examples == 100
+    # min-client-examples declares the fewest; at most what a client can hold
+    assert FederatedConfig(min_client_examples=2).honest_client_bound(1437).min_examples == 2
+    with pytest.raises(ValueError, match=r"^min-client-examples=1438: expected <= 1437, the "):
+        FederatedConfig(min_client_examples=1438).honest_client_bound(1437)
     # the fixed noise multiplier when there is no target (and for the clipped mechanism)
     fixed = FederatedConfig(target_epsilon=0.0, noise_multiplier=1.3, local_epochs=3)
     assert fixed.honest_client_bound(10).noise_multiplier == 1.3

@@ -366,7 +366,8 @@ def test_payloads_of_another_size_or_dtype_are_rejected_before_use() -> None:
 
 DP_REASON = re.compile(
     r"node (\d+): update norm=(\S+): expected <= (\S+) \(dp-norm-bound=(\S+): sigma<=\S+, "
-    r"<=\d+ steps, keep (\d+), clients of >=\d+ of <=1437 examples\)"
+    r"<=\d+ steps, keep (\d+), clients of >=\d+ of <=1437 examples"
+    r"(?:; fewer: set min-client-examples)?\)"
 )
 HUGE = tamper(lambda v: torch.full_like(v, 1e30))  # the attack: huge but finite
 

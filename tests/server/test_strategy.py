@@ -137,6 +137,24 @@ def test_the_dp_bound_caps_come_from_the_training_split_or_the_config() -> None:
     assert caps is not None and caps.max_examples == 100
 
 
+def test_the_bounds_description_names_the_smallest_client_and_how_to_cover_fewer() -> None:
+    from fedsparse.server.norm_bound import derived_bound
+
+    keep = 1000
+    plain = SparseFedAvg(FederatedConfig(), num_parameters=10).honest_bound()
+    assert plain is not None and plain.smallest_covered_examples(keep) > 2
+    bound, how = derived_bound(plain, keep=keep, d=10, selects_per_step=False)
+    assert how.endswith(
+        f"clients of >={plain.smallest_covered_examples(keep)} of <=1437 examples; "
+        "fewer: set min-client-examples"
+    )
+    declared = SparseFedAvg(FederatedConfig(min_client_examples=2), num_parameters=10)
+    caps = declared.honest_bound()
+    assert caps is not None and caps.min_examples == 2
+    wider, how = derived_bound(caps, keep=keep, d=10, selects_per_step=False)
+    assert how.endswith("clients of >=2 of <=1437 examples") and wider > bound
+
+
 def test_a_split_that_does_not_load_names_the_keys_that_replace_it() -> None:
     cfg = FederatedConfig(dataset="mnist")  # a file dataset without data-dir
     with pytest.raises(ValueError, match="dataset='mnist' data-dir='' did not load") as info:

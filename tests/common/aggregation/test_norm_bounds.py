@@ -20,12 +20,12 @@ from fedsparse.common.aggregation.norm_bounds import (
     honest_update_norm_bound,
     momentum_weights,
     quantized_norm,
-    worst_case_noise_multiplier,
 )
 from fedsparse.common.aggregation.robust import (
     l2_norm,
 )
 from fedsparse.common.dp.accounting import calibrate_noise_multiplier, steps_per_epoch
+from fedsparse.common.dp.worst_case import worst_case_noise_multiplier
 from fedsparse.common.wire.payload.values import quantize_int8
 
 F32_MAX = float(np.finfo(np.float32).max)
@@ -297,6 +297,46 @@ def test_small_clients_are_covered_only_from_smallest_covered_examples_on() -> N
     # a dataset smaller than the batch size: only K = 1, at the largest client
     tiny = _client_bound(max_examples=20)
     assert (tiny.max_batches, tiny.max_steps) == (1, 1)
+
+
+@pytest.mark.parametrize("declared", [1, 2, 3])
+def test_a_declared_smallest_client_is_covered(declared: int) -> None:
+    """``min_examples`` below the covered size: the bound takes K = 1 at that n, so every
+    client from it on is covered (the bound is that client's own); undeclared or above the
+    covered size, nothing changes."""
+    keep = 38_282
+    plain = _client_bound()
+    assert plain.smallest_covered_examples(keep) == 4 > declared
+    caps = _client_bound(min_examples=declared)
+    alone = honest_update_norm_bound(
+        lr=0.25,
+        momentum=0.0,
+        max_grad_norm=1.0,
+        noise_multiplier=4.9,
+        expected_batch_size=declared,
+        steps=1,
+        keep=keep,
+    )
+    assert caps.bound(keep) == alone > plain.bound(keep)
+    assert caps.smallest_covered_examples(keep) == declared
+    for n in range(declared, 40):  # K = 1 up to b = 32, then K = 2
+        batches = -(-n // 32)
+        own = honest_update_norm_bound(
+            lr=0.25,
+            momentum=0.0,
+            max_grad_norm=1.0,
+            noise_multiplier=4.9,
+            expected_batch_size=int(n * (1 / batches)),
+            mean_batch_size=n / batches,
+            steps=steps_per_epoch(n, 32),
+            keep=keep,
+        )
+        assert own <= caps.bound(keep), n
+    for same in (0, 4, 32, 1437):  # not declared, or no smaller than what is covered
+        assert _client_bound(min_examples=same).bound(keep) == plain.bound(keep)
+    for bad in (-1, 1438):
+        with pytest.raises(ValueError, match=f"min_examples={bad}: expected 0 .not declared. "):
+            _client_bound(min_examples=bad)
 
 
 def test_client_bound_quantizes_and_checks_its_caps() -> None:
