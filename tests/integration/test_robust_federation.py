@@ -520,3 +520,23 @@ def test_honest_updates_are_far_below_the_dp_bound(kw: dict) -> None:
         for r in replies
     ]
     assert max(norms) < 0.35 * stats.norm_bound
+
+
+def test_tiny_honest_clients_are_covered_once_their_size_is_declared() -> None:
+    """700 nodes on digits' 1437 training examples: 2 each, one step an epoch on all of it
+    (its noise term grows as 1/n). Undeclared, the bound covers clients from 4 examples on
+    and rejects most of these honest replies, saying what to set; with min-client-examples=2
+    each one is under its own bound (failure probability 1e-9 per update)."""
+    rejected = {}
+    for declared in (0, 2):
+        cfg = FederatedConfig(clients_per_round=20, min_client_examples=declared)
+        strategy = SparseFedAvg(cfg, num_parameters=D_DIGITS)
+        grid = InProcessGrid(client_app, num_nodes=700, run_config=cfg.to_run_config())
+        messages = strategy.configure_train(1, flat_array(_initial(cfg)), ConfigRecord(), grid)
+        strategy.aggregate_train(1, list(grid.send_and_receive(messages)))
+        stats = strategy.last_round
+        assert stats is not None and stats.accepted + len(stats.rejected) == 20
+        rejected[declared] = stats.rejected
+    assert len(rejected[0]) >= 10  # 17 of 20 with these seeds
+    assert all(r.endswith("examples; fewer: set min-client-examples)") for r in rejected[0])
+    assert rejected[2] == []
