@@ -97,13 +97,20 @@ class _RaySession:
     settings: RunSettings
     stack: contextlib.ExitStack
     workers: RayWorkers | None = None
+    unreachable: str = ""  # the cluster did not answer: every later run fails at once with it
 
     def get_workers(self) -> RayWorkers:
+        if self.unreachable:
+            raise RuntimeError(self.unreachable)
         if self.workers is None:
             from fedsparse.client.app import app as client_app
             from fedsparse.lab.simulation.rayworkers import RayWorkers, ray_cluster
 
-            self.stack.enter_context(ray_cluster(address=self.settings.ray_address))
+            try:
+                self.stack.enter_context(ray_cluster(address=self.settings.ray_address))
+            except RuntimeError as err:  # no cluster at the address (one line naming it)
+                self.unreachable = f"{err} (the sweep's first ray run found none)"
+                raise
             self.workers = self.stack.enter_context(
                 RayWorkers(
                     client_app,

@@ -1,10 +1,12 @@
 """``fedsparse sweep``: grid parsing and validation, mean/SE, a real in-process sweep, resume."""
 
+import contextlib
 import csv
 import json
 import math
 import os
 import shlex
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +17,12 @@ from fedsparse.lab.cli import app
 from fedsparse.lab.experiments import sweep as sweep_mod
 from fedsparse.lab.experiments.report import PLOTS, ROUND_KEYS, mean_se, write_outputs
 from fedsparse.lab.experiments.sweep import METRICS, run_sweep
-from fedsparse.lab.experiments.sweep_backends import RunSettings, standalone_command
+from fedsparse.lab.experiments.sweep_backends import (
+    RunSettings,
+    ray_session,
+    run_backend,
+    standalone_command,
+)
 from fedsparse.lab.experiments.sweep_plan import parse_grid, plan_sweep, run_slug
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -482,3 +489,28 @@ def test_scale_clip_keeps_clip_over_one_minus_momentum() -> None:
         plan_sweep(parse_grid(["max-grad-norm=1,2"]), {}, seeds=1, scale_clip=True)
     with pytest.raises(ValueError, match="momentum=1.0"):
         plan_sweep(parse_grid(["momentum=1.0"]), {}, seeds=1, scale_clip=True)
+
+
+def test_a_ray_cluster_that_does_not_answer_is_tried_once_per_sweep(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from fedsparse.lab.simulation import rayworkers
+
+    tried: list[str | None] = []
+
+    @contextlib.contextmanager
+    def nowhere(*, address: str | None = None, **_: object) -> Iterator[None]:
+        tried.append(address)
+        raise RuntimeError(f"ray_address={address}: no Ray cluster answers there")
+        yield
+
+    monkeypatch.setattr(rayworkers, "ray_cluster", nowhere)
+    settings = RunSettings(backend="ray", clients=2, ray_address="192.0.2.1:6379")
+    messages = []
+    with ray_session(settings):
+        for i in range(3):
+            with pytest.raises(RuntimeError, match="ray_address=192.0.2.1:6379: no Ray") as info:
+                run_backend({"num-rounds": "1"}, tmp_path / str(i), settings)
+            messages.append(str(info.value))
+    assert tried == ["192.0.2.1:6379"]  # later runs fail at once, not after a timeout each
+    assert messages[1] == messages[2] and messages[1].endswith("first ray run found none)")
