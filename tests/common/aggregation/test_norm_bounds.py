@@ -242,6 +242,22 @@ def _client_bound(**overrides: object) -> HonestClientBound:
     return HonestClientBound(**{**kwargs, **overrides})
 
 
+def _own_bound(caps: HonestClientBound, n: int, keep: int) -> float:
+    """The bound of one client of ``n`` examples with its own steps, ``b' = int(n q)`` and ``m
+    = n q`` (``privacy.steps_per_epoch``: the loader Opacus builds); ``n < b``: ``b' = n``."""
+    batches = -(-n // min(caps.batch_size, n))
+    return honest_update_norm_bound(
+        lr=caps.lr,
+        momentum=caps.momentum,
+        max_grad_norm=caps.max_grad_norm,
+        noise_multiplier=caps.noise_multiplier,
+        expected_batch_size=int(n * (1 / batches)),
+        mean_batch_size=n / batches,
+        steps=caps.local_epochs * steps_per_epoch(n, caps.batch_size),
+        keep=keep,
+    )
+
+
 @pytest.mark.parametrize(
     "overrides",
     [{}, {"momentum": 0.9, "local_epochs": 3}, {"noise_multiplier": 0.0}, {"batch_size": 64}],
@@ -255,17 +271,7 @@ def test_the_worst_case_covers_every_data_size_from_the_batch_size_on(overrides:
     bound = caps.bound(keep)
     largest = 0.0
     for n in range(1, caps.max_examples + 1):
-        batches = -(-n // min(b, n))
-        own = honest_update_norm_bound(
-            lr=caps.lr,
-            momentum=caps.momentum,
-            max_grad_norm=caps.max_grad_norm,
-            noise_multiplier=caps.noise_multiplier,
-            expected_batch_size=int(n * (1 / batches)),
-            mean_batch_size=n / batches,
-            steps=caps.local_epochs * steps_per_epoch(n, b),
-            keep=keep,
-        )
+        own = _own_bound(caps, n, keep)
         if n >= caps.smallest_covered_examples(keep):
             assert own <= bound * (1 + 1e-12), n
         largest = max(largest, own) if n >= b else largest
@@ -282,18 +288,8 @@ def test_small_clients_are_covered_only_from_smallest_covered_examples_on() -> N
     first = caps.smallest_covered_examples(keep)
     assert first == 4
 
-    def alone(n: int) -> float:  # K = 1: b' = n, every example in every step
-        return honest_update_norm_bound(
-            lr=0.25,
-            momentum=0.0,
-            max_grad_norm=1.0,
-            noise_multiplier=4.9,
-            expected_batch_size=n,
-            steps=1,
-            keep=keep,
-        )
-
-    assert alone(first) <= caps.bound(keep) < alone(first - 1)
+    # K = 1: b' = n, every example in every step
+    assert _own_bound(caps, first, keep) <= caps.bound(keep) < _own_bound(caps, first - 1, keep)
     # a dataset smaller than the batch size: only K = 1, at the largest client
     tiny = _client_bound(max_examples=20)
     assert (tiny.max_batches, tiny.max_steps) == (1, 1)
@@ -308,30 +304,10 @@ def test_a_declared_smallest_client_is_covered(declared: int) -> None:
     plain = _client_bound()
     assert plain.smallest_covered_examples(keep) == 4 > declared
     caps = _client_bound(min_examples=declared)
-    alone = honest_update_norm_bound(
-        lr=0.25,
-        momentum=0.0,
-        max_grad_norm=1.0,
-        noise_multiplier=4.9,
-        expected_batch_size=declared,
-        steps=1,
-        keep=keep,
-    )
-    assert caps.bound(keep) == alone > plain.bound(keep)
+    assert caps.bound(keep) == _own_bound(caps, declared, keep) > plain.bound(keep)
     assert caps.smallest_covered_examples(keep) == declared
     for n in range(declared, 40):  # K = 1 up to b = 32, then K = 2
-        batches = -(-n // 32)
-        own = honest_update_norm_bound(
-            lr=0.25,
-            momentum=0.0,
-            max_grad_norm=1.0,
-            noise_multiplier=4.9,
-            expected_batch_size=int(n * (1 / batches)),
-            mean_batch_size=n / batches,
-            steps=steps_per_epoch(n, 32),
-            keep=keep,
-        )
-        assert own <= caps.bound(keep), n
+        assert _own_bound(caps, n, keep) <= caps.bound(keep), n
     for same in (0, 4, 32, 1437):  # not declared, or no smaller than what is covered
         assert _client_bound(min_examples=same).bound(keep) == plain.bound(keep)
     for bad in (-1, 1438):
