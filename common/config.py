@@ -32,11 +32,11 @@ from fedsparse.common.config_keys import (
     ADDED_KEYS,
     CODECS,
     METHOD_OPTIONS,
-    NO_ERROR_FEEDBACK,
     RESUME_MAY_DIFFER,
     TRACKERS,
     CodecName,
     check_dp_level,
+    check_error_feedback,
     check_names,
     method_option_values,
     wire_encoding,
@@ -160,7 +160,7 @@ class FederatedConfig:
     value_block: int = DEFAULT_VALUE_BLOCK
     # the client carries each round's quantization error (what value-dtype's rounding lost on
     # the sent values) into its next round's values, in its node state (fp16, bf16, int8,
-    # int4, int2; needs dp-norm-bound='off': docs/explanation/bandwidth.md)
+    # int4, int2; int2 needs dp-norm-bound='off': docs/explanation/bandwidth.md)
     error_feedback: bool = False
     compression: Compression = "none"
     # the broadcast's value dtype (value-dtype's names; fp32: exact values, as before): a lossy
@@ -232,14 +232,7 @@ class FederatedConfig:
             fail("seed", "0 <= seed < 2**63")
         if not 1 <= self.value_block < 2**32:
             fail("value_block", "1 <= value-block < 2**32")
-        if self.error_feedback and self.value_dtype in NO_ERROR_FEEDBACK:
-            fail(
-                "error_feedback",
-                f"false with value-dtype={self.value_dtype!r} "
-                f"({NO_ERROR_FEEDBACK[self.value_dtype]})",
-            )
-        if self.error_feedback and self.dp_norm_bound == "auto":  # it bounds v, not v + e
-            fail("error_feedback", "false with dp-norm-bound='auto'; set dp-norm-bound='off'")
+        check_error_feedback(self, fail)
         if not -1 <= self.split_seed < 2**63:
             fail("split_seed", "-1 (the run's seed) or 0 <= split-seed < 2**63")
         if self.dirichlet_alpha <= 0:
@@ -364,16 +357,20 @@ class FederatedConfig:
             accountant=privacy.accountant,
         )
 
-    def honest_client_bound(self, train_examples: int) -> HonestClientBound | None:
+    def honest_client_bound(
+        self, train_examples: int, *, dense_size: int = 0
+    ) -> HonestClientBound | None:
         """The DP-derived bound's public caps (None where it does not apply).
 
         Args:
             train_examples: the size of the training split the clients' partitions come
                 from, the most examples an honest client holds unless ``max-client-examples``
                 says otherwise (> 0).
+            dense_size: the model's ``d`` (error feedback: what bounds its residual).
 
         Raises:
-            ValueError: ``min-client-examples`` above the most examples a client holds.
+            ValueError: ``min-client-examples`` above the most examples a client holds, or
+                error feedback without ``dense_size``.
         """
         if not self.dp_norm_bound_applies:
             return None
@@ -383,6 +380,8 @@ class FederatedConfig:
                 f"min-client-examples={self.min_client_examples}: expected <= {most}, the most "
                 "examples a client holds (max-client-examples, else the training split's size)"
             )
+        if self.error_feedback and dense_size < 1:
+            raise ValueError(f"dense_size={dense_size}: error feedback's bound needs d >= 1")
         return HonestClientBound(
             lr=self.lr,
             momentum=self.momentum,
@@ -394,6 +393,7 @@ class FederatedConfig:
             min_examples=self.min_client_examples,
             value_dtype=self.value_dtype,
             adaptive_support=self.method_class().adaptive_support,  # supports from the data
+            feedback_keep=dense_size if self.error_feedback else 0,
         )
 
     @classmethod

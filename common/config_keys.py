@@ -16,7 +16,11 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Final, Literal, get_args
 
 from fedsparse.common import plugins
-from fedsparse.common.aggregation.norm_bounds import DP_NORM_BOUNDS, NORM_ACTIONS
+from fedsparse.common.aggregation.norm_bounds import (
+    DP_NORM_BOUNDS,
+    NORM_ACTIONS,
+    feedback_contraction,
+)
 from fedsparse.common.aggregation.sparse import AGGREGATORS, WEIGHTINGS
 from fedsparse.common.coerce import coerce, parse_pairs, unknown_key
 from fedsparse.common.data.datasets import DATASET_INPUT_SHAPES, DATASET_NAMES, EVAL_SPLITS
@@ -51,6 +55,7 @@ __all__ = [
     "TRACKERS",
     "CodecName",
     "check_dp_level",
+    "check_error_feedback",
     "check_names",
     "method_option_values",
     "with_added_keys",
@@ -260,6 +265,28 @@ def check_names(cfg: FederatedConfig, fail: Callable[[str, str], None]) -> None:
 
 def _shape(shape: tuple[int, ...]) -> str:
     return "x".join(map(str, shape))
+
+
+def check_error_feedback(cfg: FederatedConfig, fail: Callable[[str, str], None]) -> None:
+    """Checks ``error-feedback`` against the value dtype and ``dp-norm-bound``.
+
+    Args:
+        fail: called with the field and what it expected (raises).
+    """
+    if not cfg.error_feedback:
+        return
+    if cfg.value_dtype in NO_ERROR_FEEDBACK:
+        fail(
+            "error_feedback",
+            f"false with value-dtype={cfg.value_dtype!r} ({NO_ERROR_FEEDBACK[cfg.value_dtype]})",
+        )
+    # the derived bound covers v + e where the dtype's rounding error contracts
+    if cfg.dp_norm_bound == "auto" and feedback_contraction(cfg.value_dtype) is None:
+        fail(
+            "error_feedback",
+            f"false with dp-norm-bound='auto' and value-dtype={cfg.value_dtype!r} (its rounding "
+            "error does not contract when fed back: no update bound); set dp-norm-bound='off'",
+        )
 
 
 def check_dp_level(cfg: FederatedConfig, fail: Callable[[str, str], None]) -> None:

@@ -39,6 +39,8 @@ def derived_bound(
     )
     if smallest > 1 and not caps.min_examples:  # where a small honest client's reply goes
         how += "; fewer: set min-client-examples"
+    if caps.feedback_keep:  # the residual of every earlier round's rounding included
+        how += f"; error feedback, rounds of <={caps.feedback_keep} values"
     return bound, how
 
 

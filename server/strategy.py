@@ -233,8 +233,8 @@ class SparseFedAvg(Strategy):
             cfg = self.cfg
             caps = None
             if cfg.dp_norm_bound_applies:
-                examples = cfg.max_client_examples or self._train_examples
-                caps = cfg.honest_client_bound(examples or train_split_size(cfg))
+                examples = cfg.max_client_examples or self._train_examples or train_split_size(cfg)
+                caps = cfg.honest_client_bound(examples, dense_size=self.d)
             self._honest, self._honest_resolved = caps, True
         return self._honest
 

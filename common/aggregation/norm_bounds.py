@@ -58,6 +58,15 @@ exactly ``m_j``, a zero included), so ``||v|| sqrt(k)``. These hold for every dr
 not just with high probability. float32 arithmetic in training is left out: its errors are orders of
 magnitude below the slack of the tails above.
 
+Error feedback sends ``Q(v + e)``, ``e`` the rounding error the client carried over from the
+rounds that last kept each coordinate. If ``|Q(x)_i - x_i| <= c max|x| + a`` (``c < 1``:
+``feedback_contraction``) and every round's values stay under ``V`` (``||v||_inf <= ||v|| <= V``,
+the bound of a round keeping every coordinate, the largest), then ``max|e| <= E`` with ``E = (c V
++ a) / (1 - c)``, by induction: ``max|x| <= V + E``, so the new error is at most ``c (V + E) + a
+= E``. The sent norm is then at most ``quantized_norm(||v|| + sqrt(k) E)``: int4 ``c = 1/7`` (E =
+V / 6), int8 ``1/254``, fp16/bf16 their unit roundoff; int2 (``c = 1``) and int1 have none. Each
+round's ``V`` holds with probability ``1 - P_fail``, so over ``R`` rounds ``1 - R P_fail``.
+
 What the server does not know is the client's data size ``n``: it sets ``s = E ceil(n / b)`` (``E``
 local epochs, ``b`` batch size; ``privacy.steps_per_epoch``), ``p = 1 / ceil(n / b)``, ``b' = int(n
 p)`` and, under a target epsilon, sigma. ``HonestClientBound`` takes the maximum over every ``K =
@@ -100,6 +109,8 @@ __all__ = [
     "HonestClientBound",
     "NormAction",
     "NormBound",
+    "feedback_contraction",
+    "feedback_norm",
     "honest_update_norm_bound",
     "momentum_weights",
     "quantized_norm",
@@ -293,6 +304,44 @@ def quantized_norm(norm: float, *, value_dtype: PayloadDType, keep: int) -> floa
 LOWBIT_SLACK: Final = 2.0**-16
 
 
+def feedback_contraction(value_dtype: PayloadDType) -> tuple[float, float] | None:
+    """``(c, a)`` with ``|Q(x)_i - x_i| <= c max|x| + a`` for every value ``x_i`` of a payload
+    (``max`` over its block, or the payload for int8), in ``value_dtype``; None where ``c >=
+    1``. Error feedback carries that error to the next round, so a residual stays under
+    ``(c V + a) / (1 - c)`` when every round's values stay under ``V`` (module docstring).
+
+    int4: a step ``<= m / 7`` (one float32 ulp more at most), stochastic rounding moves a value
+    by less than it; int8: half of the scale ``max / 127``, plus a subnormal scale's 2^-149;
+    fp16/bf16: to nearest, relative 2^-11 / 2^-8 (``|x_i| <= max``), fp16's subnormals 2^-25;
+    fp32: exact. int2 and int1 move a value by up to its block's largest: no contraction.
+    """
+    if value_dtype == "int4":
+        return (1 + LOWBIT_SLACK) / 7, 0.0
+    if value_dtype == "int8":
+        return (1 + LOWBIT_SLACK) / 254, 2.0**-149
+    if value_dtype in _RELATIVE_ROUNDING:
+        absolute = 2.0**-25 if value_dtype == "fp16" else 0.0  # fp16's subnormals
+        return _RELATIVE_ROUNDING[value_dtype] * (1 + LOWBIT_SLACK), absolute
+    return None
+
+
+def feedback_norm(norm: float, *, peak: float, value_dtype: PayloadDType, keep: int) -> float:
+    """An upper bound on the norm of ``Q(v + e)`` under error feedback: ``keep`` values ``v``
+    of L2 norm ``<= norm``, the residual ``e`` of rounds whose values all stayed under
+    ``peak`` in L2 norm (so in each value): ``quantized_norm(norm + sqrt(keep) E)``, ``E = (c
+    peak + a) / (1 - c)`` (``feedback_contraction``; module docstring).
+
+    Raises:
+        ValueError: ``value_dtype``'s error does not contract (int2, int1).
+    """
+    contraction = feedback_contraction(value_dtype)
+    if contraction is None:
+        raise ValueError(f"value_dtype={value_dtype!r}: its error does not contract when fed back")
+    c, a = contraction
+    residual = (c * peak + a) / (1 - c)
+    return quantized_norm(norm + math.sqrt(keep) * residual, value_dtype=value_dtype, keep=keep)
+
+
 @dataclass(frozen=True, kw_only=True)
 class HonestClientBound:
     """The largest update norm of an honest client of the run, over every data size it may have.
@@ -306,6 +355,9 @@ class HonestClientBound:
 
     Attributes:
         adaptive_support: GIP (the steps' supports depend on the noise: module docstring).
+        min_examples: the fewest examples a client holds (0: not declared).
+        feedback_keep: error feedback (0: off): the most coordinates a round's noise covers
+            (the model's ``d``), whose bound bounds every round's values, and so the residual.
     """
 
     lr: float
@@ -319,6 +371,7 @@ class HonestClientBound:
     adaptive_support: bool = False
     failure_probability: float = HONEST_FAILURE_PROBABILITY
     min_examples: int = 0
+    feedback_keep: int = 0
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "local_epochs", "max_examples"):
@@ -328,6 +381,13 @@ class HonestClientBound:
             raise ValueError(
                 f"min_examples={self.min_examples!r}: expected 0 (not declared) to "
                 f"max_examples={self.max_examples}"
+            )
+        if self.feedback_keep < 0:
+            raise ValueError(f"feedback_keep={self.feedback_keep!r}: expected >= 0 (0: off)")
+        if self.feedback_keep and feedback_contraction(self.value_dtype) is None:
+            raise ValueError(
+                f"value_dtype={self.value_dtype!r}: its rounding error does not contract under "
+                "error feedback, so no update bound holds"
             )
         # the rest is checked where it is used
         self._norm(divisor=1.0, mean=1.0, steps=1, keep=1)
@@ -382,7 +442,16 @@ class HonestClientBound:
         random-k send the union of their steps' supports, up to ``d``). ``quantized_norm``
         grows with the norm, so it applies to the maximum over data sizes."""
         values = keep if sent is None else sent
-        return quantized_norm(_client_bound(self, keep), value_dtype=self.value_dtype, keep=values)
+        peak = _client_bound(self, self.feedback_keep) if self.feedback_keep else 0.0
+        return self._released(_client_bound(self, keep), peak, values)
+
+    def _released(self, norm: float, peak: float, values: int) -> float:
+        """The bound on what travels: ``values`` values of norm ``<= norm`` in
+        ``value_dtype``, under error feedback in rounds whose values stayed under ``peak``
+        (``feedback_keep``'s bound: ``feedback_norm``)."""
+        if self.feedback_keep:
+            return feedback_norm(norm, peak=peak, value_dtype=self.value_dtype, keep=values)
+        return quantized_norm(norm, value_dtype=self.value_dtype, keep=values)
 
     def smallest_covered_examples(self, keep: int) -> int:
         """The fewest examples ``n`` from which on every honest client is covered.
@@ -396,10 +465,8 @@ class HonestClientBound:
         low, high = 1, top  # the answer lies in [1, top]; _at(1, keep, n) falls with n
         while low < high:
             mid = (low + high) // 2
-            if (
-                quantized_norm(self._at(1, keep, mid), value_dtype=self.value_dtype, keep=keep)
-                <= limit
-            ):
+            peak = self._at(1, self.feedback_keep, mid) if self.feedback_keep else 0.0
+            if self._released(self._at(1, keep, mid), peak, keep) <= limit:
                 high = mid
             else:
                 low = mid + 1

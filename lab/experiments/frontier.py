@@ -67,7 +67,7 @@ DEFAULT_ARMS: Final[tuple[Mapping[str, str], ...]] = (
     {"final-rate": "0.9", "value-dtype": "int4", "schedule": "constant"},
     {"final-rate": "0.7", "value-dtype": "int2", "schedule": "constant"},
     {"final-rate": "0.9", "value-dtype": "int2", "schedule": "constant"},
-    {  # the derived norm bound covers v, not v + e: error feedback runs without it
+    {  # int2's rounding error does not contract when fed back: no derived norm bound
         "final-rate": "0.9",
         "value-dtype": "int2",
         "schedule": "constant",

@@ -169,9 +169,18 @@ def test_a_residual_of_another_length_is_refused_in_one_line(tmp_path: Path) -> 
         files.restore(up_to=1, numel=10)
 
 
-def test_error_feedback_needs_the_derived_norm_bound_off() -> None:
-    """``dp-norm-bound='auto'`` bounds an honest update's values, not values plus carried
-    error: an honest client with error feedback could be rejected, so the pair is refused."""
-    with pytest.raises(ValueError, match="dp-norm-bound='off'"):
+def test_error_feedback_with_the_derived_bound_needs_a_contracting_dtype() -> None:
+    """``dp-norm-bound='auto'`` bounds values plus carried error where the dtype's rounding
+    error contracts when fed back (int4, int8, fp16, bf16); int2's does not, so that pair is
+    refused, and the bound's caps under error feedback take the model's size."""
+    with pytest.raises(ValueError, match="does not contract when fed back: no update bound"):
         FederatedConfig(error_feedback=True, value_dtype="int2")
     assert FederatedConfig(error_feedback=True, value_dtype="int2", dp_norm_bound="off")
+    for value_dtype in ("int4", "int8", "fp16", "bf16"):
+        cfg = FederatedConfig(error_feedback=True, value_dtype=value_dtype)
+        caps = cfg.honest_client_bound(1437, dense_size=26_010)
+        assert caps is not None and caps.feedback_keep == 26_010
+        with pytest.raises(ValueError, match="dense_size=0: error feedback's bound needs d"):
+            cfg.honest_client_bound(1437)
+    plain = FederatedConfig(value_dtype="int4").honest_client_bound(1437, dense_size=26_010)
+    assert plain is not None and plain.feedback_keep == 0

@@ -16,6 +16,8 @@ from fedsparse.client.state import residual_vector
 from fedsparse.common.layout import ParamLayout
 from fedsparse.common.models.classifiers import build_model
 from fedsparse.server.app import run_federated
+from fedsparse.server.norm_bound import derived_bound
+from fedsparse.server.strategy import SparseFedAvg
 from tests.integration.test_resume import (
     NODES,
     _assert_same_run,
@@ -76,3 +78,18 @@ def test_a_killed_error_feedback_run_resumes_to_the_uninterrupted_run(
 ) -> None:
     _killed_then_resumed(tmp_path, _sim_policy(tmp_path), **EF)
     _assert_same_run(tmp_path, uninterrupted)
+
+
+def test_an_int4_federation_with_error_feedback_keeps_the_derived_bound(tmp_path: Path) -> None:
+    """int4's rounding error contracts when fed back, so ``dp-norm-bound='auto'`` stays on
+    (values plus residual bounded): every honest reply is accepted, under a bound that says
+    it covers error feedback."""
+    cfg = _cfg(tmp_path, value_dtype="int4", value_block=64, error_feedback=True)
+    assert cfg.dp_norm_bound == "auto"
+    run_federated(_grid(cfg, _sim_policy(tmp_path)), cfg)
+    assert [(r["num_accepted"], r["rejected"]) for r in _lines(tmp_path)] == [(2, [])] * 4
+    d = ParamLayout.from_module(build_model(cfg.model_name, seed=cfg.seed)).numel
+    caps = SparseFedAvg(cfg, num_parameters=d).honest_bound()
+    assert caps is not None and caps.feedback_keep == d
+    bound, how = derived_bound(caps, keep=d // 10, d=d, selects_per_step=False)
+    assert how.endswith(f"; error feedback, rounds of <={d} values") and bound < float("inf")

@@ -1,0 +1,120 @@
+"""The update-norm bound under error feedback (``feedback_contraction``, ``feedback_norm``,
+``HonestClientBound(feedback_keep=d)``): driven by the real codecs and the client's own
+``feed_back`` over many rounds of values that fill their bound in the shapes that grow the
+residual most, the residual stays under ``E = (c V + a) / (1 - c)`` and every payload's
+decoded norm under ``feedback_norm``."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from fedsparse.client.local_round import feed_back
+from fedsparse.common.aggregation.norm_bounds import (
+    HonestClientBound,
+    feedback_contraction,
+    feedback_norm,
+)
+from fedsparse.common.wire.payload import decode_update, encode_update
+
+D, K, BLOCK, ROUNDS, V = 2048, 512, 64, 60, 3.0
+
+
+def _values(shape: str, rng: np.random.Generator) -> torch.Tensor:
+    """K values of L2 norm V: one spike a block (its block's largest, the others' step), or
+    the norm spread evenly, or Gaussian."""
+    if shape == "spikes":  # V split over the blocks' first values
+        v = np.zeros(K)
+        v[::BLOCK] = V / math.sqrt(K // BLOCK) * rng.choice([-1.0, 1.0], K // BLOCK)
+        v[1::BLOCK] = 1e-3 * rng.normal(size=K // BLOCK)
+    elif shape == "spike":  # the whole norm on one value
+        v = np.zeros(K)
+        v[rng.integers(K)] = V * rng.choice([-1.0, 1.0])
+    elif shape == "even":
+        v = V / math.sqrt(K) * rng.choice([-1.0, 1.0], K)
+    else:
+        v = rng.normal(size=K)
+        v *= V / np.linalg.norm(v)
+    return torch.from_numpy(v.astype(np.float32))
+
+
+def _run(value_dtype: str, shape: str) -> tuple[float, float]:
+    """(largest residual, largest decoded norm / feedback_norm) over ROUNDS rounds of random
+    supports of K of D coordinates."""
+    rng = np.random.default_rng(7)
+    rounding = np.random.default_rng(8)
+    residual = torch.zeros(D)
+    bound = feedback_norm(V, peak=V, value_dtype=value_dtype, keep=K)  # type: ignore[arg-type]
+    largest_e = worst = 0.0
+    for r in range(1, ROUNDS + 1):
+        support = torch.zeros(D, dtype=torch.bool)
+        support[torch.from_numpy(rng.choice(D, K, replace=False))] = True
+        sent = _values(shape, rng) + residual[support]
+        payload = encode_update(
+            sent,
+            dense_size=D,
+            round=r,
+            indices=torch.nonzero(support).flatten(),
+            encoding="coo",
+            value_dtype=value_dtype,  # type: ignore[arg-type]
+            value_block=BLOCK,
+            rounding=rounding,
+        )
+        norm = float(decode_update(payload, expected_round=r).values.double().norm())
+        worst = max(worst, norm / bound)
+        feed_back(residual, support, sent, payload, server_round=r)
+        largest_e = max(largest_e, float(residual.abs().max()))
+    return largest_e, worst
+
+
+@pytest.mark.parametrize("value_dtype", ["int4", "int8", "fp16", "bf16"])
+@pytest.mark.parametrize("shape", ["spikes", "spike", "even", "gaussian"])
+def test_the_residual_and_the_sent_norm_stay_under_their_bounds(
+    value_dtype: str, shape: str
+) -> None:
+    contraction = feedback_contraction(value_dtype)  # type: ignore[arg-type]
+    assert contraction is not None
+    c, a = contraction
+    largest_e, worst = _run(value_dtype, shape)
+    assert largest_e <= (c * V + a) / (1 - c)
+    assert worst <= 1.0
+
+
+def test_the_int4_residual_reaches_a_share_of_its_bound() -> None:
+    """One spike a block sets its step: the other values' rounding errors, fed back, reach
+    0.30 of ``E = V / 6`` here (the induction is not vacuous, nor far off)."""
+    largest_e, _ = _run("int4", "spikes")
+    assert 0.25 * V / 6 < largest_e <= (1 + 2**-16) * V / 6
+
+
+def test_dtypes_whose_error_does_not_contract_have_no_bound() -> None:
+    assert feedback_contraction("int2") is None and feedback_contraction("int1") is None
+    assert feedback_contraction("fp32") == (0.0, 0.0)
+    with pytest.raises(ValueError, match="value_dtype='int2': its error does not contract"):
+        feedback_norm(1.0, peak=1.0, value_dtype="int2", keep=10)
+    caps = dict(
+        lr=0.25,
+        momentum=0.0,
+        max_grad_norm=1.0,
+        noise_multiplier=4.9,
+        batch_size=32,
+        local_epochs=1,
+        max_examples=1437,
+    )
+    with pytest.raises(ValueError, match="value_dtype='int2': its rounding error does not"):
+        HonestClientBound(**caps, value_dtype="int2", feedback_keep=D)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="feedback_keep=-1: expected >= 0"):
+        HonestClientBound(**caps, feedback_keep=-1)  # type: ignore[arg-type]
+    # under error feedback the bound is feedback_norm of the sparse round's own bound and the
+    # dense round's (the largest any round's values reach)
+    plain = HonestClientBound(**caps, value_dtype="int4")  # type: ignore[arg-type]
+    fed = HonestClientBound(**caps, value_dtype="int4", feedback_keep=D)  # type: ignore[arg-type]
+    unquantized = HonestClientBound(**caps)  # type: ignore[arg-type]
+    expected = feedback_norm(
+        unquantized.bound(K), peak=unquantized.bound(D), value_dtype="int4", keep=K
+    )
+    assert fed.bound(K) == pytest.approx(expected, rel=1e-12) and fed.bound(K) > plain.bound(K)
+    assert fed.smallest_covered_examples(K) <= plain.smallest_covered_examples(K) + 1
