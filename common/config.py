@@ -364,13 +364,11 @@ class FederatedConfig:
 
         Args:
             train_examples: the size of the training split the clients' partitions come
-                from, the most examples an honest client holds unless ``max-client-examples``
-                says otherwise (> 0).
-            dense_size: the model's ``d`` (error feedback: what bounds its residual).
+                from, the most examples a client holds unless ``max-client-examples`` says
+                otherwise (> 0); dense_size: the model's ``d`` (needed by error feedback).
 
         Raises:
-            ValueError: ``min-client-examples`` above the most examples a client holds, or
-                error feedback without ``dense_size``.
+            ValueError: ``min-client-examples`` above that, or error feedback without ``d``.
         """
         if not self.dp_norm_bound_applies:
             return None
@@ -393,7 +391,9 @@ class FederatedConfig:
             min_examples=self.min_client_examples,
             value_dtype=self.value_dtype,
             adaptive_support=self.method_class().adaptive_support,  # supports from the data
+            value_block=self.value_block,
             feedback_keep=dense_size if self.error_feedback else 0,
+            feedback_rounds=self.num_rounds if self.error_feedback else 0,
         )
 
     @classmethod

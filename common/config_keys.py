@@ -16,11 +16,8 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Final, Literal, get_args
 
 from fedsparse.common import plugins
-from fedsparse.common.aggregation.norm_bounds import (
-    DP_NORM_BOUNDS,
-    NORM_ACTIONS,
-    feedback_contraction,
-)
+from fedsparse.common.aggregation.norm_bounds import DP_NORM_BOUNDS, NORM_ACTIONS
+from fedsparse.common.aggregation.quantized_norms import feedback_contraction
 from fedsparse.common.aggregation.sparse import AGGREGATORS, WEIGHTINGS
 from fedsparse.common.coerce import coerce, parse_pairs, unknown_key
 from fedsparse.common.data.datasets import DATASET_INPUT_SHAPES, DATASET_NAMES, EVAL_SPLITS
@@ -281,7 +278,7 @@ def check_error_feedback(cfg: FederatedConfig, fail: Callable[[str, str], None])
             f"false with value-dtype={cfg.value_dtype!r} ({NO_ERROR_FEEDBACK[cfg.value_dtype]})",
         )
     # the derived bound covers v + e where the dtype's rounding error contracts
-    if cfg.dp_norm_bound == "auto" and feedback_contraction(cfg.value_dtype) is None:
+    if cfg.dp_norm_bound_applies and feedback_contraction(cfg.value_dtype) is None:
         fail(
             "error_feedback",
             f"false with dp-norm-bound='auto' and value-dtype={cfg.value_dtype!r} (its rounding "

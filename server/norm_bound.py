@@ -32,7 +32,7 @@ def derived_bound(
     supports)."""
     # gip, random-k: the payload holds the union of the steps' supports, up to d values
     bound = caps.bound(keep, sent=d if selects_per_step else None)
-    smallest = caps.smallest_covered_examples(keep)
+    smallest = caps.smallest_covered_examples(keep, sent=d if selects_per_step else None)
     how = (
         f"dp-norm-bound={bound:.4g}: sigma<={caps.noise_multiplier:.4g}, <={caps.max_steps} "
         f"steps, keep {keep}, clients of >={smallest} of <={caps.max_examples} examples"

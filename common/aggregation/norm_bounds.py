@@ -48,24 +48,12 @@ So, with probability ``>= 1 - P_fail`` (``mu = 0``: ``sum a = s``, ``A = sqrt(s)
     ||delta|| <= eta / (1 - mu) * C / b' * ( m sum_t a_t + L / 3 + sqrt(L^2 / 9 + 2 m L sum_t a_t)
                                              + sigma A (sqrt(k) + sqrt(2 L)) )
 
-The update travels in ``value-dtype``; rounding to fp16/bf16 grows a norm by at most the relative
-unit roundoff (plus ``sqrt(k) 2^-25`` for fp16 subnormals), int8's symmetric quantization by at most
-``sqrt(k) max|v| / 254 <= ||v|| sqrt(k) / 254`` (``quantized_norm``). The stochastically rounded
-low-bit dtypes (``payload.lowbit``) move a value by less than its block's step, and each block's
-largest magnitude ``m_j <= ||v||``: int4 (step ``s_j <= m_j / 7`` up to one float32 ulp) gives
-``||v|| (1 + sqrt(k) / 7)``; int2 and int1 send each value as at most ``m_j`` in magnitude (int1:
-exactly ``m_j``, a zero included), so ``||v|| sqrt(k)``. These hold for every draw of the rounding,
-not just with high probability. float32 arithmetic in training is left out: its errors are orders of
-magnitude below the slack of the tails above.
-
-Error feedback sends ``Q(v + e)``, ``e`` the rounding error the client carried over from the
-rounds that last kept each coordinate. If ``|Q(x)_i - x_i| <= c max|x| + a`` (``c < 1``:
-``feedback_contraction``) and every round's values stay under ``V`` (``||v||_inf <= ||v|| <= V``,
-the bound of a round keeping every coordinate, the largest), then ``max|e| <= E`` with ``E = (c V
-+ a) / (1 - c)``, by induction: ``max|x| <= V + E``, so the new error is at most ``c (V + E) + a
-= E``. The sent norm is then at most ``quantized_norm(||v|| + sqrt(k) E)``: int4 ``c = 1/7`` (E =
-V / 6), int8 ``1/254``, fp16/bf16 their unit roundoff; int2 (``c = 1``) and int1 have none. Each
-round's ``V`` holds with probability ``1 - P_fail``, so over ``R`` rounds ``1 - R P_fail``.
+The update travels in ``value-dtype``, whose rounding grows its norm by a factor that holds for
+every draw of the rounding (``common/aggregation/quantized_norms.py: quantized_norm``); under
+error feedback the carried residual adds ``sqrt(k) E`` first (``feedback_norm``: there each
+round's ``V`` is taken at ``P_fail / (R + 1)``, ``R`` the run's rounds, a union bound). float32
+arithmetic in training is left out: its errors are orders of magnitude below the slack of the tails
+above.
 
 What the server does not know is the client's data size ``n``: it sets ``s = E ceil(n / b)`` (``E``
 local epochs, ``b`` batch size; ``privacy.steps_per_epoch``), ``p = 1 / ceil(n / b)``, ``b' = int(n
@@ -93,27 +81,28 @@ import functools
 import math
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Final, Literal, get_args
 
 import numpy as np
 
-from fedsparse.common.wire.payload import LOWBIT_DTYPES, PAYLOAD_DTYPES, PayloadDType
+from fedsparse.common.aggregation.quantized_norms import (
+    feedback_contraction,
+    feedback_norm,
+    quantized_norm,
+)
+from fedsparse.common.wire.payload import PayloadDType
 
 __all__ = [
     "DP_NORM_BOUNDS",
     "HONEST_FAILURE_PROBABILITY",
-    "LOWBIT_SLACK",
     "NORM_ACTIONS",
     "DPNormBound",
     "HonestClientBound",
     "NormAction",
     "NormBound",
-    "feedback_contraction",
-    "feedback_norm",
     "honest_update_norm_bound",
     "momentum_weights",
-    "quantized_norm",
 ]
 
 NormAction = Literal["reject", "clip"]
@@ -269,79 +258,6 @@ def honest_update_norm_bound(
     return lr / (1 - momentum) * max_grad_norm * (batches + noise) / expected_batch_size
 
 
-_RELATIVE_ROUNDING: Final[dict[str, float]] = {"fp32": 0.0, "fp16": 2.0**-11, "bf16": 2.0**-8}
-
-
-def quantized_norm(norm: float, *, value_dtype: PayloadDType, keep: int) -> float:
-    """An upper bound on the norm of ``keep`` values of L2 norm ``norm`` once in ``value_dtype``.
-
-    fp16/bf16 round each value to nearest: ``(1 + u) norm`` (``u``: 2^-11, 2^-8), plus ``sqrt(keep)
-    2^-25`` for fp16's subnormals. int8 (``payload.values.quantize_int8``) moves each value by at
-    most half its scale ``max|v| / 127 <= norm / 127``: ``norm (1 + sqrt(keep) / 254)``. The low-bit
-    dtypes (``payload.lowbit``), for any rounding draw: int4 moves each value by less than its
-    block's step ``s_j``, the smallest float32 with ``7 s_j >= m_j`` (``m_j <= norm`` the block's
-    largest magnitude), and never above ``7 s_j``, so ``norm min(1 + sqrt(keep) / 7, sqrt(keep))``;
-    int2 and int1 send ``q m_j`` with ``|q| <= 1``: ``norm sqrt(keep)``. Those bounds are widened by
-    ``LOWBIT_SLACK`` (relative), which covers the step's ulp above ``m_j / 7`` and the float32
-    product ``q s_j``.
-    """
-    if value_dtype not in PAYLOAD_DTYPES:
-        raise ValueError(
-            f"value_dtype={value_dtype!r}: expected one of {', '.join(PAYLOAD_DTYPES)}"
-        )
-    if value_dtype == "int8":
-        return norm * (1 + math.sqrt(keep) / 254)
-    if value_dtype in LOWBIT_DTYPES:
-        root = math.sqrt(keep)
-        growth = min(1 + root / 7, root) if value_dtype == "int4" else root
-        return norm * growth * (1 + LOWBIT_SLACK)
-    grown = norm * (1 + _RELATIVE_ROUNDING[value_dtype])
-    return grown + (math.sqrt(keep) * 2.0**-25 if value_dtype == "fp16" else 0.0)
-
-
-#: The low-bit bounds' relative widening: one float32 ulp of the int4 step (2^-23), the
-#: float32 product ``q s`` (2^-24), and the server's own float32 norm, with room to spare.
-LOWBIT_SLACK: Final = 2.0**-16
-
-
-def feedback_contraction(value_dtype: PayloadDType) -> tuple[float, float] | None:
-    """``(c, a)`` with ``|Q(x)_i - x_i| <= c max|x| + a`` for every value ``x_i`` of a payload
-    (``max`` over its block, or the payload for int8), in ``value_dtype``; None where ``c >=
-    1``. Error feedback carries that error to the next round, so a residual stays under
-    ``(c V + a) / (1 - c)`` when every round's values stay under ``V`` (module docstring).
-
-    int4: a step ``<= m / 7`` (one float32 ulp more at most), stochastic rounding moves a value
-    by less than it; int8: half of the scale ``max / 127``, plus a subnormal scale's 2^-149;
-    fp16/bf16: to nearest, relative 2^-11 / 2^-8 (``|x_i| <= max``), fp16's subnormals 2^-25;
-    fp32: exact. int2 and int1 move a value by up to its block's largest: no contraction.
-    """
-    if value_dtype == "int4":
-        return (1 + LOWBIT_SLACK) / 7, 0.0
-    if value_dtype == "int8":
-        return (1 + LOWBIT_SLACK) / 254, 2.0**-149
-    if value_dtype in _RELATIVE_ROUNDING:
-        absolute = 2.0**-25 if value_dtype == "fp16" else 0.0  # fp16's subnormals
-        return _RELATIVE_ROUNDING[value_dtype] * (1 + LOWBIT_SLACK), absolute
-    return None
-
-
-def feedback_norm(norm: float, *, peak: float, value_dtype: PayloadDType, keep: int) -> float:
-    """An upper bound on the norm of ``Q(v + e)`` under error feedback: ``keep`` values ``v``
-    of L2 norm ``<= norm``, the residual ``e`` of rounds whose values all stayed under
-    ``peak`` in L2 norm (so in each value): ``quantized_norm(norm + sqrt(keep) E)``, ``E = (c
-    peak + a) / (1 - c)`` (``feedback_contraction``; module docstring).
-
-    Raises:
-        ValueError: ``value_dtype``'s error does not contract (int2, int1).
-    """
-    contraction = feedback_contraction(value_dtype)
-    if contraction is None:
-        raise ValueError(f"value_dtype={value_dtype!r}: its error does not contract when fed back")
-    c, a = contraction
-    residual = (c * peak + a) / (1 - c)
-    return quantized_norm(norm + math.sqrt(keep) * residual, value_dtype=value_dtype, keep=keep)
-
-
 @dataclass(frozen=True, kw_only=True)
 class HonestClientBound:
     """The largest update norm of an honest client of the run, over every data size it may have.
@@ -356,8 +272,12 @@ class HonestClientBound:
     Attributes:
         adaptive_support: GIP (the steps' supports depend on the noise: module docstring).
         min_examples: the fewest examples a client holds (0: not declared).
+        value_block: the low-bit dtypes' block (0: one block of every value sent).
         feedback_keep: error feedback (0: off): the most coordinates a round's noise covers
             (the model's ``d``), whose bound bounds every round's values, and so the residual.
+        feedback_rounds: error feedback: the run's rounds. A round's bound then leans on every
+            earlier round's, so each of those events is taken at ``failure_probability /
+            (feedback_rounds + 1)`` (a union bound: still ``failure_probability`` an update).
     """
 
     lr: float
@@ -371,7 +291,9 @@ class HonestClientBound:
     adaptive_support: bool = False
     failure_probability: float = HONEST_FAILURE_PROBABILITY
     min_examples: int = 0
+    value_block: int = 0
     feedback_keep: int = 0
+    feedback_rounds: int = 0
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "local_epochs", "max_examples"):
@@ -382,8 +304,9 @@ class HonestClientBound:
                 f"min_examples={self.min_examples!r}: expected 0 (not declared) to "
                 f"max_examples={self.max_examples}"
             )
-        if self.feedback_keep < 0:
-            raise ValueError(f"feedback_keep={self.feedback_keep!r}: expected >= 0 (0: off)")
+        for name in ("value_block", "feedback_keep", "feedback_rounds"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)!r}: expected >= 0")
         if self.feedback_keep and feedback_contraction(self.value_dtype) is None:
             raise ValueError(
                 f"value_dtype={self.value_dtype!r}: its rounding error does not contract under "
@@ -442,31 +365,43 @@ class HonestClientBound:
         random-k send the union of their steps' supports, up to ``d``). ``quantized_norm``
         grows with the norm, so it applies to the maximum over data sizes."""
         values = keep if sent is None else sent
-        peak = _client_bound(self, self.feedback_keep) if self.feedback_keep else 0.0
-        return self._released(_client_bound(self, keep), peak, values)
+        each = self._events
+        peak = _client_bound(each, self.feedback_keep) if self.feedback_keep else 0.0
+        return self._released(_client_bound(each, keep), peak, values)
+
+    @property
+    def _events(self) -> HonestClientBound:
+        """The caps each high-probability bound is taken at (``feedback_rounds``)."""
+        if not self.feedback_keep:
+            return self
+        fail = self.failure_probability / (self.feedback_rounds + 1)
+        return replace(self, failure_probability=fail, feedback_keep=0, feedback_rounds=0)
 
     def _released(self, norm: float, peak: float, values: int) -> float:
         """The bound on what travels: ``values`` values of norm ``<= norm`` in
         ``value_dtype``, under error feedback in rounds whose values stayed under ``peak``
         (``feedback_keep``'s bound: ``feedback_norm``)."""
+        dtype, block = self.value_dtype, self.value_block
         if self.feedback_keep:
-            return feedback_norm(norm, peak=peak, value_dtype=self.value_dtype, keep=values)
-        return quantized_norm(norm, value_dtype=self.value_dtype, keep=values)
+            return feedback_norm(norm, peak=peak, value_dtype=dtype, keep=values, block=block)
+        return quantized_norm(norm, value_dtype=dtype, keep=values, block=block)
 
-    def smallest_covered_examples(self, keep: int) -> int:
-        """The fewest examples ``n`` from which on every honest client is covered.
+    def smallest_covered_examples(self, keep: int, *, sent: int | None = None) -> int:
+        """The fewest examples ``n`` from which on every honest client is covered (``sent``
+        as in ``bound``).
 
         ``smallest_one_batch`` (``min(b, N)``, or the declared ``min_examples``) by
         construction; a client below it (``K = 1``, its noise term ``~ 1 / n``) is covered
         while its own bound stays under ``bound(keep)``, which falls with ``n``: the first
         such ``n``.
         """
-        limit, top = self.bound(keep), self.smallest_one_batch
+        values = keep if sent is None else sent
+        limit, top, each = self.bound(keep, sent=sent), self.smallest_one_batch, self._events
         low, high = 1, top  # the answer lies in [1, top]; _at(1, keep, n) falls with n
         while low < high:
             mid = (low + high) // 2
-            peak = self._at(1, self.feedback_keep, mid) if self.feedback_keep else 0.0
-            if self._released(self._at(1, keep, mid), peak, keep) <= limit:
+            peak = each._at(1, self.feedback_keep, mid) if self.feedback_keep else 0.0
+            if self._released(each._at(1, keep, mid), peak, values) <= limit:
                 high = mid
             else:
                 low = mid + 1

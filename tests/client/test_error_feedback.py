@@ -176,10 +176,13 @@ def test_error_feedback_with_the_derived_bound_needs_a_contracting_dtype() -> No
     with pytest.raises(ValueError, match="does not contract when fed back: no update bound"):
         FederatedConfig(error_feedback=True, value_dtype="int2")
     assert FederatedConfig(error_feedback=True, value_dtype="int2", dp_norm_bound="off")
+    # where the derived bound does not apply, there is nothing to turn off
+    assert FederatedConfig(error_feedback=True, value_dtype="int2", mechanism="noisy")
     for value_dtype in ("int4", "int8", "fp16", "bf16"):
         cfg = FederatedConfig(error_feedback=True, value_dtype=value_dtype)
         caps = cfg.honest_client_bound(1437, dense_size=26_010)
         assert caps is not None and caps.feedback_keep == 26_010
+        assert (caps.feedback_rounds, caps.value_block) == (cfg.num_rounds, cfg.value_block)
         with pytest.raises(ValueError, match="dense_size=0: error feedback's bound needs d"):
             cfg.honest_client_bound(1437)
     plain = FederatedConfig(value_dtype="int4").honest_client_bound(1437, dense_size=26_010)

@@ -13,11 +13,8 @@ import pytest
 import torch
 
 from fedsparse.client.local_round import feed_back
-from fedsparse.common.aggregation.norm_bounds import (
-    HonestClientBound,
-    feedback_contraction,
-    feedback_norm,
-)
+from fedsparse.common.aggregation.norm_bounds import HonestClientBound
+from fedsparse.common.aggregation.quantized_norms import feedback_contraction, feedback_norm
 from fedsparse.common.wire.payload import decode_update, encode_update
 
 D, K, BLOCK, ROUNDS, V = 2048, 512, 64, 60, 3.0
@@ -109,12 +106,25 @@ def test_dtypes_whose_error_does_not_contract_have_no_bound() -> None:
     with pytest.raises(ValueError, match="feedback_keep=-1: expected >= 0"):
         HonestClientBound(**caps, feedback_keep=-1)  # type: ignore[arg-type]
     # under error feedback the bound is feedback_norm of the sparse round's own bound and the
-    # dense round's (the largest any round's values reach)
-    plain = HonestClientBound(**caps, value_dtype="int4")  # type: ignore[arg-type]
-    fed = HonestClientBound(**caps, value_dtype="int4", feedback_keep=D)  # type: ignore[arg-type]
-    unquantized = HonestClientBound(**caps)  # type: ignore[arg-type]
+    # dense round's (the largest any round's values reach), each at P_fail / (rounds + 1): the
+    # round's bound leans on every earlier round's
+    plain = HonestClientBound(**caps, value_dtype="int4", value_block=BLOCK)  # type: ignore[arg-type]
+    fed = HonestClientBound(  # type: ignore[arg-type]
+        **caps, value_dtype="int4", value_block=BLOCK, feedback_keep=D, feedback_rounds=99
+    )
+    each = HonestClientBound(**caps, failure_probability=1e-11)  # type: ignore[arg-type]
     expected = feedback_norm(
-        unquantized.bound(K), peak=unquantized.bound(D), value_dtype="int4", keep=K
+        each.bound(K), peak=each.bound(D), value_dtype="int4", keep=K, block=BLOCK
     )
     assert fed.bound(K) == pytest.approx(expected, rel=1e-12) and fed.bound(K) > plain.bound(K)
-    assert fed.smallest_covered_examples(K) <= plain.smallest_covered_examples(K) + 1
+    assert each.bound(K) > HonestClientBound(**caps).bound(K)  # type: ignore[arg-type]
+    # gip / random-k: the payload carries up to d values; which clients it covers is read
+    # at that size too (the residual's term grows with it)
+    for sent in (None, D):
+        first = fed.smallest_covered_examples(K, sent=sent)
+        own = [
+            fed._released(each._at(1, K, n), each._at(1, D, n), K if sent is None else sent)
+            for n in (first - 1, first)
+        ]
+        limit = fed.bound(K, sent=sent)
+        assert own[1] <= limit and (first == 1 or own[0] > limit)

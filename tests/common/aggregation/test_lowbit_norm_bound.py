@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from fedsparse.common.aggregation.norm_bounds import LOWBIT_SLACK, HonestClientBound, quantized_norm
+from fedsparse.common.aggregation.norm_bounds import HonestClientBound
+from fedsparse.common.aggregation.quantized_norms import LOWBIT_SLACK, quantized_norm
 from fedsparse.common.aggregation.robust import l2_norm
 from fedsparse.common.wire.payload import decode_update, encode_update
 
@@ -51,7 +52,9 @@ def _cases() -> list[torch.Tensor]:
 @pytest.mark.parametrize("block", [1, 7, 64, 256, 100_000])
 def test_quantized_norm_bounds_every_decoded_norm(value_dtype: str, block: int) -> None:
     for values in _cases():
-        bound = quantized_norm(l2_norm(values), value_dtype=value_dtype, keep=values.numel())  # type: ignore[arg-type]
+        norm, keep = l2_norm(values), values.numel()
+        bound = quantized_norm(norm, value_dtype=value_dtype, keep=keep, block=block)  # type: ignore[arg-type]
+        assert bound <= quantized_norm(norm, value_dtype=value_dtype, keep=keep)  # type: ignore[arg-type]
         for seed in range(5):
             assert l2_norm(_decoded(values, value_dtype, block, seed)) <= bound
 
@@ -70,6 +73,19 @@ def test_the_sign_bound_is_attained(value_dtype: str) -> None:
     assert l2_norm(_decoded(values, value_dtype, 1000, 0)) == pytest.approx(reached, rel=1e-12)
     if value_dtype == "int1":
         assert bound == pytest.approx(reached * (1 + LOWBIT_SLACK), rel=1e-12)
+
+
+def test_the_block_bound_is_attained() -> None:
+    """``norm sqrt(B)``: int1 sends one spike per block of 64 among zeros as 64 values of
+    +-the spike each (block norm sqrt(64) times the spike's)."""
+    values = torch.zeros(64 * 20)
+    values[::64] = torch.linspace(1.0, 3.0, 20)
+    bound = quantized_norm(l2_norm(values), value_dtype="int1", keep=values.numel(), block=64)
+    reached = 8.0 * l2_norm(values)
+    assert l2_norm(_decoded(values, "int1", 64, 0)) == pytest.approx(reached, rel=1e-6)
+    assert bound == pytest.approx(reached * (1 + LOWBIT_SLACK), rel=1e-6)
+    # a block larger than the payload: the payload is the block
+    assert quantized_norm(1.0, value_dtype="int1", keep=9, block=64) == 3 * (1 + LOWBIT_SLACK)
 
 
 def test_int4_is_tighter_than_the_sign_and_both_grow_with_keep() -> None:
@@ -100,6 +116,14 @@ def test_the_honest_bound_quantizes_the_values_sent() -> None:
         max_examples=1437,
         value_dtype="int1",
     )
+    blocked = HonestClientBound(**{**caps.__dict__, "value_block": 64})
+    assert blocked.bound(100) == quantized_norm(
+        HonestClientBound(**{**caps.__dict__, "value_dtype": "fp32"}).bound(100),
+        value_dtype="int1",
+        keep=100,
+        block=64,
+    )
+    assert blocked.bound(100) < caps.bound(100)
     fp32 = HonestClientBound(**{**caps.__dict__, "value_dtype": "fp32"})
     raw = fp32.bound(100)
     assert caps.bound(100) == quantized_norm(raw, value_dtype="int1", keep=100)

@@ -19,8 +19,8 @@ from fedsparse.common.aggregation.norm_bounds import (
     NormBound,
     honest_update_norm_bound,
     momentum_weights,
-    quantized_norm,
 )
+from fedsparse.common.aggregation.quantized_norms import quantized_norm
 from fedsparse.common.aggregation.robust import (
     l2_norm,
 )
