@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from fedsparse.client.local_round import feed_back
-from fedsparse.common.aggregation.norm_bounds import HonestClientBound
 from fedsparse.common.aggregation.quantized_norms import feedback_contraction, feedback_norm
 from fedsparse.common.wire.payload import decode_update, encode_update
+from tests.common.aggregation.test_norm_bounds import _client_bound
 
 D, K, BLOCK, ROUNDS, V = 2048, 512, 64, 60, 3.0
 
@@ -92,32 +92,21 @@ def test_dtypes_whose_error_does_not_contract_have_no_bound() -> None:
     assert feedback_contraction("fp32") == (0.0, 0.0)
     with pytest.raises(ValueError, match="value_dtype='int2': its error does not contract"):
         feedback_norm(1.0, peak=1.0, value_dtype="int2", keep=10)
-    caps = dict(
-        lr=0.25,
-        momentum=0.0,
-        max_grad_norm=1.0,
-        noise_multiplier=4.9,
-        batch_size=32,
-        local_epochs=1,
-        max_examples=1437,
-    )
     with pytest.raises(ValueError, match="value_dtype='int2': its rounding error does not"):
-        HonestClientBound(**caps, value_dtype="int2", feedback_keep=D)  # type: ignore[arg-type]
+        _client_bound(value_dtype="int2", feedback_keep=D)
     with pytest.raises(ValueError, match="feedback_keep=-1: expected >= 0"):
-        HonestClientBound(**caps, feedback_keep=-1)  # type: ignore[arg-type]
+        _client_bound(feedback_keep=-1)
     # under error feedback the bound is feedback_norm of the sparse round's own bound and the
     # dense round's (the largest any round's values reach), each at P_fail / (rounds + 1): the
     # round's bound leans on every earlier round's
-    plain = HonestClientBound(**caps, value_dtype="int4", value_block=BLOCK)  # type: ignore[arg-type]
-    fed = HonestClientBound(  # type: ignore[arg-type]
-        **caps, value_dtype="int4", value_block=BLOCK, feedback_keep=D, feedback_rounds=99
-    )
-    each = HonestClientBound(**caps, failure_probability=1e-11)  # type: ignore[arg-type]
+    plain = _client_bound(value_dtype="int4", value_block=BLOCK)
+    fed = _client_bound(value_dtype="int4", value_block=BLOCK, feedback_keep=D, feedback_rounds=99)
+    each = _client_bound(failure_probability=1e-11)
     expected = feedback_norm(
         each.bound(K), peak=each.bound(D), value_dtype="int4", keep=K, block=BLOCK
     )
     assert fed.bound(K) == pytest.approx(expected, rel=1e-12) and fed.bound(K) > plain.bound(K)
-    assert each.bound(K) > HonestClientBound(**caps).bound(K)  # type: ignore[arg-type]
+    assert each.bound(K) > _client_bound().bound(K)
     # gip / random-k: the payload carries up to d values; which clients it covers is read
     # at that size too (the residual's term grows with it)
     for sent in (None, D):
