@@ -21,6 +21,28 @@ from fedsparse.common.wire.protocol import STATE_RECORD
 D, BLOCK = 1024, 64
 
 
+def encode_on(
+    sent: torch.Tensor,
+    support: torch.Tensor,
+    r: int,
+    value_dtype: str,
+    block: int,
+    rounding: np.random.Generator,
+) -> bytes:
+    """Round ``r``'s payload: ``sent`` on the boolean ``support`` (coo) of a model of
+    ``support.numel()`` values, in ``value_dtype`` by blocks of ``block``."""
+    return encode_update(
+        sent,
+        dense_size=support.numel(),
+        round=r,
+        indices=torch.nonzero(support).flatten(),
+        encoding="coo",
+        value_dtype=value_dtype,  # type: ignore[arg-type]
+        value_block=block,
+        rounding=rounding,
+    )
+
+
 def _support() -> torch.Tensor:
     """A fixed support: every other coordinate."""
     mask = torch.zeros(D, dtype=torch.bool)
@@ -51,16 +73,7 @@ def _rounds(
     for r in range(1, rounds + 1):
         v = _true_values(r, k)
         sent = v + residual[support] if ef else v
-        payload = encode_update(
-            sent,
-            dense_size=D,
-            round=r,
-            indices=torch.nonzero(support).flatten(),
-            encoding="coo",
-            value_dtype=value_dtype,  # type: ignore[arg-type]
-            value_block=BLOCK,
-            rounding=rounding,
-        )
+        payload = encode_on(sent, support, r, value_dtype, BLOCK, rounding)
         decoded = decode_update(payload).values
         if ef:
             feed_back(residual, support, sent, payload, server_round=r)

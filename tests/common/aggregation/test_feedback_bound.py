@@ -14,7 +14,8 @@ import torch
 
 from fedsparse.client.local_round import feed_back
 from fedsparse.common.aggregation.quantized_norms import feedback_contraction, feedback_norm
-from fedsparse.common.wire.payload import decode_update, encode_update
+from fedsparse.common.wire.payload import decode_update
+from tests.client.test_error_feedback import encode_on
 from tests.common.aggregation.test_norm_bounds import _client_bound
 
 D, K, BLOCK, ROUNDS, V = 2048, 512, 64, 60, 3.0
@@ -50,16 +51,7 @@ def _run(value_dtype: str, shape: str) -> tuple[float, float]:
         support = torch.zeros(D, dtype=torch.bool)
         support[torch.from_numpy(rng.choice(D, K, replace=False))] = True
         sent = _values(shape, rng) + residual[support]
-        payload = encode_update(
-            sent,
-            dense_size=D,
-            round=r,
-            indices=torch.nonzero(support).flatten(),
-            encoding="coo",
-            value_dtype=value_dtype,  # type: ignore[arg-type]
-            value_block=BLOCK,
-            rounding=rounding,
-        )
+        payload = encode_on(sent, support, r, value_dtype, BLOCK, rounding)
         norm = float(decode_update(payload, expected_round=r).values.double().norm())
         worst = max(worst, norm / bound)
         feed_back(residual, support, sent, payload, server_round=r)
