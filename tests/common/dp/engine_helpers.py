@@ -43,9 +43,13 @@ def digits(n: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def one_epoch(engine: str, *, privacy: PrivacyConfig, rate: float, seed: int = 5, **train):
-    """One epoch of ``training`` on 512 digits: (weights, loss, examples, history, engine)."""
+    """One epoch of ``training`` on 512 digits: (weights, loss, examples, history, engine).
+
+    On the CPU unless ``device=`` says otherwise: ``"auto"`` would pick CUDA on a GPU machine,
+    where the tests that compare against CPU tensors or Opacus's float32 sums do not apply."""
     model = build_model("digits-cnn", seed=3)
-    config = TrainConfig(**{"batch_size": 32, "lr": 0.5, "seed": seed, "engine": engine, **train})
+    defaults = {"batch_size": 32, "lr": 0.5, "seed": seed, "engine": engine, "device": "cpu"}
+    config = TrainConfig(**{**defaults, **train})
     dp, module, optimizer, loader = make_private(
         model, *digits(), privacy=privacy, train=config, epochs_for_target=1
     )

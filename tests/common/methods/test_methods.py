@@ -266,7 +266,7 @@ def test_dpssgd_pretrains_on_public_data_and_freezes_the_unselected() -> None:
         (test.x, test.y),
         privacy=PrivacyConfig(noise_multiplier=1.0, target_epsilon=None),
         sparsity=SparsityConfig(final_rate=0.8, mask_seed=2),  # schedule read as constant
-        train=TrainConfig(epochs=2, batch_size=64, lr=0.5, momentum=0.5, seed=5),
+        train=TrainConfig(epochs=2, batch_size=64, lr=0.5, momentum=0.5, seed=5, device="cpu"),
         method=MethodConfig(name="dpssgd", public_fraction=0.2, public_epochs=2),
         on_mask=lambda epoch, mask: seen.setdefault(
             epoch, (layout.flatten_module(model).clone(), mask)

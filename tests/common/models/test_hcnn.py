@@ -221,7 +221,9 @@ def test_one_dp_sgd_step_moves_only_the_cnn(name: str) -> None:
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     buffers = {n: b.clone() for n, b in model.named_buffers()}
     x, y = _images(name, 6, seed=1), torch.tensor([0, 1, 2, 3, 4, 5])
-    train = TrainConfig(batch_size=6, lr=0.5, poisson_sampling=False, engine="opacus", seed=0)
+    train = TrainConfig(
+        batch_size=6, lr=0.5, poisson_sampling=False, engine="opacus", seed=0, device="cpu"
+    )
     engine, module, optimizer, loader = make_private(
         model,
         x,

@@ -46,7 +46,7 @@ def private(
     **train_kwargs,
 ):
     x, y = blobs(n, seed=11)
-    train = TrainConfig(**{"batch_size": 32, "lr": 0.5, **train_kwargs})
+    train = TrainConfig(**{"batch_size": 32, "lr": 0.5, "device": "cpu", **train_kwargs})
     privacy = privacy or PrivacyConfig(noise_multiplier=1.0)
     return make_private(
         model if model is not None else mlp(),
