@@ -124,7 +124,7 @@ class CentralStudy:
     epochs: tuple[int, ...] = (15,)
     batch_size: int = 64
     tune_seeds: int = 2
-    seeds: int = 5
+    seeds: int = 10
     untuned: bool = False
 
 
@@ -142,7 +142,7 @@ class FederatedStudy:
     rounds: tuple[int, ...] = (40,)
     clients: int = 10
     tune_seeds: int = 2
-    seeds: int = 5
+    seeds: int = 10
     extra: tuple[tuple[str, str], ...] = ()  # more fixed run-config overrides
     #: compare against this study's baseline arm (same seeds and split) instead of its own
     #: first arm: for a study whose arms are all sparse (``rates`` without 0)
@@ -220,9 +220,16 @@ class ReproductionPlan:
         return cls(
             central=(
                 # ε = 1: RS at r* = 0.9 picked the grid's corner (lr 0.05, 60 epochs) with its
-                # curve still rising, so this study's grid goes one step further both ways
-                dataclasses.replace(digits, lrs=(0.025, *digits.lrs), epochs=(*digits.epochs, 90)),
-                dataclasses.replace(digits, name="central-digits-eps3", epsilon=3.0),
+                # curve still rising, so this study's grid went one step further both ways;
+                # at 5 seeds the baseline then picked the new corner (lr 0.025, 90 epochs), so
+                # it goes one more step
+                dataclasses.replace(
+                    digits, lrs=(0.01, 0.025, *digits.lrs), epochs=(*digits.epochs, 90, 120)
+                ),
+                # ε = 3: RS at r* = 0.7 and 0.9 picked 60 epochs, the longest, at 5 seeds
+                dataclasses.replace(
+                    digits, name="central-digits-eps3", epsilon=3.0, epochs=(*digits.epochs, 90)
+                ),
                 # ε = 1: the sparse arms were still rising at 30 epochs, the only length tried
                 dataclasses.replace(mnist, epochs=(30, 45)),
                 dataclasses.replace(mnist, name="central-mnist5k-eps3", epsilon=3.0),
@@ -233,7 +240,8 @@ class ReproductionPlan:
                     dataset="digits",
                     epsilon=3.0,
                     rates=(0.0, 0.7, 0.9),
-                    lrs=(0.025, 0.05, 0.1),
+                    # the sparse arms picked lr 0.025, the smallest, at 5 seeds
+                    lrs=(0.01, 0.025, 0.05, 0.1),
                     # the sparse arms were still rising at 320 rounds, the longest then tried
                     rounds=(40, 80, 160, 320, 640),
                 ),
@@ -243,14 +251,16 @@ class ReproductionPlan:
                     epsilon=1.0,
                     rates=(0.0, 0.7, 0.9),
                     lrs=(0.01, 0.025, 0.05),
-                    rounds=(40, 80, 160),
+                    # the baseline picked 40 rounds, the shortest, at 5 seeds
+                    rounds=(20, 40, 80, 160),
                 ),
                 FederatedStudy(
                     name="digits-eps3-int8",
                     dataset="digits",
                     epsilon=3.0,
                     rates=(0.9,),
-                    lrs=(0.05, 0.1, 0.25),
+                    # lr 0.05, the smallest, was its pick at 5 seeds
+                    lrs=(0.025, 0.05, 0.1, 0.25),
                     rounds=(40, 80, 160, 320),
                     extra=(("value-dtype", "int8"),),
                     baseline_from="digits-eps3",

@@ -127,6 +127,18 @@ def _noise_section(rows: Sequence[Mapping[str, float]]) -> tuple[list[str], str]
     return lines, verdict
 
 
+def _seed_counts(comparisons: Sequence[Comparison]) -> str:
+    """How many seeds tuned and tested the comparisons: "2 seeds per combination, then 10"."""
+    tune = sorted({c.tune_seeds for c in comparisons})
+    final = sorted({c.seeds for c in comparisons})
+    if not final:
+        return "no comparison ran"
+    return (
+        f"{' or '.join(map(str, tune))} seeds per combination, then "
+        f"{' or '.join(map(str, final))}"
+    )
+
+
 def _comparison_tables(comparisons: Sequence[Comparison]) -> tuple[list[str], list[dict[str, Any]]]:
     lines = [
         "## Table 2: RS against the tuned baseline, best vs best",
@@ -134,8 +146,9 @@ def _comparison_tables(comparisons: Sequence[Comparison]) -> tuple[list[str], li
         "Every arm (r* = 0 is the baseline) was tuned on a validation split (20% of the training "
         "split, stratified; the test split is never read while tuning; one train/test split for "
         "every run), then run at its own best on the test split with the same seeds for every "
-        "arm. RS's row is the r* > 0 of highest *validation* accuracy, as the paper searches r* "
-        "per row. Differences are paired by seed, with 95% Student-t intervals, in points.",
+        f"arm ({_seed_counts(comparisons)}, paired across arms). RS's row is the r* > 0 of "
+        "highest *validation* accuracy, as the paper searches r* per row. Differences are "
+        "paired by seed, with 95% Student-t intervals, in points.",
         "",
         "The paper has no MNIST or digits row and no federated accuracy claim. Its nearest rows "
         "are FMNIST's small models, DP-CNN/S (26K parameters; ours: dpcnn-mnist, 26,010, and "
