@@ -134,8 +134,7 @@ def _seed_counts(comparisons: Sequence[Comparison]) -> str:
     if not final:
         return "no comparison ran"
     return (
-        f"{' or '.join(map(str, tune))} seeds per combination, then "
-        f"{' or '.join(map(str, final))}"
+        f"{' or '.join(map(str, tune))} seeds per combination, then {' or '.join(map(str, final))}"
     )
 
 
