@@ -16,8 +16,9 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet -e ".[dev,tracking]"
 	@touch $(STAMP)
 
+# The demo's folder is the demo's own: each `make demo` replaces the previous one (--overwrite).
 demo: $(STAMP)
-	$(BIN)/fedsparse demo --out $(DEMO_OUT)
+	$(BIN)/fedsparse demo --out $(DEMO_OUT) --overwrite
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

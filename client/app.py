@@ -106,13 +106,14 @@ def _calibrated(
     then calibrating ``eps1``).
 
     Calibrated for the worst case: this client trains in every round. The search depends
-    only on the run config and the partition size, so every round after a node's first (and
-    every node with the same ``q``) gets it from ``calibrate_noise_multiplier``'s memo.
+    only on the run config and the node's public size (``public_size``: its declared
+    ``nominal-size``), so every round after a node's first (and every node with the same
+    ``q``) gets it from ``calibrate_noise_multiplier``'s memo.
     ``accountant`` is the one the search runs with (``node_accountant``).
 
     Raises:
         ProtocolError: no noise multiplier reaches the target; the message names only the
-            server's target (the search's inputs include the node's data size).
+            server's target (whether it is reached depends on public values only).
     """
     steps = cfg.num_rounds * cfg.local_epochs * steps_per_epoch(num_examples, cfg.batch_size)
     privacy, budget = cfg.make_method().split_privacy(privacy, planned_steps=steps)
@@ -130,7 +131,7 @@ def _calibrated(
         log(ERROR, "fedsparse client: calibration failed: %s", err)
         raise ProtocolError(
             f"run config: target-epsilon={privacy.target_epsilon:g}: no noise multiplier "
-            "reaches it for this node's data"
+            "reaches it for this node's nominal-size and the run's steps"
         ) from None
     return dataclasses.replace(privacy, noise_multiplier=sigma, target_epsilon=None), budget
 
@@ -271,6 +272,7 @@ def _private_round(
     partition = (declared.partition_id, declared.num_partitions)
     held = holding(declared)
     data = held.train
+    size = public_size(declared, len(data))
     ledger = (  # the content hash only where a ledger needs it
         node_ledger(policy, held.identity, dataset=declared.dataset, partition=partition)
         if policy.ledger_dir
@@ -280,15 +282,15 @@ def _private_round(
     if secagg is not None:
         secagg.ledger = ledger
     with quiet_known_warnings():
-        privacy, budget = _calibrated(privacy, cfg, len(data), node_accountant(policy, privacy))
-        steps = task.local_epochs * steps_per_epoch(len(data), task.batch_size)
+        privacy, budget = _calibrated(privacy, cfg, size, node_accountant(policy, privacy))
+        steps = task.local_epochs * steps_per_epoch(size, task.batch_size)
         keep_fraction, index_epsilon = _index_charge(cfg, task, layout.numel, budget, steps)
         request = TrainingRequest(
             run_id=context.run_id,
             server_round=task.server_round,
             mechanism=privacy.mechanism,
             noise_multiplier=float(privacy.noise_multiplier or 0.0),
-            sample_rate=sample_rate(len(data), task.batch_size),
+            sample_rate=sample_rate(size, task.batch_size),
             steps=steps,
             local_epochs=task.local_epochs,
             index_epsilon=index_epsilon,
@@ -344,6 +346,7 @@ def _private_round(
                     index_spent=state.index_epsilon,
                     partition_id=partition[0],
                     residual=residual,
+                    nominal_size=size,
                 )
         except Exception as err:
             raise released_error(err, data_read=True) from None
@@ -371,7 +374,7 @@ def _declaration(context: Context, cfg: FederatedConfig, policy: NodePolicy) -> 
     config's partition. Reads no data.
 
     Raises:
-        PrivacyRefusal: a node with fresh noise that declares no data.
+        PrivacyRefusal: a node with fresh noise that declares no data, or no ``nominal-size``.
         ProtocolError: the run config names another dataset than the declared one.
     """
     declared = node_data(context)
@@ -379,14 +382,39 @@ def _declaration(context: Context, cfg: FederatedConfig, policy: NodePolicy) -> 
         if policy.noise != "seeded":
             raise PrivacyRefusal(
                 "this node declares no data: a deployed node trains only on the data its "
-                "owner declares (node config dataset=..., client/node_data.py)"
+                "owner declares (node config dataset=... nominal-size=..., "
+                "client/node_data.py)"
             )
         return run_declaration(cfg, *_node_partition(context))
     if declared.dataset != cfg.dataset:
         raise ProtocolError(
             f"run config: dataset={cfg.dataset!r}: this node holds {declared.dataset!r}"
         )
+    if declared.nominal_size == 0 and policy.noise != "seeded":
+        raise PrivacyRefusal(
+            "this node declares no nominal-size: a deployed node computes its sampling rate "
+            "and every number it reports from the most examples it may hold, which its owner "
+            "declares (node config nominal-size=N, client/node_data.py)"
+        )
     return declared
+
+
+def public_size(declared: NodeData, held: int) -> int:
+    """The size this node's sampling rate, steps, calibration and reported numbers come from:
+    its declared ``nominal-size``, or (0: a simulated node) the ``held`` examples' count.
+
+    Raises:
+        PrivacyRefusal: the node holds more examples than its ``nominal-size``; one fixed
+            line, whatever the counts (they go to the node's log).
+    """
+    if declared.nominal_size == 0:
+        return held
+    if held > declared.nominal_size:
+        raise PrivacyRefusal(
+            "this node holds more examples than its declared nominal-size",
+            detail=f"{held} examples, nominal-size={declared.nominal_size}",
+        )
+    return declared.nominal_size
 
 
 def _frozen_prefix(cfg: FederatedConfig, task: TrainInstruction, layout: ParamLayout) -> int:

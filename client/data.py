@@ -14,6 +14,7 @@ the node's privacy ledger is keyed on those examples' content (``Holding.identit
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -29,11 +30,13 @@ from fedsparse.common.methods import public_split
 __all__ = [
     "Holding",
     "holding",
+    "largest_partition",
     "local_data",
     "private_examples",
     "public_test_data",
     "run_declaration",
     "test_data",
+    "with_nominal_size",
 ]
 
 
@@ -63,6 +66,7 @@ def run_declaration(cfg: FederatedConfig, partition_id: int, num_partitions: int
         split_seed=cfg.data_seed,
         hold_out_validation=cfg.eval_split == "validation",
         public_fraction=cfg.make_method().public_fraction,
+        nominal_size=cfg.nominal_size,
     )
 
 
@@ -85,6 +89,34 @@ def holding(declared: NodeData) -> Holding:
     )
     idx = torch.from_numpy(parts[declared.partition_id])
     return Holding(Split(x=train.x[idx], y=train.y[idx]), declared)
+
+
+def largest_partition(declared: NodeData) -> int:
+    """The most examples any part of ``declared``'s partitioning holds (it loads the dataset):
+    a public bound that whoever owns every node of a deployment (a loopback ``fedsparse
+    deploy``, a compose file's nodes) can declare as each one's ``nominal-size``, since it
+    depends on the partitioning only, never on which part a node holds (iid: ``ceil(train /
+    num-partitions)``)."""
+    eval_split: EvalSplit = "validation" if declared.hold_out_validation else "test"
+    parts = _partitions(
+        declared.dataset,
+        declared.data_dir,
+        declared.data_seed,
+        declared.num_partitions,
+        declared.partitioner,
+        declared.dirichlet_alpha,
+        declared.public_fraction,
+        eval_split,
+        declared.train_test_seed,
+    )
+    return max(len(part) for part in parts)
+
+
+def with_nominal_size(declared: NodeData) -> NodeData:
+    """``declared``, with ``largest_partition`` as its ``nominal-size`` where it declares none."""
+    if declared.nominal_size:
+        return declared
+    return dataclasses.replace(declared, nominal_size=largest_partition(declared))
 
 
 def test_data(declared: NodeData) -> Split:

@@ -55,6 +55,7 @@ def train_round(
     index_spent: float = 0.0,
     partition_id: int = 0,
     residual: torch.Tensor | None = None,
+    nominal_size: int | None = None,
 ) -> tuple[TrainReply, list[tuple[float, float, int]]]:
     """Local DP-SGD + RS from ``global_flat``; (the reply, the run's accountant history).
 
@@ -70,6 +71,8 @@ def train_round(
     With a ``residual`` (``error-feedback``: a float32 vector of length d) the reply sends
     the quantized ``values + residual`` on the round's support, and ``residual`` is updated in
     place on that support (``feed_back``).
+    With a ``nominal_size`` (``client/app.py: public_size``) the Poisson rate, the steps and
+    the noise's scale are that size's, not ``len(data)``'s (``make_private``).
     """
     layout = ParamLayout.from_module(model)
     numel = layout.numel
@@ -103,7 +106,13 @@ def train_round(
     module = None
     try:
         engine, module, optimizer, loader = make_private(
-            model, data.x, data.y, privacy=privacy, train=train_cfg, epochs_for_target=1
+            model,
+            data.x,
+            data.y,
+            privacy=privacy,
+            train=train_cfg,
+            epochs_for_target=1,
+            nominal_size=nominal_size,
         )
         engine.accountant.history = list(history)
         engine.set_mask(mask)

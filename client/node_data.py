@@ -22,7 +22,23 @@ key                    default      meaning
                                     (``common/data/datasets.py: hold_out_validation``)
 ``public-fraction``    0.0          leave out this share of the training split, declared
                                     public (``common/methods/selection.py: public_split``)
+``nominal-size``       0            the most examples this node may ever hold: public, the
+                                    size its sampling rate, steps, calibration and reported
+                                    numbers are computed from (below); 0 (simulated nodes
+                                    only): the real count
 =====================  ===========  ======================================================
+
+**The count stays private.** DP protects the addition or removal of one example, so the
+number of examples a node holds must not show in anything but the noisy update. A node with
+fresh noise (a deployment) therefore requires ``nominal-size``, its owner's public bound ``N``
+on its count ``n``: the Poisson rate ``q = 1 / ceil(N / b)``, the steps of an epoch, the
+calibrated σ, every refusal and every number a reply carries are functions of ``N``, the run
+config and the node's policy; the real ``n`` enters only the noisy sum (``q`` samples each of
+its ``n`` examples; the sum is divided by ``int(N q)``). A node whose data exceeds ``N``
+refuses every train request with one fixed line. The cost of a loose ``N``: the expected
+batch holds ``n q`` examples instead of ``N q``, so the signal shrinks by ``n / N`` against the
+same noise (``docs/explanation/nominal-size.md``). A simulated node (seeded noise, the
+experimenter plays every owner) may leave it at 0: its real count, as before.
 
 The run config's ``dataset`` must name the declared dataset (the model's input shape
 follows it); its ``data-dir``, ``partitioner``, ``dirichlet-alpha``, ``seed``, ``eval-split``,
@@ -66,6 +82,7 @@ DATA_KEYS: Final = frozenset(
         "split-seed",
         "hold-out-validation",
         "public-fraction",
+        "nominal-size",
     }
 )
 
@@ -95,6 +112,7 @@ class NodeData:
     split_seed: int = -1
     hold_out_validation: bool = False
     public_fraction: float = 0.0
+    nominal_size: int = 0
 
     def __post_init__(self) -> None:
         def fail(key: str, value: Any, expected: str) -> None:
@@ -121,6 +139,8 @@ class NodeData:
             fail("split-seed", self.split_seed, "-1 (data-seed) or >= 0")
         if not 0 <= self.public_fraction < 1:
             fail("public-fraction", self.public_fraction, "0 <= fraction < 1")
+        if self.nominal_size < 0:
+            fail("nominal-size", self.nominal_size, ">= 1, or 0 (simulated nodes: the real count)")
 
     @property
     def train_test_seed(self) -> int:

@@ -179,6 +179,10 @@ class FederatedConfig:
     # digits' train/test split seed (-1: the run's seed); a tuned sweep fixes it so that no
     # tuning seed trains or validates on a final seed's test examples
     split_seed: int = -1
+    # the nominal-size each simulated node declares (client/node_data.py): the public bound on
+    # its count that its sampling rate, steps and sigma come from; 0: each node's real count.
+    # A deployed node declares its own (this key chooses nothing there)
+    nominal_size: int = 0
     seed: int = 0
     out_dir: str = ""
     # the server against its clients (server/strategy.py, common/aggregation/robust.py)
@@ -237,6 +241,8 @@ class FederatedConfig:
             fail("split_seed", "-1 (the run's seed) or 0 <= split-seed < 2**63")
         if self.dirichlet_alpha <= 0:
             fail("dirichlet_alpha", "> 0")
+        if self.nominal_size < 0:
+            fail("nominal_size", ">= 0 (0: each simulated node's real count)")
         self._check_robustness(fail)
         check_dp_level(self, fail)
         method = self.method_class()

@@ -122,6 +122,8 @@ ADDED_KEYS: Final[dict[str, Any]] = {
     # Every earlier run aggregated in the clear.
     "secure-aggregation": False,
     "secagg-colluders": 0,
+    # Every simulated node sampled at its real count's rate before it.
+    "nominal-size": 0,
 }
 
 

@@ -42,6 +42,7 @@ __all__ = [
     "CHECKPOINT_FORMAT",
     "Checkpoint",
     "CheckpointError",
+    "check_resumable",
     "load_checkpoint",
 ]
 
@@ -94,6 +95,22 @@ def load_checkpoint(path: Path, *, cfg: FederatedConfig, layout: ParamLayout) ->
             or a config that differs on a key outside ``RESUME_MAY_DIFFER`` (named with both
             values).
     """
+    checkpoint = check_resumable(path, cfg=cfg)
+    _check_layout(Path(path), checkpoint, layout)
+    if checkpoint.round > cfg.num_rounds:
+        raise CheckpointError(
+            f"checkpoint {path}: round={checkpoint.round}: expected <= num-rounds={cfg.num_rounds}"
+        )
+    return checkpoint
+
+
+def check_resumable(path: Path, *, cfg: FederatedConfig) -> Checkpoint:
+    """The checkpoint at ``path``, checked as far as no model is needed: the file, its format
+    and the run config (a launcher checks this before it starts anything).
+
+    Raises:
+        CheckpointError: as ``load_checkpoint``, but for the model's layout and the round.
+    """
     path = Path(path)
     if not path.exists():
         raise CheckpointError(
@@ -113,11 +130,6 @@ def load_checkpoint(path: Path, *, cfg: FederatedConfig, layout: ParamLayout) ->
         )
     checkpoint = _parse(path, data)
     _check_config(path, checkpoint.config, cfg.to_run_config())
-    _check_layout(path, checkpoint, layout)
-    if checkpoint.round > cfg.num_rounds:
-        raise CheckpointError(
-            f"checkpoint {path}: round={checkpoint.round}: expected <= num-rounds={cfg.num_rounds}"
-        )
     return checkpoint
 
 

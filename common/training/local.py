@@ -75,6 +75,7 @@ def make_private(
     privacy: PrivacyConfig,
     train: TrainConfig,
     epochs_for_target: int,
+    nominal_size: int | None = None,
 ) -> tuple[SparseDPEngine, nn.Module, torch.optim.Optimizer, DataLoader]:
     """Wraps ``model`` for DP-SGD + RS on the in-memory data ``(x, y)``.
 
@@ -88,6 +89,10 @@ def make_private(
             rate the accountant charges, ``privacy.sample_rate(len(x), train.batch_size)``
             (Opacus's ``make_private_with_epsilon`` used ``int(epochs / q)`` steps at the
             loader's ``q``; where those agree, σ is unchanged).
+        nominal_size: a public bound ``N >= len(x)`` that sampling, steps, calibration and
+            the noise's scale are computed from in place of ``len(x)`` (a deployed node's
+            declared ``nominal-size``: ``SparseDPEngine.make_private``); None: ``len(x)``.
+            ``N = len(x)`` trains exactly as None does.
     """
     device = resolve_device(train.device)
     model.to(device)
@@ -99,15 +104,16 @@ def make_private(
         # Noise is drawn where the gradients are: a CUDA generator on a CUDA device.
         noise_gen = torch.Generator(device).manual_seed(stream_seed(seed, Stream.DP_NOISE))
     noise_multiplier = privacy.noise_multiplier
+    size = len(x) if nominal_size is None else nominal_size
     if privacy.target_epsilon is not None:
         steps = epochs_for_target * steps_per_epoch(
-            len(x), train.batch_size, poisson_sampling=train.poisson_sampling
+            size, train.batch_size, poisson_sampling=train.poisson_sampling
         )
         noise_multiplier = calibrate_noise_multiplier(
             target_epsilon=privacy.target_epsilon,
             delta=privacy.delta,
             sample_rate=sample_rate(
-                len(x), train.batch_size, poisson_sampling=train.poisson_sampling
+                size, train.batch_size, poisson_sampling=train.poisson_sampling
             ),
             steps=steps,
             accountant=privacy.accountant,
@@ -115,7 +121,7 @@ def make_private(
     assert noise_multiplier is not None  # PrivacyConfig sets exactly one of the two
     loader = DataLoader(
         TensorDataset(x, y),
-        batch_size=min(train.batch_size, len(x)),
+        batch_size=max(1, min(train.batch_size, size)),
         generator=data_gen,
         shuffle=not train.poisson_sampling and data_gen is not None,
     )
@@ -134,6 +140,7 @@ def make_private(
             max_grad_norm=privacy.max_grad_norm,
             poisson_sampling=train.poisson_sampling,
             noise_generator=noise_gen,
+            **({} if nominal_size is None else {"nominal_size": nominal_size}),
         )
     module, dp_optimizer, dp_loader = private
     if privacy.secure_mode and device.type != "cpu":

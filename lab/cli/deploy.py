@@ -45,6 +45,9 @@ def deploy(
     downlink_rate: Annotated[str | None, Opt(help="shape each node's downlink, e.g. 8mbit")] = None,
     idle_seconds: Annotated[float, Opt(help="idle polling measurement before the run")] = 6.0,
     timeout: Annotated[float, Opt(help="seconds before the run is stopped")] = 3600.0,
+    overwrite: Annotated[
+        bool, Opt(help="replace the run OUT holds (its files are removed first)")
+    ] = False,
 ) -> None:
     """Loopback deployment (SuperLink + SuperNodes over gRPC) with on-the-wire byte counts.
 
@@ -76,6 +79,7 @@ def deploy(
                 downlink_bps=down,
                 on_event=lambda line: console.print(f"[yellow]{line}[/]"),
                 command=command_line(sys.argv),
+                overwrite=overwrite,
             )
     except ValueError as err:
         raise typer.BadParameter(str(err)) from err

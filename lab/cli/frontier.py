@@ -46,13 +46,20 @@ def frontier(
     jobs: Annotated[int, Opt(help="runs at a time")] = 1,
     timeout: Annotated[float, Opt(help="seconds per simulation run")] = 3600.0,
     runs_dir: Annotated[Path | None, Opt(help="per-run directories (default OUT/runs)")] = None,
+    resume: Annotated[
+        bool, Opt(help="reuse the finished runs in the runs-dir (a run of other inputs is refused)")
+    ] = False,
+    overwrite: Annotated[
+        bool, Opt(help="start over: remove the runs the runs-dir holds first")
+    ] = False,
 ) -> None:
     """Accuracy against uplink and downlink bits per parameter: each arm (a set of run-config
     values) tuned on validation, then run at its best with paired seeds; each compared with
     the first arm (dense fp32), verdict "within 1 point" from its 95% interval.
 
-    Finished runs are reused, so an interrupted frontier resumes. The committed frontier:
-    docs/frontier.
+    A runs-dir that holds runs is refused unless --resume (an interrupted frontier resumes:
+    finished runs of the same inputs are reused) or --overwrite (start over). The committed
+    frontier: docs/frontier.
     """
     import shlex
 
@@ -66,6 +73,7 @@ def frontier(
     from fedsparse.lab.experiments.sweep import check_jobs
     from fedsparse.lab.experiments.sweep_backends import RunSettings
     from fedsparse.lab.experiments.sweep_plan import parse_grid
+    from fedsparse.lab.launch.run_dir import claim_runs
 
     try:
         fixed = {**DEFAULT_FIXED, **parse_sets(set_ or [])}
@@ -78,6 +86,7 @@ def frontier(
             timeout=timeout,
         )
         check_jobs(settings, jobs)
+        claim_runs(runs_dir or out / "runs", resume=resume, overwrite=overwrite)
     except ValueError as err:
         raise typer.BadParameter(str(err)) from err
     args = ["fedsparse", "frontier", "--out", str(out)]

@@ -21,9 +21,9 @@ def reproduce(
     out: Annotated[Path, Opt(help="output: report.md, CSVs, plots")] = Path(
         "runs/reproduction/report"
     ),
-    runs_dir: Annotated[Path, Opt(help="per-run directories (finished runs are reused)")] = Path(
-        "runs/reproduction"
-    ),
+    runs_dir: Annotated[
+        Path, Opt(help="per-run directories (--resume reuses finished runs)")
+    ] = Path("runs/reproduction"),
     parts: Annotated[
         str, Opt(help="comma list of noise, central, federated, ablations, scaling")
     ] = PARTS_ALL,
@@ -31,10 +31,18 @@ def reproduce(
     quick: Annotated[
         bool, Opt(help="a minutes-long plan to try the command (too small to conclude)")
     ] = False,
+    resume: Annotated[
+        bool, Opt(help="reuse the finished runs in the runs-dir (a run of other inputs is refused)")
+    ] = False,
+    overwrite: Annotated[
+        bool, Opt(help="start over: remove the runs the runs-dir holds first")
+    ] = False,
 ) -> None:
     """The RS paper's claims re-run (Fig. 1c, Table 2 / Fig. 4 best vs best, Fig. 3, App. H),
     beside the paper's numbers, with verdicts (lab/research/reproduction/). The committed report:
-    docs/reproduction (about 2 hours on 2 cores)."""
+    docs/reproduction (about 2 hours on 2 cores). A runs-dir that holds runs is refused unless
+    --resume (finished runs of the same inputs are reused) or --overwrite (start over)."""
+    from fedsparse.lab.launch.run_dir import claim_runs
     from fedsparse.lab.research.reproduction.plan import PARTS, ReproductionPlan
     from fedsparse.lab.research.reproduction.report import reproduce_and_report
 
@@ -44,6 +52,7 @@ def reproduce(
             choice("parts", part, PARTS)
         if jobs < 1:
             raise ValueError(f"jobs={jobs}: expected >= 1")
+        claim_runs(runs_dir, resume=resume, overwrite=overwrite)
     except ValueError as err:
         raise typer.BadParameter(str(err)) from err
     plan = ReproductionPlan.quick() if quick else ReproductionPlan.full()

@@ -50,6 +50,9 @@ def simulate(
     resume: Annotated[
         bool, Opt(help="continue the run in OUT from its checkpoint (same --set values)")
     ] = False,
+    overwrite: Annotated[
+        bool, Opt(help="replace the run OUT holds (its files are removed first)")
+    ] = False,
     backend: Annotated[str, Opt(help=BACKEND_HELP)] = "flower",
     rounds: Annotated[int | None, Opt(help="rounds: --set num-rounds=N in short")] = None,
     seed: Annotated[int | None, Opt(help="base seed: --set seed=S in short")] = None,
@@ -71,10 +74,13 @@ def simulate(
     --backend inprocess runs the clients in this process (quick looks); --backend deploy on
     a loopback deployment (TLS, authenticated SuperNodes; no --resume, no GPUs).
 
-    With --resume, a run that was stopped (signal, crash, timeout) continues from its last
-    checkpoint (OUT/checkpoint.pt, the nodes' states in OUT/node-state) and ends with the
-    same model as the run that was never stopped; give it the same --set values. A run
-    stopped by Ctrl-C (or another signal) prints the command that resumes it.
+    An OUT that holds a run (finished or not) is refused: --resume continues it, --overwrite
+    replaces it (the old run's files, logs included, are removed first). With --resume, a
+    run that was stopped (signal, crash, timeout) continues from its last checkpoint
+    (OUT/checkpoint.pt, the nodes' states in OUT/node-state) and ends with the same model as
+    the run that was never stopped; any other --set value, client count, data or plug-in
+    code than it started with is refused, by name. A run stopped by Ctrl-C (or another
+    signal) prints the command that resumes it.
     """
     overrides = parse_sets(set_ or [])
     try:
@@ -113,6 +119,7 @@ def simulate(
                 backend=choice("backend", backend, BACKENDS, aliases=BACKEND_ALIASES),
                 command=command_line(sys.argv),
                 ray_address=ray_address,
+                overwrite=overwrite,
             )
     except ValueError as err:
         raise typer.BadParameter(str(err)) from err
@@ -129,10 +136,16 @@ def simulate(
     )
 
 
-def demo(out: Annotated[Path, Opt(help="output directory")] = Path("runs/demo")) -> None:
+def demo(
+    out: Annotated[Path, Opt(help="output directory")] = Path("runs/demo"),
+    overwrite: Annotated[
+        bool, Opt(help="replace the run OUT holds (its files are removed first)")
+    ] = False,
+) -> None:
     """10 clients on the embedded digits: epsilon=3, gradual cooling to r*=0.7, 10 rounds."""
     simulate(
         out=out,
+        overwrite=overwrite,
         clients=10,
         set_=None,
         cpus_per_client=1.0,

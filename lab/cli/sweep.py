@@ -62,6 +62,12 @@ def sweep(
             "--set max-grad-norm tuned at momentum 0, along a --grid momentum=..."
         ),
     ] = False,
+    resume: Annotated[
+        bool, Opt(help="reuse the finished runs in the runs-dir (a run of other inputs is refused)")
+    ] = False,
+    overwrite: Annotated[
+        bool, Opt(help="start over: remove the runs the runs-dir holds first")
+    ] = False,
 ) -> None:
     """Bandwidth vs accuracy: a grid of runs x seeds; results/summary CSVs, plots, report.md.
 
@@ -72,9 +78,11 @@ def sweep(
 
     --backend ray runs every run on one local Ray cluster and one set of workers
     (lab/simulation/raygrid.py), one run at a time (--jobs 1): each run uses every worker.
-    Finished runs (summary.json with the same config) are reused; failed runs are recorded and
-    the sweep goes on (exit code 1 at the end if any failed). Each run's summary.json records,
-    as its command, the fedsparse simulate (or deploy) line that reruns that run alone.
+    A runs-dir that holds runs is refused unless --resume (finished runs with the same config,
+    clients and backend are reused; a finished run of another config is refused by name, not
+    rerun over) or --overwrite (start over). Failed runs are recorded and the sweep goes on
+    (exit code 1 at the end if any failed). Each run's summary.json records, as its command,
+    the fedsparse simulate (or deploy) line that reruns that run alone.
     """
     import shlex
 
@@ -88,6 +96,7 @@ def sweep(
     from fedsparse.lab.experiments.sweep_backends import RunSettings
     from fedsparse.lab.experiments.sweep_plan import parse_grid, plan_sweep
     from fedsparse.lab.experiments.tuning import render_tuning, run_tuned_sweep
+    from fedsparse.lab.launch.run_dir import claim_runs
 
     try:
         settings = RunSettings(
@@ -120,6 +129,10 @@ def sweep(
     args += ["--scale-clip"] if scale_clip else []
     args += ["--ray-address", ray_address] if ray_address else []
     runs_dir = runs_dir or out / "runs"
+    try:
+        claim_runs(runs_dir, resume=resume, overwrite=overwrite)
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from err
     extra: list[str] = []
     try:
         if tune:

@@ -103,8 +103,13 @@ def train(
         str,
         Opt(help="tensorboard, mlflow or both, comma-separated: per-epoch metrics in --out"),
     ] = "",
+    overwrite: Annotated[
+        bool, Opt(help="replace the run OUT holds (its files are removed first)")
+    ] = False,
 ) -> None:
-    """Centralized DP-SGD with random sparsification (RS paper, Algorithm 1) or another method."""
+    """Centralized DP-SGD with random sparsification (RS paper, Algorithm 1) or another method.
+
+    An OUT that holds a run is refused unless --overwrite (its files are removed first)."""
     from fedsparse.common.data.datasets import DATASET_NAMES, EVAL_SPLITS
     from fedsparse.common.dp.accounting import ACCOUNTANTS
     from fedsparse.common.dp.engines import ENGINES as DP_ENGINES
@@ -127,6 +132,7 @@ def train(
     )
     from fedsparse.common.wire.run_log import command_line
     from fedsparse.lab.experiments.train import run_train
+    from fedsparse.lab.launch.run_dir import RunFolderError
     from fedsparse.server.tracking import parse_trackers
 
     if noise_multiplier is not None:
@@ -185,18 +191,22 @@ def train(
         from fedsparse.lab.simulation.memory import retain_freed_memory
 
         retain_freed_memory()  # lab/simulation/memory.py; not glibc: left alone
-    run_train(
-        out=out,
-        dataset=dataset_name,
-        data_dir=data_dir,
-        model_name=model_name,
-        privacy=privacy,
-        sparsity=sparsity,
-        train=config,
-        method=method_config,
-        eval_split=split,
-        split_seed=split_seed,
-        console=console,
-        log=trackers,
-        command=command_line(sys.argv),
-    )
+    try:
+        run_train(
+            out=out,
+            dataset=dataset_name,
+            data_dir=data_dir,
+            model_name=model_name,
+            privacy=privacy,
+            sparsity=sparsity,
+            train=config,
+            method=method_config,
+            eval_split=split,
+            split_seed=split_seed,
+            console=console,
+            log=trackers,
+            command=command_line(sys.argv),
+            overwrite=overwrite,
+        )
+    except RunFolderError as err:
+        raise typer.BadParameter(str(err)) from err

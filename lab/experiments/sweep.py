@@ -43,6 +43,7 @@ from fedsparse.lab.experiments.sweep_backends import (
 from fedsparse.lab.experiments.sweep_plan import SweepPlan, SweepRun
 from fedsparse.lab.launch.backends import backend_name
 from fedsparse.lab.launch.processes import request_stop
+from fedsparse.lab.launch.run_dir import claim
 
 __all__ = [
     "METRICS",
@@ -100,6 +101,39 @@ def _reusable(run_dir: Path, identity: dict[str, Any]) -> tuple[dict[str, Any], 
     return (record, summary) if same and record.get("status") == "ok" else None
 
 
+def other_run(run_dir: Path, identity: dict[str, Any]) -> str | None:
+    """Where ``run_dir`` holds a finished run (``status`` ok) that is not this one: the first
+    differing input, with both values; else None."""
+    try:
+        record = json.loads((run_dir / "sweep-run.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or record.get("status") != "ok":
+        return None
+    if isinstance(record.get("config"), dict):
+        record["config"] = with_added_keys(record["config"])
+        for key in ("out-dir", "resume"):
+            record["config"].pop(key, None)
+    if isinstance(record.get("backend"), str):
+        record["backend"] = backend_name(record["backend"])
+    for key, value in identity.items():
+        old = record.get(key)
+        if key == "config" and isinstance(old, dict):
+            for name in sorted(set(old) | set(value)):
+                if old.get(name) != value.get(name):
+                    return _differs(run_dir, name, old.get(name), value.get(name))
+        elif old != value:
+            return _differs(run_dir, key, old, value)
+    return None
+
+
+def _differs(run_dir: Path, key: str, old: Any, new: Any) -> str:
+    return (
+        f"{run_dir} holds a finished run with {key}={old!r}, this sweep's has {key}={new!r}: "
+        "not rerun over it (--overwrite starts over, or use another --out)"
+    )
+
+
 def _metrics(summary: RunSummary) -> dict[str, Any]:
     """The ``METRICS`` of one run, by name."""
     return {name: getattr(summary, name) for name in METRICS}
@@ -132,9 +166,11 @@ def execute_run(run: SweepRun, run_dir: Path, settings: RunSettings) -> dict[str
         record, summary = found
         metrics = _metrics(summary)
         return _row(run, run_dir, status="ok", reused=True, **metrics, wall_seconds=record["wall"])
+    other = other_run(run_dir, identity)
+    if other is not None:  # a finished run of other numbers: never rerun over silently
+        return _row(run, run_dir, status="failed", error=f"RunFolderError: {other}")
+    claim(run_dir, overwrite=True)  # an unfinished run's leftovers (the sweep claimed runs-dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    for stale in ("summary.json", "sweep-run.json", "error.txt"):
-        (run_dir / stale).unlink(missing_ok=True)
     started = time.perf_counter()
     try:
         summary = run_backend(run.overrides, run_dir, settings)

@@ -54,6 +54,7 @@ from fedsparse.common.training.configs import (
 from fedsparse.common.training.local import EpochStats
 from fedsparse.common.wire.run_log import summary_header
 from fedsparse.lab.experiments.export import save_trained
+from fedsparse.lab.launch.run_dir import claim
 from fedsparse.server.tracking import Trackers, plot_series
 
 __all__ = ["run_train"]
@@ -74,8 +75,12 @@ def run_train(
     console: Console | None = None,
     log: Sequence[str] = (),
     command: str | None = None,
+    overwrite: bool = False,
 ) -> dict[str, Any]:
     """Runs centralized training, printing a line per epoch; returns the summary dict.
+
+    An ``out`` that holds a run is refused unless ``overwrite`` (its files are removed first,
+    once the data has loaded: ``run_dir.claim``).
 
     ``eval_split="validation"`` trains without the validation slice and reports accuracy on
     it (the ``test_*`` fields then hold validation numbers): for tuning. ``split_seed`` fixes
@@ -94,6 +99,7 @@ def run_train(
     )
     model_name = model_name or DEFAULT_MODELS[dataset]
     model = build_model(model_name, seed=stream_seed(seed, Stream.MODEL_INIT) % 2**31)
+    claim(out, overwrite=overwrite)
     out.mkdir(parents=True, exist_ok=True)  # after the data loaded: a failed start leaves none
     console.print(
         f"[bold]{dataset}[/]: {len(train_split)} train / {len(test_split)} test examples; "

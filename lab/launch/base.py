@@ -54,6 +54,7 @@ from fedsparse.lab.launch.processes import (
     wait_for_port,
     watch_run_dir,
 )
+from fedsparse.lab.launch.run_dir import claim, data_digest
 
 __all__ = [
     "PORT_TIMEOUT",
@@ -91,6 +92,7 @@ class PreparedRun:
     run_config: dict[str, Any]  # the overrides, typed, and ``out-dir``: ``flwr run``'s values
     app: Path  # the directory ``flwr run`` bundles (``flower.app_bundle_dir``)
     started: float  # ``time.time()`` when prepared: older files in ``out`` are an earlier run's
+    data: str = ""  # the dataset's digest (``run_dir.data_digest``; "" unchecked)
 
     @property
     def flwr_home(self) -> Path:
@@ -108,12 +110,19 @@ class PreparedRun:
         return self.out / "flwr.log"
 
 
-def prepare_run(out: Path, overrides: Mapping[str, Any], *, check_data: bool = True) -> PreparedRun:
-    """Validates ``overrides`` (plus ``out-dir=<out>``), then readies ``out`` for a new run.
+def prepare_run(
+    out: Path,
+    overrides: Mapping[str, Any],
+    *,
+    check_data: bool = True,
+    resume: bool = False,
+    overwrite: bool = False,
+) -> PreparedRun:
+    """Validates ``overrides`` (plus ``out-dir=<out>``), then readies ``out`` for a run.
 
-    Nothing is created or removed when the run config is invalid. An earlier run's results in
-    ``out`` (``RUN_OUTPUTS``, ``wire.json``) are kept: the new run replaces them once it
-    starts, so a start that fails leaves them as they were.
+    Nothing is created or removed when the run config is invalid. An ``out`` that holds a
+    run is refused unless ``resume`` (continue it) or ``overwrite`` (its files are removed
+    now, after the checks: ``run_dir.claim``).
 
     Args:
         out: the run directory (created; made absolute).
@@ -123,7 +132,8 @@ def prepare_run(out: Path, overrides: Mapping[str, Any], *, check_data: bool = T
 
     Raises:
         ValueError: a bad run-config override (named key and value), a dataset whose files
-            are missing or corrupt, or an ``out`` that is not a directory.
+            are missing or corrupt, an ``out`` that is not a directory, or one that holds a
+            run (``RunFolderError``).
     """
     out = Path(out).resolve()
     requested = {**overrides, "out-dir": str(out)}
@@ -133,9 +143,13 @@ def prepare_run(out: Path, overrides: Mapping[str, Any], *, check_data: bool = T
         for k, v in config.to_run_config().items()
         if k in requested or (k == METHOD_OPTIONS and v)  # a plug-in's keys, in their carrier
     }
+    digest = ""
     if check_data:
         try:
-            load_dataset(config.dataset, data_dir=config.data_dir or None, seed=config.seed)
+            splits = load_dataset(
+                config.dataset, data_dir=config.data_dir or None, seed=config.seed
+            )
+            digest = data_digest(*splits)
         except (OSError, DatasetFormatError, ValueError) as err:
             where = f"dataset={config.dataset!r}"
             if config.data_dir:
@@ -143,6 +157,7 @@ def prepare_run(out: Path, overrides: Mapping[str, Any], *, check_data: bool = T
             raise ValueError(f"{where}: {err}") from None
     if out.exists() and not out.is_dir():
         raise ValueError(f"out={out}: exists and is not a directory")
+    claim(out, resume=resume, overwrite=overwrite)
     started = time.time()
     out.mkdir(parents=True, exist_ok=True)
     if not os.access(out, os.W_OK):
@@ -150,7 +165,12 @@ def prepare_run(out: Path, overrides: Mapping[str, Any], *, check_data: bool = T
     shutil.rmtree(out / _FLWR_HOME, ignore_errors=True)
     watch_run_dir(out)  # a stop request now reaches this run's ServerApp first
     return PreparedRun(
-        out=out, config=config, run_config=typed, app=app_bundle_dir(out), started=started
+        out=out,
+        config=config,
+        run_config=typed,
+        app=app_bundle_dir(out),
+        started=started,
+        data=digest,
     )
 
 

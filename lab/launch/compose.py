@@ -13,7 +13,9 @@ addresses (``tests/test_deploy_files.py`` compares them flag by flag). Secure by
   as ``/app/keys/node-<i>``. ``deploy/certs/generate.sh`` writes all of these;
 * every SuperNode runs ``fedsparse node`` (``client/node.py``): only the ClientApp installed in
   its image, never code from the server's FAB; it declares the data it holds in its node
-  config (``dataset``, partition ``i`` of N) and keeps its ledger in its own volume;
+  config (``dataset``, partition ``i`` of N, and ``nominal-size``, the public bound its
+  sampling rate and every number it reports come from: the largest partition's count unless
+  ``nominal_size`` says otherwise) and keeps its ledger in its own volume;
 * two networks: the SuperNodes and the SuperLink share ``fleet`` (internal: no route out of
   it), where the SuperLink serves only the Fleet API; the Control and Runtime HTTP API (9093)
   listens only on the SuperLink's fixed address on ``control``
@@ -54,6 +56,7 @@ __all__ = [
     "insecure_overlay",
     "load_compose",
     "main",
+    "nodes_nominal_size",
     "render_compose",
     "write_compose",
 ]
@@ -197,7 +200,27 @@ def _superlink_command(*, insecure: bool) -> list[str]:
     ]
 
 
-def _supernode_command(index: int, nodes: int, *, insecure: bool, dataset: str) -> list[str]:
+def nodes_nominal_size(dataset: str, nodes: int) -> int:
+    """The ``nominal-size`` every SuperNode of ``nodes`` declares: the largest iid partition
+    of ``dataset`` (``client/data.py: largest_partition``; it loads the dataset).
+
+    Raises:
+        ValueError: the dataset's files are not here to count (name ``nominal_size`` then).
+    """
+    from fedsparse.client.data import largest_partition
+
+    try:
+        return largest_partition(NodeData(dataset=dataset, num_partitions=nodes))  # type: ignore[arg-type]
+    except (OSError, ValueError) as err:
+        raise ValueError(
+            f"dataset={dataset!r}: cannot count its partitions here ({err}); give the nodes' "
+            "nominal size (--nominal-size N: the most examples a node may hold)"
+        ) from None
+
+
+def _supernode_command(
+    index: int, nodes: int, *, insecure: bool, dataset: str, nominal_size: int
+) -> list[str]:
     security = (
         ["--insecure"]
         if insecure
@@ -212,6 +235,7 @@ def _supernode_command(index: int, nodes: int, *, insecure: bool, dataset: str) 
         dataset=dataset,  # type: ignore[arg-type]
         partition_id=index,
         num_partitions=nodes,
+        nominal_size=nominal_size,
     )
     return [
         "fedsparse",
@@ -259,6 +283,7 @@ def compose_document(
     build_context: str = ".",
     image: str = IMAGE,
     dataset: str = DEFAULT_DATASET,
+    nominal_size: int = 0,
 ) -> dict[str, Any]:
     """The compose file (as data) for one SuperLink and ``nodes`` SuperNodes.
 
@@ -281,11 +306,15 @@ def compose_document(
         image: the image every service runs (and ``build`` tags).
         dataset: the dataset every SuperNode declares (an embedded one, or mount its files
             and add ``data-dir``).
+        nominal_size: the ``nominal-size`` every SuperNode declares, the most examples it
+            may hold (0: ``nodes_nominal_size``, the largest partition's count).
 
     Raises:
-        ValueError: ``nodes`` < 1, or an unknown ``dataset``.
+        ValueError: ``nodes`` < 1, an unknown ``dataset``, or one that cannot be counted
+            here without a ``nominal_size``.
     """
     _check_nodes(nodes)
+    nominal_size = nominal_size or nodes_nominal_size(dataset, nodes)
     certs = certs.rstrip("/") or "/"
     base = {
         "image": image,
@@ -307,7 +336,9 @@ def compose_document(
     for i in range(nodes):
         services[f"supernode-{i}"] = {
             **base,
-            "command": _supernode_command(i, nodes, insecure=insecure, dataset=dataset),
+            "command": _supernode_command(
+                i, nodes, insecure=insecure, dataset=dataset, nominal_size=nominal_size
+            ),
             "volumes": _supernode_volumes(i, certs=certs, insecure=insecure),
             "networks": ["fleet"],
             "depends_on": ["superlink"],
@@ -386,6 +417,7 @@ def write_compose(
     build_context: str = ".",
     image: str = IMAGE,
     dataset: str = DEFAULT_DATASET,
+    nominal_size: int = 0,
 ) -> Path:
     """Writes the compose file for ``nodes`` SuperNodes (see ``compose_document``) to ``path``.
 
@@ -402,6 +434,8 @@ def write_compose(
     args = f"--nodes {nodes}" + (" --insecure" if insecure else "")
     if dataset != DEFAULT_DATASET:
         args += f" --dataset {dataset}"
+    if nominal_size:
+        args += f" --nominal-size {nominal_size}"
     if overlay == "insecure":
         document, args = insecure_overlay(nodes), f"--nodes {nodes} --overlay insecure"
     elif overlay == "gpu":
@@ -415,6 +449,7 @@ def write_compose(
             build_context=build_context,
             image=image,
             dataset=dataset,
+            nominal_size=nominal_size,
         )
     header = _header(nodes, insecure=insecure, overlay=overlay, args=args)
     path = Path(path)
@@ -436,6 +471,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--build-context", default=".", help="the repository root")
     parser.add_argument("--image", default=IMAGE, help="image of every service")
     parser.add_argument("--dataset", default=DEFAULT_DATASET, help="the nodes' declared data")
+    parser.add_argument(
+        "--nominal-size",
+        type=int,
+        default=0,
+        help="the most examples a node may hold (default: the largest partition's count)",
+    )
     parser.add_argument(
         "--compare",
         nargs=2,
@@ -459,6 +500,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             build_context=args.build_context,
             image=args.image,
             dataset=args.dataset,
+            nominal_size=args.nominal_size,
         )
     except ValueError as error:
         parser.error(str(error))

@@ -74,6 +74,8 @@ HOST_FILES: dict[Host, str] = {
 SUPERLINK_ADDRESS = "${SUPERLINK_ADDRESS:?the SuperLink host's HOST:9092}"
 PARTITION_ID = "${PARTITION_ID:?this node's partition, 0 to N-1}"
 NUM_PARTITIONS = "${NUM_PARTITIONS:?the number of partitions N}"
+#: The node's public bound on its example count (client/node_data.py: nominal-size).
+NOMINAL_SIZE = "${NOMINAL_SIZE:?the most examples this node may hold}"
 #: The node's key inside its container (mounted from ``NODE_KEY``).
 NODE_KEY_PATH = f"{KEY_DIR}/node"
 
@@ -95,7 +97,7 @@ _NODE_USAGE = """\
 #   ssh-keygen -q -t ecdsa -b 384 -N "" -f deploy/certs/nodes/node   # the PUBLIC key (.pub)
 #                                               # goes to the SuperLink's operator, once
 #   SUPERLINK_ADDRESS=<superlink host>:9092 PARTITION_ID=0 NUM_PARTITIONS=2 \\
-#     docker compose -f deploy/node-host.yml up --build -d
+#     NOMINAL_SIZE=719 docker compose -f deploy/node-host.yml up --build -d
 # Mounts CA_CERT (default deploy/certs/ca.crt, from the operator) and NODE_KEY (default
 # deploy/certs/nodes/node, never copied off this host); relative paths are relative to
 # deploy/. More nodes on this host: -p <name> and their own NODE_KEY. deploy/README.md.
@@ -143,7 +145,10 @@ def _node_config(dataset: str) -> str:
     fixed = "partition-id=0 num-partitions=1 "
     if not text.startswith(fixed):  # format_node_config puts these two first
         raise AssertionError(f"unexpected node config {text!r}")
-    return f"partition-id={PARTITION_ID} num-partitions={NUM_PARTITIONS} {text[len(fixed) :]}"
+    return (
+        f"partition-id={PARTITION_ID} num-partitions={NUM_PARTITIONS} {text[len(fixed) :]} "
+        f"nominal-size={NOMINAL_SIZE}"
+    )
 
 
 def node_host_document(

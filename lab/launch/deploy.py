@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from fedsparse.client.data import run_declaration
+from fedsparse.client.data import run_declaration, with_nominal_size
 from fedsparse.client.node_data import NodeData, format_node_config
 from fedsparse.common.wire.run_log import RunSummary, read_rounds, record_command
 from fedsparse.lab.launch.base import (
@@ -87,7 +87,8 @@ def deployment_args(
         ledger_dirs: SuperNode ``i``'s privacy-ledger directory (node config ``ledger-dir``);
             default: the node policy's own default.
         data: what SuperNode ``i`` declares it holds (``client/node_data.py``); default:
-            partition ``i`` of ``num_nodes`` of digits.
+            partition ``i`` of ``num_nodes`` of digits. A declaration without a
+            ``nominal-size`` gets its partitioning's largest part (``with_nominal_size``).
         fleet_host: the address the SuperLink's Fleet API listens on (another host's nodes
             dial it); the HTTP API that starts runs stays on 127.0.0.1.
     """
@@ -112,6 +113,8 @@ def deployment_args(
     )
     if len(declared) != num_nodes:
         raise ValueError(f"data has {len(declared)} declarations: expected {num_nodes}")
+    # The launcher owns every node: one without a nominal size declares the largest partition's.
+    declared = [with_nominal_size(d) for d in declared]
     auth = ["--enable-supernode-auth"] if auth_keys is not None else []
     superlink = superlink_args(
         [*security_args(tls, server=True), *auth],
@@ -261,6 +264,7 @@ def run_deployment(
     downlink_bps: float | None = None,
     on_event: Callable[[str], None] | None = None,
     command: str | None = None,
+    overwrite: bool = False,
 ) -> RunSummary:
     """Runs the app on a loopback deployment; returns its ``summary.json``.
 
@@ -316,10 +320,13 @@ def run_deployment(
         on_event: told (one line) of events the run survives, e.g. a lost SuperNode.
         command: the command line that started the run, recorded in ``summary.json`` (None:
             the Python API).
+        overwrite: replace the run ``out`` holds (its files are removed first); without it,
+            such an ``out`` is refused (``run_dir.claim``).
 
     Raises:
         ValueError: a bad run-config override, ``num_nodes``, ``idle_seconds`` or security
-            combination, ``num_nodes`` below ``min-clients``, missing dataset files.
+            combination, ``num_nodes`` below ``min-clients``, missing dataset files, an
+            ``out`` that holds a run.
         RuntimeError: a process failed, the run timed out or left no ``summary.json``
             (with the tails of the logs).
     """
@@ -335,7 +342,7 @@ def run_deployment(
     shaped = uplink_bps is not None or downlink_bps is not None
     if shaped and not relay:
         raise ValueError("uplink/downlink rates need relay=True (each node's link is its relay's)")
-    run = prepare_run(out, overrides)
+    run = prepare_run(out, overrides, overwrite=overwrite)
     if run.config.min_clients > num_nodes:
         raise ValueError(
             f"nodes={num_nodes}: below min-clients={run.config.min_clients}, the run could "

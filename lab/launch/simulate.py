@@ -51,6 +51,8 @@ from fedsparse.lab.launch.flower import (
     flower_logs_in_this_process,
     simulation_policy_env,
 )
+from fedsparse.lab.launch.run_dir import RunInputs, check_inputs, write_inputs
+from fedsparse.server.checkpoint import CHECKPOINT, check_resumable
 from fedsparse.server.launch_markers import EXPECTED_NODES_ENV
 
 __all__ = ["run_simulation"]
@@ -140,8 +142,13 @@ def run_simulation(
     backend: Backend = "flower",
     command: str | None = None,
     ray_address: str | None = None,
+    overwrite: bool = False,
 ) -> RunSummary:
     """Runs one simulated federation; returns its ``summary.json``.
+
+    ``out`` must hold no run (``run_dir.claim``), unless ``resume`` continues it (with the same
+    run config, clients, data, plug-ins and family of backends: ``run_dir.check_inputs``, the
+    checkpoint) or ``overwrite`` replaces it, its old files removed first.
 
     ``backend="flower"`` runs it on Flower's simulation engine; ``"ray"`` on ``RayGrid`` in
     a local Ray cluster (or the one this process runs). ``cpus_per_client`` and
@@ -183,6 +190,7 @@ def run_simulation(
         resume=resume,
         backend=backend,
         ray_address=ray_address,
+        overwrite=overwrite,
     )
     return record_command(Path(out) / "summary.json", summary, command)
 
@@ -199,6 +207,7 @@ def _simulate(
     resume: bool,
     backend: Backend,
     ray_address: str | None = None,
+    overwrite: bool = False,
 ) -> RunSummary:
     """``run_simulation`` without the command line."""
     console = console or _console()
@@ -222,14 +231,32 @@ def _simulate(
         from fedsparse.lab.launch.deploy import run_deployment
 
         return run_deployment(
-            out=out, overrides=overrides, num_nodes=clients, timeout=timeout, idle_seconds=0
+            out=out,
+            overrides=overrides,
+            num_nodes=clients,
+            timeout=timeout,
+            idle_seconds=0,
+            overwrite=overwrite,
         )
-    run = prepare_run(out, {**overrides, **({"resume": "true"} if resume else {})})
+    run = prepare_run(
+        out,
+        {**overrides, **({"resume": "true"} if resume else {})},
+        resume=resume,
+        overwrite=overwrite,
+    )
     if run.config.min_clients > clients:
         raise ValueError(
             f"clients={clients}: below min-clients={run.config.min_clients}, the run could "
             "never start (lower --set min-clients or add clients)"
         )
+    inputs = RunInputs.of_run(
+        clients=clients, backend=backend, data=run.data, run_config=run.config.to_run_config()
+    )
+    if resume:  # the same run, or a refusal naming what differs, before anything starts
+        check_inputs(run.out, inputs)
+        check_resumable(run.out / CHECKPOINT, cfg=run.config)
+    else:
+        write_inputs(run.out, inputs)
     state_dir = run.out / "node-state"
     if not resume:  # a new run's nodes start afresh (they would drop stale states anyway)
         shutil.rmtree(state_dir, ignore_errors=True)

@@ -46,6 +46,7 @@ def simulate(
     gpus_per_client: float = 0.0,
     resume: bool = False,
     ray_address: str | None = None,
+    overwrite: bool = False,
 ) -> RunSummary:
     """Runs one federation of ``clients`` simulated nodes; returns its ``summary.json``.
 
@@ -61,7 +62,10 @@ def simulate(
         timeout: seconds before the run is stopped (``--timeout``; not ``inprocess``).
         cpus_per_client: Ray CPUs per virtual client (``--cpus-per-client``).
         gpus_per_client: Ray GPUs per virtual client, fractional (``--gpus-per-client``).
-        resume: continue the run in ``out`` from its checkpoint (``--resume``).
+        resume: continue the run in ``out`` from its checkpoint (``--resume``): with the same
+            config, clients, data and plug-ins, else refused by name.
+        overwrite: replace the run ``out`` holds, its files removed first (``--overwrite``);
+            without ``resume`` or ``overwrite`` an ``out`` that holds a run is refused.
         ray_address: ``backend="ray"`` only: the Ray cluster to run on, ``auto`` or
             ``HOST:PORT`` (``--ray-address``); default ``FEDSPARSE_RAY_ADDRESS``, else a
             local cluster of the run's own.
@@ -108,6 +112,7 @@ def simulate(
             resume=resume,
             backend=name,
             ray_address=ray_address,
+            overwrite=overwrite,
         )
     except ValueError:  # a failed start leaves nothing behind (a folder that was there stays)
         if not existed:

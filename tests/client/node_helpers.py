@@ -26,8 +26,9 @@ __all__ = ["DEPLOYED", "NODE", "RATE", "ask", "cfg", "grid", "parse", "weights"]
 NODE = 1001
 RATE = 0.5
 #: A deployed node's defaults (fresh noise), without a ledger, holding the data the tests'
-#: run configs name (digits, one partition, seed 0: the same examples as local_data(cfg, 0, 1)).
-DEPLOYED = {"ledger-dir": "", "dataset": "digits"}
+#: run configs name (digits, one partition, seed 0: the same examples as local_data(cfg, 0, 1)),
+#: declaring their count as its nominal size (the numbers a simulated node computes).
+DEPLOYED = {"ledger-dir": "", "dataset": "digits", "nominal-size": 1437}
 
 
 def cfg(**kwargs) -> FederatedConfig:

@@ -178,7 +178,7 @@ def test_a_simulated_node_rounds_from_its_seeded_stream(monkeypatch: pytest.Monk
 
 
 def test_a_deployed_node_rounds_from_os_entropy(monkeypatch: pytest.MonkeyPatch) -> None:
-    deployed = {"ledger-dir": "", "dataset": "digits"}
+    deployed = {"ledger-dir": "", "dataset": "digits", "nominal-size": 1437}
     calls = _spy(monkeypatch)
     first, second = _ask(deployed), _ask(deployed)
     assert calls == [False, False]  # the generator the server cannot rebuild

@@ -245,7 +245,7 @@ def attacks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
                 str(port),
                 "--node-config",
                 f"dataset='digits' partition-id={partition} num-partitions=2 "
-                f"ledger-dir='{folder / 'ledger'}'",
+                f"nominal-size=719 ledger-dir='{folder / 'ledger'}'",
             ]
             node = stack.enter_context(start_process(args, env=link.env, log=folder / "node.log"))
             wait_for_port(port, timeout=60, process=node)

@@ -192,7 +192,7 @@ def _run_config(method: str) -> dict[str, object]:
     return {**cfg.to_run_config(), "method": method}
 
 
-DEPLOYED = {"ledger-dir": "", "dataset": "digits"}
+DEPLOYED = {"ledger-dir": "", "dataset": "digits", "nominal-size": 1437}
 
 
 def test_a_deployed_node_refuses_an_unlisted_plugin_before_importing_it(plugin: str) -> None:

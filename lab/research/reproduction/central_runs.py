@@ -66,6 +66,7 @@ def _execute(spec_json: str, run_dir: str, threads: int) -> dict[str, Any]:
             eval_split=spec.eval_split,  # type: ignore[arg-type]
             split_seed=spec.split_seed,
             command=train_command(spec, out),
+            overwrite=True,  # an unfinished run's leftovers (the command claimed the folder)
         )
     (out / "spec.json").write_text(json.dumps(_recorded_spec(spec)) + "\n")
     return _read_row(spec, out, reused=False)
@@ -128,6 +129,25 @@ def _finished(spec: CentralSpec, run_dir: Path) -> bool:
     return saved == _recorded_spec(spec) and (run_dir / "summary.json").is_file()
 
 
+def other_run(spec: CentralSpec, run_dir: Path) -> str | None:
+    """Where ``run_dir`` holds a finished run of another spec: the first differing key with
+    both values (it is not rerun over: ``run_dir.claim``'s rule); else None."""
+    try:
+        saved = json.loads((run_dir / "spec.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not (run_dir / "summary.json").is_file():
+        return None
+    wanted = _recorded_spec(spec)
+    for key in sorted(set(saved) | set(wanted)):
+        if saved.get(key) != wanted.get(key):
+            return (
+                f"{run_dir} holds a finished run with {key}={saved.get(key)!r}, this plan's "
+                f"has {key}={wanted.get(key)!r}: not rerun over it (--overwrite starts over)"
+            )
+    return None
+
+
 def run_specs(
     specs: Sequence[CentralSpec], root: Path, *, jobs: int = 1, log: Log | None = None
 ) -> list[dict[str, Any]]:
@@ -150,6 +170,14 @@ def run_specs(
             continue
         if _finished(spec, run_dir):
             rows[spec.slug] = _read_row(spec, run_dir, reused=True)
+        elif (other := other_run(spec, run_dir)) is not None:
+            rows[spec.slug] = {
+                "slug": spec.slug,
+                "status": "failed",
+                "reused": False,
+                "run_dir": str(run_dir),
+                "error": f"RunFolderError: {other}",
+            }
         else:
             pending[spec.slug] = spec
 
