@@ -14,6 +14,11 @@ $(STAMP): pyproject.toml Makefile
 	@# torch first and exactly: the local CPU wheel satisfies it; a looser pin pulls CUDA wheels.
 	$(BIN)/python -m pip install --quiet "torch==2.13.0"
 	$(BIN)/python -m pip install --quiet -e ".[dev,tracking]"
+	@# `flwr run .` on Flower's local simulation installs the app's dependencies into a fresh
+	@# environment (offline: it hangs); the venv has them all (docs/how-to/flwr-run.md).
+	@grep -q FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION $(BIN)/activate || printf '%s\n' \
+	  '# fedsparse: `flwr run .` installs nothing (this venv holds every dependency)' \
+	  'export FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1' >> $(BIN)/activate
 	@touch $(STAMP)
 
 # The demo's folder is the demo's own: each `make demo` replaces the previous one (--overwrite).

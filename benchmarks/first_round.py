@@ -40,7 +40,7 @@ INPROCESS = """
 import sys
 from fedsparse.client.app import app as client_app
 from fedsparse.common.config import FederatedConfig
-from fedsparse.lab.launch.flower import SIMULATION_NODE_POLICY
+from fedsparse.client.node_policy import SIMULATION_NODE_POLICY
 from fedsparse.lab.simulation.inprocess import InProcessGrid
 from fedsparse.server.app import run_federated
 

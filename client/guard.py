@@ -20,6 +20,7 @@ says about a failure is the same whatever failed.
 from __future__ import annotations
 
 import os
+import sys
 from logging import ERROR
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from fedsparse.client.ledger import PrivacyLedger, accounted, ledger_key, ledger
 from fedsparse.client.node_data import NodeData
 from fedsparse.client.node_policy import (
     POLICY_ENV,
+    SIMULATION_NODE_POLICY,
     NodePolicy,
     PrivacyRefusal,
     TrainingRequest,
@@ -43,6 +45,7 @@ __all__ = [
     "CLIENT_FAILURE",
     "authorize",
     "exhausted",
+    "in_flower_simulation",
     "node_ledger",
     "node_policy",
     "released_error",
@@ -55,9 +58,37 @@ CLIENT_FAILURE = "client error (details in the node's log)"
 
 
 def node_policy(context: Context) -> NodePolicy:
-    """The node's policy: defaults, then ``$FEDSPARSE_NODE_POLICY``, then the node config."""
+    """The node's policy: defaults (``SIMULATION_NODE_POLICY`` inside Flower's simulation
+    engine: ``in_flower_simulation``), then ``$FEDSPARSE_NODE_POLICY``, then the node config."""
     env = parse_assignments(os.environ.get(POLICY_ENV, ""))
-    return NodePolicy.from_sources(env, dict(context.node_config))
+    base = dict(SIMULATION_NODE_POLICY) if in_flower_simulation() else {}
+    return NodePolicy.from_sources(base, env, dict(context.node_config))
+
+
+def in_flower_simulation() -> bool:
+    """Whether this ClientApp runs in Flower's own simulation engine: inside a Ray actor of
+    Flower's ``ClientAppActor`` class (``flwr run`` on a local simulation federation).
+
+    There the experimenter plays every node owner, as in fedsparse's own backends, which set
+    the simulation policy themselves. Nothing a server sends can make this true on a deployed
+    node: ``fedsparse node`` runs each ClientApp in a process forked from its own forker,
+    never in a Ray actor (and a plain ``flower-supernode`` runs the server's code anyway,
+    outside this threat model).
+    """
+    ray = sys.modules.get("ray")
+    if ray is None:  # a simulation's actor process has imported Ray long before
+        return False
+    try:
+        if not ray.is_initialized():
+            return False
+        actor = ray.get_runtime_context().current_actor
+        descriptor = actor._ray_actor_creation_function_descriptor
+    except Exception:  # not in an actor (RuntimeError), or another Ray's internals
+        return False
+    return bool(
+        descriptor.class_name == "ClientAppActor"
+        and descriptor.module_name.startswith("flwr.simulation.")
+    )
 
 
 def node_data(context: Context) -> NodeData | None:

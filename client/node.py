@@ -63,7 +63,12 @@ from flwr.supernode.runtime.run_clientapp import (
     push_task_output,
 )
 
-from fedsparse.client.node_policy import NodePolicy
+from fedsparse.client.node_policy import (
+    POLICY_ENV,
+    NodePolicy,
+    check_node_config,
+    node_config_text,
+)
 
 __all__ = ["CLIENTAPP", "fab_refusal", "run_node", "run_task", "serve_tasks"]
 
@@ -300,9 +305,11 @@ def run_node(supernode_args: Sequence[str], *, supernode: str = "flower-supernod
     or this process gets SIGTERM/SIGINT; returns the SuperNode's exit code.
 
     Raises:
-        ValueError: arguments ``fedsparse node`` does not accept (``runtime_api_address``).
+        ValueError: arguments ``fedsparse node`` does not accept (``runtime_api_address``), or
+            a bad node policy or data declaration (``check_node_config``).
     """
     address = runtime_api_address(supernode_args)
+    check_node_config(node_config_text(supernode_args), os.environ.get(POLICY_ENV, ""))
     certificates = _runtime_certificates(supernode_args)
     root = None
     if certificates is not None:

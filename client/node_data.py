@@ -60,12 +60,19 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from fedsparse.common import plugins
 from fedsparse.common.coerce import coerce
-from fedsparse.common.data.datasets import DATASET_NAMES, DatasetName, Split
-from fedsparse.common.data.partition import PARTITIONER_NAMES, PartitionerName
+from fedsparse.common.names import (
+    DATASET_NAMES,
+    PARTITIONER_NAMES,
+    DatasetName,
+    PartitionerName,
+)
+
+if TYPE_CHECKING:
+    from fedsparse.common.data.datasets import Split
 
 __all__ = ["DATA_KEYS", "NodeData", "data_identity", "format_node_config"]
 

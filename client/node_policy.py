@@ -78,26 +78,29 @@ from __future__ import annotations
 
 import math
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Final, Literal, get_args
 
 from fedsparse.client.node_data import DATA_KEYS
+from fedsparse.common import plugins
 from fedsparse.common.coerce import coerce, unknown_key
-from fedsparse.common.dp.optimizer import MECHANISMS, MechanismName
-from fedsparse.common.methods.registry import is_plugin
+from fedsparse.common.names import MECHANISMS, METHOD_NAMES, MechanismName
 
 __all__ = [
     "NOISE_SOURCES",
     "POLICY_ENV",
     "SECAGG",
     "SECURE_AGGREGATION",
+    "SIMULATION_NODE_POLICY",
     "NodePolicy",
     "NoiseSource",
     "SecureAggregation",
     "PrivacyRefusal",
     "TrainingRequest",
+    "check_node_config",
+    "node_config_text",
     "parse_assignments",
 ]
 
@@ -109,6 +112,22 @@ SecureAggregation = Literal["allow", "require", "refuse"]
 SECURE_AGGREGATION: Final[tuple[SecureAggregation, ...]] = get_args(SecureAggregation)
 #: Environment variable with ``key=value`` policy entries (node config syntax).
 POLICY_ENV: Final = "FEDSPARSE_NODE_POLICY"
+#: The node policy of simulated nodes, played by the experimenter: seeded noise for
+#: reproducible runs (so NOT private against the server: the run summary says so), no
+#: persistent ledger, every mechanism and σ allowed, losses and counts released. What every
+#: simulation backend sets, and what a ClientApp in Flower's own simulation engine
+#: (``flwr run`` on a local simulation) takes when nothing else is set (``client/guard.py``).
+SIMULATION_NODE_POLICY: Final[Mapping[str, Any]] = {
+    "noise": "seeded",
+    "ledger-dir": "",
+    "epsilon-budget": math.inf,
+    "min-noise-multiplier": 0.0,
+    "allowed-mechanisms": "dpsgd,clipped,noisy",
+    "max-local-epochs": 1000,
+    "min-batch-size": 1,
+    "release-train-loss": True,
+    "release-example-count": True,
+}
 #: Node config keys that belong to Flower or the node's data, not to the policy.
 _NOT_POLICY: Final = frozenset({"policy-file", *DATA_KEYS})
 
@@ -195,7 +214,7 @@ class NodePolicy:
             ("plugin-models", self.plugin_models),
         ):
             for name in names:
-                if not is_plugin(name):
+                if not _is_plugin_method(name):
                     fail(key, name, "package.module:attribute names")
         if self.secure_aggregation not in SECURE_AGGREGATION:
             fail("secure-aggregation", self.secure_aggregation, "allow, require or refuse")
@@ -251,7 +270,7 @@ class NodePolicy:
             return
         for key, listed in (("method", self.plugin_methods), ("model", self.plugin_models)):
             value = str(run_config.get(key, ""))
-            if is_plugin(value) and value not in listed:
+            if _is_plugin_method(value) and value not in listed:
                 raise PrivacyRefusal(
                     f"{key}={value!r}: this node imports only the plug-in {key}s its owner "
                     f"lists (node policy plugin-{key}s)"
@@ -355,3 +374,40 @@ def parse_assignments(text: str) -> dict[str, Any]:
         except tomllib.TOMLDecodeError:
             entries[key] = raw
     return entries
+
+
+def _is_plugin_method(name: str) -> bool:
+    """Whether ``name`` is a ``package.module:Class`` method (not a built-in); imports nothing."""
+    return name not in METHOD_NAMES and plugins.is_reference(name)
+
+
+def check_node_config(node_config: str, environment: str = "") -> None:
+    """Checks a node's policy and data declaration before it starts (``fedsparse node``), in
+    milliseconds: ``node_config`` is ``--node-config``'s text, ``environment`` the value of
+    ``$FEDSPARSE_NODE_POLICY``. A deployed node (fresh noise) that declares data must declare
+    its ``nominal-size`` (``client/node_data.py``).
+
+    Raises:
+        ValueError: a bad key or value (named), or declared data without a ``nominal-size``.
+    """
+    from fedsparse.client.node_data import NodeData
+
+    sources = (parse_assignments(environment), parse_assignments(node_config))
+    policy = NodePolicy.from_sources(*sources)
+    declared = NodeData.from_sources(*sources)
+    if declared is not None and declared.nominal_size == 0 and policy.noise != "seeded":
+        raise ValueError(
+            "node data: nominal-size: required with dataset=... on a node with fresh noise "
+            "(the most examples this node may ever hold: its sampling rate and every number "
+            "it reports come from it, never from its real count)"
+        )
+
+
+def node_config_text(supernode_args: Sequence[str]) -> str:
+    """``--node-config``'s text among ``flower-supernode``'s arguments ("" when absent)."""
+    for i, arg in enumerate(supernode_args):
+        if arg == "--node-config" and i + 1 < len(supernode_args):
+            return supernode_args[i + 1]
+        if arg.startswith("--node-config="):
+            return arg.split("=", 1)[1]
+    return ""

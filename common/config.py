@@ -14,11 +14,10 @@ parse time, not half a minute later inside Flower. The names each key accepts ar
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Final, Literal
+from typing import Any, Literal
 
 from fedsparse.common.aggregation.norm_bounds import (
     DPNormBound,
@@ -35,13 +34,11 @@ from fedsparse.common.config_keys import (
     RESUME_MAY_DIFFER,
     TRACKERS,
     CodecName,
-    check_dp_level,
-    check_error_feedback,
-    check_names,
     method_option_values,
     wire_encoding,
     with_added_keys,
 )
+from fedsparse.common.config_values import check_values, dp_norm_bound_applies, trackers
 from fedsparse.common.data.datasets import DatasetName, EvalSplit
 from fedsparse.common.data.partition import PartitionerName
 from fedsparse.common.dp.accounting import AccountantName
@@ -216,35 +213,14 @@ class FederatedConfig:
             key = field.replace("_", "-")
             raise ValueError(f"{key}={getattr(self, field)!r}: expected {expected}")
 
-        for field in ("num_rounds", "local_epochs", "batch_size", "min_clients"):
-            if getattr(self, field) < 1:
-                fail(field, ">= 1")
-        if self.clients_per_round < 0:
-            fail("clients_per_round", ">= 0 (0 = all connected clients)")
-        for field in ("round_timeout", "lr", "max_grad_norm"):
-            value = getattr(self, field)
-            if not (math.isfinite(value) and value > 0):
-                fail(field, "a finite value > 0")
-        if not 0.0 <= self.momentum < 1.0:
-            fail("momentum", "0 <= momentum < 1")
-        if not (math.isfinite(self.noise_multiplier) and self.noise_multiplier >= 0):
-            fail("noise_multiplier", "a finite value >= 0")
-        if not (math.isfinite(self.target_epsilon) and self.target_epsilon >= 0):
-            fail("target_epsilon", "a finite value >= 0 (0: use noise-multiplier)")
-        check_names(self, fail)
-        if not 0 <= self.seed < 2**63:
-            fail("seed", "0 <= seed < 2**63")
-        if not 1 <= self.value_block < 2**32:
-            fail("value_block", "1 <= value-block < 2**32")
-        check_error_feedback(self, fail)
-        if not -1 <= self.split_seed < 2**63:
-            fail("split_seed", "-1 (the run's seed) or 0 <= split-seed < 2**63")
-        if self.dirichlet_alpha <= 0:
-            fail("dirichlet_alpha", "> 0")
-        if self.nominal_size < 0:
-            fail("nominal_size", ">= 0 (0: each simulated node's real count)")
-        self._check_robustness(fail)
-        check_dp_level(self, fail)
+        # ranges, names and combinations: the checks a command runs before heavy imports
+        check_values({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+        try:
+            self.norm_bound()
+        except ValueError as err:
+            raise ValueError(str(err).replace("_", "-")) from err
+        if self.dp_level == "user" and self.method_class().selects_per_step:
+            fail("dp_level", "'sample' with method gip or random-k (the clients choose supports)")
         method = self.method_class()
         # one spelling per value (resume and a finished sweep run compare run configs)
         canonical = format_pairs(METHOD_OPTIONS, dict(self.plugin_options()))
@@ -257,35 +233,6 @@ class FederatedConfig:
         except ValueError as err:
             message = re.sub(r"(?<![\w-])steps=", "rate-steps=", str(err).replace("_", "-"))
             raise ValueError(message) from err
-
-    def _check_robustness(self, fail: Callable[[str, str], None]) -> None:
-        if not 0.0 <= self.trim_fraction < 0.5:
-            fail("trim_fraction", "0 <= f < 0.5")
-        if self.max_failed_rounds < 0:
-            fail("max_failed_rounds", ">= 0 (0: never end the run)")
-        if self.max_client_examples < 0:
-            fail("max_client_examples", ">= 0 (0: the training split's size)")
-        if self.min_client_examples < 0:
-            fail("min_client_examples", ">= 0 (0: not declared)")
-        if 0 < self.max_client_examples < self.min_client_examples:
-            fail("min_client_examples", f"<= max-client-examples={self.max_client_examples}")
-        targeted = self.mechanism == "dpsgd" and self.target_epsilon > 0
-        if self.dp_norm_bound_applies and targeted and self.target_epsilon <= _MIN_TARGET:
-            fail(
-                "target_epsilon",
-                f"> {_MIN_TARGET:g} with dp-norm-bound='auto' (its worst-case sigma), or "
-                "dp-norm-bound='off'",
-            )
-        if self.aggregator != "mean" and self.weighting != "uniform":
-            fail(
-                "weighting",
-                f"'uniform' with aggregator={self.aggregator!r} (robust aggregators weigh "
-                "every update equally)",
-            )
-        try:
-            self.norm_bound()
-        except ValueError as err:
-            raise ValueError(str(err).replace("_", "-")) from err
 
     def method_class(self) -> type[Method]:
         """The class of ``method`` (``common/methods/registry.py``; a plug-in's module is
@@ -335,11 +282,14 @@ class FederatedConfig:
 
     @property
     def dp_norm_bound_applies(self) -> bool:
-        """``dp-norm-bound=auto`` and the DP parameters bound an update: ``dp-level=sample``
-        (under ``user`` the server clips every update itself, ``central-clip``) with a
-        mechanism that clips per sample (``noisy`` does not: nothing bounds its gradients)."""
-        return (
-            self.dp_norm_bound == "auto" and self.dp_level == "sample" and self.mechanism != "noisy"
+        """``dp-norm-bound=auto`` and the DP parameters bound an update
+        (``common/config_values.py: dp_norm_bound_applies``)."""
+        return dp_norm_bound_applies(
+            {
+                "dp_norm_bound": self.dp_norm_bound,
+                "dp_level": self.dp_level,
+                "mechanism": self.mechanism,
+            }
         )
 
     def worst_case_noise_multiplier(self) -> float:
@@ -441,7 +391,7 @@ class FederatedConfig:
     @property
     def trackers(self) -> tuple[str, ...]:
         """``log``'s tracker names, in order."""
-        return tuple(name.strip() for name in self.log.split(",") if name.strip())
+        return trackers(self.log)
 
     @property
     def model_name(self) -> ModelName:
@@ -499,8 +449,3 @@ class FederatedConfig:
             raise ValueError(
                 f"rate-steps={self.rate_steps!r}: expected comma-separated rates"
             ) from None
-
-
-#: The smallest target epsilon a worst-case sigma serves (``worst_case_noise_multiplier`` lowers
-#: the target by the calibration tolerance and PRV's error).
-_MIN_TARGET: Final = 0.03

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from logging import INFO
+from logging import ERROR, INFO
 from pathlib import Path
 
 import torch
@@ -36,7 +36,7 @@ from fedsparse.common.methods import public_split
 from fedsparse.common.models.classifiers import build_model
 from fedsparse.common.training.centralized import pretrain_public
 from fedsparse.common.training.local import evaluate
-from fedsparse.common.wire.run_log import RoundLog, RunSummary
+from fedsparse.common.wire.run_log import FAILURE_FILE, RoundLog, RunSummary, one_line, untrained
 from fedsparse.server.checkpoint import (
     CHECKPOINT,
     Checkpoint,
@@ -195,8 +195,21 @@ def run_federated(grid: Grid, cfg: FederatedConfig, *, expected_nodes: int = 0) 
         if cfg.save_updates:
             recorder.save_updates(server_round, stats.updates)
         if failed is not None:
-            raise failed
-    return recorder.finish()
+            raise _failed(out, str(failed))
+    summary = recorder.finish()
+    cause = untrained(recorder.logs)
+    if cause is not None:  # the records are written; the run did not succeed
+        raise _failed(out, cause)
+    return summary
+
+
+def _failed(out: Path, cause: str) -> FederationFailed:
+    """``FederationFailed`` with ``cause`` on one line, also written to ``FAILURE_FILE`` in
+    ``out`` (what a launcher reports when the ServerApp ran in another process)."""
+    line = one_line(cause)
+    (out / FAILURE_FILE).write_text(line + "\n")
+    log(ERROR, "fedsparse: %s", line)
+    return FederationFailed(line)
 
 
 def _pretrain_on_public(model: torch.nn.Module, train: Split, cfg: FederatedConfig) -> None:

@@ -29,7 +29,7 @@ from fedsparse.common.atomic import SHARED, write_atomically
 from fedsparse.common.config import FederatedConfig
 from fedsparse.common.layout import ParamLayout
 from fedsparse.common.training.configs import planned_engine
-from fedsparse.common.wire.run_log import RoundLog, RunSummary
+from fedsparse.common.wire.run_log import FAILURE_FILE, RoundLog, RunSummary
 from fedsparse.server.checkpoint import CHECKPOINT, Checkpoint, CheckpointError
 from fedsparse.server.launch_markers import STOP_FILE
 from fedsparse.server.tracking import Trackers, plot_run
@@ -76,6 +76,7 @@ class RunRecorder:
         self.out.mkdir(parents=True, exist_ok=True)
         _replace_text(self.out / "rounds.jsonl", "".join(line + "\n" for _, line in self._kept))
         (self.out / "summary.json").unlink(missing_ok=True)  # a stale one would read as success
+        (self.out / FAILURE_FILE).unlink(missing_ok=True)
         self.trackers = Trackers(self.cfg.trackers, self.out, self.cfg.to_run_config())
 
     def save_updates(self, server_round: int, updates: dict[int, bytes]) -> None:

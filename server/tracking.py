@@ -24,9 +24,9 @@ import math
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Final, Literal, Protocol, get_args
+from typing import Any, Final, Protocol
 
-from fedsparse.common.config import TRACKERS as CONFIG_TRACKERS
+from fedsparse.common.names import TRACKERS, TrackerName
 from fedsparse.common.wire.run_log import RoundLog
 
 __all__ = [
@@ -42,9 +42,6 @@ __all__ = [
     "read_rounds",
 ]
 
-TrackerName = Literal["tensorboard", "mlflow"]
-TRACKERS: Final[tuple[TrackerName, ...]] = get_args(TrackerName)
-assert TRACKERS == CONFIG_TRACKERS  # the run config's ``log`` takes the same names
 
 #: RoundLog fields logged each round (tracker name: field).
 ROUND_SCALARS: Final[dict[str, str]] = {

@@ -82,7 +82,7 @@ import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Final, Literal, get_args
+from typing import Final
 
 import numpy as np
 
@@ -91,6 +91,7 @@ from fedsparse.common.aggregation.quantized_norms import (
     feedback_norm,
     quantized_norm,
 )
+from fedsparse.common.names import DP_NORM_BOUNDS, NORM_ACTIONS, DPNormBound, NormAction
 from fedsparse.common.wire.payload import PayloadDType
 
 __all__ = [
@@ -105,17 +106,6 @@ __all__ = [
     "momentum_weights",
 ]
 
-NormAction = Literal["reject", "clip"]
-"""What happens to an update above the norm bound: dropped, or scaled down to the bound."""
-
-NORM_ACTIONS: Final[tuple[NormAction, ...]] = get_args(NormAction)
-
-DPNormBound = Literal["auto", "off"]
-"""Run-config ``dp-norm-bound``: "auto" bounds every update by what an honest client's DP
-parameters allow (``HonestClientBound``) wherever they bound it (``dp-level=sample`` with a
-clipping mechanism, ``dpsgd`` or ``clipped``); "off" does not."""
-
-DP_NORM_BOUNDS: Final[tuple[DPNormBound, ...]] = get_args(DPNormBound)
 
 HONEST_FAILURE_PROBABILITY: Final = 1e-9
 """The probability that one honest update exceeds its ``HonestClientBound``."""

@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from typing import Final
 
-from fedsparse.common.wire.payload import LOWBIT_DTYPES, PAYLOAD_DTYPES, PayloadDType
+from fedsparse.common.names import LOWBIT_DTYPES, PAYLOAD_DTYPES, PayloadDType
 
 __all__ = ["LOWBIT_SLACK", "feedback_contraction", "feedback_norm", "quantized_norm"]
 

@@ -31,11 +31,11 @@ mean: per coordinate over the updates covering it, unweighted. It holds ``n x ke
 from __future__ import annotations
 
 import math
-from typing import Final, Literal, get_args
 
 import torch
 
 from fedsparse.common.aggregation.robust import coordinate_median, trimmed_mean
+from fedsparse.common.names import AGGREGATORS, WEIGHTINGS, AggregatorName, Weighting
 
 __all__ = [
     "AGGREGATORS",
@@ -46,16 +46,6 @@ __all__ = [
     "Weighting",
     "make_aggregator",
 ]
-
-AggregatorName = Literal["mean", "trimmed-mean", "median"]
-"""The per-coordinate rule: weighted mean (FedAvg), trimmed mean, or median."""
-
-AGGREGATORS: Final[tuple[AggregatorName, ...]] = get_args(AggregatorName)
-
-Weighting = Literal["uniform", "examples"]
-"""Aggregation weights: 1 per accepted update, or the client's claimed ``num-examples``."""
-
-WEIGHTINGS: Final[tuple[Weighting, ...]] = get_args(Weighting)
 
 
 class SparseAggregator:

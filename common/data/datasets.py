@@ -35,7 +35,7 @@ import importlib.util
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final, Literal, get_args
+from typing import Final
 
 import numpy as np
 import torch
@@ -54,6 +54,13 @@ from fedsparse.common.data.readers import (
     read_mnist_5k,
 )
 from fedsparse.common.masks import mask_scores
+from fedsparse.common.names import (
+    DATASET_INPUT_SHAPES,
+    DATASET_NAMES,
+    EVAL_SPLITS,
+    DatasetName,
+    EvalSplit,
+)
 from fedsparse.common.seeds import Stream, stream_seed
 
 __all__ = [
@@ -73,20 +80,6 @@ __all__ = [
     "load_eval_splits",
 ]
 
-DatasetName = Literal["digits", "mnist", "fmnist", "cifar10", "svhn", "mnist-5k"]
-"""Names accepted by :func:`load_dataset`; ``"digits"`` and ``"mnist-5k"`` need no ``data_dir``."""
-
-DATASET_NAMES: Final[tuple[DatasetName, ...]] = get_args(DatasetName)
-
-DATASET_INPUT_SHAPES: Final[dict[DatasetName, tuple[int, int, int]]] = {
-    "digits": (1, 8, 8),
-    "mnist": (1, 28, 28),
-    "fmnist": (1, 28, 28),
-    "cifar10": (3, 32, 32),
-    "svhn": (3, 32, 32),
-    "mnist-5k": (1, 28, 28),
-}
-"""``C x H x W`` of one image of each dataset (every one has 10 classes)."""
 
 _MNIST_STATS: Final = ((0.1307,), (0.3081,))
 
@@ -284,11 +277,6 @@ def dataset_input_shape(
         return (int(c), int(h), int(w))
     return DATASET_INPUT_SHAPES[name]  # type: ignore[index]
 
-
-EvalSplit = Literal["test", "validation"]
-"""What a run evaluates on: the test split, or a validation slice of its training split."""
-
-EVAL_SPLITS: Final[tuple[EvalSplit, ...]] = get_args(EvalSplit)
 
 VALIDATION_FRACTION: Final = 0.2
 """Share of each class of the training split held out as the validation set."""

@@ -28,21 +28,17 @@ Partitioners:
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Final, Literal, get_args
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from fedsparse.common.known_warnings import quiet_known_warnings
+from fedsparse.common.names import PARTITIONER_NAMES, PartitionerName
 
 if TYPE_CHECKING:
     from flwr_datasets.partitioner import Partitioner
 
 __all__ = ["PARTITIONER_NAMES", "PartitionerName", "partition_indices"]
-
-PartitionerName = Literal["iid", "dirichlet", "shard", "pathological"]
-"""Names accepted by :func:`partition_indices` (``"pathological"`` is ``"shard"``)."""
-
-PARTITIONER_NAMES: Final[tuple[PartitionerName, ...]] = get_args(PartitionerName)
 
 
 def partition_indices(

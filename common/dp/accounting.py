@@ -51,12 +51,14 @@ import numbers
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, Final, Literal, get_args
+from typing import Any, Final
 
 import numpy as np
 from opacus.accountants import RDPAccountant, create_accountant
 from opacus.accountants.analysis import rdp as rdp_analysis
 from opacus.accountants.analysis.gdp import compute_mu_poisson, delta_eps_mu
+
+from fedsparse.common.names import ACCOUNTANTS, AccountantName
 
 __all__ = [
     "ACCOUNTANTS",
@@ -74,10 +76,6 @@ __all__ = [
     "steps_per_epoch",
 ]
 
-AccountantName = Literal["rdp", "prv", "gdp"]
-"""Opacus accountants (``opacus.accountants.create_accountant``)."""
-
-ACCOUNTANTS: Final[tuple[AccountantName, ...]] = get_args(AccountantName)
 
 HISTORY_KEYS: Final = ("acc-sigma", "acc-q", "acc-steps")
 """Record keys of the accountant history: σ, q and step count of each entry."""

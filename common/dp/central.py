@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import math
 import secrets
-from typing import Final, Literal, get_args
 
 import numpy as np
 import torch
@@ -49,6 +48,7 @@ from opacus.optimizers.optimizer import _generate_noise
 
 from fedsparse.common.aggregation.robust import clip_to_norm
 from fedsparse.common.dp.accounting import AccountantName, compute_epsilon_of_history
+from fedsparse.common.names import CENTRAL_NOISE_SOURCES, DP_LEVELS, CentralNoise, DPLevel
 
 __all__ = [
     "CENTRAL_NOISE_SOURCES",
@@ -61,17 +61,6 @@ __all__ = [
     "user_level_epsilon",
     "user_sample_rate",
 ]
-
-DPLevel = Literal["sample", "user"]
-"""Whose privacy the run's epsilon protects: each example (local DP-SGD on the clients) or each
-user's whole dataset (DP-FedAvg: clipping and noise on the server)."""
-
-DP_LEVELS: Final[tuple[DPLevel, ...]] = get_args(DPLevel)
-
-CentralNoise = Literal["fresh", "seeded"]
-"""The server's noise stream: OS entropy, or the run seed (reproducible, not secret)."""
-
-CENTRAL_NOISE_SOURCES: Final[tuple[CentralNoise, ...]] = get_args(CentralNoise)
 
 
 def user_sample_rate(clients_per_round: int, num_nodes: int) -> float:

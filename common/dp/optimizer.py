@@ -76,7 +76,7 @@ Ablations (RS paper, Appendix E), selected with ``mechanism``:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Final, Literal, get_args
+from typing import Any
 
 import torch
 from opacus.optimizers import DPOptimizer
@@ -87,17 +87,14 @@ from opacus.optimizers.optimizer import (
 )
 from torch import nn
 
+from fedsparse.common.names import MECHANISMS, MechanismName
+
 __all__ = [
     "MECHANISMS",
     "MechanismName",
     "SparseDPOptimizer",
     "zero_non_finite",
 ]
-
-MechanismName = Literal["dpsgd", "clipped", "noisy"]
-"""Algorithm 1 (private) and the non-private ablations (module docstring)."""
-
-MECHANISMS: Final[tuple[MechanismName, ...]] = get_args(MechanismName)
 
 
 def zero_non_finite(x: torch.Tensor, *, in_place: bool = False) -> torch.Tensor:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final, Literal, get_args
+from typing import TYPE_CHECKING, Any, Final, get_args
 
 from fedsparse.common.coerce import unknown_key
 from fedsparse.common.methods.base import Method
 from fedsparse.common.methods.index_selection import DEFAULT_INDEX_FRACTION
 from fedsparse.common.methods.registry import check_method_name, method_class
 from fedsparse.common.methods.selection import SELECTIONS, SelectionName
+from fedsparse.common.names import SELECTION_MODES, FederatedMethodName, MethodName, SelectionMode
 
 if TYPE_CHECKING:
     from fedsparse.common.layout import ParamLayout
@@ -26,21 +27,11 @@ __all__ = [
     "method_schedule",
 ]
 
-MethodName = Literal["rs", "random-freeze", "lf", "ranked", "dpssgd", "gip", "random-k"]
-"""The built-in methods (run-config ``method``, ``fedsparse train --method``)."""
 
 METHODS: Final[tuple[MethodName, ...]] = get_args(MethodName)
 
-FederatedMethodName = Literal["rs", "random-freeze", "lf", "ranked", "dpssgd", "gip", "random-k"]
-"""The built-in methods a federation runs (run-config ``method``): all of them."""
 
 FEDERATED_METHODS: Final[tuple[FederatedMethodName, ...]] = get_args(FederatedMethodName)
-
-SelectionMode = Literal["freeze", "reselect"]
-"""DP-SSGD's mode: one selection after pretraining (parameter freezing), or a new one each
-round (centralized: each epoch), the federated form of per-step parameter selection."""
-
-SELECTION_MODES: Final[tuple[SelectionMode, ...]] = get_args(SelectionMode)
 
 
 def method_schedule(method: str, schedule: ScheduleName, field: str = "schedule") -> ScheduleName:

@@ -21,14 +21,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Final, Literal, get_args
+
+from fedsparse.common.names import SCHEDULES, ScheduleName
 
 __all__ = ["SCHEDULES", "RateSchedule", "ScheduleName"]
-
-ScheduleName = Literal["gradual", "cooling", "constant", "linear-keep", "exp-keep", "steps"]
-"""The schedules above (run-config ``schedule``)."""
-
-SCHEDULES: Final[tuple[ScheduleName, ...]] = get_args(ScheduleName)
 
 
 @dataclass(frozen=True, kw_only=True)

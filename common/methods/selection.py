@@ -10,13 +10,13 @@ The methods that use them are in this package (one module each, ``base.Method``)
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Final, Literal, get_args
 
 import numpy as np
 import torch
 
 from fedsparse.common.layout import ParamLayout
 from fedsparse.common.masks import derive_seed, keep_count, sample_mask
+from fedsparse.common.names import SELECTIONS, SelectionName
 from fedsparse.common.seeds import Stream, stream_seed
 
 __all__ = [
@@ -33,11 +33,6 @@ __all__ = [
     "suffix_mask",
     "total_density",
 ]
-
-SelectionName = Literal["magnitude", "random"]
-"""DP-SSGD's pruning criterion: largest ``|w|`` per layer, or uniformly random per layer."""
-
-SELECTIONS: Final[tuple[SelectionName, ...]] = get_args(SelectionName)
 
 
 def layer_ranges(layout: ParamLayout) -> list[tuple[str, int, int]]:

@@ -35,16 +35,17 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final, Literal, get_args
+from typing import TYPE_CHECKING, Final
 
 import torch
 from torch import nn
 
 from fedsparse.common import plugins
 from fedsparse.common.models.scattering import Scattering2D
+from fedsparse.common.names import DEFAULT_MODELS, MODEL_INPUT_SHAPES, MODEL_NAMES, ModelName
 
 if TYPE_CHECKING:
-    from fedsparse.common.data.datasets import DatasetName
+    pass
 
 __all__ = [
     "DEFAULT_MODELS",
@@ -323,10 +324,6 @@ class HCNNMnist(_ScatterCNN):
 
 _ModelFactory = Callable[..., nn.Module]
 
-ModelName = Literal["dpcnn", "dpcnn-mnist", "digits-cnn", "cifar10-hcnn", "mnist-hcnn"]
-"""Names accepted by :func:`build_model`."""
-
-MODEL_NAMES: Final[tuple[ModelName, ...]] = get_args(ModelName)
 
 _REGISTRY: Final[dict[ModelName, _ModelFactory]] = {
     "dpcnn": DPCNN,
@@ -335,25 +332,6 @@ _REGISTRY: Final[dict[ModelName, _ModelFactory]] = {
     "cifar10-hcnn": HCNN,
     "mnist-hcnn": HCNNMnist,
 }
-
-MODEL_INPUT_SHAPES: Final[dict[ModelName, tuple[int, int, int]]] = {
-    "dpcnn": (3, 32, 32),
-    "dpcnn-mnist": (1, 28, 28),
-    "digits-cnn": (1, 8, 8),
-    "cifar10-hcnn": (3, 32, 32),
-    "mnist-hcnn": (1, 28, 28),
-}
-"""The ``C x H x W`` input each model takes (its linear head fixes the spatial size)."""
-
-DEFAULT_MODELS: Final[dict[DatasetName, ModelName]] = {
-    "digits": "digits-cnn",
-    "mnist": "dpcnn-mnist",
-    "fmnist": "dpcnn-mnist",
-    "mnist-5k": "dpcnn-mnist",
-    "cifar10": "dpcnn",
-    "svhn": "dpcnn",
-}
-"""The model each dataset uses unless one is named."""
 
 
 def build_model(

@@ -15,7 +15,6 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Final, Literal, get_args
 
 import torch
 
@@ -24,6 +23,7 @@ from fedsparse.common.dp.engines import ENGINES, EngineName, select_engine
 from fedsparse.common.dp.optimizer import MECHANISMS, MechanismName
 from fedsparse.common.methods.schedules import RateSchedule, ScheduleName
 from fedsparse.common.models.classifiers import ModelName, build_model
+from fedsparse.common.names import DEVICES, DeviceName
 
 __all__ = [
     "DEVICES",
@@ -34,12 +34,6 @@ __all__ = [
     "planned_engine",
     "resolve_device",
 ]
-
-
-DeviceName = Literal["auto", "cpu", "cuda"]
-"""Where local training runs; ``"auto"`` is CUDA when torch finds a device, else the CPU."""
-
-DEVICES: Final[tuple[DeviceName, ...]] = get_args(DeviceName)
 
 
 def resolve_device(name: DeviceName) -> torch.device:

@@ -26,8 +26,9 @@ import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Final, Literal, Self, get_args
+from typing import Any, ClassVar, Final, Self
 
+from fedsparse.common.names import MASK_SCOPES, MaskScope
 from fedsparse.common.seeds import Stream, stream_seed
 
 __all__ = [
@@ -66,10 +67,7 @@ SERVER_SUPPORT = "server-support"
 DOWNLINK_KIND = "downlink-kind"
 DOWNLINK_KINDS: Final = ("values", "delta")
 
-MaskScope = Literal["round", "client"]
-"""One mask per round for every client, or one per (round, client)."""
 
-MASK_SCOPES: Final[tuple[MaskScope, ...]] = get_args(MaskScope)
 _INT64 = 2**63
 
 

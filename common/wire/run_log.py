@@ -36,7 +36,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Self
+from typing import Any, Final, Literal, Self
 
 from fedsparse.common.atomic import SHARED, write_atomically
 from fedsparse.common.wire.run_header import (
@@ -54,6 +54,7 @@ from fedsparse.common.wire.run_header import (
 
 __all__ = [
     "BITS_PER_PARAM_REFERENCES",
+    "FAILURE_FILE",
     "LINKS",
     "NOISE_ORIGINS",
     "NoiseOrigin",
@@ -69,6 +70,7 @@ __all__ = [
     "config_hash",
     "epsilon_stats",
     "noise_range",
+    "one_line",
     "per_round_fields",
     "read_rounds",
     "record_command",
@@ -78,6 +80,7 @@ __all__ = [
     "software_versions",
     "summary_header",
     "summary_metrics",
+    "untrained",
     "uplink_bits_per_param",
 ]
 
@@ -425,3 +428,28 @@ def read_rounds(path: Path) -> list[RoundLog]:
     if not path.exists():
         return []
     return [RoundLog.from_json(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+#: The file a run that failed leaves its cause in, one line (beside its records).
+FAILURE_FILE: Final = "failure.txt"
+
+
+def one_line(text: str, *, limit: int = 400) -> str:
+    """``text`` on one line: the first line of each ``; ``-separated part, at most ``limit``
+    characters (a client's error may carry a traceback)."""
+    parts = [part.strip().splitlines()[0] if part.strip() else "" for part in text.split("; ")]
+    line = "; ".join(p for p in parts if p)
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def untrained(rounds: Sequence[RoundLog]) -> str | None:
+    """Why a run whose every round left the model unchanged trained nothing (one line); None
+    when some round accepted an update."""
+    if not rounds or any(not entry.failed for entry in rounds):
+        return None
+    last = rounds[-1]
+    cause = f"the run trained nothing: none of its {len(rounds)} rounds accepted an update"
+    cause += f"; round {last.round}: {last.failure}"
+    if last.rejected:
+        cause += f"; its first rejection: {last.rejected[0]}"
+    return one_line(cause)

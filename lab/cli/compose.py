@@ -62,6 +62,14 @@ def node(ctx: typer.Context) -> None:
     ...) and runs flower-supernode --isolation process with them, launching every ClientApp
     task itself with the fedsparse installed here (client/node.py).
     """
+    import os
+
+    from fedsparse.client.node_policy import POLICY_ENV, check_node_config, node_config_text
+
+    try:  # before the imports below (seconds): a bad policy or declaration fails at once
+        check_node_config(node_config_text(ctx.args), os.environ.get(POLICY_ENV, ""))
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from err
     from fedsparse.client.node import run_node
     from fedsparse.lab.launch.flower import tool
 

@@ -16,6 +16,7 @@ import typer
 from fedsparse.lab.cli.simulate import RAY_ADDRESS_HELP
 from fedsparse.lab.cli.utils import (
     Opt,
+    check_grid_values,
     check_run_config,
     choice,
     console,
@@ -89,6 +90,7 @@ def sweep(
     fixed = parse_sets(set_ or [])
     try:
         check_run_config(fixed)  # before the imports below: they take seconds
+        check_grid_values(grid or [], fixed)
     except ValueError as err:
         raise typer.BadParameter(str(err)) from err
     from fedsparse.lab.experiments.report import write_outputs

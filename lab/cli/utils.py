@@ -20,6 +20,7 @@ __all__ = [
     "CARRIER",
     "STATE",
     "carry_method_options",
+    "check_grid_values",
     "check_run_config",
     "Opt",
     "choice",
@@ -159,29 +160,35 @@ def _declared_keys() -> set[str]:
 
 
 def check_run_config(overrides: Mapping[str, str]) -> None:
-    """Fails fast on an unknown run-config key or a value of the wrong scalar type.
+    """Fails fast on an unknown run-config key, a value of the wrong scalar type, or a value
+    out of its range, names or combinations (``common/config_values.py: check_values``).
 
     The same errors, word for word, as ``FederatedConfig.from_run_config`` raises for them,
     found in milliseconds instead of the seconds the config module takes to import (it
-    loads torch and Opacus to list valid names): the full check still runs when the command
-    starts. Without the app's ``pyproject.toml`` (an installed, non-editable package), there
-    is nothing to check here and the full check alone runs.
+    loads torch and Opacus): the checks that need a method's class or the model still run
+    when the command starts. Without the app's ``pyproject.toml`` (an installed,
+    non-editable package), there is nothing to check here and the full check alone runs.
 
     Raises:
         ValueError: ``run config key 'num-round' is unknown; did you mean 'num-rounds'?``,
-            or ``key=value: expected int`` (bool, int and float keys).
+            ``key=value: expected int`` (bool, int and float keys), or
+            ``final-rate=1.5: expected 0 <= r < 1``.
     """
     from fedsparse.common.coerce import coerce, unknown_key
+    from fedsparse.common.config_values import check_values
 
     declared = _app_config()
     if declared is None:
         return
+    values = dict(declared)
     for key, value in overrides.items():
-        default = declared.get(key.replace("_", "-"))
+        name = key.replace("_", "-")
+        default = declared.get(name)
         if default is None:
             raise ValueError(unknown_key("run config key", key, declared))
-        if isinstance(default, bool | int | float):
-            coerce(key, value, type(default))
+        kind = type(default) if isinstance(default, bool | int | float) else str
+        values[name] = coerce(key, value, kind)
+    check_values({key.replace("-", "_"): value for key, value in values.items()})
 
 
 @contextmanager
@@ -196,3 +203,19 @@ def removed_on_failed_start(out: Path) -> Iterator[None]:
         if not existed:
             shutil.rmtree(out, ignore_errors=True)
         raise
+
+
+def check_grid_values(grid: Sequence[str], fixed: Mapping[str, str]) -> None:
+    """``check_run_config`` for every value of every ``--grid key=v1,v2,...`` (with the fixed
+    ``--set`` values), before the heavy imports; malformed entries are left to the full parse.
+
+    Raises:
+        ValueError: a value ``check_run_config`` refuses (named).
+    """
+    for entry in grid:
+        key, sep, values = entry.partition("=")
+        if not sep:
+            continue
+        for value in values.split(","):
+            if value.strip():
+                check_run_config({**fixed, key.strip(): value.strip()})

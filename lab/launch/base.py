@@ -36,7 +36,7 @@ from fedsparse.common.atomic import SHARED, write_atomically
 from fedsparse.common.config import METHOD_OPTIONS, FederatedConfig
 from fedsparse.common.data.datasets import load_dataset
 from fedsparse.common.data.readers import DatasetFormatError
-from fedsparse.common.wire.run_log import RunSummary
+from fedsparse.common.wire.run_log import FAILURE_FILE, RunSummary
 from fedsparse.lab.launch.flower import (
     app_bundle_dir,
     flwr_env,
@@ -358,8 +358,13 @@ def read_summary(run: PreparedRun, returncode: int, *, logs: Callable[[], str]) 
         logs: what to show of the logs if the run failed.
 
     Raises:
-        RuntimeError: ``flwr run`` failed, or left no (or an unreadable) ``summary.json``.
+        RuntimeError: the run trained nothing or stopped at ``max-failed-rounds`` (the one
+            line of its ``FAILURE_FILE``), ``flwr run`` failed, or it left no (or an
+            unreadable) ``summary.json``.
     """
+    failure = run.out / FAILURE_FILE
+    if failure.exists() and failure.stat().st_mtime >= math.floor(run.started):
+        raise RuntimeError(failure.read_text().strip())
     path = run.out / "summary.json"
     fresh = path.exists() and path.stat().st_mtime >= math.floor(run.started)  # coarse mtimes
     if returncode != 0 or not fresh:

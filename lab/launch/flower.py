@@ -14,11 +14,10 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from fedsparse.client.node_policy import POLICY_ENV
+from fedsparse.client.node_policy import POLICY_ENV, SIMULATION_NODE_POLICY
 
 __all__ = [
     "APP_DIR",
-    "SIMULATION_NODE_POLICY",
     "app_bundle_dir",
     "fab_size",
     "flower_logs_in_this_process",
@@ -58,22 +57,6 @@ def write_flwr_config(
     else:
         lines.append(f'root-certificates = "{root_certificates}"')
     (flwr_home / "config.toml").write_text("\n".join(lines) + "\n")
-
-
-#: The node policy of simulated nodes (``client/node_policy.py``), played by the experimenter:
-#: seeded noise for reproducible runs (so NOT private against the server: the run summary
-#: says so), no persistent ledger, every mechanism and σ allowed, losses and counts released.
-SIMULATION_NODE_POLICY: dict[str, Any] = {
-    "noise": "seeded",
-    "ledger-dir": "",
-    "epsilon-budget": math.inf,
-    "min-noise-multiplier": 0.0,
-    "allowed-mechanisms": "dpsgd,clipped,noisy",
-    "max-local-epochs": 1000,
-    "min-batch-size": 1,
-    "release-train-loss": True,
-    "release-example-count": True,
-}
 
 
 def simulation_policy_env(state_dir: Path | None = None) -> dict[str, str]:

@@ -63,6 +63,7 @@ RUN_ENTRIES: Final = (
     "run.png",
     "wire.json",
     "nodes.json",
+    "failure.txt",
     INPUTS_FILE,
     "*.log",
     ".flwr",

@@ -18,7 +18,7 @@ from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
 
-from fedsparse.lab.launch.flower import SIMULATION_NODE_POLICY
+from fedsparse.client.node_policy import SIMULATION_NODE_POLICY
 from fedsparse.lab.simulation.local_grid import LocalGrid, default_node_ids
 
 __all__ = ["InProcessGrid"]

@@ -57,7 +57,7 @@ from flwr.app import Message
 from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.common.logger import log
 
-from fedsparse.lab.launch.flower import SIMULATION_NODE_POLICY
+from fedsparse.client.node_policy import SIMULATION_NODE_POLICY
 from fedsparse.lab.launch.processes import raise_if_stopping
 from fedsparse.lab.simulation.local_grid import LocalGrid, default_node_ids
 from fedsparse.lab.simulation.rayworkers import ClientFn, RayWorkers, error_reply

@@ -19,6 +19,7 @@ from fedsparse.client.app import app as client_app
 from fedsparse.client.data import local_data
 from fedsparse.client.ledger import PrivacyLedger, ledger_path
 from fedsparse.client.node_data import data_identity
+from fedsparse.client.node_policy import SIMULATION_NODE_POLICY
 from fedsparse.common.config import FederatedConfig
 from fedsparse.common.dp.accounting import (
     calibrate_noise_multiplier,
@@ -32,7 +33,6 @@ from fedsparse.common.methods.index_selection import IndexBudget
 from fedsparse.common.models.classifiers import build_model
 from fedsparse.common.wire.payload import EXPLICIT_ENCODINGS, decode_update
 from fedsparse.common.wire.protocol import ProtocolError, TrainInstruction
-from fedsparse.lab.launch.flower import SIMULATION_NODE_POLICY
 from fedsparse.lab.simulation.inprocess import InProcessGrid
 from fedsparse.server.app import run_federated
 

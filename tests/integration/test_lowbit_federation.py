@@ -18,6 +18,7 @@ import torch
 
 from fedsparse.client import local_round
 from fedsparse.client.app import app as client_app
+from fedsparse.client.node_policy import SIMULATION_NODE_POLICY
 from fedsparse.common.config import FederatedConfig
 from fedsparse.common.layout import ParamLayout
 from fedsparse.common.models.classifiers import build_model
@@ -29,7 +30,6 @@ from fedsparse.common.wire.protocol import (
     TrainReply,
     round_seed,
 )
-from fedsparse.lab.launch.flower import SIMULATION_NODE_POLICY
 from fedsparse.lab.simulation.inprocess import InProcessGrid
 from fedsparse.server.app import run_federated
 from fedsparse.server.messages import train_message

@@ -20,6 +20,7 @@ from flwr.app import ConfigRecord, Context, Message
 from fedsparse.client.app import _server_support
 from fedsparse.client.app import app as client_app
 from fedsparse.client.data import _partitions
+from fedsparse.client.node_policy import SIMULATION_NODE_POLICY
 from fedsparse.common.config import FederatedConfig
 from fedsparse.common.data.datasets import load_dataset
 from fedsparse.common.layout import ParamLayout
@@ -43,7 +44,6 @@ from fedsparse.common.wire.protocol import (
     ProtocolError,
     TrainInstruction,
 )
-from fedsparse.lab.launch.flower import SIMULATION_NODE_POLICY
 from fedsparse.lab.simulation.inprocess import InProcessGrid
 from fedsparse.server.app import run_federated
 

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from fedsparse.client.app import app as client_app
+from fedsparse.client.node_policy import SIMULATION_NODE_POLICY
 from fedsparse.common.config import FederatedConfig
 from fedsparse.common.data.datasets import load_dataset
 from fedsparse.common.layout import ParamLayout
@@ -34,7 +35,6 @@ from fedsparse.common.wire.protocol import (
     TrainInstruction,
     TrainReply,
 )
-from fedsparse.lab.launch.flower import SIMULATION_NODE_POLICY
 from fedsparse.lab.simulation.inprocess import InProcessGrid
 from fedsparse.server.app import run_federated
 from fedsparse.server.messages import train_message

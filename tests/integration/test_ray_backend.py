@@ -24,10 +24,10 @@ from flwr.common.constant import ErrorCode
 from typer.testing import CliRunner
 
 from fedsparse.client.app import app as client_app
+from fedsparse.client.node_policy import SIMULATION_NODE_POLICY
 from fedsparse.common.config import FederatedConfig
 from fedsparse.common.wire.run_log import read_rounds
 from fedsparse.lab.cli import app as cli_app
-from fedsparse.lab.launch.flower import SIMULATION_NODE_POLICY
 from fedsparse.lab.launch.simulate import run_simulation
 from fedsparse.lab.simulation.inprocess import InProcessGrid
 from fedsparse.lab.simulation.raygrid import RayGrid

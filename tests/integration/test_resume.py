@@ -20,9 +20,9 @@ from fedsparse.client.app import app as client_app
 from fedsparse.client.data import local_data
 from fedsparse.client.ledger import PrivacyLedger, ledger_path
 from fedsparse.client.node_data import data_identity
+from fedsparse.client.node_policy import SIMULATION_NODE_POLICY
 from fedsparse.common.config import FederatedConfig
 from fedsparse.common.dp.accounting import compute_epsilon_of_history
-from fedsparse.lab.launch.flower import SIMULATION_NODE_POLICY
 from fedsparse.lab.simulation.inprocess import InProcessGrid
 from fedsparse.server.app import run_federated
 from fedsparse.server.checkpoint import CHECKPOINT_FORMAT, CheckpointError

@@ -21,6 +21,7 @@ import fedsparse.server.loop as loop_module
 import fedsparse.server.secagg as server_secagg
 from fedsparse.client.app import app as client_app
 from fedsparse.client.ledger import PrivacyLedger
+from fedsparse.client.node_policy import SIMULATION_NODE_POLICY
 from fedsparse.client.state import NodeState
 from fedsparse.common.aggregation.secure import (
     central_noise_multiplier,
@@ -31,7 +32,6 @@ from fedsparse.common.aggregation.secure import (
 from fedsparse.common.config import FederatedConfig
 from fedsparse.common.dp.accounting import compute_epsilon_of_history
 from fedsparse.common.wire.secagg import COLLECT, STAGE, STAGES, UNMASK
-from fedsparse.lab.launch.flower import SIMULATION_NODE_POLICY
 from fedsparse.lab.simulation.inprocess import InProcessGrid
 from fedsparse.server.round_updates import round_support
 from fedsparse.server.secagg_round import secure_round

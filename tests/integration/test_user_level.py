@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from fedsparse.client.app import app as client_app
+from fedsparse.client.node_policy import SIMULATION_NODE_POLICY
 from fedsparse.common.config import FederatedConfig
 from fedsparse.common.dp.accounting import compute_epsilon_of_history
 from fedsparse.common.dp.central import poisson_sample
-from fedsparse.lab.launch.flower import SIMULATION_NODE_POLICY
 from fedsparse.lab.simulation.inprocess import InProcessGrid
 from fedsparse.server.app import run_federated
 from fedsparse.server.round_stats import RoundStats

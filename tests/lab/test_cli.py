@@ -252,7 +252,7 @@ def test_one_backend_vocabulary_in_every_command(
 def test_train_names_a_bad_out_and_the_files_a_dataset_needs(tmp_path: Path) -> None:
     file = tmp_path / "out.txt"
     file.write_text("")
-    result = CliRunner().invoke(app, ["train", "--out", str(file)])
+    result = CliRunner().invoke(app, ["train", "--out", str(file)], env={"COLUMNS": "240"})
     assert result.exit_code == 2 and "exists and is not a directory" in result.output
     assert "Errno" not in result.output
     missing = CliRunner().invoke(

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from fedsparse.client.app import app as client_app
+from fedsparse.client.node_policy import SIMULATION_NODE_POLICY
 from fedsparse.common.config import FederatedConfig
-from fedsparse.lab.launch.flower import SIMULATION_NODE_POLICY
 from fedsparse.lab.simulation.inprocess import InProcessGrid
 from fedsparse.server.launch_markers import EXPECTED_NODES_ENV
 from fedsparse.server.loop import expected_nodes, run_federated, wait_for_nodes

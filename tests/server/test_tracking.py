@@ -132,8 +132,8 @@ def test_a_federated_run_logs_each_round_and_draws_its_plot(tmp_path: Path) -> N
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from fedsparse.client.app import app as client_app
+    from fedsparse.client.node_policy import SIMULATION_NODE_POLICY
     from fedsparse.common.config import FederatedConfig
-    from fedsparse.lab.launch.flower import SIMULATION_NODE_POLICY
     from fedsparse.lab.simulation.inprocess import InProcessGrid
     from fedsparse.server.app import run_federated
 

@@ -27,20 +27,17 @@ became the default, bit for bit.
 
 from __future__ import annotations
 
-from typing import Final, Literal, get_args
+from typing import Final, Literal
 
 import torch
 from torch import nn
 
 from fedsparse.common.dp.engines.factored_layers import factored_support_error
 from fedsparse.common.dp.engines.func import func_support_error
+from fedsparse.common.names import ENGINES, EngineName
 
 __all__ = ["AUTO_FUNC_DEVICES", "ENGINES", "EngineName", "select_engine"]
 
-EngineName = Literal["auto", "opacus", "func", "factored"]
-"""Which DP engine computes per-sample gradients (module docstring)."""
-
-ENGINES: Final[tuple[EngineName, ...]] = get_args(EngineName)
 
 #: Device types on which ``engine="auto"`` takes the func engine (module docstring).
 AUTO_FUNC_DEVICES: Final[frozenset[str]] = frozenset({"cuda"})

@@ -15,6 +15,16 @@ import numpy as np
 from google.protobuf.message import DecodeError
 from google.protobuf.unknown_fields import UnknownFieldSet
 
+from fedsparse.common.names import (
+    COMPRESSIONS,
+    LOWBIT_DTYPES,
+    PAYLOAD_DTYPES,
+    VALUE_DTYPES,
+    Compression,
+    LowBitDType,
+    PayloadDType,
+    ValueDType,
+)
 from fedsparse.v1 import payload_pb2 as pb
 
 __all__ = [
@@ -60,28 +70,16 @@ __all__ = [
     "parse",
 ]
 
-ValueDType = Literal["fp32", "fp16", "bf16", "int8"]
-"""The deterministic value dtypes (what the run config's ``value-dtype`` accepts today)."""
-LowBitDType = Literal["int4", "int2", "int1"]
-"""The blocked low-bit dtypes: stochastic rounding, so encoding them needs a generator."""
-PayloadDType = Literal[ValueDType, LowBitDType]
-"""How each value travels; every one decodes to float32."""
 ExplicitEncoding = Literal["coo", "delta", "bitmap"]
 """Index encodings that put the support on the wire."""
 Encoding = Literal[Literal["seeded", "dense"], ExplicitEncoding]
 """How the support travels, in tie-break order for ``choose_encoding``."""
 IndexEncoding = Literal[Encoding, Literal["auto"]]
 """What ``encode_update`` accepts: an ``Encoding`` or ``"auto"`` (the smallest)."""
-Compression = Literal["none", "zstd"]
-"""Optional compression of the ``indices`` and ``values`` sections."""
 
-VALUE_DTYPES: tuple[ValueDType, ...] = get_args(ValueDType)
-LOWBIT_DTYPES: tuple[LowBitDType, ...] = get_args(LowBitDType)
-PAYLOAD_DTYPES: tuple[PayloadDType, ...] = (*VALUE_DTYPES, *LOWBIT_DTYPES)
 ENCODINGS: tuple[Encoding, ...] = get_args(Encoding)
 INDEX_ENCODINGS: tuple[IndexEncoding, ...] = get_args(IndexEncoding)
 EXPLICIT_ENCODINGS: tuple[ExplicitEncoding, ...] = get_args(ExplicitEncoding)
-COMPRESSIONS: tuple[Compression, ...] = get_args(Compression)
 
 FORMAT_VERSION = 2
 SUPPORTED_VERSIONS = (1, 2)
