@@ -346,7 +346,8 @@ def _private_round(
                     index_spent=state.index_epsilon,
                     partition_id=partition[0],
                     residual=residual,
-                    nominal_size=size,
+                    # padded to the declared size (a simulated node declaring none: its own)
+                    nominal_size=declared.nominal_size or None,
                 )
         except Exception as err:
             raise released_error(err, data_read=True) from None

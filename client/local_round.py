@@ -31,7 +31,11 @@ from fedsparse.common.methods import suffix_mask
 from fedsparse.common.methods.index_selection import StepSelector
 from fedsparse.common.seeds import client_train_seed, value_rounding
 from fedsparse.common.training.configs import PrivacyConfig, TrainConfig
-from fedsparse.common.training.local import make_private, train_one_epoch
+from fedsparse.common.training.local import (
+    make_private,
+    padded_cross_entropy,
+    train_one_epoch,
+)
 from fedsparse.common.wire.payload import IndexEncoding, decode_update, encode_update
 from fedsparse.common.wire.protocol import TrainInstruction, TrainReply, client_mask_seed
 
@@ -71,8 +75,9 @@ def train_round(
     With a ``residual`` (``error-feedback``: a float32 vector of length d) the reply sends
     the quantized ``values + residual`` on the round's support, and ``residual`` is updated in
     place on that support (``feed_back``).
-    With a ``nominal_size`` (``client/app.py: public_size``) the Poisson rate, the steps and
-    the noise's scale are that size's, not ``len(data)``'s (``make_private``).
+    With a ``nominal_size`` (the node's declared ``nominal-size``) the data is padded to it
+    with dummy rows whose gradients are 0 (``make_private``): the Poisson rate, the steps, the
+    noise's scale and every batch's size are that size's, never ``len(data)``'s.
     """
     layout = ParamLayout.from_module(model)
     numel = layout.numel
@@ -119,8 +124,9 @@ def train_round(
         if selector is not None:
             engine.set_step_selector(selector)
         losses, examples = [], 0
+        criterion = padded_cross_entropy if nominal_size is not None else None
         for _ in range(train_cfg.epochs):
-            loss, n = train_one_epoch(module, optimizer, loader)
+            loss, n = train_one_epoch(module, optimizer, loader, criterion=criterion)
             losses.append(loss)
             examples += n
     finally:

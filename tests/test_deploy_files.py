@@ -154,8 +154,10 @@ def _check_mirrors(services: dict[str, dict[str, Any]], *, secure: bool) -> None
         assert opts == ref  # same flags, values, partition, key; ClientAppIo local
         assert ref["--host"] == "127.0.0.1"
     partitions = [_options(services[n]["command"])["--node-config"] for n in NODES]
+    nominal = -(-1437 // NUM_NODES)  # the largest iid partition of digits' training split
     assert partitions == [
-        f"partition-id={i} num-partitions={NUM_NODES} dataset='digits' ledger-dir='{LEDGER_DIR}'"
+        f"partition-id={i} num-partitions={NUM_NODES} dataset='digits' nominal-size={nominal} "
+        f"ledger-dir='{LEDGER_DIR}'"
         for i in range(NUM_NODES)
     ]
 
@@ -267,7 +269,12 @@ def test_the_earlier_tls_overlay_still_works_and_changes_nothing() -> None:
 SUPERLINK_HOST = ROOT / "deploy" / "superlink-host.yml"
 NODE_HOST = ROOT / "deploy" / "node-host.yml"
 #: What the node host's variables are set to below (host A's address as its nodes dial it).
-HOST_ENV = {"SUPERLINK_ADDRESS": "203.0.113.7:9092", "PARTITION_ID": "1", "NUM_PARTITIONS": "4"}
+HOST_ENV = {
+    "SUPERLINK_ADDRESS": "203.0.113.7:9092",
+    "PARTITION_ID": "1",
+    "NUM_PARTITIONS": "4",
+    "NOMINAL_SIZE": "400",
+}
 _VARIABLE = re.compile(r"\$\{([A-Z_]+)(?::[-?][^}]*)?\}")
 
 
@@ -343,7 +350,7 @@ def test_node_host_dials_the_configured_superlink_with_its_own_key_and_the_hande
         auth_keys=[Path("/app/keys/node")],
         superlink_hosts=["203.0.113.7"],
         ledger_dirs=[LEDGER_DIR],
-        data=[NodeData(dataset="digits", partition_id=1, num_partitions=4)],
+        data=[NodeData(dataset="digits", partition_id=1, num_partitions=4, nominal_size=400)],
     )
     assert _options(command) == _options(reference)
     volumes = [_interpolate(volume, {}) for volume in service["volumes"]]

@@ -4,10 +4,8 @@
 ``SparseDPOptimizer`` (``optimizer``, whose module docstring states the mechanism and its
 privacy argument); ``set_mask`` sets the random-sparsification mask for the following steps,
 ``set_step_selector`` GIP's step selector, and ``get_epsilon`` adds the selector's epsilon to the
-accountant's. ``make_private(nominal_size=N)`` samples and normalises for a public nominal data
-size ``N`` instead of the real one (a node's count stays private). ``os_entropy_generator``
-seeds its secure mode's generator, and ``flush_denormals`` is the process-wide switch that
-keeps subnormal floats from timing a step.
+accountant's. ``os_entropy_generator`` seeds its secure mode's generator, and
+``flush_denormals`` is the process-wide switch that keeps subnormal floats from timing a step.
 """
 
 from __future__ import annotations
@@ -18,12 +16,10 @@ from typing import Any
 
 import torch
 from opacus import PrivacyEngine
-from opacus.data_loader import DPDataLoader
 from opacus.optimizers import DPOptimizer
 from torch import nn
-from torch.utils.data import DataLoader
 
-from fedsparse.common.dp.accounting import AccountantName, sample_rate
+from fedsparse.common.dp.accounting import AccountantName
 from fedsparse.common.dp.optimizer import MECHANISMS, MechanismName, SparseDPOptimizer
 from fedsparse.common.dp.per_sample import PerSampleCriterion, PerSampleModule
 from fedsparse.common.layout import ParamLayout, unwrap_name
@@ -135,7 +131,6 @@ class SparseDPEngine(PrivacyEngine):
         self._optimizer: SparseDPOptimizer | None = None
         self._mask: torch.Tensor | None = None
         self._selector: StepSelector | None = None
-        self._nominal_size: int | None = None
 
     def _prepare_criterion(
         self, *, module: nn.Module, criterion: Any, loss_reduction: str = "mean", **kwargs: Any
@@ -165,8 +160,6 @@ class SparseDPEngine(PrivacyEngine):
             )
         if isinstance(optimizer, DPOptimizer):
             optimizer = optimizer.original_optimizer
-        if self._nominal_size is not None:  # Opacus took it from the real count: int(n q)
-            kwargs["expected_batch_size"] = self._nominal_batch
         noise_generator = kwargs.pop("noise_generator", None)
         generator = self.secure_rng if self.secure_mode else noise_generator
         sparse = self.optimizer_class(
@@ -179,47 +172,10 @@ class SparseDPEngine(PrivacyEngine):
         self._optimizer = sparse
         return sparse
 
-    def make_private(
-        self,
-        *,
-        module: nn.Module,
-        noise_multiplier: float,
-        nominal_size: int | None = None,
-        **kwargs: Any,
-    ) -> Any:
+    def make_private(self, *, module: nn.Module, noise_multiplier: float, **kwargs: Any) -> Any:
         """Opacus's ``make_private``; returns ``(module, optimizer, data_loader)``, or with
         ``grad_sample_mode="ghost"`` (func and factored engines) ``(module, optimizer,
-        criterion, data_loader)`` (``PerSampleCriterion``).
-
-        Args:
-            nominal_size: a public size ``N`` the data set never exceeds (a node's declared
-                ``nominal-size``; None: the data set's own length, as Opacus). Poisson
-                sampling then draws each example with ``q = sample_rate(N, b)`` (``b`` the
-                loader's batch size), an epoch is ``1 / q`` steps, and the noisy sum is divided
-                by ``int(N q)``: every quantity the release or the accountant shows is a
-                function of ``N``, never of the real count ``n <= N``. Privacy is unchanged:
-                Poisson sampling at rate ``q`` is what the accountant charges, whatever ``n``
-                is. ``N = n`` gives Opacus's own loader and scaling exactly.
-
-        Raises:
-            ValueError: ``nominal_size`` below the data set's length, or with
-                ``poisson_sampling=False``.
-        """
-        self._nominal_size = nominal_size
-        if nominal_size is not None:
-            loader = kwargs.get("data_loader")
-            if not isinstance(loader, DataLoader) or not kwargs.get("poisson_sampling", True):
-                raise ValueError(
-                    "nominal_size: needs a DataLoader and poisson_sampling=True (the rate "
-                    "it fixes is a Poisson sampling rate)"
-                )
-            if nominal_size < len(loader.dataset):  # type: ignore[arg-type]
-                raise ValueError(
-                    f"nominal_size={nominal_size}: below the data set's "
-                    f"{len(loader.dataset)} examples"  # type: ignore[arg-type]
-                )
-            self._nominal_rate = sample_rate(nominal_size, loader.batch_size or 1)
-            self._nominal_batch = int(nominal_size * self._nominal_rate)
+        criterion, data_loader)`` (``PerSampleCriterion``)."""
         if self.mechanism == "clipped" and noise_multiplier != 0:
             raise ValueError(
                 f"noise_multiplier={noise_multiplier}: mechanism='clipped' adds no noise, "
@@ -237,33 +193,6 @@ class SparseDPEngine(PrivacyEngine):
         self._mask = None
         result = super().make_private(module=module, noise_multiplier=noise_multiplier, **kwargs)
         return result
-
-    def _prepare_data_loader(
-        self, data_loader: DataLoader, *, poisson_sampling: bool, distributed: bool, **kwargs: Any
-    ) -> DataLoader:
-        """Opacus's loader; under a ``nominal_size``, Poisson sampling at its rate (what
-        ``DPDataLoader.from_data_loader`` builds, with the rate of ``N`` for ``1 / len``)."""
-        loader = super()._prepare_data_loader(
-            data_loader, poisson_sampling=poisson_sampling, distributed=distributed, **kwargs
-        )
-        if self._nominal_size is None:
-            return loader
-        return DPDataLoader(
-            dataset=data_loader.dataset,
-            sample_rate=self._nominal_rate,
-            num_workers=data_loader.num_workers,
-            collate_fn=data_loader.collate_fn,
-            pin_memory=data_loader.pin_memory,
-            drop_last=data_loader.drop_last,
-            timeout=data_loader.timeout,
-            worker_init_fn=data_loader.worker_init_fn,
-            multiprocessing_context=data_loader.multiprocessing_context,
-            generator=self.secure_rng if self.secure_rng else data_loader.generator,
-            prefetch_factor=data_loader.prefetch_factor,
-            persistent_workers=data_loader.persistent_workers,
-            distributed=distributed,
-            **kwargs,
-        )
 
     def make_private_with_epsilon(self, **kwargs: Any) -> Any:
         """Opacus's ``make_private_with_epsilon`` (calibrates sigma for the target epsilon)."""

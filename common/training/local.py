@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -40,9 +41,12 @@ from fedsparse.common.seeds import Stream, stream_seed
 from fedsparse.common.training.configs import PrivacyConfig, TrainConfig, resolve_device
 
 __all__ = [
+    "DUMMY_LABEL",
     "EpochStats",
     "evaluate",
     "make_private",
+    "pad_to_nominal",
+    "padded_cross_entropy",
     "train_one_epoch",
 ]
 
@@ -89,10 +93,16 @@ def make_private(
             rate the accountant charges, ``privacy.sample_rate(len(x), train.batch_size)``
             (Opacus's ``make_private_with_epsilon`` used ``int(epochs / q)`` steps at the
             loader's ``q``; where those agree, σ is unchanged).
-        nominal_size: a public bound ``N >= len(x)`` that sampling, steps, calibration and
-            the noise's scale are computed from in place of ``len(x)`` (a deployed node's
-            declared ``nominal-size``: ``SparseDPEngine.make_private``); None: ``len(x)``.
-            ``N = len(x)`` trains exactly as None does.
+        nominal_size: a public bound ``N >= len(x)`` (a deployed node's declared
+            ``nominal-size``; None: ``len(x)``). The data is padded to ``N`` examples with
+            ``DUMMY_LABEL`` rows (zero inputs), so that Poisson sampling runs over ``N`` slots:
+            the rate ``q = 1 / ceil(N / b)``, the steps, the calibrated σ, the noise's scale
+            ``int(N q)`` and every batch's size are functions of ``N`` and the sampler's draws,
+            never of the real count ``n`` (nor is a step's time: the same rows go through the
+            model whatever ``n`` is). Train with ``criterion=padded_cross_entropy``: a dummy
+            row's loss, and so its per-sample gradient, is exactly 0, so the clipped sum is that
+            of the sampled real examples, as if sampled from those alone at rate ``q``: the
+            same DP guarantee. ``N = len(x)`` pads nothing and trains exactly as None does.
     """
     device = resolve_device(train.device)
     model.to(device)
@@ -104,7 +114,9 @@ def make_private(
         # Noise is drawn where the gradients are: a CUDA generator on a CUDA device.
         noise_gen = torch.Generator(device).manual_seed(stream_seed(seed, Stream.DP_NOISE))
     noise_multiplier = privacy.noise_multiplier
-    size = len(x) if nominal_size is None else nominal_size
+    if nominal_size is not None:
+        x, y = pad_to_nominal(x, y, nominal_size)
+    size = len(x)
     if privacy.target_epsilon is not None:
         steps = epochs_for_target * steps_per_epoch(
             size, train.batch_size, poisson_sampling=train.poisson_sampling
@@ -140,7 +152,6 @@ def make_private(
             max_grad_norm=privacy.max_grad_norm,
             poisson_sampling=train.poisson_sampling,
             noise_generator=noise_gen,
-            **({} if nominal_size is None else {"nominal_size": nominal_size}),
         )
     module, dp_optimizer, dp_loader = private
     if privacy.secure_mode and device.type != "cpu":
@@ -150,22 +161,56 @@ def make_private(
     return engine, module, dp_optimizer, dp_loader
 
 
+#: The label of the rows ``make_private`` pads a data set to its nominal size with.
+DUMMY_LABEL = -1
+
+
+def pad_to_nominal(
+    x: torch.Tensor, y: torch.Tensor, nominal_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x, y)`` followed by ``nominal_size - len(x)`` dummy rows: zero inputs, label
+    ``DUMMY_LABEL`` (``make_private``).
+
+    Raises:
+        ValueError: ``nominal_size`` below ``len(x)``.
+    """
+    missing = nominal_size - len(x)
+    if missing < 0:
+        raise ValueError(f"nominal_size={nominal_size}: below the data set's {len(x)} examples")
+    if missing == 0:
+        return x, y
+    dummy_x = torch.zeros((missing, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    dummy_y = torch.full((missing,), DUMMY_LABEL, dtype=y.dtype, device=y.device)
+    return torch.cat([x, dummy_x]), torch.cat([y, dummy_y])
+
+
+def padded_cross_entropy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The cross-entropy averaged over every row of the batch, a ``DUMMY_LABEL`` row's being
+    exactly 0 (so is its gradient): the criterion of data padded to its nominal size. The
+    same arithmetic runs whatever rows are dummies."""
+    losses = nn.functional.cross_entropy(output, target, reduction="none", ignore_index=DUMMY_LABEL)
+    return losses.mean()
+
+
 def train_one_epoch(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     loader: DataLoader,
     *,
     max_physical_batch_size: int = 0,
+    criterion: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[float, int]:
     """One pass over ``loader``; returns (mean training loss, examples seen).
 
     Batches go to the model's device. ``model`` is what ``make_private`` returned: Opacus's
     ``GradSampleModule`` (per-sample gradients from hooks in ``backward``), the func
     engine's ``FuncGradSampleModule`` or the factored engine's ``FactoredGradSampleModule``
-    (``backward_per_sample``).
+    (``backward_per_sample``). ``criterion``: the batch loss (default cross-entropy; data
+    padded to a nominal size: ``padded_cross_entropy``, and the examples seen are the real
+    ones).
     """
     model.train()
-    criterion = nn.CrossEntropyLoss()
+    criterion = criterion or nn.CrossEntropyLoss()
     device = _device_of(model)
     total_loss, examples = 0.0, 0
 
@@ -178,8 +223,9 @@ def train_one_epoch(
             loss = _backward(model, xb, yb, criterion)
             optimizer.step()
             if len(xb):
-                total_loss += float(loss) * len(xb)
-                examples += len(xb)
+                real = int((yb != DUMMY_LABEL).sum())
+                total_loss += float(loss) * len(xb)  # the dummies' losses are 0
+                examples += real
 
     if max_physical_batch_size > 0:
         with BatchMemoryManager(
@@ -194,7 +240,10 @@ def train_one_epoch(
 
 
 def _backward(
-    model: nn.Module, x: torch.Tensor, y: torch.Tensor, criterion: nn.Module
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    criterion: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
 ) -> torch.Tensor:
     """Computes the batch's per-sample gradients for the DP optimizer; returns the mean loss."""
     if isinstance(model, (FuncGradSampleModule, FactoredGradSampleModule)):

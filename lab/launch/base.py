@@ -117,6 +117,7 @@ def prepare_run(
     check_data: bool = True,
     resume: bool = False,
     overwrite: bool = False,
+    clients: tuple[str, int] | None = None,
 ) -> PreparedRun:
     """Validates ``overrides`` (plus ``out-dir=<out>``), then readies ``out`` for a run.
 
@@ -129,6 +130,8 @@ def prepare_run(
         overrides: run-config values (keys as in ``[tool.flwr.app.config]``).
         check_data: load the dataset once here, so that missing or corrupt files are a
             config error before any process starts (the ServerApp and every client load it).
+        clients: (the option's name, the number of nodes the run will have): refused below
+            ``min-clients``, where the run could never start.
 
     Raises:
         ValueError: a bad run-config override (named key and value), a dataset whose files
@@ -157,7 +160,13 @@ def prepare_run(
             raise ValueError(f"{where}: {err}") from None
     if out.exists() and not out.is_dir():
         raise ValueError(f"out={out}: exists and is not a directory")
-    claim(out, resume=resume, overwrite=overwrite)
+    if clients is not None and config.min_clients > clients[1]:
+        name, count = clients
+        raise ValueError(
+            f"{name}={count}: below min-clients={config.min_clients}, the run could never "
+            f"start (lower --set min-clients or add {name if name == 'nodes' else 'clients'})"
+        )
+    claim(out, resume=resume, overwrite=overwrite)  # last: every check above touched nothing
     started = time.time()
     out.mkdir(parents=True, exist_ok=True)
     if not os.access(out, os.W_OK):

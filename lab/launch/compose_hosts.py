@@ -139,16 +139,14 @@ def superlink_host_document(
 def _node_config(dataset: str) -> str:
     """The node config of ``compose._supernode_command``, its partition from the environment."""
     text = format_node_config(
-        NodeData(dataset=dataset, partition_id=0, num_partitions=1),  # type: ignore[arg-type]
+        NodeData(dataset=dataset, partition_id=0, num_partitions=1, nominal_size=1),  # type: ignore[arg-type]
         ledger_dir=LEDGER_DIR,
     )
     fixed = "partition-id=0 num-partitions=1 "
-    if not text.startswith(fixed):  # format_node_config puts these two first
+    if not text.startswith(fixed) or " nominal-size=1 " not in text:  # format_node_config's
         raise AssertionError(f"unexpected node config {text!r}")
-    return (
-        f"partition-id={PARTITION_ID} num-partitions={NUM_PARTITIONS} {text[len(fixed) :]} "
-        f"nominal-size={NOMINAL_SIZE}"
-    )
+    text = text.replace(" nominal-size=1 ", f" nominal-size={NOMINAL_SIZE} ")
+    return f"partition-id={PARTITION_ID} num-partitions={NUM_PARTITIONS} {text[len(fixed) :]}"
 
 
 def node_host_document(

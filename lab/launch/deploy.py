@@ -342,12 +342,7 @@ def run_deployment(
     shaped = uplink_bps is not None or downlink_bps is not None
     if shaped and not relay:
         raise ValueError("uplink/downlink rates need relay=True (each node's link is its relay's)")
-    run = prepare_run(out, overrides, overwrite=overwrite)
-    if run.config.min_clients > num_nodes:
-        raise ValueError(
-            f"nodes={num_nodes}: below min-clients={run.config.min_clients}, the run could "
-            "never start (lower --set min-clients or add nodes)"
-        )
+    run = prepare_run(out, overrides, overwrite=overwrite, clients=("nodes", num_nodes))
     shaping: dict[str, Any] | None = None
     if shaped:
         reason = shaping_unavailable()

@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Any, Final
 
 from fedsparse.common import plugins
-from fedsparse.server.launch_markers import STOP_FILE
 
 __all__ = [
     "INPUTS_FILE",
@@ -68,7 +67,6 @@ RUN_ENTRIES: Final = (
     "*.log",
     ".flwr",
     ".app",
-    STOP_FILE,
     "node-state",
     "ledgers",
     "keys",

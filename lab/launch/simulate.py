@@ -243,12 +243,8 @@ def _simulate(
         {**overrides, **({"resume": "true"} if resume else {})},
         resume=resume,
         overwrite=overwrite,
+        clients=("clients", clients),
     )
-    if run.config.min_clients > clients:
-        raise ValueError(
-            f"clients={clients}: below min-clients={run.config.min_clients}, the run could "
-            "never start (lower --set min-clients or add clients)"
-        )
     inputs = RunInputs.of_run(
         clients=clients, backend=backend, data=run.data, run_config=run.config.to_run_config()
     )

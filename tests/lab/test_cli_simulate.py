@@ -163,12 +163,12 @@ def test_a_failed_train_start_leaves_no_folder(tmp_path: Path) -> None:
 
 
 def test_a_failed_start_keeps_a_folder_that_was_there(tmp_path: Path) -> None:
+    """Even with --overwrite: the checks run before the old run's files are removed."""
     out = tmp_path / "earlier"
     out.mkdir()
     (out / "rounds.jsonl").write_text("{}\n")
-    result = CliRunner().invoke(
-        app, ["simulate", "--out", str(out), "--clients", "1", "--set", "min-clients=2"]
-    )
+    args = ["simulate", "--out", str(out), "--clients", "1", "--set", "min-clients=2"]
+    result = CliRunner().invoke(app, [*args, "--overwrite"])
     assert result.exit_code == 2 and "below min-clients=2" in _flat(result.output)
     assert (out / "rounds.jsonl").read_text() == "{}\n"
 

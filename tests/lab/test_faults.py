@@ -140,7 +140,9 @@ def test_prepare_keeps_the_previous_results_and_read_summary_ignores_them(
     for name, text in old.items():
         (tmp_path / name).write_text(text)
         os.utime(tmp_path / name, (time.time() - 60, time.time() - 60))
-    run = prepare_run(tmp_path, {"num-rounds": "2"})
+    with pytest.raises(ValueError, match="holds a run"):  # neither --resume nor --overwrite
+        prepare_run(tmp_path, {"num-rounds": "2"})
+    run = prepare_run(tmp_path, {"num-rounds": "2"}, resume=True)
     assert {n: (tmp_path / n).read_text() for n in old} == old
     with pytest.raises(RuntimeError, match="no summary.json of this run"):
         read_summary(run, 0, logs=lambda: "")

@@ -68,11 +68,11 @@ def test_prepare_replaces_flwr_home_keeps_results_and_types_the_overrides(
     (out / ".flwr" / "config.toml").write_text("old")
     for name in ("rounds.jsonl", "summary.json", "wire.json", "keep.txt"):
         (out / name).write_text("old")
-    run = prepare_run(out, {"num-rounds": "2", "codec": "coo"})
+    run = prepare_run(out, {"num-rounds": "2", "codec": "coo"}, resume=True)
     assert run.out == out.resolve() and run.config.num_rounds == 2
     assert run.run_config == {"num-rounds": 2, "codec": "coo", "out-dir": str(out.resolve())}
     for name in ("rounds.jsonl", "summary.json", "wire.json", "keep.txt"):
-        assert (out / name).read_text() == "old"  # the new run replaces them once it starts
+        assert (out / name).read_text() == "old"  # a resumed run keeps its records
     assert not (out / ".flwr").exists()
     assert [p.name for p in run.app.iterdir()] == ["pyproject.toml"]
     assert (run.superlink_log.name, run.flwr_log.name) == ("superlink.log", "flwr.log")

@@ -286,7 +286,9 @@ def test_resume_reuses_finished_runs(swept: Path, tmp_path: Path) -> None:
     args = ["sweep", "--out", str(tmp_path), "--runs-dir", str(swept / "runs")]
     args += ["--grid", "final-rate=0,0.9", "--seeds", "2", "--set", "num-rounds=2"]
     args += ["--clients", "3", "--backend", "inprocess"]
-    result = CliRunner().invoke(app, args, env=ENV)
+    refused = CliRunner().invoke(app, args, env=ENV)  # neither --resume nor --overwrite
+    assert refused.exit_code == 2 and "holds 4 runs" in refused.output
+    result = CliRunner().invoke(app, [*args, "--resume"], env=ENV)
     assert result.exit_code == 0, result.output
     assert result.output.count("reused") >= 4 and "4 ok (4 reused)" in result.output
     assert {p: p.stat().st_mtime_ns for p in summaries} == before
@@ -298,7 +300,7 @@ def test_resume_reuses_finished_runs(swept: Path, tmp_path: Path) -> None:
             assert a[key] == b[key], key
 
 
-def test_a_changed_config_is_rerun(
+def test_a_finished_run_of_other_inputs_is_refused_by_name_never_rerun_over(
     monkeypatch: pytest.MonkeyPatch, swept: Path, tmp_path: Path
 ) -> None:
     calls: list[str] = []
@@ -317,13 +319,18 @@ def test_a_changed_config_is_rerun(
     settings = RunSettings(backend="inprocess", clients=3)
     assert run_sweep(same, runs_dir=runs_dir, settings=settings)[0]["reused"] and not calls
     other = RunSettings(backend="inprocess", clients=4)  # same config, other federation
-    assert run_sweep(same, runs_dir=runs_dir, settings=other)[0]["status"] == "failed"
+    (row,) = run_sweep(same, runs_dir=runs_dir, settings=other)
+    assert row["status"] == "failed" and "clients=3, this sweep's has clients=4" in row["error"]
     lr = plan_sweep({"final-rate": ["0"]}, {"num-rounds": "2", "lr": "0.1"}, seeds=1)
-    assert run_sweep(lr, runs_dir=runs_dir, settings=settings)[0]["status"] == "failed"
-    assert calls == [src.name, src.name]
+    (row,) = run_sweep(lr, runs_dir=runs_dir, settings=settings)
+    assert row["status"] == "failed" and "lr=0.25, this sweep's has lr=0.1" in row["error"]
+    assert calls == []  # nothing was rerun over the finished run
+    assert (runs_dir / src.name / "summary.json").read_bytes() == (
+        src / "summary.json"
+    ).read_bytes()
 
 
-def test_a_run_recorded_with_another_engine_is_rerun(
+def test_a_run_recorded_with_another_engine_is_not_reused(
     monkeypatch: pytest.MonkeyPatch, swept: Path, tmp_path: Path
 ) -> None:
     # "auto" resolves by machine and model (and what it resolves to has changed between
@@ -351,9 +358,11 @@ def test_a_run_recorded_with_another_engine_is_rerun(
         run_dir.mkdir(parents=True)
         (run_dir / "summary.json").write_bytes((src / "summary.json").read_bytes())
         (run_dir / "sweep-run.json").write_text(json.dumps(variant))
-        reused[name] = run_sweep(plan, runs_dir=run_dir.parent, settings=settings)[0]["reused"]
+        (row,) = run_sweep(plan, runs_dir=run_dir.parent, settings=settings)
+        reused[name] = row["reused"]
+        assert row["reused"] or "engine=" in row["error"], row
     assert reused == {"same": True, "opacus": False, "unrecorded": False}
-    assert calls == [src.name, src.name]
+    assert calls == []  # refused by name (--overwrite starts over), never rerun over
     # a record older than the key, of a run that named its engine, ran with that engine
     explicit = plan_sweep({"final-rate": ["0"]}, {"num-rounds": "2", "engine": "opacus"}, seeds=1)
     old = {**variants["unrecorded"], "config": {**record["config"], "engine": "opacus"}}

@@ -1,5 +1,6 @@
-"""Training at a public nominal size ``N``: the sampling rate, the steps, sigma and the noise's
-scale are ``N``'s, whatever the real count ``n <= N``; ``N = n`` trains bit for bit as before."""
+"""Training at a public nominal size ``N``: the data is padded to ``N`` with dummy rows whose
+gradients are 0, so the sampling rate, the steps, sigma, the noise's scale and every batch's
+size are ``N``'s, whatever the real count ``n <= N``; ``N = n`` trains bit for bit as before."""
 
 from __future__ import annotations
 
@@ -11,7 +12,12 @@ from fedsparse.common.data.datasets import load_dataset
 from fedsparse.common.dp.accounting import sample_rate, steps_per_epoch
 from fedsparse.common.models.classifiers import build_model
 from fedsparse.common.training.configs import PrivacyConfig, TrainConfig
-from fedsparse.common.training.local import make_private, train_one_epoch
+from fedsparse.common.training.local import (
+    DUMMY_LABEL,
+    make_private,
+    padded_cross_entropy,
+    train_one_epoch,
+)
 
 ENGINES = ("opacus", "func", "factored")
 
@@ -31,17 +37,67 @@ def _epoch(
     dp, module, optimizer, loader = make_private(
         model, x, y, privacy=privacy, train=train, epochs_for_target=1, nominal_size=nominal
     )
-    train_one_epoch(module, optimizer, loader)
+    train_one_epoch(module, optimizer, loader, criterion=padded_cross_entropy)
     weights = torch.cat([p.detach().flatten() for p in model.parameters()])
     return weights, dp, optimizer, loader
 
 
 @pytest.mark.parametrize("engine", ENGINES)
-def test_the_real_count_as_nominal_size_trains_bit_for_bit_as_before(engine: str) -> None:
+def test_the_real_count_as_nominal_size_pads_nothing_and_trains_as_before(engine: str) -> None:
     privacy = PrivacyConfig(target_epsilon=3.0)
-    before = _epoch(100, nominal=None, engine=engine, privacy=privacy)[0]
-    after = _epoch(100, nominal=100, engine=engine, privacy=privacy)[0]
-    assert torch.equal(before, after)
+    model = build_model("digits-cnn", seed=0)
+    x, y = _digits(100)
+    train = TrainConfig(batch_size=16, lr=0.5, engine=engine, device="cpu", seed=3)
+    runs = []
+    for nominal in (None, 100):
+        model = build_model("digits-cnn", seed=0)
+        _, module, optimizer, loader = make_private(
+            model, x, y, privacy=privacy, train=train, epochs_for_target=1, nominal_size=nominal
+        )
+        assert len(loader.dataset) == 100  # nothing padded
+        train_one_epoch(module, optimizer, loader)
+        runs.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    assert torch.equal(*runs)
+
+
+def test_a_dummy_rows_loss_and_gradient_are_exactly_zero() -> None:
+    logits = torch.randn(5, 10, requires_grad=True)
+    target = torch.tensor([3, DUMMY_LABEL, 7, DUMMY_LABEL, 0])
+    padded_cross_entropy(logits, target).backward()
+    assert logits.grad is not None
+    assert torch.equal(logits.grad[[1, 3]], torch.zeros(2, 10))
+    real = torch.tensor([0, 2, 4])
+    reference = logits.detach()[real].clone().requires_grad_(True)
+    (nn.functional.cross_entropy(reference, target[real], reduction="sum") / 5).backward()
+    assert torch.allclose(logits.grad[real], reference.grad, atol=1e-7)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_every_batch_has_the_same_size_whatever_the_count(engine: str) -> None:
+    """The Poisson draws run over the N slots: with the same seed, nodes of 20 and 250
+    examples under N = 300 train on batches of identical sizes (the same rows through the
+    model, so the same time), and see exactly their own examples."""
+    sizes, seen = {}, {}
+    for n in (20, 250):
+        model = build_model("digits-cnn", seed=0)
+        x, y = _digits(n)
+        train = TrainConfig(batch_size=16, lr=0.5, engine=engine, device="cpu", seed=11)
+        _, module, optimizer, loader = make_private(
+            model,
+            x,
+            y,
+            privacy=PrivacyConfig(noise_multiplier=1.0),
+            train=train,
+            epochs_for_target=1,
+            nominal_size=300,
+        )
+        batches = [yb for _, yb in loader]  # the first epoch's draws
+        sizes[n] = [len(yb) for yb in batches]
+        assert all(int((yb != DUMMY_LABEL).sum()) <= n for yb in batches)
+        _, seen[n] = train_one_epoch(module, optimizer, loader, criterion=padded_cross_entropy)
+    assert sizes[20] == sizes[250] and len(sizes[20]) == 19
+    # the real examples an epoch sees: Bin(n, q) a step, n in expectation (sd sqrt(n))
+    assert abs(seen[20] - 20) < 5 * 20**0.5 and abs(seen[250] - 250) < 5 * 250**0.5
 
 
 @pytest.mark.parametrize("engine", ENGINES)
@@ -80,7 +136,7 @@ def test_the_noise_is_scaled_by_the_nominal_batch_whatever_the_count() -> None:
             epochs_for_target=1,
             nominal_size=nominal,
         )
-        train_one_epoch(module, optimizer, loader)
+        train_one_epoch(module, optimizer, loader, criterion=padded_cross_entropy)
         update = model.weight.detach().flatten()
         std = float(update.std())
         # 8000 draws: the sample std's relative standard error is 1/sqrt(2 * 8000) = 0.8%
