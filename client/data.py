@@ -157,6 +157,8 @@ def _partitions(
     pool = np.arange(len(labels))
     if public_fraction > 0:
         pool = private_examples(len(labels), public_fraction, seed)
+    if len(pool) == 0:  # a node's own loader that holds nothing: it trains on its padding alone
+        return tuple(pool for _ in range(num_partitions))
     return tuple(
         pool[part]
         for part in partition_indices(

@@ -16,11 +16,9 @@ key                        default        meaning
 ``allowed-mechanisms``     "dpsgd"        comma-separated; ``clipped``/``noisy`` are the RS
                                           paper's non-private ablations
 ``max-local-epochs``       10             local epochs per round
-``min-batch-size``         16             smallest ``batch-size`` accepted: ε and σ in a reply
-                                          are functions of ``q = 1/ceil(n/b)`` and the step
-                                          count, so the server, which picks ``b``, learns the
-                                          node's example count ``n`` to within ``b`` (exactly
-                                          at ``b = 1``)
+``min-batch-size``         16             smallest ``batch-size`` accepted (ε, σ and the
+                                          steps come from the node's public ``nominal-size``,
+                                          never its real count: ``client/node_data.py``)
 ``noise``                  "fresh"        ``fresh``: DP noise and Poisson sampling from OS
                                           entropy on every train call; ``seeded``: from the
                                           run seed (simulation only: anyone who knows the run
@@ -34,7 +32,8 @@ key                        default        meaning
                                           (``resume``) continues it; "" keeps none
 ``release-train-loss``     false          reply with the exact mean training loss
 ``release-example-count``  false          reply with the exact example counts (else 1 and 0;
-                                          the server weights updates uniformly by default)
+                                          the server weights updates uniformly by default):
+                                          releases the real count ``nominal-size`` hides
 ``evaluate``               false          answer ``evaluate`` messages, on the public test
                                           split of the node's declared dataset (never on its
                                           training data); false refuses them

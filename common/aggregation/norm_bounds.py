@@ -55,7 +55,10 @@ round's ``V`` is taken at ``P_fail / (R + 1)``, ``R`` the run's rounds, a union 
 arithmetic in training is left out: its errors are orders of magnitude below the slack of the tails
 above.
 
-What the server does not know is the client's data size ``n``: it sets ``s = E ceil(n / b)`` (``E``
+What the server does not know is the client's data size ``n`` (a deployed node's sampling comes
+from its public ``nominal-size`` instead, an ``n`` the bound below covers while it is at most
+``N``, and its batches hold ``Bin(n_real, p)`` examples, fewer than ``Bin(nominal, p)``): it sets
+``s = E ceil(n / b)`` (``E``
 local epochs, ``b`` batch size; ``privacy.steps_per_epoch``), ``p = 1 / ceil(n / b)``, ``b' = int(n
 p)`` and, under a target epsilon, sigma. ``HonestClientBound`` takes the maximum over every ``K =
 ceil(n / b)`` from 1 to ``ceil(N / b)``, where ``N`` caps ``n`` (the size of the training split the

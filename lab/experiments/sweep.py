@@ -18,6 +18,7 @@ command line still writes the CSVs and report of what finished.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -32,6 +33,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from fedsparse.common.config import FederatedConfig, with_added_keys
+from fedsparse.common.data.datasets import load_dataset
 from fedsparse.common.training.configs import planned_engine
 from fedsparse.common.wire.run_log import RunSummary, record_command, summary_metrics
 from fedsparse.lab.experiments.sweep_backends import (
@@ -43,7 +45,7 @@ from fedsparse.lab.experiments.sweep_backends import (
 from fedsparse.lab.experiments.sweep_plan import SweepPlan, SweepRun
 from fedsparse.lab.launch.backends import backend_name
 from fedsparse.lab.launch.processes import request_stop
-from fedsparse.lab.launch.run_dir import claim
+from fedsparse.lab.launch.run_dir import RunInputs, claim, data_digest
 
 __all__ = [
     "METRICS",
@@ -74,10 +76,28 @@ def _identity(run: SweepRun, settings: RunSettings) -> dict[str, Any]:
         "clients": settings.clients,
         "backend": settings.backend,
         "engine": engine,
+        # the data's content and the plug-ins' code (RunInputs); a record older than these
+        # keys is compared on the others only (``_LATER_KEYS``)
+        "data": _data_digest(cfg.dataset, cfg.data_dir, cfg.seed),
+        "plugins": RunInputs.of_run(clients=0, backend="", data="", run_config=config).plugins,
     }
     if settings.backend == "deploy":  # the links are part of what a deployed run measured
         identity |= {"uplink_bps": settings.uplink_bps, "downlink_bps": settings.downlink_bps}
     return identity
+
+
+#: Identity keys added after sweeps were recorded: a record without one is not compared on it.
+_LATER_KEYS = ("data", "plugins")
+
+
+@functools.lru_cache(maxsize=8)
+def _data_digest(dataset: str, data_dir: str, seed: int) -> str:
+    """``run_dir.data_digest`` of the dataset a run loads ("" where it cannot be loaded here:
+    the run fails with its own message)."""
+    try:
+        return data_digest(*load_dataset(dataset, data_dir=data_dir or None, seed=seed))  # type: ignore[arg-type]
+    except (OSError, ValueError):
+        return ""
 
 
 def _reusable(run_dir: Path, identity: dict[str, Any]) -> tuple[dict[str, Any], RunSummary] | None:
@@ -97,7 +117,10 @@ def _reusable(run_dir: Path, identity: dict[str, Any]) -> tuple[dict[str, Any], 
         record.setdefault("engine", record["config"].get("engine"))
     if isinstance(record.get("backend"), str):  # a record may name a backend by an older name
         record["backend"] = backend_name(record["backend"])
-    same = all(record.get(k) == v for k, v in identity.items()) and config == identity["config"]
+    same = all(
+        record.get(k) == v for k, v in identity.items() if k in record or k not in _LATER_KEYS
+    )
+    same = same and config == identity["config"]
     return (record, summary) if same and record.get("status") == "ok" else None
 
 
@@ -117,6 +140,8 @@ def other_run(run_dir: Path, identity: dict[str, Any]) -> str | None:
     if isinstance(record.get("backend"), str):
         record["backend"] = backend_name(record["backend"])
     for key, value in identity.items():
+        if key in _LATER_KEYS and key not in record:
+            continue
         old = record.get(key)
         if key == "config" and isinstance(old, dict):
             for name in sorted(set(old) | set(value)):
@@ -128,6 +153,8 @@ def other_run(run_dir: Path, identity: dict[str, Any]) -> str | None:
 
 
 def _differs(run_dir: Path, key: str, old: Any, new: Any) -> str:
+    if key == "data":  # digests: their heads name them
+        old, new = f"sha256 {str(old)[:12]}...", f"sha256 {str(new)[:12]}..."
     return (
         f"{run_dir} holds a finished run with {key}={old!r}, this sweep's has {key}={new!r}: "
         "not rerun over it (--overwrite starts over, or use another --out)"

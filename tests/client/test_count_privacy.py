@@ -262,3 +262,19 @@ def test_the_count_probe_recovers_the_nominal_size_never_the_count(tmp_path: Pat
     for count in (COUNTS[0], COUNTS[2]):
         prober = _Prober(_node(tmp_path, count))
         assert count_candidates(prober, num_rounds=PROBE_ROUNDS, **probe) == {NOMINAL}
+
+
+def test_a_node_holding_nothing_answers_as_one_holding_one_example(tmp_path: Path) -> None:
+    """n = 0 trains on its padding alone: a reply like any other, never an error."""
+    cfg = FederatedConfig(**{**BASE, "num_rounds": 2, "target_epsilon": 3.0})
+    answers = []
+    for count in (0, 1):
+        grid = InProcessGrid(
+            client_app,
+            num_nodes=1,
+            run_config=cfg.to_run_config(),
+            node_config=_node(tmp_path, count),
+        )
+        (reply,) = grid.send_and_receive(_messages(cfg, grid, 1))
+        answers.append(_answer(reply))
+    assert answers[0] == answers[1] and answers[0][0] == "reply"
