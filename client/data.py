@@ -76,18 +76,7 @@ def holding(declared: NodeData) -> Holding:
     eval_split: EvalSplit = "validation" if declared.hold_out_validation else "test"
     seeds = (declared.data_seed, eval_split, declared.train_test_seed)
     train, _ = _dataset(declared.dataset, declared.data_dir, *seeds)
-    parts = _partitions(
-        declared.dataset,
-        declared.data_dir,
-        declared.data_seed,
-        declared.num_partitions,
-        declared.partitioner,
-        declared.dirichlet_alpha,
-        declared.public_fraction,
-        eval_split,
-        declared.train_test_seed,
-    )
-    idx = torch.from_numpy(parts[declared.partition_id])
+    idx = torch.from_numpy(_declared_partitions(declared)[declared.partition_id])
     return Holding(Split(x=train.x[idx], y=train.y[idx]), declared)
 
 
@@ -97,8 +86,13 @@ def largest_partition(declared: NodeData) -> int:
     deploy``, a compose file's nodes) can declare as each one's ``nominal-size``, since it
     depends on the partitioning only, never on which part a node holds (iid: ``ceil(train /
     num-partitions)``)."""
+    return max(len(part) for part in _declared_partitions(declared))
+
+
+def _declared_partitions(declared: NodeData) -> tuple[np.ndarray, ...]:
+    """Every part of ``declared``'s partitioning (``_partitions``, cached)."""
     eval_split: EvalSplit = "validation" if declared.hold_out_validation else "test"
-    parts = _partitions(
+    return _partitions(
         declared.dataset,
         declared.data_dir,
         declared.data_seed,
@@ -109,7 +103,6 @@ def largest_partition(declared: NodeData) -> int:
         eval_split,
         declared.train_test_seed,
     )
-    return max(len(part) for part in parts)
 
 
 def with_nominal_size(declared: NodeData) -> NodeData:

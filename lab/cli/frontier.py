@@ -9,7 +9,15 @@ from typing import Annotated, Final
 
 import typer
 
-from fedsparse.lab.cli.utils import Opt, check_run_config, choice, console, parse_sets
+from fedsparse.lab.cli.utils import (
+    Opt,
+    OverwriteRuns,
+    ResumeRuns,
+    check_run_config,
+    choice,
+    console,
+    parse_sets,
+)
 from fedsparse.lab.launch.backends import BACKEND_ALIASES, BACKEND_HELP, BACKENDS
 
 __all__ = ["frontier"]
@@ -46,12 +54,8 @@ def frontier(
     jobs: Annotated[int, Opt(help="runs at a time")] = 1,
     timeout: Annotated[float, Opt(help="seconds per simulation run")] = 3600.0,
     runs_dir: Annotated[Path | None, Opt(help="per-run directories (default OUT/runs)")] = None,
-    resume: Annotated[
-        bool, Opt(help="reuse the finished runs in the runs-dir (a run of other inputs is refused)")
-    ] = False,
-    overwrite: Annotated[
-        bool, Opt(help="start over: remove the runs the runs-dir holds first")
-    ] = False,
+    resume: ResumeRuns = False,
+    overwrite: OverwriteRuns = False,
 ) -> None:
     """Accuracy against uplink and downlink bits per parameter: each arm (a set of run-config
     values) tuned on validation, then run at its best with paired seeds; each compared with

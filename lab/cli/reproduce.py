@@ -10,7 +10,7 @@ from typing import Annotated, Final
 
 import typer
 
-from fedsparse.lab.cli.utils import Opt, choice, console
+from fedsparse.lab.cli.utils import Opt, OverwriteRuns, ResumeRuns, choice, console
 
 __all__ = ["PARTS_ALL", "reproduce"]
 
@@ -31,12 +31,8 @@ def reproduce(
     quick: Annotated[
         bool, Opt(help="a minutes-long plan to try the command (too small to conclude)")
     ] = False,
-    resume: Annotated[
-        bool, Opt(help="reuse the finished runs in the runs-dir (a run of other inputs is refused)")
-    ] = False,
-    overwrite: Annotated[
-        bool, Opt(help="start over: remove the runs the runs-dir holds first")
-    ] = False,
+    resume: ResumeRuns = False,
+    overwrite: OverwriteRuns = False,
 ) -> None:
     """The RS paper's claims re-run (Fig. 1c, Table 2 / Fig. 4 best vs best, Fig. 3, App. H),
     beside the paper's numbers, with verdicts (lab/research/reproduction/). The committed report:

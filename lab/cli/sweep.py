@@ -16,6 +16,8 @@ import typer
 from fedsparse.lab.cli.simulate import RAY_ADDRESS_HELP
 from fedsparse.lab.cli.utils import (
     Opt,
+    OverwriteRuns,
+    ResumeRuns,
     check_grid_values,
     check_run_config,
     choice,
@@ -63,12 +65,8 @@ def sweep(
             "--set max-grad-norm tuned at momentum 0, along a --grid momentum=..."
         ),
     ] = False,
-    resume: Annotated[
-        bool, Opt(help="reuse the finished runs in the runs-dir (a run of other inputs is refused)")
-    ] = False,
-    overwrite: Annotated[
-        bool, Opt(help="start over: remove the runs the runs-dir holds first")
-    ] = False,
+    resume: ResumeRuns = False,
+    overwrite: OverwriteRuns = False,
 ) -> None:
     """Bandwidth vs accuracy: a grid of runs x seeds; results/summary CSVs, plots, report.md.
 

@@ -11,13 +11,15 @@ import shutil
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
 
 __all__ = [
     "CARRIER",
+    "OverwriteRuns",
+    "ResumeRuns",
     "STATE",
     "carry_method_options",
     "check_grid_values",
@@ -33,6 +35,13 @@ __all__ = [
 Choice = TypeVar("Choice", bound=str)
 
 Opt = typer.Option
+
+#: ``--resume`` and ``--overwrite`` of a command that writes many runs under a runs-dir
+#: (``sweep``, ``frontier``, ``reproduce``: ``run_dir.claim_runs``).
+ResumeRuns = Annotated[
+    bool, Opt(help="reuse the finished runs in the runs-dir (a run of other inputs is refused)")
+]
+OverwriteRuns = Annotated[bool, Opt(help="start over: remove the runs the runs-dir holds first")]
 
 console = Console()
 if not console.is_terminal:  # logs and CI: do not squeeze the round table into 80 columns

@@ -12,7 +12,6 @@ from typing import Any
 import pytest
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 
-from fedsparse.client.app import app as client_app
 from fedsparse.common.aggregation.secure import choose_ring, smallest_threshold
 from fedsparse.common.config import FederatedConfig
 from fedsparse.common.layout import ParamLayout
@@ -28,6 +27,7 @@ from fedsparse.common.wire.secagg import RING_FIELDS, SECAGG_RECORD, SETUP, STAG
 from fedsparse.lab.research.count_probe import count_candidates
 from fedsparse.lab.simulation.inprocess import InProcessGrid
 from fedsparse.server.strategy import SparseFedAvg, flat_array
+from tests.client.node_helpers import grid as _grid
 from tests.client.sized_data import REFERENCE, declared_folder
 
 NOMINAL = 300
@@ -75,6 +75,13 @@ def _messages(cfg: FederatedConfig, grid: InProcessGrid, server_round: int) -> l
             setup = {STAGE: SETUP, **ring, "round_id": server_round, "nonce": b"n" * 16}
             message.content.config_records[SECAGG_RECORD] = ConfigRecord(setup)
     return messages
+
+
+def _first_round(cfg: FederatedConfig, node_config: dict[str, Any], run_id: int = 1) -> Message:
+    """The node's reply to round 1 of a run of ``cfg``."""
+    grid = _grid(cfg, node_config, run_id)
+    (reply,) = grid.send_and_receive(_messages(cfg, grid, 1))
+    return reply
 
 
 def _answer(reply: Message, *, drawn_support: bool = False) -> tuple[Any, ...]:
@@ -159,13 +166,7 @@ def _answers(node_config: dict[str, Any]) -> list[tuple[Any, ...]]:
             cfg = FederatedConfig(**{**BASE, **overrides})
         except ValueError as err:  # the server's own config check: not the node's answer
             raise AssertionError(f"{overrides}: {err}") from err
-        grid = InProcessGrid(
-            client_app,
-            num_nodes=1,
-            run_config=cfg.to_run_config(),
-            node_config=node_config,
-            run_id=run_id,
-        )
+        grid = _grid(cfg, node_config, run_id)
         for server_round in rounds:
             (reply,) = grid.send_and_receive(_messages(cfg, grid, server_round))
             drawn = cfg.method in ("gip", "random-k")
@@ -195,13 +196,7 @@ def test_a_node_holding_more_than_its_nominal_size_refuses_with_one_fixed_line(
     cfg = FederatedConfig(**{**BASE, "num_rounds": 2})
     reasons = set()
     for count in (NOMINAL + 1, NOMINAL + 200):
-        grid = InProcessGrid(
-            client_app,
-            num_nodes=1,
-            run_config=cfg.to_run_config(),
-            node_config=_node(tmp_path, count),
-        )
-        (reply,) = grid.send_and_receive(_messages(cfg, grid, 1))
+        reply = _first_round(cfg, _node(tmp_path, count))
         assert reply.has_error()
         reasons.add(reply.error.reason)
     assert reasons == {
@@ -215,8 +210,7 @@ def test_a_deployed_node_without_a_nominal_size_refuses_before_reading_data(
     cfg = FederatedConfig(**{**BASE, "num_rounds": 2})
     node = _node(tmp_path, COUNTS[0])
     del node["nominal-size"]
-    grid = InProcessGrid(client_app, num_nodes=1, run_config=cfg.to_run_config(), node_config=node)
-    (reply,) = grid.send_and_receive(_messages(cfg, grid, 1))
+    reply = _first_round(cfg, node)
     assert reply.has_error() and "declares no nominal-size" in reply.error.reason
     assert not list(tmp_path.glob("ledger-*/*.json"))  # no data read: no ledger opened
 
@@ -233,14 +227,7 @@ class _Prober:
         cfg = FederatedConfig(
             **BASE, num_rounds=PROBE_ROUNDS, target_epsilon=target_epsilon, batch_size=batch_size
         )
-        grid = InProcessGrid(
-            client_app,
-            num_nodes=1,
-            run_config=cfg.to_run_config(),
-            node_config=self.node_config,
-            run_id=self.sent,
-        )
-        (reply,) = grid.send_and_receive(_messages(cfg, grid, 1))
+        reply = _first_round(cfg, self.node_config, run_id=self.sent)
         if reply.has_error():
             assert "no noise multiplier reaches it" in reply.error.reason, reply.error.reason
             return True
@@ -269,12 +256,5 @@ def test_a_node_holding_nothing_answers_as_one_holding_one_example(tmp_path: Pat
     cfg = FederatedConfig(**{**BASE, "num_rounds": 2, "target_epsilon": 3.0})
     answers = []
     for count in (0, 1):
-        grid = InProcessGrid(
-            client_app,
-            num_nodes=1,
-            run_config=cfg.to_run_config(),
-            node_config=_node(tmp_path, count),
-        )
-        (reply,) = grid.send_and_receive(_messages(cfg, grid, 1))
-        answers.append(_answer(reply))
+        answers.append(_answer(_first_round(cfg, _node(tmp_path, count))))
     assert answers[0] == answers[1] and answers[0][0] == "reply"
