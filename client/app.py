@@ -26,13 +26,15 @@ from flwr.clientapp import ClientApp
 from flwr.common.logger import log
 
 from fedsparse.client import model_cache
-from fedsparse.client.data import holding, public_test_data, run_declaration, test_data
+from fedsparse.client.data import holding, public_test_data, test_data
 from fedsparse.client.guard import (
     authorize,
+    declaration,
     exhausted,
     node_data,
     node_ledger,
     node_policy,
+    public_size,
     released_error,
 )
 from fedsparse.client.local_round import train_round
@@ -79,10 +81,6 @@ from fedsparse.common.wire.secagg import SECAGG_ACTION, SECAGG_RECORD
 __all__ = ["app"]
 
 app = ClientApp()
-
-
-def _node_partition(context: Context) -> tuple[int, int]:
-    return int(context.node_config["partition-id"]), int(context.node_config["num-partitions"])
 
 
 def _run_config(context: Context, policy: NodePolicy) -> FederatedConfig:
@@ -191,7 +189,7 @@ def train(msg: Message, context: Context) -> Message:
         else privacy.noise_multiplier,
         batch_size=None if secure else task.batch_size,
     )
-    declared = _declaration(context, cfg, policy)
+    declared = declaration(context, cfg, policy)
     secagg = SecAggRound.open(msg, context, cfg, policy, task, declared) if secure else None
     reusable = model_cache.process_model(cfg.model_name, cfg.seed)
     layout = reusable.layout
@@ -370,54 +368,6 @@ def _private_round(
     return reply
 
 
-def _declaration(context: Context, cfg: FederatedConfig, policy: NodePolicy) -> NodeData:
-    """What this node holds: its owner's declaration, or (a simulated node only) the run
-    config's partition. Reads no data.
-
-    Raises:
-        PrivacyRefusal: a node with fresh noise that declares no data, or no ``nominal-size``.
-        ProtocolError: the run config names another dataset than the declared one.
-    """
-    declared = node_data(context)
-    if declared is None:
-        if policy.noise != "seeded":
-            raise PrivacyRefusal(
-                "this node declares no data: a deployed node trains only on the data its "
-                "owner declares (node config dataset=... nominal-size=..., "
-                "client/node_data.py)"
-            )
-        return run_declaration(cfg, *_node_partition(context))
-    if declared.dataset != cfg.dataset:
-        raise ProtocolError(
-            f"run config: dataset={cfg.dataset!r}: this node holds {declared.dataset!r}"
-        )
-    if declared.nominal_size == 0 and policy.noise != "seeded":
-        raise PrivacyRefusal(
-            "this node declares no nominal-size: a deployed node computes its sampling rate "
-            "and every number it reports from the most examples it may hold, which its owner "
-            "declares (node config nominal-size=N, client/node_data.py)"
-        )
-    return declared
-
-
-def public_size(declared: NodeData, held: int) -> int:
-    """The size this node's sampling rate, steps, calibration and reported numbers come from:
-    its declared ``nominal-size``, or (0: a simulated node) the ``held`` examples' count.
-
-    Raises:
-        PrivacyRefusal: the node holds more examples than its ``nominal-size``; one fixed
-            line, whatever the counts (they go to the node's log).
-    """
-    if declared.nominal_size == 0:
-        return held
-    if held > declared.nominal_size:
-        raise PrivacyRefusal(
-            "this node holds more examples than its declared nominal-size",
-            detail=f"{held} examples, nominal-size={declared.nominal_size}",
-        )
-    return declared.nominal_size
-
-
 def _frozen_prefix(cfg: FederatedConfig, task: TrainInstruction, layout: ParamLayout) -> int:
     """The frozen coordinate prefix this round (lf from freeze-after on; else 0):
     ``Method.client_frozen``.
@@ -500,7 +450,7 @@ def evaluate_global(msg: Message, context: Context) -> Message:
     if not policy.evaluate:
         raise PrivacyRefusal("evaluate: this node answers no evaluate messages (evaluate=false)")
     # A simulated node without a declaration evaluates on the run's evaluation split.
-    declared = _declaration(context, cfg, policy) if node_data(context) else None
+    declared = declaration(context, cfg, policy) if node_data(context) else None
     if declared is None and policy.noise != "seeded":
         raise PrivacyRefusal("evaluate: this node declares no data (node config dataset=...)")
     model = build_model(cfg.model_name, seed=cfg.seed)

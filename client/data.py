@@ -85,8 +85,19 @@ def largest_partition(declared: NodeData) -> int:
     a public bound that whoever owns every node of a deployment (a loopback ``fedsparse
     deploy``, a compose file's nodes) can declare as each one's ``nominal-size``, since it
     depends on the partitioning only, never on which part a node holds (iid: ``ceil(train /
-    num-partitions)``)."""
-    return max(len(part) for part in _declared_partitions(declared))
+    num-partitions)``).
+
+    Raises:
+        ValueError: the dataset cannot be loaded here (its files are elsewhere): then the
+            nominal size has to be given.
+    """
+    try:
+        return max(len(part) for part in _declared_partitions(declared))
+    except (OSError, ValueError) as err:
+        raise ValueError(
+            f"dataset={declared.dataset!r}: cannot count its partitions here ({err}); give the "
+            "nodes' nominal size (the most examples a node may hold)"
+        ) from None
 
 
 def _declared_partitions(declared: NodeData) -> tuple[np.ndarray, ...]:

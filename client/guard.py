@@ -27,6 +27,7 @@ from pathlib import Path
 from flwr.app import Context
 from flwr.common.logger import log
 
+from fedsparse.client.data import run_declaration
 from fedsparse.client.ledger import PrivacyLedger, accounted, ledger_key, ledger_path
 from fedsparse.client.node_data import NodeData
 from fedsparse.client.node_policy import (
@@ -37,6 +38,7 @@ from fedsparse.client.node_policy import (
     TrainingRequest,
     parse_assignments,
 )
+from fedsparse.common.config import FederatedConfig
 from fedsparse.common.dp.accounting import compute_epsilon_of_history
 from fedsparse.common.wire.payload import PayloadError
 from fedsparse.common.wire.protocol import ProtocolError
@@ -44,10 +46,12 @@ from fedsparse.common.wire.protocol import ProtocolError
 __all__ = [
     "CLIENT_FAILURE",
     "authorize",
+    "declaration",
     "exhausted",
     "in_flower_simulation",
     "node_ledger",
     "node_policy",
+    "public_size",
     "released_error",
 ]
 
@@ -189,3 +193,52 @@ def released_error(err: Exception, *, data_read: bool = False) -> Exception:
         return err
     log(ERROR, "fedsparse client: %s: %s", type(err).__name__, err)
     return RuntimeError(CLIENT_FAILURE)
+
+
+def declaration(context: Context, cfg: FederatedConfig, policy: NodePolicy) -> NodeData:
+    """What this node holds: its owner's declaration, or (a simulated node only) the run
+    config's partition. Reads no data.
+
+    Raises:
+        PrivacyRefusal: a node with fresh noise that declares no data, or no ``nominal-size``.
+        ProtocolError: the run config names another dataset than the declared one.
+    """
+    declared = node_data(context)
+    if declared is None:
+        if policy.noise != "seeded":
+            raise PrivacyRefusal(
+                "this node declares no data: a deployed node trains only on the data its "
+                "owner declares (node config dataset=... nominal-size=..., "
+                "client/node_data.py)"
+            )
+        partition = context.node_config["partition-id"], context.node_config["num-partitions"]
+        return run_declaration(cfg, int(partition[0]), int(partition[1]))
+    if declared.dataset != cfg.dataset:
+        raise ProtocolError(
+            f"run config: dataset={cfg.dataset!r}: this node holds {declared.dataset!r}"
+        )
+    if declared.nominal_size == 0 and policy.noise != "seeded":
+        raise PrivacyRefusal(
+            "this node declares no nominal-size: a deployed node computes its sampling rate "
+            "and every number it reports from the most examples it may hold, which its owner "
+            "declares (node config nominal-size=N, client/node_data.py)"
+        )
+    return declared
+
+
+def public_size(declared: NodeData, held: int) -> int:
+    """The size this node's sampling rate, steps, calibration and reported numbers come from:
+    its declared ``nominal-size``, or (0: a simulated node) the ``held`` examples' count.
+
+    Raises:
+        PrivacyRefusal: the node holds more examples than its ``nominal-size``; one fixed
+            line, whatever the counts (they go to the node's log).
+    """
+    if declared.nominal_size == 0:
+        return held
+    if held > declared.nominal_size:
+        raise PrivacyRefusal(
+            "this node holds more examples than its declared nominal-size",
+            detail=f"{held} examples, nominal-size={declared.nominal_size}",
+        )
+    return declared.nominal_size

@@ -161,10 +161,12 @@ COMMON_SHARED = {
     "coerce",
     "config",
     "config_keys",
+    "config_values",  # the run config's value checks that import nothing heavy
     "known_warnings",
     "layout",
     "masks",
     "moved",
+    "names",  # every name a run-config key accepts, importing nothing heavy
     "plugins",
     "seeds",
 }

@@ -19,9 +19,9 @@ def export(
 ) -> None:
     """The run's model (a federated run's global model, or train's) as a state_dict file.
 
-    Load it with fedsparse.lab.experiments.export.load_exported(out), or by hand:
-    saved = torch.load(out, weights_only=True), then build_model(saved["model"],
-    num_classes=saved["num_classes"]) and load_state_dict(saved["state_dict"]).
+    Load it with ``load_exported(out)`` (``fedsparse.lab.experiments.export``), or by hand:
+    ``torch.load(out, weights_only=True)``, then ``build_model(saved["model"],
+    num_classes=saved["num_classes"])`` and ``load_state_dict(saved["state_dict"])``.
     """
     from fedsparse.lab.experiments.export import export_model
 

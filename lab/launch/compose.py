@@ -56,7 +56,6 @@ __all__ = [
     "insecure_overlay",
     "load_compose",
     "main",
-    "nodes_nominal_size",
     "render_compose",
     "write_compose",
 ]
@@ -200,24 +199,6 @@ def _superlink_command(*, insecure: bool) -> list[str]:
     ]
 
 
-def nodes_nominal_size(dataset: str, nodes: int) -> int:
-    """The ``nominal-size`` every SuperNode of ``nodes`` declares: the largest iid partition
-    of ``dataset`` (``client/data.py: largest_partition``; it loads the dataset).
-
-    Raises:
-        ValueError: the dataset's files are not here to count (name ``nominal_size`` then).
-    """
-    from fedsparse.client.data import largest_partition
-
-    try:
-        return largest_partition(NodeData(dataset=dataset, num_partitions=nodes))  # type: ignore[arg-type]
-    except (OSError, ValueError) as err:
-        raise ValueError(
-            f"dataset={dataset!r}: cannot count its partitions here ({err}); give the nodes' "
-            "nominal size (--nominal-size N: the most examples a node may hold)"
-        ) from None
-
-
 def _supernode_command(
     index: int, nodes: int, *, insecure: bool, dataset: str, nominal_size: int
 ) -> list[str]:
@@ -307,14 +288,19 @@ def compose_document(
         dataset: the dataset every SuperNode declares (an embedded one, or mount its files
             and add ``data-dir``).
         nominal_size: the ``nominal-size`` every SuperNode declares, the most examples it
-            may hold (0: ``nodes_nominal_size``, the largest partition's count).
+            may hold (0: the largest partition's count, ``client/data.py:
+            largest_partition``).
 
     Raises:
         ValueError: ``nodes`` < 1, an unknown ``dataset``, or one that cannot be counted
             here without a ``nominal_size``.
     """
     _check_nodes(nodes)
-    nominal_size = nominal_size or nodes_nominal_size(dataset, nodes)
+    if not nominal_size:  # the largest partition's count: public, like the partitioning
+        from fedsparse.client.data import largest_partition
+
+        whole = NodeData(dataset=dataset, num_partitions=nodes)  # type: ignore[arg-type]
+        nominal_size = largest_partition(whole)
     certs = certs.rstrip("/") or "/"
     base = {
         "image": image,

@@ -87,13 +87,13 @@ def test_a_failed_call_leaves_the_model_clean_and_the_next_round_unchanged(
 
     real_epoch, calls = local_round.train_one_epoch, []
 
-    def fail_once(module, optimizer, loader):
+    def fail_once(module, optimizer, loader, **kwargs):
         calls.append(1)
         if len(calls) == 1:
             next(iter(loader))  # the Poisson loader ran and hooks are on
             module(torch.zeros(2, 1, 8, 8)).sum().backward()  # activations, grad samples
             raise RuntimeError("killed mid-epoch")
-        return real_epoch(module, optimizer, loader)
+        return real_epoch(module, optimizer, loader, **kwargs)
 
     monkeypatch.setattr(local_round, "train_one_epoch", fail_once)
     failed = federate(tmp_path / "failed", **kwargs)

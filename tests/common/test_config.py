@@ -380,7 +380,7 @@ def test_method_options_carries_a_plugins_keys_only() -> None:
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({}, "secure-aggregation=True: expected false unless dp-level=user"),
+        ({}, "secure-aggregation=True: expected false, or with it dp-level='user'"),
         ({"dp_level": "user", "clients_per_round": 4, "value_dtype": "int8"}, "value-dtype"),
         ({"dp_level": "user", "clients_per_round": 4, "downlink_dtype": "int4"}, "downlink"),
         ({"dp_level": "user", "clients_per_round": 4, "save_updates": True}, "save-updates"),

@@ -412,7 +412,7 @@ def test_a_killed_node_leaves_no_supernode_or_task_process(tmp_path: Path) -> No
         "--port",
         str(port),
         "--node-config",
-        "dataset='digits'",
+        "dataset='digits' nominal-size=1437",
     ]
     with (tmp_path / "node.log").open("wb") as log:
         node = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

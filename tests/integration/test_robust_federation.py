@@ -476,7 +476,9 @@ def test_default_config_one_hostile_node_alone_changes_nothing(
     fails and keeps the model (max-failed-rounds=3 would end a run of three such rounds)."""
     cfg = FederatedConfig(num_rounds=2, min_clients=1)
     w0 = _initial(cfg)
-    rounds = run(tmp_path, nodes=1, overrides={1001: HUGE}, num_rounds=2, min_clients=1)
+    with pytest.raises(FederationFailed, match="the run trained nothing: none of its 2 rounds"):
+        run(tmp_path, nodes=1, overrides={1001: HUGE}, num_rounds=2, min_clients=1)
+    rounds = read_rounds(tmp_path / "rounds.jsonl")  # recorded all the same
     for r in rounds:
         assert (r.num_accepted, r.num_rejected, r.failed) == (0, 1, True)
         assert r.failure == "no update accepted (1 selected: 1 rejected, 0 missing)"

@@ -33,6 +33,7 @@ from fedsparse.common.config import FederatedConfig
 from fedsparse.common.dp.accounting import compute_epsilon_of_history
 from fedsparse.common.wire.secagg import COLLECT, STAGE, STAGES, UNMASK
 from fedsparse.lab.simulation.inprocess import InProcessGrid
+from fedsparse.server.round_stats import FederationFailed
 from fedsparse.server.round_updates import round_support
 from fedsparse.server.secagg_round import secure_round
 
@@ -202,7 +203,10 @@ def test_too_few_survivors_fail_the_round_and_leave_the_model(
         return answer(msg, context)
 
     monkeypatch.setattr(client_module, "answer", most_lost)
-    rounds = _run(tmp_path / "run", num_rounds=1, max_failed_rounds=0)
+    with pytest.raises(FederationFailed, match="the run trained nothing"):
+        _run(tmp_path / "run", num_rounds=1, max_failed_rounds=0)
+    lines = (tmp_path / "run" / "rounds.jsonl").read_text().splitlines()
+    rounds = [json.loads(line) for line in lines]  # recorded all the same
     assert rounds[0]["failed"] and "threshold" in rounds[0]["failure"]
     before, after, _ = recorder.models[1]
     assert torch.equal(before, after) and 1 not in recorder.decoded

@@ -69,8 +69,10 @@ def test_help_and_usage_errors_import_no_heavy_library(args: list[str], code: in
 
 
 def test_the_probe_sees_a_command_that_runs(tmp_path: Path) -> None:
-    """The probe's oracle: a config error found only by the full check loads torch."""
-    probe = _probe(["simulate", "--out", str(tmp_path / "x"), "--set", "final-rate=1.5"])
+    """The probe's oracle: a config error found only by the full check (a plug-in method that
+    does not import) loads torch."""
+    args = ["simulate", "--out", str(tmp_path / "x"), "--set", "method=no_such_pkg.mod:Method"]
+    probe = _probe(args)
     assert probe["code"] == 2 and "torch" in probe["loaded"]  # type: ignore[operator]
 
 
