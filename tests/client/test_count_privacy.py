@@ -258,3 +258,14 @@ def test_a_node_holding_nothing_answers_as_one_holding_one_example(tmp_path: Pat
     for count in (0, 1):
         answers.append(_answer(_first_round(cfg, _node(tmp_path, count))))
     assert answers[0] == answers[1] and answers[0][0] == "reply"
+
+
+def test_evaluation_where_the_policy_allows_it_does_not_depend_on_the_count(
+    tmp_path: Path,
+) -> None:
+    cfg = FederatedConfig(**{**BASE, "num_rounds": 2})
+    answers = {
+        count: _answer(_evaluate(cfg, _grid(cfg, _node(tmp_path, count, evaluate=True))))
+        for count in (COUNTS[0], COUNTS[2])
+    }
+    assert answers[COUNTS[0]] == answers[COUNTS[2]] and answers[COUNTS[0]][0] == "reply"
