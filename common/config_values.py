@@ -39,6 +39,7 @@ from fedsparse.common.names import (
     NORM_ACTIONS,
     PARTITIONER_NAMES,
     PAYLOAD_DTYPES,
+    PER_STEP_METHODS,
     SCHEDULES,
     SELECTION_MODES,
     SELECTIONS,
@@ -241,6 +242,8 @@ def _check_robustness(v: Mapping[str, Any], fail: Fail) -> None:
     for field in ("max_norm_ratio", "max_update_norm"):
         if not (math.isfinite(v[field]) and v[field] >= 0):
             fail(field, "a finite value >= 0 (0: off)")
+    if 0 < v["max_norm_ratio"] < 1:
+        fail("max_norm_ratio", ">= 1 (0: off); below 1 it rejects the median update itself")
 
 
 def _check_dp_level(v: Mapping[str, Any], fail: Fail) -> None:
@@ -288,11 +291,14 @@ def _user_level_needs(v: Mapping[str, Any]) -> list[str]:
         needs.append("aggregator='mean' and weighting='uniform'")
     if v["secure_mode"] and v["central_noise"] != "fresh":
         needs.append("central-noise='fresh' with secure-mode=true (hardened noise takes no seed)")
+    if v["method"] in PER_STEP_METHODS:  # a plug-in's is checked where its class is imported
+        needs.append("a method other than gip or random-k (the clients choose supports)")
     return needs
 
 
 def _check_schedule(v: Mapping[str, Any], fail: Fail) -> None:
-    """The rate schedule's own ranges (``common/methods/schedules.py`` checks them again)."""
+    """The rate schedule's and the methods' parameters' own ranges (``common/methods/``
+    checks them again, with what depends on a method's class)."""
     if not 0.0 <= v["final_rate"] < 1.0:
         fail("final_rate", "0 <= r < 1")
     if v["cooling_rounds"] < 1:
@@ -300,3 +306,20 @@ def _check_schedule(v: Mapping[str, Any], fail: Fail) -> None:
     for field in ("initial_keep", "final_keep"):
         if not 0.0 < v[field] <= 1.0:
             fail(field, "0 < k <= 1")
+    try:
+        rates = tuple(float(x) for x in v["rate_steps"].split(",") if x.strip())
+    except ValueError:
+        fail("rate_steps", "comma-separated rates")
+        return
+    if any(not 0.0 <= rate < 1.0 for rate in rates):
+        raise ValueError(f"rate-steps={rates}: each rate must satisfy 0 <= r < 1")
+    if v["schedule"] == "steps" and not rates:
+        raise ValueError("rate-steps=(): the 'steps' schedule needs at least one rate")
+    for field, low in (("freeze_layers", 1), ("freeze_after", 0), ("public_epochs", 0)):
+        if v[field] < low:
+            fail(field, f">= {low}")
+    if v["group_size"] < 2:
+        fail("group_size", ">= 2")
+    for field in ("public_fraction", "index_budget_fraction"):
+        if not 0.0 < v[field] < 1.0:
+            fail(field, "0 < f < 1")

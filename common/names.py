@@ -35,6 +35,7 @@ __all__ = [
     "MODEL_NAMES",
     "NORM_ACTIONS",
     "PARTITIONER_NAMES",
+    "PER_STEP_METHODS",
     "PAYLOAD_DTYPES",
     "SCHEDULES",
     "SELECTIONS",
@@ -135,6 +136,8 @@ SCHEDULES: Final[tuple[ScheduleName, ...]] = get_args(ScheduleName)
 MethodName = Literal["rs", "random-freeze", "lf", "ranked", "dpssgd", "gip", "random-k"]
 FederatedMethodName = Literal["rs", "random-freeze", "lf", "ranked", "dpssgd", "gip", "random-k"]
 METHOD_NAMES: Final[tuple[FederatedMethodName, ...]] = get_args(FederatedMethodName)
+#: The built-in methods whose clients choose each step's support (``Method.selects_per_step``).
+PER_STEP_METHODS: Final[tuple[FederatedMethodName, ...]] = ("gip", "random-k")
 SelectionMode = Literal["freeze", "reselect"]
 SELECTION_MODES: Final[tuple[SelectionMode, ...]] = get_args(SelectionMode)
 SelectionName = Literal["magnitude", "random"]

@@ -443,13 +443,13 @@ def one_line(text: str, *, limit: int = 400) -> str:
 
 
 def untrained(rounds: Sequence[RoundLog]) -> str | None:
-    """Why a run whose every round left the model unchanged trained nothing (one line); None
-    when some round accepted an update."""
-    if not rounds or any(not entry.failed for entry in rounds):
+    """Why a run none of whose rounds accepted an update trained nothing (one line); None when
+    some round accepted one (a round that sampled no user accepted none either)."""
+    if not rounds or any(not entry.failed and entry.num_accepted > 0 for entry in rounds):
         return None
     last = rounds[-1]
     cause = f"the run trained nothing: none of its {len(rounds)} rounds accepted an update"
-    cause += f"; round {last.round}: {last.failure}"
+    cause += f"; round {last.round}: {last.failure or 'no client was sampled'}"
     if last.rejected:
         cause += f"; its first rejection: {last.rejected[0]}"
     return one_line(cause)

@@ -13,6 +13,7 @@ from fedsparse.lab.cli.utils import (
     Opt,
     OverwriteRuns,
     ResumeRuns,
+    check_grid_values,
     check_run_config,
     choice,
     console,
@@ -67,9 +68,19 @@ def frontier(
     """
     import shlex
 
+    fixed = {**DEFAULT_FIXED, **parse_sets(set_ or [])}
+    try:  # before the imports below: they take seconds
+        check_run_config(fixed)
+        for text in arm or []:  # a malformed arm is left to parse_arm's own message
+            pairs = [p.split("=", 1) for p in text.split(",") if "=" in p]
+            check_grid_values([f"{k}={v}" for k, v in pairs], fixed)
+        check_grid_values(tune or [], fixed)
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from err
     from fedsparse.lab.experiments.frontier import (
         DEFAULT_ARMS,
         DEFAULT_TUNE,
+        check_frontier,
         parse_arm,
         run_frontier,
         write_frontier,
@@ -80,8 +91,6 @@ def frontier(
     from fedsparse.lab.launch.run_dir import claim_runs
 
     try:
-        fixed = {**DEFAULT_FIXED, **parse_sets(set_ or [])}
-        check_run_config(fixed)
         arms = [parse_arm(a) for a in arm] if arm else [dict(a) for a in DEFAULT_ARMS]
         tuning = parse_grid(tune) if tune else {k: list(v) for k, v in DEFAULT_TUNE.items()}
         settings = RunSettings(
@@ -90,6 +99,7 @@ def frontier(
             timeout=timeout,
         )
         check_jobs(settings, jobs)
+        check_frontier(arms, tuning, fixed, tune_seeds=tune_seeds, clients=clients)
         claim_runs(runs_dir or out / "runs", resume=resume, overwrite=overwrite)
     except ValueError as err:
         raise typer.BadParameter(str(err)) from err
@@ -123,3 +133,7 @@ def frontier(
             f"downlink {o.downlink_bits:.3f}; {o.verdict}"
         )
     console.print(f"wrote {out / 'report.md'} and {out / 'frontier.csv'}")
+    short = [o.label for o in outcomes if o.seeds < seeds]
+    if short:  # a failed run (one that trained nothing, say) is not a result
+        console.print(f"[bold red]runs failed[/] in {', '.join(short)}: see their error.txt")
+        raise typer.Exit(1)

@@ -54,7 +54,7 @@ def reproduce(
     plan = ReproductionPlan.quick() if quick else ReproductionPlan.full()
     command = f"fedsparse reproduce --out {out} --runs-dir {runs_dir} --jobs {jobs}"
     command += (" --quick" if quick else "") + (f" --parts {parts}" if parts != PARTS_ALL else "")
-    reproduce_and_report(
+    result = reproduce_and_report(
         plan,
         out=out,
         runs_dir=runs_dir,
@@ -64,3 +64,6 @@ def reproduce(
         command=command,
     )
     console.print(f"[bold green]wrote {out / 'report.md'}[/]")
+    if result.failures:  # the report lists them; a failed study is not a result
+        console.print(f"[bold red]{len(result.failures)} studies failed[/]: see the report")
+        raise typer.Exit(1)

@@ -88,14 +88,14 @@ def sweep(
     fixed = parse_sets(set_ or [])
     try:
         check_run_config(fixed)  # before the imports below: they take seconds
-        check_grid_values(grid or [], fixed)
+        check_grid_values([*(grid or []), *(tune or [])], fixed)
     except ValueError as err:
         raise typer.BadParameter(str(err)) from err
     from fedsparse.lab.experiments.report import write_outputs
     from fedsparse.lab.experiments.sweep import SweepInterrupted, check_jobs, run_sweep
     from fedsparse.lab.experiments.sweep_backends import RunSettings
     from fedsparse.lab.experiments.sweep_plan import parse_grid, plan_sweep
-    from fedsparse.lab.experiments.tuning import render_tuning, run_tuned_sweep
+    from fedsparse.lab.experiments.tuning import check_tuned_sweep, render_tuning, run_tuned_sweep
     from fedsparse.lab.launch.run_dir import claim_runs
 
     try:
@@ -129,7 +129,17 @@ def sweep(
     args += ["--scale-clip"] if scale_clip else []
     args += ["--ray-address", ray_address] if ray_address else []
     runs_dir = runs_dir or out / "runs"
-    try:
+    try:  # every value checked first: an overwrite then removes the earlier runs
+        if tune:
+            check_tuned_sweep(
+                parse_grid(grid or []),
+                parse_grid(tune),
+                fixed,
+                seeds=seeds,
+                tune_seeds=tune_seeds,
+                clients=clients,
+                scale_clip=scale_clip,
+            )
         claim_runs(runs_dir, resume=resume, overwrite=overwrite)
     except ValueError as err:
         raise typer.BadParameter(str(err)) from err

@@ -7,6 +7,7 @@ and rich; torch, Flower, Opacus and Ray load inside the commands that run someth
 from __future__ import annotations
 
 import difflib
+import math
 import shutil
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -215,16 +216,26 @@ def removed_on_failed_start(out: Path) -> Iterator[None]:
 
 
 def check_grid_values(grid: Sequence[str], fixed: Mapping[str, str]) -> None:
-    """``check_run_config`` for every value of every ``--grid key=v1,v2,...`` (with the fixed
-    ``--set`` values), before the heavy imports; malformed entries are left to the full parse.
+    """``check_run_config`` for every point of the grid ``--grid key=v1,v2,...`` spans (their
+    cartesian product, with the fixed ``--set`` values and a plug-in method's own keys moved
+    into ``method-options``), before the heavy imports; malformed entries are left to the full
+    parse, and a grid of more than ``GRID_POINTS_CHECKED`` points to it as well.
 
     Raises:
-        ValueError: a value ``check_run_config`` refuses (named).
+        ValueError: a point ``check_run_config`` refuses (named).
     """
+    import itertools
+
+    axes: list[list[tuple[str, str]]] = []
     for entry in grid:
         key, sep, values = entry.partition("=")
-        if not sep:
-            continue
-        for value in values.split(","):
-            if value.strip():
-                check_run_config({**fixed, key.strip(): value.strip()})
+        if sep:
+            axes.append([(key.strip(), v.strip()) for v in values.split(",") if v.strip()])
+    if math.prod(len(axis) for axis in axes) > GRID_POINTS_CHECKED:
+        return
+    for point in itertools.product(*axes):
+        check_run_config(carry_method_options({**fixed, **dict(point)}))
+
+
+#: The most grid points ``check_grid_values`` checks one by one (each takes well under a ms).
+GRID_POINTS_CHECKED = 20_000

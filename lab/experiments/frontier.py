@@ -46,6 +46,7 @@ __all__ = [
     "grid_edges",
     "TARGET_POINTS",
     "ArmOutcome",
+    "check_frontier",
     "parse_arm",
     "run_frontier",
     "verdict",
@@ -196,6 +197,29 @@ def _outcome(
     )
 
 
+def check_frontier(
+    arms: Sequence[Mapping[str, str]],
+    tune: Mapping[str, Sequence[str]],
+    fixed: Mapping[str, str],
+    *,
+    tune_seeds: int,
+    clients: int,
+) -> None:
+    """Every arm's plans checked, before the first run (and before a command replaces the runs
+    an earlier one left: ``run_dir.claim_runs``).
+
+    Raises:
+        ValueError: no arms, an arm key also fixed or tuned, or what the tuned sweep refuses.
+    """
+    if not arms:
+        raise ValueError("arms: expected at least one (the baseline first)")
+    for arm in arms:
+        for key in arm:
+            if key in fixed or key in tune:
+                raise ValueError(f"arm {point_label(arm.items())}: {key} is also set or tuned")
+        plan_tuning({}, tune, {**fixed, **arm}, tune_seeds=tune_seeds, clients=clients)
+
+
 def run_frontier(
     arms: Sequence[Mapping[str, str]],
     tune: Mapping[str, Sequence[str]],
@@ -215,13 +239,7 @@ def run_frontier(
     Raises:
         ValueError: no arms, an arm key also fixed or tuned, or what the tuned sweep refuses.
     """
-    if not arms:
-        raise ValueError("arms: expected at least one (the baseline first)")
-    for arm in arms:  # every arm's plans, before the first run
-        for key in arm:
-            if key in fixed or key in tune:
-                raise ValueError(f"arm {point_label(arm.items())}: {key} is also set or tuned")
-        plan_tuning({}, tune, {**fixed, **arm}, tune_seeds=tune_seeds, clients=settings.clients)
+    check_frontier(arms, tune, fixed, tune_seeds=tune_seeds, clients=settings.clients)
     outcomes: list[ArmOutcome] = []
     baseline: Mapping[int, float] | None = None
     for arm in arms:

@@ -99,7 +99,7 @@ def run_train(
     )
     model_name = model_name or DEFAULT_MODELS[dataset]
     model = build_model(model_name, seed=stream_seed(seed, Stream.MODEL_INIT) % 2**31)
-    claim(out, overwrite=overwrite)
+    claim(out, overwrite=overwrite, resumable=False)
     out.mkdir(parents=True, exist_ok=True)  # after the data loaded: a failed start leaves none
     console.print(
         f"[bold]{dataset}[/]: {len(train_split)} train / {len(test_split)} test examples; "

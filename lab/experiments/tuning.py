@@ -49,6 +49,7 @@ __all__ = [
     "PairedDifference",
     "TunedSweep",
     "check_final_seeds",
+    "check_tuned_sweep",
     "choose_best",
     "paired_differences",
     "plan_final",
@@ -336,6 +337,28 @@ class TunedSweep:
     differences: list[PairedDifference]
 
 
+def check_tuned_sweep(
+    grid: Mapping[str, Sequence[str]],
+    tune: Mapping[str, Sequence[str]],
+    fixed: Mapping[str, str],
+    *,
+    seeds: int,
+    tune_seeds: int,
+    clients: int,
+    scale_clip: bool = False,
+) -> SweepPlan:
+    """The tuning plan of ``run_tuned_sweep``, every value checked, before any run (and before
+    a command replaces the runs an earlier one left: ``run_dir.claim_runs``).
+
+    Raises:
+        ValueError: a bad grid, tune key or value, or seed count.
+    """
+    check_final_seeds(seeds)
+    return plan_tuning(
+        grid, tune, fixed, tune_seeds=tune_seeds, clients=clients, scale_clip=scale_clip
+    )
+
+
 def run_tuned_sweep(
     grid: Mapping[str, Sequence[str]],
     tune: Mapping[str, Sequence[str]],
@@ -357,10 +380,15 @@ def run_tuned_sweep(
         ValueError: a bad grid or tune key, or an arm none of whose combinations finished.
         SweepInterrupted: a stop during the final phase (with its rows).
     """
-    check_final_seeds(seeds)  # before any tuning run
     clients = settings.clients
-    tuning = plan_tuning(
-        grid, tune, fixed, tune_seeds=tune_seeds, clients=clients, scale_clip=scale_clip
+    tuning = check_tuned_sweep(
+        grid,
+        tune,
+        fixed,
+        seeds=seeds,
+        tune_seeds=tune_seeds,
+        clients=clients,
+        scale_clip=scale_clip,
     )
     if console is not None:
         console.print(

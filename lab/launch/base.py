@@ -6,10 +6,10 @@ the same steps; the steps live here, and each launcher keeps only what differs (
 flags, the SuperNodes and relays or the simulation's federation config, the live table):
 
 1. ``prepare_run``: validate the run config (and that its dataset's files are there) before
-   anything starts, create ``out``, replace ``FLWR_HOME``, write the app bundle ``flwr run``
-   packs. An earlier run's results in ``out`` are left alone: the ServerApp replaces them when
-   the new run really starts, so a start that fails keeps them; ``read_summary`` takes only a
-   ``summary.json`` written after ``PreparedRun.started``;
+   anything starts, claim ``out`` (an earlier run there is refused unless resumed or
+   overwritten: ``run_dir.claim``), create it, replace ``FLWR_HOME``, write the app bundle
+   ``flwr run`` packs; ``read_summary`` takes only a ``summary.json`` written after
+   ``PreparedRun.started``;
 2. ``connect``: free loopback ports for the SuperLink, a private ``FLWR_HOME`` whose
    ``config.toml`` names the one SuperLink connection, the Flower processes' environment;
 3. ``start_process``: the SuperLink (``superlink_args``) and any SuperNodes, each logging to a
@@ -118,6 +118,7 @@ def prepare_run(
     resume: bool = False,
     overwrite: bool = False,
     clients: tuple[str, int] | None = None,
+    resumable: bool = True,
 ) -> PreparedRun:
     """Validates ``overrides`` (plus ``out-dir=<out>``), then readies ``out`` for a run.
 
@@ -132,6 +133,7 @@ def prepare_run(
             config error before any process starts (the ServerApp and every client load it).
         clients: (the option's name, the number of nodes the run will have): refused below
             ``min-clients``, where the run could never start.
+        resumable: the command has a ``--resume`` (named in a refusal).
 
     Raises:
         ValueError: a bad run-config override (named key and value), a dataset whose files
@@ -141,6 +143,8 @@ def prepare_run(
     out = Path(out).resolve()
     requested = {**overrides, "out-dir": str(out)}
     config = FederatedConfig.from_run_config(requested)  # validate before starting anything
+    if not overwrite:  # an occupied folder is refused before the data loads (seconds)
+        claim(out, resume=resume, resumable=resumable)
     typed = {
         k: v
         for k, v in config.to_run_config().items()
@@ -166,7 +170,7 @@ def prepare_run(
             f"{name}={count}: below min-clients={config.min_clients}, the run could never "
             f"start (lower --set min-clients or add {name if name == 'nodes' else 'clients'})"
         )
-    claim(out, resume=resume, overwrite=overwrite)  # last: every check above touched nothing
+    claim(out, resume=resume, overwrite=overwrite, resumable=resumable)  # last: nothing touched
     started = time.time()
     out.mkdir(parents=True, exist_ok=True)
     if not os.access(out, os.W_OK):

@@ -25,6 +25,7 @@ from typing import Any
 
 from fedsparse.client.data import run_declaration, with_nominal_size
 from fedsparse.client.node_data import NodeData, format_node_config
+from fedsparse.common.config import FederatedConfig
 from fedsparse.common.wire.run_log import RunSummary, read_rounds, record_command
 from fedsparse.lab.launch.base import (
     PORT_TIMEOUT,
@@ -342,7 +343,14 @@ def run_deployment(
     shaped = uplink_bps is not None or downlink_bps is not None
     if shaped and not relay:
         raise ValueError("uplink/downlink rates need relay=True (each node's link is its relay's)")
-    run = prepare_run(out, overrides, overwrite=overwrite, clients=("nodes", num_nodes))
+    # the nodes' declarations (and so their nominal sizes) before the folder is claimed
+    declarations = [
+        with_nominal_size(run_declaration(FederatedConfig.from_run_config(overrides), i, num_nodes))
+        for i in range(num_nodes)
+    ]
+    run = prepare_run(
+        out, overrides, overwrite=overwrite, clients=("nodes", num_nodes), resumable=False
+    )
     shaping: dict[str, Any] | None = None
     if shaped:
         reason = shaping_unavailable()
@@ -398,7 +406,7 @@ def run_deployment(
                 # Each node's own ledger, kept with the run: the nodes' budgets span this run.
                 ledger_dirs=[str(run.out / "ledgers" / f"node-{i}") for i in range(num_nodes)],
                 # The experimenter owns the nodes: they declare the run's own partitions.
-                data=[run_declaration(run.config, i, num_nodes) for i in range(num_nodes)],
+                data=declarations,
             )
             if links:
                 supernode_commands = [

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from fedsparse.common import plugins
+from fedsparse.server.launch_markers import STOP_FILE
 
 __all__ = [
     "INPUTS_FILE",
@@ -73,7 +74,7 @@ RUN_ENTRIES: Final = (
     "certs",
     "updates",
     "tensorboard",
-    "mlflow.db",
+    "mlflow.db*",
     "mlartifacts",
     "mlruns",
     "sweep-run.json",
@@ -107,9 +108,17 @@ def run_entries(out: Path) -> list[Path]:
     )
 
 
-def claim(out: Path, *, resume: bool = False, overwrite: bool = False, what: str = "out") -> None:
+def claim(
+    out: Path,
+    *,
+    resume: bool = False,
+    overwrite: bool = False,
+    what: str = "out",
+    resumable: bool = True,
+) -> None:
     """Readies ``out`` for a run: refuses one that holds a run unless ``resume`` or
-    ``overwrite``; ``overwrite`` first removes every entry of the old run.
+    ``overwrite``; ``overwrite`` first removes every entry of the old run (and a stale stop
+    marker). ``resumable``: the command has a ``--resume`` to name in the refusal.
 
     Raises:
         RunFolderError: ``out`` holds a run and neither flag was given, or both were.
@@ -121,11 +130,12 @@ def claim(out: Path, *, resume: bool = False, overwrite: bool = False, what: str
         return
     if not overwrite:
         names = ", ".join(entry.name for entry in found[:4]) + (", ..." if len(found) > 4 else "")
+        how = "give --resume to continue it or --overwrite" if resumable else "give --overwrite"
         raise RunFolderError(
-            f"{what}={out}: holds a run ({names}): give --resume to continue it or --overwrite "
-            "to replace it (its files are removed first), or another folder"
+            f"{what}={out}: holds a run ({names}): {how} to replace it (its files are removed "
+            "first), or another folder"
         )
-    for entry in found:
+    for entry in [*found, Path(out) / STOP_FILE]:
         if entry.is_dir() and not entry.is_symlink():
             shutil.rmtree(entry)
         else:
@@ -133,7 +143,17 @@ def claim(out: Path, *, resume: bool = False, overwrite: bool = False, what: str
 
 
 #: A run folder inside a runs-dir: it holds one of these (``claim_runs``).
-_RUN_RECORDS: Final = ("summary.json", "sweep-run.json", "spec.json", "error.txt", "rounds.jsonl")
+_RUN_RECORDS: Final = (
+    "summary.json",
+    "sweep-run.json",
+    "spec.json",
+    "error.txt",
+    "rounds.jsonl",
+    "epochs.jsonl",
+    "checkpoint.pt",
+    "flwr.log",
+    INPUTS_FILE,
+)
 
 
 def claim_runs(runs_dir: Path, *, resume: bool = False, overwrite: bool = False) -> None:
@@ -178,41 +198,53 @@ class RunInputs:
     data: str
     #: each plug-in reference of the run config, with its code's version (``plugin_version``)
     plugins: dict[str, str] = field(default_factory=dict)
+    #: the DP engine the clients train with ("auto" resolved: it depends on the device)
+    engine: str = ""
 
     @classmethod
     def of_run(
-        cls, *, clients: int, backend: str, data: str, run_config: Mapping[str, Any]
+        cls,
+        *,
+        clients: int,
+        backend: str,
+        data: str,
+        run_config: Mapping[str, Any],
+        engine: str = "",
     ) -> RunInputs:
+        """The inputs of a run of ``run_config`` (kebab-case keys). The backends of a family of
+        results give the same numbers only when every client trains every round: under
+        ``clients-per-round`` below the client count the backend's own name is recorded
+        (Flower gives its simulated nodes random ids, and sampling goes by id)."""
         versions = {
             key: f"{value} @ {plugin_version(str(value))}"
             for key, value in sorted(run_config.items())
             if key in ("method", "model", "dataset") and plugins.is_reference(str(value))
         }
-        return cls(
-            clients=clients,
-            results=RESULT_FAMILIES.get(backend, backend),
-            data=data,
-            plugins=versions,
-        )
+        every = int(run_config.get("clients-per-round", 0) or 0) in (0, clients)
+        results = RESULT_FAMILIES.get(backend, backend) if every else backend
+        return cls(clients=clients, results=results, data=data, plugins=versions, engine=engine)
 
 
 def plugin_version(reference: str) -> str:
     """The version of a plug-in's code: its distribution's version where it is installed from
-    one, else the SHA-256 of its module's source file (``unknown`` where neither is found)."""
+    one, and the SHA-256 of its module's source file (an editable install changes that without
+    a new version); ``unknown`` where neither is found. Finds the module without importing it
+    (its parent packages are imported)."""
     module = reference.split(":", 1)[0]
     top = module.split(".", 1)[0]
+    parts = []
     for dist in importlib.metadata.packages_distributions().get(top, []):
         try:
-            return f"{dist} {importlib.metadata.version(dist)}"
+            parts.append(f"{dist} {importlib.metadata.version(dist)}")
         except importlib.metadata.PackageNotFoundError:
             continue
     try:
         spec = importlib.util.find_spec(module)
     except (ImportError, ValueError):
         spec = None
-    if spec is None or not spec.origin or not Path(spec.origin).is_file():
-        return "unknown"
-    return "sha256:" + hashlib.sha256(Path(spec.origin).read_bytes()).hexdigest()[:16]
+    if spec is not None and spec.origin and Path(spec.origin).is_file():
+        parts.append("sha256:" + hashlib.sha256(Path(spec.origin).read_bytes()).hexdigest()[:16])
+    return " ".join(parts) or "unknown"
 
 
 def write_inputs(out: Path, inputs: RunInputs) -> None:
@@ -223,19 +255,30 @@ def write_inputs(out: Path, inputs: RunInputs) -> None:
 def check_inputs(out: Path, inputs: RunInputs) -> None:
     """Refuses to resume the run in ``out`` with other ``inputs`` than it started with.
 
-    A run recorded before its inputs were (no ``INPUTS_FILE``) is resumed as before.
-
     Raises:
-        RunFolderError: an input differs (named, with both values), or the file is unreadable.
+        RunFolderError: an input differs (named, with both values), or none were recorded (a
+            run that another command started, or an earlier fedsparse), or the file is
+            unreadable.
     """
     path = Path(out) / INPUTS_FILE
     if not path.exists():
-        return
+        raise RunFolderError(
+            f"resume: {out} records no run inputs ({INPUTS_FILE}): the run was not started by "
+            "fedsparse simulate (a sweep's run, a deployment, flwr run) or by an earlier "
+            "version, so its clients, data and plug-ins cannot be checked; start it anew "
+            "(--overwrite)"
+        )
     try:
         saved = json.loads(path.read_text())
     except (OSError, ValueError) as err:
         raise RunFolderError(f"resume: {path}: unreadable ({type(err).__name__})") from None
-    names = {"clients": "clients", "results": "backend", "data": "data", "plugins": "plug-ins"}
+    names = {
+        "clients": "clients",
+        "results": "backend",
+        "data": "data",
+        "plugins": "plug-ins",
+        "engine": "engine",
+    }
     for key, value in asdict(inputs).items():
         old = saved.get(key)
         if old != value:

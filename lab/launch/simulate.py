@@ -33,6 +33,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from fedsparse.common.training.configs import planned_engine
 from fedsparse.common.wire.run_log import RoundLog, RunSummary, read_rounds, record_command
 from fedsparse.lab.launch.backends import BACKENDS, Backend
 from fedsparse.lab.launch.base import (
@@ -238,6 +239,9 @@ def _simulate(
             idle_seconds=0,
             overwrite=overwrite,
         )
+    state_dir = Path(out).resolve() / "node-state"
+    if backend == "flower":  # its policy travels in node config syntax: before the claim
+        simulation_policy_env(state_dir=state_dir)
     run = prepare_run(
         out,
         {**overrides, **({"resume": "true"} if resume else {})},
@@ -245,8 +249,18 @@ def _simulate(
         overwrite=overwrite,
         clients=("clients", clients),
     )
+    try:  # the engine the clients will pick here ("auto" resolves by device and model)
+        engine = planned_engine(run.config.engine, run.config.model_name, run.config.device)
+    except ValueError:
+        engine = run.config.engine
+    if gpus_per_client > 0 and run.config.device == "auto":
+        engine += " on cuda"  # the Ray workers that train the clients hold a GPU
     inputs = RunInputs.of_run(
-        clients=clients, backend=backend, data=run.data, run_config=run.config.to_run_config()
+        clients=clients,
+        backend=backend,
+        data=run.data,
+        run_config=run.config.to_run_config(),
+        engine=engine,
     )
     if resume:  # the same run, or a refusal naming what differs, before anything starts
         check_inputs(run.out, inputs)

@@ -54,10 +54,15 @@ def test_a_setting_that_needs_others_names_them_all_in_its_first_error() -> None
     )  # with them: accepted
 
 
-def test_every_grid_value_is_checked() -> None:
+def test_every_grid_point_is_checked_as_a_whole() -> None:
     check_grid_values(["lr=0.1,0.5", "final-rate=0,0.9"], {})
     with pytest.raises(ValueError, match=r"final-rate=1\.2: expected 0 <= r < 1"):
         check_grid_values(["lr=0.1", "final-rate=0.5,1.2"], {})
+    # values valid only together (each alone is refused) are accepted together
+    check_grid_values(["dataset=cifar10", "model=cifar10-hcnn"], {})
+    check_grid_values(["error-feedback=true", "value-dtype=int8"], {})
+    check_grid_values(["dp-level=user", "clients-per-round=3"], {})
+    check_grid_values(["stride=2,3"], {"method": "pkg.module:Method"})  # a plug-in's own key
 
 
 def test_the_value_checks_import_nothing_heavy() -> None:

@@ -125,3 +125,28 @@ def test_a_small_frontier_end_to_end(tmp_path: Path) -> None:
     assert "fedsparse frontier --out" in report and "| final-rate=0.9, value-dtype=int2" in report
     for name in ("uplink_bits", "downlink_bits", "client_bytes"):
         assert (out / f"accuracy_vs_{name}.png").stat().st_size > 10_000
+
+
+def test_a_frontier_with_failed_runs_exits_non_zero(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run that failed (one that trained nothing, say) is not a result: the frontier still
+    writes its report of what finished, then exits 1."""
+    from types import SimpleNamespace
+
+    from typer.testing import CliRunner
+
+    from fedsparse.lab.cli import app
+    from fedsparse.lab.experiments import frontier as frontier_mod
+
+    outcome = SimpleNamespace(
+        label="final-rate=0", accuracy=0.5, uplink_bits=32.0, downlink_bits=32.0,
+        verdict="baseline", seeds=1,
+    )  # fmt: skip
+    written: list[Path] = []
+    monkeypatch.setattr(frontier_mod, "run_frontier", lambda *a, **k: [outcome])
+    monkeypatch.setattr(frontier_mod, "write_frontier", lambda out, *a, **k: written.append(out))
+    args = ["frontier", "--out", str(tmp_path), "--arm", "final-rate=0", "--seeds", "2"]
+    result = CliRunner().invoke(app, args, env={"COLUMNS": "240"})
+    assert result.exit_code == 1 and "runs failed" in result.output
+    assert written == [tmp_path]

@@ -174,3 +174,40 @@ def test_the_demo_target_replaces_its_own_folder() -> None:
     makefile = (Path(__file__).resolve().parents[2] / "Makefile").read_text()
     demo = textwrap.dedent(makefile.split("\ndemo:", 1)[1].split("\n\n", 1)[0])
     assert "--overwrite" in demo
+
+
+def test_a_run_that_recorded_no_inputs_is_not_resumed(tmp_path: Path) -> None:
+    with pytest.raises(RunFolderError, match="records no run inputs"):
+        check_inputs(tmp_path, _inputs())
+
+
+def test_under_partial_participation_each_backend_is_its_own_family() -> None:
+    """Flower's simulated nodes get random ids, and sampling goes by id: flower, ray and
+    inprocess agree bit for bit only when every client trains every round."""
+    partial = {"method": "rs", "clients-per-round": 2}
+    flower = RunInputs.of_run(clients=4, backend="flower", data="x", run_config=partial)
+    ray = RunInputs.of_run(clients=4, backend="ray", data="x", run_config=partial)
+    assert (flower.results, ray.results) == ("flower", "ray")
+    every = {"method": "rs", "clients-per-round": 4}
+    assert RunInputs.of_run(clients=4, backend="ray", data="x", run_config=every).results == (
+        "simulation"
+    )
+
+
+def test_overwrite_removes_nothing_when_a_later_check_fails(tmp_path: Path) -> None:
+    runs = tmp_path / "out" / "runs" / "lr-0.5_seed-0"
+    runs.mkdir(parents=True)
+    (runs / "summary.json").write_text("{}")
+    args = ["sweep", "--out", str(tmp_path / "out"), "--backend", "inprocess", "--overwrite"]
+    bad_tune = CliRunner().invoke(app, [*args, "--tune", "lr=-1"], env={"COLUMNS": "240"})
+    assert bad_tune.exit_code == 2 and "lr=-1" in _flat(bad_tune.output)
+    bad_grid = CliRunner().invoke(app, [*args, "--grid", "lr=0.5,0"], env={"COLUMNS": "240"})
+    assert bad_grid.exit_code == 2 and "lr=0" in _flat(bad_grid.output)
+    assert (runs / "summary.json").read_text() == "{}"
+
+
+def test_a_command_without_resume_does_not_offer_it(tmp_path: Path) -> None:
+    _old_run(tmp_path)
+    with pytest.raises(RunFolderError) as err:
+        claim(tmp_path, resumable=False)
+    assert "--resume" not in str(err.value) and "--overwrite" in str(err.value)

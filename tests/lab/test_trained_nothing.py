@@ -52,5 +52,17 @@ def test_one_line_keeps_the_first_line_of_each_part() -> None:
     assert len(one_line("x" * 1000)) == 400
 
 
-def test_untrained_is_none_once_a_round_accepted_an_update() -> None:
+def test_a_round_that_sampled_no_user_trained_nothing(tmp_path: Path) -> None:
+    """dp-level=user samples users by Poisson sampling: a round may take none; a run of such
+    rounds trained nothing though no round is marked failed."""
+    out = tmp_path / "run"
+    args = ["simulate", "--out", str(out), "--backend", "inprocess", "--clients", "10"]
+    sets = ["dp-level=user", "clients-per-round=1", "central-noise=seeded", "seed=5"]
+    sets += ["num-rounds=1", "min-clients=2"]
+    result = CliRunner().invoke(
+        app, [*args, *[a for s in sets for a in ("--set", s)]], env={"COLUMNS": "240"}
+    )
+    rounds = [json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines()]
+    assert rounds[0]["num_accepted"] == 0 and not rounds[0]["failed"]
+    assert result.exit_code == 1 and "no client was sampled" in _flat(result.output)
     assert untrained([]) is None
