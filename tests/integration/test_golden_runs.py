@@ -1,0 +1,127 @@
+"""Recorded results stay the results: small federations, one per method and one each for a
+codec, secure aggregation and user-level DP, rerun and compared with what was recorded.
+
+Each case's ``rounds.jsonl`` (every field but the wall-clock ones) and the SHA-256 of its
+final weights are in ``tests/golden/``, recorded before the client's round became one
+function (``client/round.py``). A refactoring that changes a single number, byte count or
+weight fails here. Regenerate, only for a change meant to alter results, with
+``python -m tests.integration.test_golden_runs`` (and say why in the CHANGELOG).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from fedsparse.client.app import app as client_app
+from fedsparse.client.node_policy import SIMULATION_NODE_POLICY
+from fedsparse.common.config import FederatedConfig
+from fedsparse.lab.simulation.inprocess import InProcessGrid
+from fedsparse.server.app import run_federated
+
+GOLDEN = Path(__file__).resolve().parents[1] / "golden"
+#: Fields that measure the machine, not the run.
+CLOCK = ("wall_seconds", "started_at", "ended_at")
+#: A fixed sigma (no calibration) except where the case is about calibration.
+FIXED = dict(target_epsilon=0.0, noise_multiplier=1.0)
+CASES: dict[str, dict[str, Any]] = {
+    # rs, sigma calibrated to the default target epsilon: the default run, shortened
+    "rs": dict(seed=1),
+    "random-freeze": dict(method="random-freeze", final_rate=0.8, seed=2, **FIXED),
+    "lf": dict(method="lf", freeze_layers=1, freeze_after=1, seed=4, **FIXED),
+    "ranked": dict(method="ranked", schedule="constant", final_rate=0.5, seed=6, **FIXED),
+    "dpssgd": dict(
+        method="dpssgd", final_rate=0.8, public_fraction=0.1, public_epochs=1, seed=8, **FIXED
+    ),
+    "gip": dict(method="gip", final_rate=0.9, seed=2),  # its index budget: of the target
+    "random-k": dict(method="random-k", final_rate=0.9, seed=3, **FIXED),
+    # a codec: int8 values in blocks, per-client masks, error feedback
+    "int8-feedback": dict(
+        value_dtype="int8", mask_scope="client", error_feedback=True, seed=9, **FIXED
+    ),
+    "int4-coo": dict(
+        method="random-k", final_rate=0.9, codec="coo", value_dtype="int4", seed=10, **FIXED
+    ),
+    "secagg": dict(
+        dp_level="user",
+        clients_per_round=3,
+        central_noise_multiplier=1.0,
+        central_clip=0.5,
+        secure_aggregation=True,
+        final_rate=0.9,
+        schedule="constant",
+        lr=0.5,
+        seed=5,
+    ),
+    "user-level": dict(
+        dp_level="user",
+        clients_per_round=2,
+        central_noise_multiplier=0.8,
+        central_noise="seeded",
+        seed=5,
+    ),
+}
+NODES, ROUNDS = 3, 2
+
+
+def run_case(name: str, out: Path) -> tuple[list[dict[str, Any]], str]:
+    """(the case's rounds without clock fields, the SHA-256 of its final weights)."""
+    cfg = FederatedConfig(out_dir=str(out), num_rounds=ROUNDS, **CASES[name])
+    grid = InProcessGrid(
+        client_app,
+        num_nodes=NODES,
+        run_config=cfg.to_run_config(),
+        node_config=SIMULATION_NODE_POLICY,
+    )
+    run_federated(grid, cfg)
+    rounds = [json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines()]
+    for r in rounds:
+        for key in CLOCK:
+            r.pop(key)
+    weights = torch.load(out / "checkpoint.pt")["weights"].contiguous().numpy().tobytes()
+    return rounds, hashlib.sha256(weights).hexdigest()
+
+
+def _golden(name: str) -> dict[str, Any]:
+    return json.loads((GOLDEN / f"{name}.json").read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_a_recorded_federation_reruns_line_for_line(name: str, tmp_path: Path) -> None:
+    rounds, weights = run_case(name, tmp_path / name)
+    golden = _golden(name)
+    assert len(rounds) == len(golden["rounds"]) == ROUNDS
+    for got, want in zip(rounds, golden["rounds"], strict=True):
+        assert got == want, f"{name}: round {want['round']} differs"
+    assert weights == golden["weights_sha256"]
+
+
+def test_every_case_trained_and_was_recorded() -> None:
+    """The goldens are of runs that did something (no failed round, updates accepted)."""
+    assert sorted(p.stem for p in GOLDEN.glob("*.json")) == sorted(CASES)
+    for name in CASES:
+        for r in _golden(name)["rounds"]:
+            assert not r["failed"] and r["num_accepted"] > 0, name
+
+
+def _record(names: list[str]) -> None:  # pragma: no cover - run by hand
+    import tempfile
+
+    GOLDEN.mkdir(exist_ok=True)
+    for name in names or sorted(CASES):
+        with tempfile.TemporaryDirectory() as tmp:
+            rounds, weights = run_case(name, Path(tmp) / name)
+        text = json.dumps({"rounds": rounds, "weights_sha256": weights}, indent=1) + "\n"
+        (GOLDEN / f"{name}.json").write_text(text)
+        print(name, weights)
+
+
+if __name__ == "__main__":
+    _record(sys.argv[1:])
