@@ -37,7 +37,13 @@ from fedsparse.client.guard import (
     public_size,
     released_error,
 )
-from fedsparse.client.local_round import train_round
+from fedsparse.client.local_round import (
+    PublicRound,
+    Release,
+    RoundNoise,
+    RoundPrivacy,
+    client_round,
+)
 from fedsparse.client.node_data import NodeData
 from fedsparse.client.node_policy import SECAGG, NodePolicy, PrivacyRefusal, TrainingRequest
 from fedsparse.client.secagg_node import SecAggRound, answer, sample_level_multiplier
@@ -59,9 +65,9 @@ from fedsparse.common.dp.accounting import (
 )
 from fedsparse.common.known_warnings import quiet_known_warnings
 from fedsparse.common.layout import ParamLayout
+from fedsparse.common.methods.base import Method
 from fedsparse.common.methods.index_selection import IndexBudget
 from fedsparse.common.models.classifiers import build_model
-from fedsparse.common.seeds import Stream, client_train_seed, stream_seed
 from fedsparse.common.training.configs import PrivacyConfig, resolve_device
 from fedsparse.common.training.local import evaluate
 from fedsparse.common.wire.payload import decode_update
@@ -97,7 +103,11 @@ def _run_config(context: Context, policy: NodePolicy) -> FederatedConfig:
 
 
 def _calibrated(
-    privacy: PrivacyConfig, cfg: FederatedConfig, num_examples: int, accountant: AccountantName
+    privacy: PrivacyConfig,
+    cfg: FederatedConfig,
+    num_examples: int,
+    accountant: AccountantName,
+    method: Method | None = None,
 ) -> tuple[PrivacyConfig, IndexBudget | None]:
     """``privacy`` with sigma calibrated for the whole run's steps, if it has a target epsilon;
     and the method's own budget (``Method.split_privacy``: gip's index budget ``eps2``, sigma
@@ -107,14 +117,16 @@ def _calibrated(
     only on the run config and the node's public size (``public_size``: its declared
     ``nominal-size``), so every round after a node's first (and every node with the same
     ``q``) gets it from ``calibrate_noise_multiplier``'s memo.
-    ``accountant`` is the one the search runs with (``node_accountant``).
+    ``accountant`` is the one the search runs with (``node_accountant``); ``method`` the
+    round's instance (None: a new one).
 
     Raises:
         ProtocolError: no noise multiplier reaches the target; the message names only the
             server's target (whether it is reached depends on public values only).
     """
     steps = cfg.num_rounds * cfg.local_epochs * steps_per_epoch(num_examples, cfg.batch_size)
-    privacy, budget = cfg.make_method().split_privacy(privacy, planned_steps=steps)
+    method = method or cfg.make_method()
+    privacy, budget = method.split_privacy(privacy, planned_steps=steps)
     if privacy.target_epsilon is None:
         return privacy, budget
     try:
@@ -148,6 +160,7 @@ def _index_charge(
     numel: int,
     budget: IndexBudget | None,
     steps: int,
+    method: Method | None = None,
 ) -> tuple[float, float]:
     """(this round's keep ratio k, its index epsilon for ``steps``): ``Method.index_charge``.
 
@@ -159,7 +172,8 @@ def _index_charge(
         ProtocolError: another ``keep`` (checked before anything private is touched).
     """
     schedule = cfg.sparsity().rate_schedule(cfg.num_rounds)
-    return cfg.make_method().index_charge(task, numel, budget, steps, schedule=schedule)
+    method = method or cfg.make_method()
+    return method.index_charge(task, numel, budget, steps, schedule=schedule)
 
 
 @app.train()
@@ -193,8 +207,9 @@ def train(msg: Message, context: Context) -> Message:
     secagg = SecAggRound.open(msg, context, cfg, policy, task, declared) if secure else None
     reusable = model_cache.process_model(cfg.model_name, cfg.seed)
     layout = reusable.layout
-    frozen = _frozen_prefix(cfg, task, layout)
-    explicit = _server_support(cfg, task, record, layout)
+    method = cfg.make_method()  # one instance for the round
+    frozen = _frozen_prefix(cfg, task, layout, method)
+    explicit = _server_support(cfg, task, record, layout, method)
     partition = (declared.partition_id, declared.num_partitions)
     files = StateFiles(Path(policy.state_dir), partition[0]) if policy.state_dir else None
     state = _node_state(context, files, resumed_from(record), numel=layout.numel)
@@ -219,9 +234,8 @@ def train(msg: Message, context: Context) -> Message:
             files,
             reusable,
             layout,
+            public=PublicRound(cfg, task, method, context.node_id, frozen, explicit),
             global_flat=global_flat,
-            frozen=frozen,
-            explicit=explicit,
             secagg=secagg,
         )
         config, metrics = reply.to_records()
@@ -255,13 +269,12 @@ def _private_round(
     reusable: model_cache.ProcessModel,
     layout: ParamLayout,
     *,
+    public: PublicRound,
     global_flat: torch.Tensor,
-    frozen: int,
-    explicit: torch.Tensor | None,
     secagg: SecAggRound | None = None,
 ) -> TrainReply:
     """The part of ``train`` that reads the node's data: budget, σ, the ledger's charge, the
-    round, and the node's state after it; returns the reply.
+    round (``client_round``), and the node's state after it; returns the reply.
 
     Raises:
         PrivacyRefusal: the budget is spent or the round does not fit it.
@@ -279,10 +292,12 @@ def _private_round(
     exhausted(policy, ledger)
     if secagg is not None:
         secagg.ledger = ledger
+    method = public.method
     with quiet_known_warnings():
-        privacy, budget = _calibrated(privacy, cfg, size, node_accountant(policy, privacy))
+        accountant = node_accountant(policy, privacy)
+        privacy, budget = _calibrated(privacy, cfg, size, accountant, method)
         steps = task.local_epochs * steps_per_epoch(size, task.batch_size)
-        keep_fraction, index_epsilon = _index_charge(cfg, task, layout.numel, budget, steps)
+        keep_fraction, index_epsilon = _index_charge(cfg, task, layout.numel, budget, steps, method)
         request = TrainingRequest(
             run_id=context.run_id,
             server_round=task.server_round,
@@ -311,56 +326,45 @@ def _private_round(
             last_round=state.last_round,
             index_spent=state.index_epsilon,
         )
-        # gip, random-k: each DP step chooses its support (None: one mask for the round).
-        selector = cfg.make_method().step_selector(
-            numel=layout.numel,
+        round_privacy = RoundPrivacy(
+            privacy,
+            history=state.history,
+            index_spent=state.index_epsilon,
             keep_fraction=keep_fraction,
             budget=budget,
-            # Seeded only when the node asks (simulation), like its DP noise.
-            seed=stream_seed(
-                client_train_seed(cfg.seed, task.server_round, partition[0]),
-                Stream.INDEX_SELECTION,
-            )
-            if policy.noise == "seeded" and not privacy.secure_mode
-            else None,
+            # padded to the declared size (a simulated node declaring none: its own)
+            nominal_size=declared.nominal_size or None,
         )
+        # Seeded streams only when the node asks (simulation); else fresh OS entropy.
+        noise = RoundNoise(policy.noise == "seeded", cfg.seed, partition[0])
         # error-feedback: the node's residual (checked when the state was read), else None
         residual = residual_vector(state.residual, layout.numel) if cfg.error_feedback else None
         try:
             with reusable.lock:
-                reply, history = train_round(
-                    cfg,
-                    task,
-                    policy,
-                    privacy,
-                    context,
-                    data,
+                result = client_round(
                     global_flat,
-                    state.history,
-                    frozen,
-                    explicit,
+                    data,
+                    public,
+                    round_privacy,
+                    noise,
                     model=reusable.model,
-                    selector=selector,
-                    index_spent=state.index_epsilon,
-                    partition_id=partition[0],
+                    release=Release(policy.release_example_count, policy.release_train_loss),
                     residual=residual,
-                    # padded to the declared size (a simulated node declaring none: its own)
-                    nominal_size=declared.nominal_size or None,
                 )
         except Exception as err:
             raise released_error(err, data_read=True) from None
+    reply, history = result.reply, result.history
     if secagg is not None:  # what the node's data spent: its worst case (secagg_node.py)
         history = [*state.history, (sample_level_multiplier(secagg.worst_case), 1.0, 1)]
         epsilon = compute_epsilon_of_history(history, delta=policy.delta, accountant="rdp")
         reply = dataclasses.replace(reply, epsilon=epsilon, noise_multiplier=secagg.worst_case)
-    spent = state.index_epsilon + (selector.spent if selector is not None else 0.0)
     state = NodeState(
         global_flat,
         task.model_version,
         history,
         task.server_round,
-        spent,
-        residual_bytes(residual) if residual is not None else b"",
+        result.index_spent,
+        residual_bytes(result.residual) if result.residual is not None else b"",
     )
     state.save(context)
     if files is not None:
@@ -368,7 +372,9 @@ def _private_round(
     return reply
 
 
-def _frozen_prefix(cfg: FederatedConfig, task: TrainInstruction, layout: ParamLayout) -> int:
+def _frozen_prefix(
+    cfg: FederatedConfig, task: TrainInstruction, layout: ParamLayout, method: Method | None = None
+) -> int:
     """The frozen coordinate prefix this round (lf from freeze-after on; else 0):
     ``Method.client_frozen``.
 
@@ -376,11 +382,15 @@ def _frozen_prefix(cfg: FederatedConfig, task: TrainInstruction, layout: ParamLa
         ProtocolError: the instruction's ``keep`` is not the ``d - s`` the public config gives
             (checked before anything private is touched).
     """
-    return cfg.make_method().client_frozen(task, layout)
+    return (method or cfg.make_method()).client_frozen(task, layout)
 
 
 def _server_support(
-    cfg: FederatedConfig, task: TrainInstruction, record: Mapping[str, Any], layout: ParamLayout
+    cfg: FederatedConfig,
+    task: TrainInstruction,
+    record: Mapping[str, Any],
+    layout: ParamLayout,
+    method: Method | None = None,
 ) -> torch.Tensor | None:
     """The server's support this round (None: every coordinate, or the seeded mask):
     ``Method.client_support``.
@@ -393,7 +403,7 @@ def _server_support(
         ProtocolError: a support under a method that takes none, an undecodable bitmap, or
             counts other than the public config's (checked before anything private is touched).
     """
-    return cfg.make_method().client_support(
+    return (method or cfg.make_method()).client_support(
         task,
         record.get(SERVER_SUPPORT),
         layout,

@@ -1,7 +1,7 @@
 """The model a client process reuses across its train calls, one architecture at a time.
 
 ``process_model`` builds a model per ``(name, seed)`` once per process (a worker serving many
-virtual clients builds it once instead of once per call); ``train_round``
+virtual clients builds it once instead of once per call); ``client_round``
 (``client/local_round.py``) loads the round's global weights into it under its lock and hands
 it to ``release`` afterwards, which takes Opacus's hooks and every gradient off it again, so
 each call sees it as a fresh build would be but for its weights.
@@ -26,7 +26,7 @@ __all__ = ["ProcessModel", "process_model", "release"]
 class ProcessModel:
     """A process's model of one architecture, reused by its ``train`` calls (one at a time,
     under ``lock``): every call loads the round's global weights into it first and leaves no
-    hooks or gradients behind (``client/local_round.py: train_round``), so a worker serving
+    hooks or gradients behind (``client/local_round.py: client_round``), so a worker serving
     many virtual clients builds it once instead of once per call."""
 
     model: nn.Module

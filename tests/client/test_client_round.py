@@ -1,0 +1,109 @@
+"""The client's round is one Flower-free function (``client/local_round.py: client_round``):
+called with the ClientApp's inputs it gives the ClientApp's bytes, and importing it loads no
+Flower, gRPC or Ray."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+import torch
+
+from fedsparse.client.data import local_data
+from fedsparse.client.local_round import (
+    PublicRound,
+    Release,
+    RoundNoise,
+    RoundPrivacy,
+    client_round,
+)
+from fedsparse.client.model_cache import process_model
+from fedsparse.client.node_policy import SIMULATION_NODE_POLICY
+from fedsparse.common.masks import keep_count
+from fedsparse.common.wire.payload import encode_update
+from fedsparse.common.wire.protocol import TrainInstruction, round_seed
+from fedsparse.server.messages import train_message
+from tests.client.node_helpers import NODE, cfg, grid, parse, weights
+
+FIXED: dict[str, Any] = dict(target_epsilon=0.0, noise_multiplier=1.0, seed=3)
+
+
+def test_importing_the_round_loads_no_flower_grpc_or_ray() -> None:
+    code = (
+        "import sys, fedsparse.client.local_round\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'flwr', 'grpc', 'ray'}))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
+    assert out.strip() == "[]"
+
+
+def _task(run: Any, flat: torch.Tensor) -> TrainInstruction:
+    """Round 1's instruction, as the server sends it (constant schedule: keep at final-rate)."""
+    d = flat.numel()
+    return TrainInstruction(
+        server_round=1,
+        num_rounds=run.num_rounds,
+        mask_seed=round_seed(run.seed, 1),
+        keep=keep_count(d, rate=run.final_rate),
+        mask_scope=run.mask_scope,
+        local_epochs=run.local_epochs,
+        batch_size=run.batch_size,
+        lr=run.lr,
+        momentum=0.0,
+        base_version=-1,
+        model_version=0,
+        model=encode_update(flat, dense_size=d, round=1),
+    )
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {},  # rs: the round's seeded mask
+        dict(mask_scope="client", value_dtype="int4"),  # the node's own mask, seeded rounding
+        dict(method="random-k", final_rate=0.9),  # a per-step selector
+    ],
+    ids=["rs", "client-mask-int4", "random-k"],
+)
+def test_the_function_gives_the_client_apps_bytes(settings: dict[str, Any]) -> None:
+    run = cfg(**{**FIXED, "schedule": "constant", **settings})
+    flat = weights(run)
+    task = _task(run, flat)
+    # The ClientApp, through an in-process grid (a simulated node: seeded noise).
+    node = grid(run, SIMULATION_NODE_POLICY)
+    (message,) = node.send_and_receive([train_message(task, node=NODE)])
+    reply, _ = parse(message)
+    # The function alone, with the same public inputs, privacy parameters and noise source.
+    method = run.make_method()
+    keep_fraction, _ = method.index_charge(
+        task, flat.numel(), None, 0, schedule=run.sparsity().rate_schedule(run.num_rounds)
+    )
+    result = client_round(
+        flat,
+        local_data(run, 0, 1),
+        PublicRound(run, task, method, node_id=NODE),
+        RoundPrivacy(run.privacy(), keep_fraction=keep_fraction),
+        RoundNoise(seeded=True, run_seed=run.seed, partition_id=0),
+        model=process_model(run.model_name, run.seed).model,
+        release=Release(example_count=True, train_loss=True),
+    )
+    if run.method == "rs":  # the round's mask; random-k: the union of its steps' supports
+        assert reply.keep == keep_count(flat.numel(), rate=run.final_rate)
+    assert result.reply.update == reply.update  # the same bytes
+    assert result.reply == reply  # and the same reported numbers
+    assert [entry[0] for entry in result.history] == [1.0]  # sigma, one entry for the round
+    # Another noise source is another update: the noise comes from it.
+    other = client_round(
+        flat,
+        local_data(run, 0, 1),
+        PublicRound(run, task, method, node_id=NODE),
+        RoundPrivacy(run.privacy(), keep_fraction=keep_fraction),
+        RoundNoise(seeded=True, run_seed=run.seed + 1, partition_id=0),
+        model=process_model(run.model_name, run.seed).model,
+    )
+    assert other.reply.update != reply.update
+    assert other.reply.num_examples == 1 and other.reply.examples_seen == 0  # nothing released
