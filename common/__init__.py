@@ -4,9 +4,5 @@ Grouped by concept: ``dp/`` (the DP-SGD optimizer, the per-sample engines, accou
 ``methods/`` (the sparsification methods, their masks and schedules), ``aggregation/``,
 ``wire/`` (payload codec, protocol, run log), ``data/``, ``models/``, ``training/``; beside them
 the helpers every concept shares (``config``, ``coerce``, ``seeds``, ``layout``, ``plugins``,
-``atomic``, ``known_warnings``). Old import names keep working (``moved``).
+``atomic``, ``known_warnings``).
 """
-
-from fedsparse.common import moved
-
-moved.install()

@@ -8,7 +8,3 @@ paper's reproduction, the gradient-inversion study). ``fedsparse.server`` and
 ``fedsparse.client`` are the Flower apps; lab starts them, or, in ``simulation/``, calls the
 ClientApp directly.
 """
-
-from fedsparse.common import moved
-
-moved.install()

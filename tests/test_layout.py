@@ -165,7 +165,6 @@ COMMON_SHARED = {
     "known_warnings",
     "layout",
     "masks",
-    "moved",
     "names",  # every name a run-config key accepts, importing nothing heavy
     "plugins",
     "seeds",
@@ -187,23 +186,6 @@ def test_common_is_grouped_by_concept_and_lab_by_role() -> None:
 def test_tests_mirror_the_concepts() -> None:
     for concept in COMMON_CONCEPTS:
         assert list((ROOT / "tests" / "common" / concept).rglob("test_*.py")), concept
-
-
-def test_code_imports_no_old_name() -> None:
-    """Old import names are aliases for users' scripts (``common/moved.py``); the project itself
-    imports modules where they live."""
-    from fedsparse.common.moved import MOVED
-
-    folders = ("common", "client", "server", "lab", "tests", "benchmarks", "scripts", "docs")
-    bad = [
-        f"{path.relative_to(ROOT)} imports {name}"
-        for folder in folders
-        for path in sorted((ROOT / folder).rglob("*.py"))
-        if path.name != "test_moved.py"  # the aliases' own test
-        for name in sorted(_imports(path))
-        if any(name == old or name.startswith(old + ".") for old in MOVED)
-    ]
-    assert bad == []
 
 
 _HISTORY = re.compile(r"\b20\d\d-\d\d-\d\d\b|\bissues? #?\d+\b", re.IGNORECASE)

@@ -287,20 +287,6 @@ def test_reconstruct_parses_the_options_of_the_m_entry_point() -> None:
     assert bad.exit_code == 2 and "restarts=0" in bad.output
 
 
-@pytest.mark.slow
-def test_the_old_inversion_name_still_runs_as_m() -> None:
-    """``python -m fedsparse.lab.inverting``, a command recorded before the study became a
-    package, answers as ``python -m fedsparse.lab.research.inversion``."""
-    old = subprocess.run(
-        [sys.executable, "-m", "fedsparse.lab.inverting", "--help"],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert old.returncode == 0, old.stderr
-    assert "--iterations" in old.stdout and "--threads" in old.stdout
-
-
 def test_reconstruct_runs_a_tiny_grid(tmp_path: Path) -> None:
     """Four images, two Adam steps: every output written, the command recorded."""
     out = tmp_path / "rec"
