@@ -34,9 +34,10 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from fedsparse.client.node_policy import PrivacyRefusal, TrainingRequest
+from fedsparse.client.node_policy import SECAGG, PrivacyRefusal, TrainingRequest
 from fedsparse.common.atomic import PRIVATE, write_atomically
 from fedsparse.common.dp.accounting import AccountantName, compute_epsilon_of_history
+from fedsparse.common.dp.mechanisms import is_private
 
 __all__ = ["LedgerEntry", "PrivacyLedger", "accounted", "ledger_key", "ledger_path"]
 
@@ -54,9 +55,9 @@ def accounted(
     """
     if noise_multiplier == 0:
         return None
-    if mechanism == "dpsgd":
+    if is_private(mechanism):
         return (noise_multiplier, sample_rate, steps)
-    if mechanism == "secagg":
+    if mechanism == SECAGG:
         return (noise_multiplier / 2.0, sample_rate, steps)
     return None
 

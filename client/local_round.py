@@ -32,6 +32,7 @@ from fedsparse.common import masks
 from fedsparse.common.config import FederatedConfig, wire_encoding
 from fedsparse.common.data.datasets import Split
 from fedsparse.common.dp.accounting import accountant_epsilon
+from fedsparse.common.dp.mechanisms import is_private
 from fedsparse.common.layout import ParamLayout
 from fedsparse.common.methods import suffix_mask
 from fedsparse.common.methods.base import Method
@@ -311,7 +312,7 @@ def _train(
         )
         + round_privacy.index_spent
         + engine.index_epsilon
-        if privacy.mechanism == "dpsgd"
+        if is_private(privacy.mechanism)
         else math.inf
     )
 

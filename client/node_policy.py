@@ -85,6 +85,7 @@ from typing import Any, Final, Literal, get_args
 from fedsparse.client.node_data import DATA_KEYS
 from fedsparse.common import plugins
 from fedsparse.common.coerce import coerce, unknown_key
+from fedsparse.common.dp.mechanisms import is_private
 from fedsparse.common.names import MECHANISMS, METHOD_NAMES, MechanismName
 
 __all__ = [
@@ -323,7 +324,7 @@ class NodePolicy:
                     f"this node requires >= {self.min_noise_multiplier:g}"
                 )
         elif (
-            mechanism == "dpsgd"
+            is_private(mechanism)
             and noise_multiplier is not None
             and noise_multiplier < self.min_noise_multiplier
         ):
@@ -348,7 +349,7 @@ class NodePolicy:
         )
         if (
             request.calibrated
-            and request.mechanism == "dpsgd"
+            and is_private(request.mechanism)
             and request.noise_multiplier < self.min_noise_multiplier
         ):
             raise PrivacyRefusal(

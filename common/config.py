@@ -44,6 +44,7 @@ from fedsparse.common.data.partition import PartitionerName
 from fedsparse.common.dp.accounting import AccountantName
 from fedsparse.common.dp.central import CentralNoise, DPLevel
 from fedsparse.common.dp.engines import EngineName
+from fedsparse.common.dp.mechanisms import is_private
 from fedsparse.common.dp.optimizer import MechanismName
 from fedsparse.common.dp.worst_case import worst_case_noise_multiplier
 from fedsparse.common.methods import (
@@ -419,7 +420,7 @@ class FederatedConfig:
                 max_grad_norm=self.max_grad_norm,
                 accountant=self.accountant,
             )
-        use_target = self.mechanism == "dpsgd" and self.target_epsilon > 0
+        use_target = is_private(self.mechanism) and self.target_epsilon > 0
         return PrivacyConfig(
             mechanism=self.mechanism,
             noise_multiplier=None if use_target else self.noise_multiplier,

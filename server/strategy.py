@@ -58,6 +58,7 @@ from fedsparse.common.dp.central import (
     poisson_sample,
     user_sample_rate,
 )
+from fedsparse.common.dp.mechanisms import is_private
 from fedsparse.common.layout import ParamLayout
 from fedsparse.common.seeds import Stream, stream_seed
 from fedsparse.common.wire.payload.indices import indices_to_bytes
@@ -404,7 +405,7 @@ class SparseFedAvg(Strategy):
         # Replies arrive in any order and node ids differ between runs: a canonical order
         # (by content) makes the float sums, and so the model, independent of both.
         accepted.sort(key=canonical)
-        private = self.cfg.privacy().mechanism == "dpsgd"  # else sigma is no privacy figure
+        private = is_private(self.cfg.privacy().mechanism)  # else sigma is no privacy figure
         round_numbers(stats, accepted, self._epsilons.values(), private=private)
         if self.user_level:
             new_weights, touched = self._aggregate_central(stats, weights, accepted)

@@ -128,6 +128,65 @@ def test_the_method_branch_check_sees_a_branch() -> None:
     assert [line.split(":")[1] for line in found] == ["1", "3", "5", "9"]
 
 
+#: Other vocabularies with one home each: (the names, spelled out; the attribute or variable
+#: names that hold one; the package that alone may compare them).
+_VOCABULARIES = {
+    "mechanism": (frozenset({"dpsgd", "clipped", "noisy"}), ("mechanism",), "common/dp"),
+    "backend": (
+        frozenset({"flower", "inprocess", "deploy", "ray", "simulation"}),
+        ("backend",),
+        "lab/launch",
+    ),
+}
+
+
+def _vocabulary_branches(source: str, where: str, names: frozenset[str], refs: tuple[str, ...]):
+    def is_ref(node: ast.expr) -> bool:
+        if isinstance(node, ast.Name):
+            return node.id in refs
+        return isinstance(node, ast.Attribute) and node.attr in refs
+
+    def is_name(node: ast.expr) -> bool:
+        if isinstance(node, ast.Constant):
+            return node.value in names
+        if isinstance(node, ast.Tuple | ast.List | ast.Set):
+            return any(is_name(e) for e in node.elts)
+        return False
+
+    return [
+        f"{where}:{node.lineno}: {ast.unparse(node)}"
+        for node in ast.walk(ast.parse(source, filename=where))
+        if isinstance(node, ast.Compare)
+        and any(map(is_ref, [node.left, *node.comparators]))
+        and any(map(is_name, [node.left, *node.comparators]))
+    ]
+
+
+@pytest.mark.parametrize("vocabulary", sorted(_VOCABULARIES))
+def test_no_mechanism_or_backend_branch_outside_its_package(vocabulary: str) -> None:
+    """A mechanism is asked what it does (``common/dp/mechanisms.py``), a backend what it
+    runs (``lab/launch/backends.py``); their names are compared in their own package only."""
+    names, refs, home = _VOCABULARIES[vocabulary]
+    bad = [  # the library (benchmarks drive the command line of any version, by its flags)
+        branch
+        for folder in PACKAGES
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        if ROOT / home not in path.parents
+        for branch in _vocabulary_branches(
+            path.read_text(), str(path.relative_to(ROOT)), names, refs
+        )
+    ]
+    assert bad == []
+
+
+def test_the_vocabulary_check_sees_a_branch() -> None:
+    names, refs, _ = _VOCABULARIES["mechanism"]
+    source = "if cfg.mechanism == 'noisy':\n    pass\nif mechanism in ('dpsgd',):\n    pass\n"
+    source += "if cfg.method == 'noisy':\n    pass\n"
+    found = _vocabulary_branches(source, "sample.py", names, refs)
+    assert [line.split(":")[1] for line in found] == ["1", "3"]
+
+
 #: Modules allowed over :data:`MAX_MODULE_LINES`, each because one concept needs the room
 #: (docs/explanation/architecture.md, "Module sizes", says why for each).
 LONG_MODULES: dict[str, str] = {}

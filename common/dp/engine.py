@@ -20,6 +20,7 @@ from opacus.optimizers import DPOptimizer
 from torch import nn
 
 from fedsparse.common.dp.accounting import AccountantName
+from fedsparse.common.dp.mechanisms import is_private, mechanism_of
 from fedsparse.common.dp.optimizer import MECHANISMS, MechanismName, SparseDPOptimizer
 from fedsparse.common.dp.per_sample import PerSampleCriterion, PerSampleModule
 from fedsparse.common.layout import ParamLayout, unwrap_name
@@ -164,7 +165,7 @@ class SparseDPEngine(PrivacyEngine):
         generator = self.secure_rng if self.secure_mode else noise_generator
         sparse = self.optimizer_class(
             optimizer,
-            clip_per_sample=self.mechanism != "noisy",
+            clip_per_sample=mechanism_of(self.mechanism).clips,
             generator=generator,
             secure_mode=self.secure_mode,
             **kwargs,
@@ -176,7 +177,7 @@ class SparseDPEngine(PrivacyEngine):
         """Opacus's ``make_private``; returns ``(module, optimizer, data_loader)``, or with
         ``grad_sample_mode="ghost"`` (func and factored engines) ``(module, optimizer,
         criterion, data_loader)`` (``PerSampleCriterion``)."""
-        if self.mechanism == "clipped" and noise_multiplier != 0:
+        if not mechanism_of(self.mechanism).noises and noise_multiplier != 0:
             raise ValueError(
                 f"noise_multiplier={noise_multiplier}: mechanism='clipped' adds no noise, "
                 "expected 0"
@@ -196,7 +197,7 @@ class SparseDPEngine(PrivacyEngine):
 
     def make_private_with_epsilon(self, **kwargs: Any) -> Any:
         """Opacus's ``make_private_with_epsilon`` (calibrates sigma for the target epsilon)."""
-        if self.mechanism != "dpsgd":
+        if not is_private(self.mechanism):
             raise ValueError(
                 f"mechanism={self.mechanism!r} is not private: make_private_with_epsilon "
                 "needs mechanism='dpsgd'"
@@ -285,7 +286,7 @@ class SparseDPEngine(PrivacyEngine):
 
         With a GIP selector: the accountant's epsilon of the Gaussian mechanism plus the
         index selection's pure epsilon (basic composition, GIP Thm. 2)."""
-        if self.mechanism != "dpsgd":
+        if not is_private(self.mechanism):
             return math.inf
         if len(self.accountant) == 0:
             return self.index_epsilon

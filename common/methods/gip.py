@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from fedsparse.common.dp.mechanisms import is_private
 from fedsparse.common.masks import keep_count
 from fedsparse.common.methods.base import EpochContext, Method
 from fedsparse.common.methods.index_selection import (
@@ -46,7 +47,7 @@ def gip_privacy(
         ValueError: no ``target_epsilon`` (a fixed noise multiplier leaves no budget to split),
             or a non-private mechanism.
     """
-    if privacy.mechanism != "dpsgd" or privacy.target_epsilon is None:
+    if not is_private(privacy.mechanism) or privacy.target_epsilon is None:
         raise ValueError(
             f"method='gip' with mechanism={privacy.mechanism!r}, "
             f"target-epsilon={privacy.target_epsilon}: GIP needs mechanism='dpsgd' and a "
@@ -132,7 +133,7 @@ class GIP(RandomK):
     @classmethod
     def check_run(cls, cfg: FederatedConfig) -> None:
         """Raises ``ValueError`` unless ``mechanism=dpsgd`` with a ``target-epsilon``."""
-        if not (cfg.mechanism == "dpsgd" and cfg.target_epsilon > 0):
+        if not (is_private(cfg.mechanism) and cfg.target_epsilon > 0):
             raise ValueError(
                 f"method={cfg.method!r}: expected a method other than 'gip' with mechanism != "
                 "'dpsgd' or target-epsilon = 0 (GIP's index budget is index-budget-fraction of "

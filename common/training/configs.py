@@ -20,6 +20,7 @@ import torch
 
 from fedsparse.common.dp.accounting import ACCOUNTANTS, AccountantName
 from fedsparse.common.dp.engines import ENGINES, EngineName, select_engine
+from fedsparse.common.dp.mechanisms import is_private
 from fedsparse.common.dp.optimizer import MECHANISMS, MechanismName
 from fedsparse.common.methods.schedules import RateSchedule, ScheduleName
 from fedsparse.common.models.classifiers import ModelName, build_model
@@ -105,7 +106,7 @@ class PrivacyConfig:
         ):
             raise ValueError(f"noise_multiplier={self.noise_multiplier}: expected finite >= 0")
         if self.target_epsilon is not None:
-            if self.mechanism != "dpsgd":
+            if not is_private(self.mechanism):
                 raise ValueError(f"target_epsilon={self.target_epsilon}: needs mechanism='dpsgd'")
             if not (math.isfinite(self.target_epsilon) and self.target_epsilon > 0):
                 raise ValueError(f"target_epsilon={self.target_epsilon}: expected finite > 0")

@@ -27,7 +27,7 @@ from fedsparse.lab.cli.utils import (
     parse_sets,
     removed_on_failed_start,
 )
-from fedsparse.lab.launch.backends import BACKEND_ALIASES, BACKEND_HELP, BACKENDS
+from fedsparse.lab.launch.backends import BACKEND_ALIASES, BACKEND_HELP, BACKENDS, backend_args
 
 #: ``--ray-address``'s help (``fedsparse simulate`` and ``fedsparse sweep``).
 RAY_ADDRESS_HELP = (
@@ -206,7 +206,7 @@ def resume_command(
     args += ["--rounds", str(rounds)] if rounds is not None else []
     args += ["--seed", str(seed)] if seed is not None else []
     args += ["--log", log] if log else []
-    args += ["--backend", backend] if backend != "flower" else []
+    args += backend_args(backend)
     args += ["--cpus-per-client", f"{cpus_per_client:g}"] if cpus_per_client != 1.0 else []
     args += ["--gpus-per-client", f"{gpus_per_client:g}"] if gpus_per_client else []
     args += ["--timeout", f"{timeout:g}"] if timeout != 3600.0 else []

@@ -43,7 +43,7 @@ from fedsparse.lab.experiments.sweep_backends import (
     standalone_command,
 )
 from fedsparse.lab.experiments.sweep_plan import SweepPlan, SweepRun
-from fedsparse.lab.launch.backends import backend_name
+from fedsparse.lab.launch.backends import backend_name, traits
 from fedsparse.lab.launch.processes import request_stop
 from fedsparse.lab.launch.run_dir import RunInputs, claim, data_digest
 
@@ -81,7 +81,7 @@ def _identity(run: SweepRun, settings: RunSettings) -> dict[str, Any]:
         "data": _data_digest(cfg.dataset, cfg.data_dir, cfg.seed),
         "plugins": RunInputs.of_run(clients=0, backend="", data="", run_config=config).plugins,
     }
-    if settings.backend == "deploy":  # the links are part of what a deployed run measured
+    if traits(settings.backend).shaped_links:  # part of what a deployed run measured
         identity |= {"uplink_bps": settings.uplink_bps, "downlink_bps": settings.downlink_bps}
     return identity
 
@@ -223,14 +223,14 @@ def check_jobs(settings: RunSettings, jobs: int) -> None:
     """
     if jobs < 1:
         raise ValueError(f"jobs={jobs}: expected >= 1")
-    if jobs > 1 and settings.backend == "ray":
+    if jobs > 1 and traits(settings.backend).cluster:
         raise ValueError(
             f"jobs={jobs}: expected 1 with backend='ray' (each run trains on every Ray worker)"
         )
 
 
 def _executor(settings: RunSettings, jobs: int) -> Executor:
-    if settings.backend == "inprocess":  # Flower/torch process globals: one process per job
+    if traits(settings.backend).in_process:  # process globals: one process per job
         return ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("spawn"))
     return ThreadPoolExecutor(max_workers=jobs)  # each run already lives in subprocesses
 

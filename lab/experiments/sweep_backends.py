@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from fedsparse.common.wire.run_log import RunSummary
     from fedsparse.lab.simulation.rayworkers import RayWorkers
 
-from fedsparse.lab.launch.backends import BACKENDS, Backend, backend_name
+from fedsparse.lab.launch.backends import BACKENDS, Backend, backend_args, backend_name, traits
 from fedsparse.lab.launch.flower import flower_logs_in_this_process
 
 __all__ = ["RunSettings", "ray_session", "run_backend", "standalone_command"]
@@ -54,12 +54,12 @@ class RunSettings:
             raise ValueError(f"backend={self.backend!r}: expected one of {', '.join(BACKENDS)}")
         for name in ("uplink_bps", "downlink_bps"):
             value = getattr(self, name)
-            if value is not None and self.backend != "deploy":
+            if value is not None and not traits(self.backend).shaped_links:
                 raise ValueError(
                     f"{name.replace('_bps', '-rate')}: shaped links need --backend deploy "
                     f"(backend={self.backend!r})"
                 )
-        if self.ray_address and self.backend != "ray":
+        if self.ray_address and not traits(self.backend).cluster:
             raise ValueError(
                 f"ray-address {self.ray_address}: a cluster address needs --backend ray "
                 f"(backend={self.backend!r})"
@@ -70,7 +70,7 @@ class RunSettings:
             raise ValueError(f"cpus_per_client={self.cpus_per_client}: expected > 0")
         if not (math.isfinite(self.gpus_per_client) and self.gpus_per_client >= 0):
             raise ValueError(f"gpus_per_client={self.gpus_per_client}: expected >= 0")
-        if self.gpus_per_client > 0 and self.backend not in ("flower", "ray"):
+        if self.gpus_per_client > 0 and not traits(self.backend).gpus:
             raise ValueError(
                 f"gpus-per-client: GPUs need --backend flower or ray (backend={self.backend!r})"
             )
@@ -212,7 +212,7 @@ def standalone_command(overrides: Mapping[str, str], out: Path, settings: RunSet
     federation on its own, into ``out``, as ``run_backend`` runs it; options at their
     defaults left out. A sweep records it in each run's ``summary.json`` (``command``)."""
     sets = [a for key, value in overrides.items() for a in ("--set", f"{key}={value}")]
-    if settings.backend == "deploy":
+    if traits(settings.backend).deployed:
         args = ["fedsparse", "deploy", "--out", str(out), "--nodes", str(settings.clients)]
         args += [*sets, "--idle-seconds", "0"]
         for flag, rate in (
@@ -223,7 +223,7 @@ def standalone_command(overrides: Mapping[str, str], out: Path, settings: RunSet
     else:
         args = ["fedsparse", "simulate", "--out", str(out), "--clients", str(settings.clients)]
         args += [*sets]
-        args += ["--backend", settings.backend] if settings.backend != "flower" else []
+        args += backend_args(settings.backend)
         if settings.cpus_per_client != 1.0:
             args += ["--cpus-per-client", f"{settings.cpus_per_client:g}"]
         if settings.gpus_per_client:

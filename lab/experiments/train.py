@@ -36,6 +36,7 @@ import torch
 from rich.console import Console
 
 from fedsparse.common.data.datasets import DatasetName, EvalSplit, load_eval_splits
+from fedsparse.common.dp.mechanisms import is_private
 from fedsparse.common.methods import Method, MethodConfig, total_density
 from fedsparse.common.models.classifiers import (
     DEFAULT_MODELS,
@@ -155,7 +156,7 @@ def run_train(
         trackers.close()
     last = history[-1]
     parameters = count_parameters(model)
-    private = privacy.mechanism == "dpsgd"
+    private = is_private(privacy.mechanism)
     sigma = last.noise_multiplier if private else None
     # gip: the index selection's own budget; a method with no split spends none (null)
     spends_index = type(method.method()).split_privacy is not Method.split_privacy

@@ -10,9 +10,21 @@ import here but the names, so the command line's help reads them at no cost.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Literal
 
-__all__ = ["BACKENDS", "BACKEND_ALIASES", "BACKEND_HELP", "Backend", "backend_name"]
+__all__ = [
+    "BACKENDS",
+    "BACKEND_ALIASES",
+    "BACKEND_HELP",
+    "BACKEND_TRAITS",
+    "DEFAULT_BACKEND",
+    "Backend",
+    "BackendTraits",
+    "backend_args",
+    "backend_name",
+    "traits",
+]
 
 #: Where the clients of a run live (see this module's docstring).
 Backend = Literal["flower", "inprocess", "deploy", "ray"]
@@ -26,3 +38,53 @@ BACKEND_HELP = "flower (alias simulation): Flower's engine | inprocess | deploy 
 def backend_name(name: str) -> str:
     """``name`` with an older spelling replaced by its ``BACKENDS`` name (others unchanged)."""
     return BACKEND_ALIASES.get(name, name)
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendTraits:
+    """What a backend runs, asked instead of comparing its name outside this package.
+
+    Attributes:
+        deployed: real SuperLink and SuperNode processes (``fedsparse deploy``).
+        shaped_links: its links can be shaped (``--uplink-rate``/``--downlink-rate``).
+        cluster: Ray workers that may join a cluster (``--ray-address``); one run uses every
+            worker, so a sweep runs one job at a time.
+        gpus: its clients can be given GPUs (``--gpus-per-client``).
+        in_process: the clients live in the caller's process (a sweep gives each job its own
+            process: Flower and torch keep process globals).
+    """
+
+    deployed: bool = False
+    shaped_links: bool = False
+    cluster: bool = False
+    gpus: bool = False
+    in_process: bool = False
+
+
+#: Each backend's traits (``BACKENDS``' order).
+BACKEND_TRAITS: dict[Backend, BackendTraits] = {
+    "flower": BackendTraits(gpus=True),
+    "inprocess": BackendTraits(in_process=True),
+    "deploy": BackendTraits(deployed=True, shaped_links=True),
+    "ray": BackendTraits(cluster=True, gpus=True),
+}
+#: The backend ``fedsparse simulate`` runs without ``--backend``.
+DEFAULT_BACKEND: Backend = "flower"
+
+
+def traits(name: str) -> BackendTraits:
+    """The traits of the backend ``name`` (an older spelling accepted).
+
+    Raises:
+        ValueError: an unknown backend, naming it and the known ones.
+    """
+    try:
+        return BACKEND_TRAITS[backend_name(name)]  # type: ignore[index]
+    except KeyError:
+        raise ValueError(f"backend={name!r}: expected one of {', '.join(BACKENDS)}") from None
+
+
+def backend_args(name: str) -> list[str]:
+    """The ``fedsparse simulate`` arguments that select ``name`` (none for the default)."""
+    name = backend_name(name)
+    return [] if name == DEFAULT_BACKEND else ["--backend", name]

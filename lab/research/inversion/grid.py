@@ -22,6 +22,7 @@ from fedsparse.common.dp.accounting import (
     sample_rate,
     steps_per_epoch,
 )
+from fedsparse.common.dp.mechanisms import is_private, mechanism_of
 from fedsparse.common.masks import derive_seed, keep_count, sample_mask
 from fedsparse.common.models.classifiers import build_model
 from fedsparse.lab.experiments.stats import mean_se
@@ -174,7 +175,7 @@ NULL_LABEL = "null: noise only"
 
 def single_step_epsilon(privacy: PrivacySetting, *, delta: float) -> float:
     """RDP epsilon of one un-subsampled step (q = 1) of ``privacy``; inf if not DP."""
-    if privacy.mechanism != "dpsgd":
+    if not is_private(privacy.mechanism):
         return math.inf
     return compute_epsilon(
         noise_multiplier=privacy.noise_multiplier,
@@ -327,7 +328,7 @@ def tune_tv_weight(
     victims = _make_victims(
         config, train.x, train.y, _pick(config.tuning_images, len(train), seed=pick_seed)
     )
-    noisy = next(s for s in settings if s.mechanism == "noisy")
+    noisy = next(s for s in settings if not mechanism_of(s.mechanism).clips)
     rates = sorted(config.rates, key=lambda r: min(abs(r - 0.5), abs(r - 0.9)))[:2]
     scores: dict[float, float] = {}
     for weight in config.tv_grid:

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from matplotlib.figure import Figure
 
+from fedsparse.common.dp.mechanisms import mechanism_of
 from fedsparse.common.masks import derive_seed, keep_count, sample_mask
 from fedsparse.lab.experiments.stats import mean_se
 from fedsparse.lab.research.inversion.attack import (
@@ -317,7 +318,7 @@ def _setup(results: Results, config: ExperimentConfig, command: str) -> list[str
     ]
     for s in results.settings:
         norms = [r.gradient_norm for r in rows if r.setting == s.label and r.rate == 0.0]
-        clip = "none" if s.mechanism == "noisy" else f"{s.max_grad_norm:g}"
+        clip = f"{s.max_grad_norm:g}" if mechanism_of(s.mechanism).clips else "none"
         alone = single_step_epsilon(s, delta=config.delta)
         lines.append(
             f"| {s.label} | {s.mechanism} | {s.noise_multiplier:.4g} | {clip} | "

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 from matplotlib.figure import Figure
 
+from fedsparse.common.dp.mechanisms import mechanism_of
 from fedsparse.lab.research.reproduction.comparison import Comparison, _mean_se
 from fedsparse.lab.research.reproduction.plan import PAPER_NOISE_DIM
 from fedsparse.lab.research.reproduction.sections import _length_unit, _num, _ok
@@ -149,9 +150,8 @@ def _plot_ablations(
                 capsize=3,
                 label=label,
             )
-        ax.set_title(
-            f"Fig. 3: {mechanism} SGD (no {'noise' if mechanism == 'clipped' else 'clipping'})"
-        )
+        lacks = "noise" if mechanism_of(mechanism).clips else "clipping"
+        ax.set_title(f"Fig. 3: {mechanism} SGD (no {lacks})")
         ax.set_xlabel("final sparsification rate r*")
         ax.legend(fontsize=7)
     _save(fig, path)
