@@ -29,8 +29,9 @@ import numpy as np
 from client_round import node_before
 
 from fedsparse.client.app import app as client_app
-from fedsparse.common.config import FederatedConfig, wire_encoding
+from fedsparse.common.config import FederatedConfig
 from fedsparse.common.wire.payload import decode_update, encode_update
+from fedsparse.common.wire.payload.value_formats import wire_encoding
 from fedsparse.common.wire.protocol import CONFIG_RECORD, METRICS_RECORD, TrainReply
 from fedsparse.lab.experiments.stats import ratio_interval
 

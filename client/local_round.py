@@ -29,7 +29,7 @@ from torch import nn
 
 from fedsparse.client.model_cache import release as release_model
 from fedsparse.common import masks
-from fedsparse.common.config import FederatedConfig, wire_encoding
+from fedsparse.common.config import FederatedConfig
 from fedsparse.common.data.datasets import Split
 from fedsparse.common.dp.accounting import accountant_epsilon
 from fedsparse.common.dp.mechanisms import is_private
@@ -45,6 +45,7 @@ from fedsparse.common.training.local import (
     train_one_epoch,
 )
 from fedsparse.common.wire.payload import IndexEncoding, decode_update, encode_update
+from fedsparse.common.wire.payload.value_formats import explicit_encoding, wire_encoding
 from fedsparse.common.wire.protocol import TrainInstruction, TrainReply, client_mask_seed
 
 __all__ = [
@@ -410,10 +411,7 @@ def selected_payload(
     """
     if bool(delta[~union].any()):
         raise RuntimeError("gip: the update moved coordinates no step selected")
-    if bool(union.all()):
-        encoding: IndexEncoding = "dense"
-    else:
-        encoding = "auto" if cfg.codec in ("values", "auto") else cfg.codec  # type: ignore[assignment]
+    encoding: IndexEncoding = "dense" if bool(union.all()) else explicit_encoding(cfg.codec)
     index = torch.nonzero(union).flatten()
     values = delta[index]
     payload = encode_update(

@@ -35,7 +35,6 @@ from fedsparse.common.config_keys import (
     TRACKERS,
     CodecName,
     method_option_values,
-    wire_encoding,
     with_added_keys,
 )
 from fedsparse.common.config_values import check_values, dp_norm_bound_applies, trackers
@@ -78,7 +77,6 @@ __all__ = [
     "FederatedConfig",
     "MaskScope",
     "run_config_fields",
-    "wire_encoding",
 ]
 
 

@@ -18,10 +18,7 @@ from fedsparse.common.coerce import coerce, parse_pairs, unknown_key
 from fedsparse.common.config_values import NAMED_FIELDS, NO_ERROR_FEEDBACK
 from fedsparse.common.methods.index_selection import DEFAULT_INDEX_FRACTION
 from fedsparse.common.names import CODECS, TRACKERS, CodecName
-from fedsparse.common.wire.payload import (
-    DEFAULT_VALUE_BLOCK,
-    IndexEncoding,
-)
+from fedsparse.common.wire.payload import DEFAULT_VALUE_BLOCK
 
 __all__ = [
     "ADDED_KEYS",
@@ -34,7 +31,6 @@ __all__ = [
     "CodecName",
     "method_option_values",
     "with_added_keys",
-    "wire_encoding",
 ]
 
 
@@ -100,21 +96,6 @@ ADDED_KEYS: Final[dict[str, Any]] = {
 def with_added_keys(config: Mapping[str, Any]) -> dict[str, Any]:
     """``config`` (a saved run config) with the keys it predates at their ``ADDED_KEYS`` value."""
     return {**ADDED_KEYS, **config}
-
-
-def wire_encoding(codec: CodecName, *, sparse: bool) -> IndexEncoding:
-    """The ``payload.encode_update`` encoding for a run-config ``codec``.
-
-    A full update (``sparse=False``: rate 0, or the first dense download) always travels
-    ``"dense"``: every codec agrees that no indices are needed.
-    """
-    if codec not in CODECS:
-        raise ValueError(f"codec={codec!r}: expected one of {', '.join(CODECS)}")
-    if not sparse:
-        return "dense"
-    if codec == "values":
-        return "seeded"
-    return codec
 
 
 #: The run-config key that carries a plug-in method's own keys (``Method.options``) as

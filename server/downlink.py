@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from fedsparse.common.config import CodecName, FederatedConfig, wire_encoding
+from fedsparse.common.config import CodecName, FederatedConfig
 from fedsparse.common.masks import seeded_mask
 from fedsparse.common.seeds import Stream, stream_seed
 from fedsparse.common.wire.payload import (
@@ -46,6 +46,7 @@ from fedsparse.common.wire.payload import (
     decode_update,
     encode_update,
 )
+from fedsparse.common.wire.payload.value_formats import wire_encoding
 from fedsparse.common.wire.protocol import DOWNLINK_KINDS
 
 __all__ = ["DownlinkCache", "add_delta"]

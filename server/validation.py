@@ -25,7 +25,7 @@ import torch
 from flwr.app import Message
 
 from fedsparse.common.aggregation.sparse import Weighting
-from fedsparse.common.config import CodecName, wire_encoding
+from fedsparse.common.config import CodecName
 from fedsparse.common.masks import seeded_support
 from fedsparse.common.wire.payload import (
     DEFAULT_VALUE_BLOCK,
@@ -41,6 +41,7 @@ from fedsparse.common.wire.payload import (
     value_section_size,
 )
 from fedsparse.common.wire.payload.sizing import index_section_bounds
+from fedsparse.common.wire.payload.value_formats import wire_encoding
 from fedsparse.common.wire.protocol import CONFIG_RECORD, METRICS_RECORD, ProtocolError, TrainReply
 
 __all__ = [

@@ -137,6 +137,12 @@ _VOCABULARIES = {
         ("backend",),
         "lab/launch",
     ),
+    "codec": (
+        frozenset({"values", "coo", "delta", "bitmap", "auto", "fp32", "fp16", "bf16", "int8"})
+        | {"int4", "int2", "int1"},
+        ("codec", "value_dtype"),
+        "common/wire",
+    ),
 }
 
 
@@ -163,9 +169,10 @@ def _vocabulary_branches(source: str, where: str, names: frozenset[str], refs: t
 
 
 @pytest.mark.parametrize("vocabulary", sorted(_VOCABULARIES))
-def test_no_mechanism_or_backend_branch_outside_its_package(vocabulary: str) -> None:
+def test_no_mechanism_backend_or_codec_branch_outside_its_package(vocabulary: str) -> None:
     """A mechanism is asked what it does (``common/dp/mechanisms.py``), a backend what it
-    runs (``lab/launch/backends.py``); their names are compared in their own package only."""
+    runs (``lab/launch/backends.py``), a value dtype or codec how it rounds and encodes
+    (``common/wire/payload/value_formats.py``); names are compared in their own package only."""
     names, refs, home = _VOCABULARIES[vocabulary]
     bad = [  # the library (benchmarks drive the command line of any version, by its flags)
         branch

@@ -25,13 +25,11 @@ update, and ``max-update-norm`` or ``max-norm-ratio`` bound tighter.
 from __future__ import annotations
 
 import math
-from typing import Final
 
-from fedsparse.common.names import LOWBIT_DTYPES, PAYLOAD_DTYPES, PayloadDType
+from fedsparse.common.names import PayloadDType
+from fedsparse.common.wire.payload.value_formats import LOWBIT_SLACK, value_format
 
 __all__ = ["LOWBIT_SLACK", "feedback_contraction", "feedback_norm", "quantized_norm"]
-
-_RELATIVE_ROUNDING: Final[dict[str, float]] = {"fp32": 0.0, "fp16": 2.0**-11, "bf16": 2.0**-8}
 
 
 def quantized_norm(norm: float, *, value_dtype: PayloadDType, keep: int, block: int = 0) -> float:
@@ -49,23 +47,7 @@ def quantized_norm(norm: float, *, value_dtype: PayloadDType, keep: int, block: 
     ``norm sqrt(B)``. Those bounds are widened by ``LOWBIT_SLACK`` (relative), which covers the
     step's ulp above ``m_j / 7`` and the float32 product ``q s_j``.
     """
-    if value_dtype not in PAYLOAD_DTYPES:
-        raise ValueError(
-            f"value_dtype={value_dtype!r}: expected one of {', '.join(PAYLOAD_DTYPES)}"
-        )
-    if value_dtype == "int8":
-        return norm * (1 + math.sqrt(keep) / 254)
-    if value_dtype in LOWBIT_DTYPES:
-        root = math.sqrt(min(block, keep) if block > 0 else keep)
-        growth = min(1 + root / 7, root) if value_dtype == "int4" else root
-        return norm * growth * (1 + LOWBIT_SLACK)
-    grown = norm * (1 + _RELATIVE_ROUNDING[value_dtype])
-    return grown + (math.sqrt(keep) * 2.0**-25 if value_dtype == "fp16" else 0.0)
-
-
-#: The low-bit bounds' relative widening: one float32 ulp of the int4 step (2^-23), the
-#: float32 product ``q s`` (2^-24), and the server's own float32 norm, with room to spare.
-LOWBIT_SLACK: Final = 2.0**-16
+    return value_format(value_dtype).grown_norm(norm, keep=keep, block=block)
 
 
 def feedback_contraction(value_dtype: PayloadDType) -> tuple[float, float] | None:
@@ -79,14 +61,7 @@ def feedback_contraction(value_dtype: PayloadDType) -> tuple[float, float] | Non
     fp16/bf16: to nearest, relative 2^-11 / 2^-8 (``|x_i| <= max``), their subnormals 2^-25 /
     2^-133; fp32: exact. int2 and int1 move a value by up to its block's largest: no contraction.
     """
-    if value_dtype == "int4":
-        return (1 + LOWBIT_SLACK) / 7, 0.0
-    if value_dtype == "int8":  # float32's division, scale and product: a few 2^-24 of max
-        return (1 + 2.0**-13) / 254, 2.0**-149
-    if value_dtype in _RELATIVE_ROUNDING:  # and the subnormals' absolute error
-        absolute = {"fp16": 2.0**-25, "bf16": 2.0**-133}.get(value_dtype, 0.0)
-        return _RELATIVE_ROUNDING[value_dtype] * (1 + LOWBIT_SLACK), absolute
-    return None
+    return value_format(value_dtype).contraction()
 
 
 def feedback_norm(

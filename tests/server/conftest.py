@@ -8,8 +8,9 @@ import pytest
 import torch
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 
-from fedsparse.common.config import FederatedConfig, wire_encoding
+from fedsparse.common.config import FederatedConfig
 from fedsparse.common.wire.payload import encode_update
+from fedsparse.common.wire.payload.value_formats import wire_encoding
 from fedsparse.common.wire.protocol import (
     CONFIG_RECORD,
     METRICS_RECORD,
