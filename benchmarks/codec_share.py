@@ -31,8 +31,8 @@ from client_round import node_before
 from fedsparse.client.app import app as client_app
 from fedsparse.common.config import FederatedConfig
 from fedsparse.common.wire.payload import decode_update, encode_update
-from fedsparse.common.wire.payload.value_formats import wire_encoding
 from fedsparse.common.wire.protocol import CONFIG_RECORD, METRICS_RECORD, TrainReply
+from fedsparse.common.wire.value_formats import wire_encoding
 from fedsparse.lab.experiments.stats import ratio_interval
 
 warnings.filterwarnings("ignore")

@@ -39,7 +39,6 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from fedsparse.common.config import FederatedConfig
 from fedsparse.common.models.classifiers import DEFAULT_MODELS, build_model, count_parameters
 from fedsparse.common.wire.payload import encode_update
-from fedsparse.common.wire.payload.value_formats import wire_encoding
 from fedsparse.common.wire.protocol import (
     CONFIG_RECORD,
     METRICS_RECORD,
@@ -47,6 +46,7 @@ from fedsparse.common.wire.protocol import (
     TrainReply,
     client_mask_seed,
 )
+from fedsparse.common.wire.value_formats import wire_encoding
 from fedsparse.lab.simulation.inprocess import InProcessGrid
 from fedsparse.server import strategy as strategy_module
 from fedsparse.server.downlink import DownlinkCache

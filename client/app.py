@@ -125,7 +125,7 @@ def _calibrated(
             server's target (whether it is reached depends on public values only).
     """
     steps = cfg.num_rounds * cfg.local_epochs * steps_per_epoch(num_examples, cfg.batch_size)
-    method = method or cfg.make_method()
+    method = method if method is not None else cfg.make_method()
     privacy, budget = method.split_privacy(privacy, planned_steps=steps)
     if privacy.target_epsilon is None:
         return privacy, budget
@@ -172,7 +172,7 @@ def _index_charge(
         ProtocolError: another ``keep`` (checked before anything private is touched).
     """
     schedule = cfg.sparsity().rate_schedule(cfg.num_rounds)
-    method = method or cfg.make_method()
+    method = method if method is not None else cfg.make_method()
     return method.index_charge(task, numel, budget, steps, schedule=schedule)
 
 
@@ -234,7 +234,14 @@ def train(msg: Message, context: Context) -> Message:
             files,
             reusable,
             layout,
-            public=PublicRound(cfg, task, method, context.node_id, frozen, explicit),
+            public=PublicRound(
+                cfg=cfg,
+                task=task,
+                method=method,
+                node_id=context.node_id,
+                frozen=frozen,
+                explicit=explicit,
+            ),
             global_flat=global_flat,
             secagg=secagg,
         )
@@ -327,7 +334,7 @@ def _private_round(
             index_spent=state.index_epsilon,
         )
         round_privacy = RoundPrivacy(
-            privacy,
+            privacy=privacy,
             history=state.history,
             index_spent=state.index_epsilon,
             keep_fraction=keep_fraction,
@@ -336,7 +343,9 @@ def _private_round(
             nominal_size=declared.nominal_size or None,
         )
         # Seeded streams only when the node asks (simulation); else fresh OS entropy.
-        noise = RoundNoise(policy.noise == "seeded", cfg.seed, partition[0])
+        noise = RoundNoise(
+            seeded=policy.noise == "seeded", run_seed=cfg.seed, partition_id=partition[0]
+        )
         # error-feedback: the node's residual (checked when the state was read), else None
         residual = residual_vector(state.residual, layout.numel) if cfg.error_feedback else None
         try:
@@ -382,7 +391,8 @@ def _frozen_prefix(
         ProtocolError: the instruction's ``keep`` is not the ``d - s`` the public config gives
             (checked before anything private is touched).
     """
-    return (method or cfg.make_method()).client_frozen(task, layout)
+    method = method if method is not None else cfg.make_method()
+    return method.client_frozen(task, layout)
 
 
 def _server_support(
@@ -403,7 +413,8 @@ def _server_support(
         ProtocolError: a support under a method that takes none, an undecodable bitmap, or
             counts other than the public config's (checked before anything private is touched).
     """
-    return (method or cfg.make_method()).client_support(
+    method = method if method is not None else cfg.make_method()
+    return method.client_support(
         task,
         record.get(SERVER_SUPPORT),
         layout,

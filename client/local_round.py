@@ -1,7 +1,10 @@
 """A client's round as one function: ``client_round``, with no Flower type in or out.
 
 ``client_round(global weights, the node's examples, the round's public instruction, privacy
-parameters, a noise source) -> (update, reported numbers)``. It loads the round's global
+parameters, a noise source) -> RoundResult``: the update and the reported numbers (a
+``TrainReply``), with the node's accountant history, index ε and error-feedback residual after
+the round. The privacy parameters have no defaults: a runner that leaves out the node's history,
+its index ε or its nominal size would under-report ε or leak its count. It loads the round's global
 weights into the process's model, builds the round's mask (the public seeded mask of
 ``mask-scope=round``, or from the seed and the node id under ``mask-scope=client``; lf's
 unfrozen suffix; the server's explicit support under ranked and dpssgd; none under gip and
@@ -45,8 +48,8 @@ from fedsparse.common.training.local import (
     train_one_epoch,
 )
 from fedsparse.common.wire.payload import IndexEncoding, decode_update, encode_update
-from fedsparse.common.wire.payload.value_formats import explicit_encoding, wire_encoding
 from fedsparse.common.wire.protocol import TrainInstruction, TrainReply, client_mask_seed
+from fedsparse.common.wire.value_formats import explicit_encoding, wire_encoding
 
 __all__ = [
     "RoundNoise",
@@ -62,7 +65,7 @@ __all__ = [
 History = list[tuple[float, float, int]]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class PublicRound:
     """The round's public instruction, as the node resolved it: nothing here is private.
 
@@ -79,12 +82,12 @@ class PublicRound:
     cfg: FederatedConfig
     task: TrainInstruction
     method: Method
-    node_id: int = 0
+    node_id: int
     frozen: int = 0
     explicit: torch.Tensor | None = None
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class RoundPrivacy:
     """The round's privacy parameters, decided before any private value is read.
 
@@ -100,11 +103,11 @@ class RoundPrivacy:
     """
 
     privacy: PrivacyConfig
-    history: Sequence[tuple[float, float, int]] = ()
-    index_spent: float = 0.0
+    history: Sequence[tuple[float, float, int]]
+    index_spent: float
+    nominal_size: int | None
     keep_fraction: float = 1.0
     budget: IndexBudget | None = None
-    nominal_size: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)

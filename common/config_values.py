@@ -17,6 +17,7 @@ from typing import Any, Final
 
 from fedsparse.common import plugins
 from fedsparse.common.aggregation.quantized_norms import feedback_contraction
+from fedsparse.common.dp.mechanisms import clips_per_sample, is_private
 from fedsparse.common.names import (
     ACCOUNTANTS,
     AGGREGATORS,
@@ -46,6 +47,7 @@ from fedsparse.common.names import (
     TRACKERS,
     WEIGHTINGS,
 )
+from fedsparse.common.wire.value_formats import is_exact
 
 __all__ = [
     "MIN_TARGET",
@@ -105,7 +107,11 @@ def dp_norm_bound_applies(v: Mapping[str, Any]) -> bool:
     """``dp-norm-bound=auto`` and the DP parameters bound an update: ``dp-level=sample`` (under
     ``user`` the server clips every update itself, ``central-clip``) with a mechanism that
     clips per sample (``noisy`` does not: nothing bounds its gradients)."""
-    return v["dp_norm_bound"] == "auto" and v["dp_level"] == "sample" and v["mechanism"] != "noisy"
+    return (
+        v["dp_norm_bound"] == "auto"
+        and v["dp_level"] == "sample"
+        and clips_per_sample(v["mechanism"])
+    )
 
 
 def check_values(v: Mapping[str, Any]) -> None:
@@ -226,7 +232,7 @@ def _check_robustness(v: Mapping[str, Any], fail: Fail) -> None:
         fail("min_client_examples", ">= 0 (0: not declared)")
     if 0 < v["max_client_examples"] < v["min_client_examples"]:
         fail("min_client_examples", f"<= max-client-examples={v['max_client_examples']}")
-    targeted = v["mechanism"] == "dpsgd" and v["target_epsilon"] > 0
+    targeted = is_private(v["mechanism"]) and v["target_epsilon"] > 0
     if dp_norm_bound_applies(v) and targeted and v["target_epsilon"] <= MIN_TARGET:
         fail(
             "target_epsilon",
@@ -258,9 +264,9 @@ def _check_dp_level(v: Mapping[str, Any], fail: Fail) -> None:
     if v["secure_aggregation"]:
         # the server sees no single update: nothing to encode lossily, feed back or save
         needs = _user_level_needs(v)
-        if v["value_dtype"] != "fp32":
+        if not is_exact(v["value_dtype"]):
             needs.append("value-dtype='fp32'")
-        if v["downlink_dtype"] != "fp32":
+        if not is_exact(v["downlink_dtype"]):
             needs.append("downlink-dtype='fp32'")
         if v["error_feedback"]:
             needs.append("error-feedback=false")

@@ -46,8 +46,8 @@ from fedsparse.common.wire.payload import (
     decode_update,
     encode_update,
 )
-from fedsparse.common.wire.payload.value_formats import wire_encoding
 from fedsparse.common.wire.protocol import DOWNLINK_KINDS
+from fedsparse.common.wire.value_formats import wire_encoding
 
 __all__ = ["DownlinkCache", "add_delta"]
 

@@ -41,8 +41,8 @@ from fedsparse.common.wire.payload import (
     value_section_size,
 )
 from fedsparse.common.wire.payload.sizing import index_section_bounds
-from fedsparse.common.wire.payload.value_formats import wire_encoding
 from fedsparse.common.wire.protocol import CONFIG_RECORD, METRICS_RECORD, ProtocolError, TrainReply
+from fedsparse.common.wire.value_formats import wire_encoding
 
 __all__ = [
     "MAX_WEIGHT",

@@ -140,7 +140,7 @@ _VOCABULARIES = {
     "codec": (
         frozenset({"values", "coo", "delta", "bitmap", "auto", "fp32", "fp16", "bf16", "int8"})
         | {"int4", "int2", "int1"},
-        ("codec", "value_dtype"),
+        ("codec", "value_dtype", "downlink_dtype"),
         "common/wire",
     ),
 }
@@ -150,6 +150,9 @@ def _vocabulary_branches(source: str, where: str, names: frozenset[str], refs: t
     def is_ref(node: ast.expr) -> bool:
         if isinstance(node, ast.Name):
             return node.id in refs
+        if isinstance(node, ast.Subscript):  # v["mechanism"], config["value-dtype"]
+            key = node.slice
+            return isinstance(key, ast.Constant) and str(key.value).replace("-", "_") in refs
         return isinstance(node, ast.Attribute) and node.attr in refs
 
     def is_name(node: ast.expr) -> bool:
@@ -172,7 +175,7 @@ def _vocabulary_branches(source: str, where: str, names: frozenset[str], refs: t
 def test_no_mechanism_backend_or_codec_branch_outside_its_package(vocabulary: str) -> None:
     """A mechanism is asked what it does (``common/dp/mechanisms.py``), a backend what it
     runs (``lab/launch/backends.py``), a value dtype or codec how it rounds and encodes
-    (``common/wire/payload/value_formats.py``); names are compared in their own package only."""
+    (``common/wire/value_formats.py``); names are compared in their own package only."""
     names, refs, home = _VOCABULARIES[vocabulary]
     bad = [  # the library (benchmarks drive the command line of any version, by its flags)
         branch
@@ -189,9 +192,9 @@ def test_no_mechanism_backend_or_codec_branch_outside_its_package(vocabulary: st
 def test_the_vocabulary_check_sees_a_branch() -> None:
     names, refs, _ = _VOCABULARIES["mechanism"]
     source = "if cfg.mechanism == 'noisy':\n    pass\nif mechanism in ('dpsgd',):\n    pass\n"
-    source += "if cfg.method == 'noisy':\n    pass\n"
+    source += "if cfg.method == 'noisy':\n    pass\nx = v['mechanism'] != 'noisy'\n"
     found = _vocabulary_branches(source, "sample.py", names, refs)
-    assert [line.split(":")[1] for line in found] == ["1", "3"]
+    assert [line.split(":")[1] for line in found] == ["1", "3", "7"]
 
 
 #: Modules allowed over :data:`MAX_MODULE_LINES`, each because one concept needs the room

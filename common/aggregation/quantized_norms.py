@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 
 from fedsparse.common.names import PayloadDType
-from fedsparse.common.wire.payload.value_formats import LOWBIT_SLACK, value_format
+from fedsparse.common.wire.value_formats import LOWBIT_SLACK, value_format
 
 __all__ = ["LOWBIT_SLACK", "feedback_contraction", "feedback_norm", "quantized_norm"]
 

@@ -14,7 +14,7 @@ from typing import Final
 
 from fedsparse.common.names import MECHANISMS, MechanismName
 
-__all__ = ["MECHANISM_REGISTRY", "Mechanism", "is_private", "mechanism_of"]
+__all__ = ["MECHANISM_REGISTRY", "Mechanism", "clips_per_sample", "is_private", "mechanism_of"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,3 +64,9 @@ def is_private(name: str) -> bool:
     for names outside it, such as a node's ``secagg`` release, which has its own rule)."""
     found = MECHANISM_REGISTRY.get(name)
     return found is not None and found.private
+
+
+def clips_per_sample(name: str) -> bool:
+    """Whether ``name`` is a mechanism of the registry that clips each example's gradient."""
+    found = MECHANISM_REGISTRY.get(name)
+    return found is not None and found.clips

@@ -85,8 +85,14 @@ def test_the_function_gives_the_client_apps_bytes(settings: dict[str, Any]) -> N
     result = client_round(
         flat,
         local_data(run, 0, 1),
-        PublicRound(run, task, method, node_id=NODE),
-        RoundPrivacy(run.privacy(), keep_fraction=keep_fraction),
+        PublicRound(cfg=run, task=task, method=method, node_id=NODE),
+        RoundPrivacy(
+            privacy=run.privacy(),
+            history=[],
+            index_spent=0.0,
+            nominal_size=None,
+            keep_fraction=keep_fraction,
+        ),
         RoundNoise(seeded=True, run_seed=run.seed, partition_id=0),
         model=process_model(run.model_name, run.seed).model,
         release=Release(example_count=True, train_loss=True),
@@ -100,8 +106,14 @@ def test_the_function_gives_the_client_apps_bytes(settings: dict[str, Any]) -> N
     other = client_round(
         flat,
         local_data(run, 0, 1),
-        PublicRound(run, task, method, node_id=NODE),
-        RoundPrivacy(run.privacy(), keep_fraction=keep_fraction),
+        PublicRound(cfg=run, task=task, method=method, node_id=NODE),
+        RoundPrivacy(
+            privacy=run.privacy(),
+            history=[],
+            index_spent=0.0,
+            nominal_size=None,
+            keep_fraction=keep_fraction,
+        ),
         RoundNoise(seeded=True, run_seed=run.seed + 1, partition_id=0),
         model=process_model(run.model_name, run.seed).model,
     )

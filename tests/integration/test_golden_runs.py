@@ -3,7 +3,7 @@ codec, secure aggregation and user-level DP, rerun and compared with what was re
 
 Each case's ``rounds.jsonl`` (every field but the wall-clock ones) and the SHA-256 of its
 final weights are in ``tests/golden/``, recorded before the client's round became one
-function (``client/round.py``). A refactoring that changes a single number, byte count or
+function (``client/local_round.py``). A refactoring that changes a single number, byte count or
 weight fails here. Regenerate, only for a change meant to alter results, with
 ``python -m tests.integration.test_golden_runs`` (and say why in the CHANGELOG).
 """

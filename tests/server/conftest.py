@@ -10,7 +10,6 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 
 from fedsparse.common.config import FederatedConfig
 from fedsparse.common.wire.payload import encode_update
-from fedsparse.common.wire.payload.value_formats import wire_encoding
 from fedsparse.common.wire.protocol import (
     CONFIG_RECORD,
     METRICS_RECORD,
@@ -18,6 +17,7 @@ from fedsparse.common.wire.protocol import (
     TrainReply,
     client_mask_seed,
 )
+from fedsparse.common.wire.value_formats import wire_encoding
 
 SyntheticClient = Callable[[Message, Context], Message]
 

@@ -1,4 +1,4 @@
-"""Value dtypes and codecs by what they do (``common/wire/payload/value_formats.py``): every
+"""Value dtypes and codecs by what they do (``common/wire/value_formats.py``): every
 dtype's norm bound holds for the real codec's bytes; the encodings each codec picks."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 
 from fedsparse.common.names import CODECS, PAYLOAD_DTYPES
 from fedsparse.common.wire.payload import decode_update, encode_update
-from fedsparse.common.wire.payload.value_formats import (
+from fedsparse.common.wire.value_formats import (
     VALUE_FORMATS,
     explicit_encoding,
     value_format,

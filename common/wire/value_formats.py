@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from fedsparse.common.names import (
     CODECS,
@@ -20,13 +20,16 @@ from fedsparse.common.names import (
     CodecName,
     PayloadDType,
 )
-from fedsparse.common.wire.payload.api import IndexEncoding
+
+if TYPE_CHECKING:  # the payload package loads torch; this module stays light (config checks)
+    from fedsparse.common.wire.payload.api import IndexEncoding
 
 __all__ = [
     "LOWBIT_SLACK",
     "VALUE_FORMATS",
     "ValueFormat",
     "explicit_encoding",
+    "is_exact",
     "value_format",
     "wire_encoding",
 ]
@@ -52,6 +55,11 @@ class ValueFormat:
     kind: str
     relative: float = 0.0
     subnormal: float = 0.0
+
+    @property
+    def exact(self) -> bool:
+        """Every float32 value travels unchanged (fp32)."""
+        return self.kind == "float" and self.relative == 0.0
 
     @property
     def lowbit(self) -> bool:
@@ -108,6 +116,12 @@ def value_format(name: str) -> ValueFormat:
         raise ValueError(
             f"value_dtype={name!r}: expected one of {', '.join(PAYLOAD_DTYPES)}"
         ) from None
+
+
+def is_exact(name: str) -> bool:
+    """Whether ``name`` is a value dtype of the registry that sends values unchanged."""
+    found = VALUE_FORMATS.get(name)
+    return found is not None and found.exact
 
 
 def wire_encoding(codec: CodecName, *, sparse: bool) -> IndexEncoding:
