@@ -82,40 +82,31 @@ def test_the_function_gives_the_client_apps_bytes(settings: dict[str, Any]) -> N
     keep_fraction, _ = method.index_charge(
         task, flat.numel(), None, 0, schedule=run.sparsity().rate_schedule(run.num_rounds)
     )
-    result = client_round(
-        flat,
-        local_data(run, 0, 1),
-        PublicRound(cfg=run, task=task, method=method, node_id=NODE),
-        RoundPrivacy(
-            privacy=run.privacy(),
-            history=[],
-            index_spent=0.0,
-            nominal_size=None,
-            keep_fraction=keep_fraction,
-        ),
-        RoundNoise(seeded=True, run_seed=run.seed, partition_id=0),
-        model=process_model(run.model_name, run.seed).model,
-        release=Release(example_count=True, train_loss=True),
-    )
+
+    def round_with(seed: int, release: Release | None = None):
+        return client_round(
+            flat,
+            local_data(run, 0, 1),
+            PublicRound(cfg=run, task=task, method=method, node_id=NODE),
+            RoundPrivacy(
+                privacy=run.privacy(),
+                history=[],
+                index_spent=0.0,
+                nominal_size=None,
+                keep_fraction=keep_fraction,
+            ),
+            RoundNoise(seeded=True, run_seed=seed, partition_id=0),
+            model=process_model(run.model_name, run.seed).model,
+            release=release,
+        )
+
+    result = round_with(run.seed, Release(example_count=True, train_loss=True))
     if run.method == "rs":  # the round's mask; random-k: the union of its steps' supports
         assert reply.keep == keep_count(flat.numel(), rate=run.final_rate)
     assert result.reply.update == reply.update  # the same bytes
     assert result.reply == reply  # and the same reported numbers
     assert [entry[0] for entry in result.history] == [1.0]  # sigma, one entry for the round
     # Another noise source is another update: the noise comes from it.
-    other = client_round(
-        flat,
-        local_data(run, 0, 1),
-        PublicRound(cfg=run, task=task, method=method, node_id=NODE),
-        RoundPrivacy(
-            privacy=run.privacy(),
-            history=[],
-            index_spent=0.0,
-            nominal_size=None,
-            keep_fraction=keep_fraction,
-        ),
-        RoundNoise(seeded=True, run_seed=run.seed + 1, partition_id=0),
-        model=process_model(run.model_name, run.seed).model,
-    )
+    other = round_with(run.seed + 1)
     assert other.reply.update != reply.update
     assert other.reply.num_examples == 1 and other.reply.examples_seen == 0  # nothing released
