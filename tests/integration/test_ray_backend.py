@@ -352,16 +352,17 @@ def test_a_ray_simulation_stopped_by_sigterm_resumes_to_the_uninterrupted_model(
     tmp_path: Path,
 ) -> None:
     faults = _faults()
-    # Rounds take ~0.25 s here: 20 of them leave the signal, sent once 2 are logged (0.5 s
+    # Rounds take ~0.25 s here: 12 of them leave the signal, sent once 2 are logged (0.5 s
     # polls), room to land before the last one (at 4 rounds it landed after it once).
-    sets = ["--set", "num-rounds=20", "--set", "min-clients=2", "--set", "seed=3"]
+    rounds = 12
+    sets = ["--set", f"num-rounds={rounds}", "--set", "min-clients=2", "--set", "seed=3"]
     base = ["simulate", "--backend", "ray", "--clients", "3", *sets]
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     # The uninterrupted run in process: the same records and model as on Ray, bit for bit
     # (test_same_records_and_model_as_in_process_with_client_sampling), without Ray's start-up.
+    # It runs while Ray starts for the run to cut.
     whole_args = ["simulate", "--backend", "inprocess", "--clients", "3", *sets]
-    process, _ = faults._start([*whole_args, "--out", str(whole)], tmp_path / "whole.log")
-    assert process.wait(timeout=400) == 0, (tmp_path / "whole.log").read_text()[-2000:]
+    uninterrupted, _ = faults._start([*whole_args, "--out", str(whole)], tmp_path / "whole.log")
     process, marker = faults._start([*base, "--out", str(cut)], tmp_path / "cut.log")
     try:
         faults._wait_rounds(cut / "rounds.jsonl", 2, process, timeout=300)
@@ -370,9 +371,15 @@ def test_a_ray_simulation_stopped_by_sigterm_resumes_to_the_uninterrupted_model(
     finally:
         if process.poll() is None:
             process.kill()
+    try:
+        code = uninterrupted.wait(timeout=400)
+        assert code == 0, (tmp_path / "whole.log").read_text()[-2000:]
+    finally:
+        if uninterrupted.poll() is None:
+            uninterrupted.kill()
     faults._assert_nothing_left(marker)
     stopped_at = len(read_rounds(cut / "rounds.jsonl"))
-    assert 2 <= stopped_at < 20 and not (cut / "summary.json").exists()
+    assert 2 <= stopped_at < rounds and not (cut / "summary.json").exists()
     args = [*base, "--out", str(cut), "--resume"]
     process, _ = faults._start(args, tmp_path / "resume.log")
     assert process.wait(timeout=400) == 0, (tmp_path / "resume.log").read_text()[-2000:]
@@ -389,4 +396,4 @@ def test_a_ray_simulation_stopped_by_sigterm_resumes_to_the_uninterrupted_model(
             y.epsilon_max,
             y.uplink_payload_bytes,
         )
-    assert [r.round for r in rounds_cut] == list(range(1, 21))
+    assert [r.round for r in rounds_cut] == list(range(1, rounds + 1))
