@@ -1,4 +1,5 @@
-"""Benchmark: N virtual clients on the ray backend (``RayGrid``): round time and memory.
+"""Benchmark: N virtual clients on the ray backend (``RayGrid``), or in one process (``population``:
+the vectorised round, ``inprocess``: the ClientApp per client): round time and memory.
 
 For each population size N (default 100 and 1000; digits, every client in every round), one
 federation runs in a fresh child process, so that each N's peak memory is its own, on the ray
@@ -31,6 +32,7 @@ Usage: python benchmarks/ray_population.py [--clients 100 1000] [--rounds 3]
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -49,8 +51,26 @@ from fedsparse.lab.launch.processes import descendants
 CONFIGS = {
     "default": {},  # target-epsilon 3 (sigma calibrated per client), gradual to r* = 0.7
     "fixed-noise": {"target-epsilon": "0", "noise-multiplier": "1.0"},
+    # FedAvg without DP: no clipping, no noise, every coordinate (pfl-research's setting)
+    "no-dp": {
+        "mechanism": "noisy",
+        "target-epsilon": "0",
+        "noise-multiplier": "0",
+        "final-rate": "0",
+        "schedule": "constant",
+    },
+    # DP-SGD with RS at r = 0.9 from round 1, sigma fixed
+    "rs-0.9": {
+        "target-epsilon": "0",
+        "noise-multiplier": "1.0",
+        "final-rate": "0.9",
+        "schedule": "constant",
+    },
 }
 GIB = 2**30
+#: The backends a run can take (``--engines``): ``population`` and ``inprocess`` run the
+#: clients in the child's process (``PopulationGrid``, ``InProcessGrid``).
+ENGINES = ("ray", "flower", "population", "inprocess")
 
 
 def _memory(pid: int) -> tuple[int, int]:
@@ -129,6 +149,23 @@ def _child_ray(clients: int, overrides: dict[str, str], cpus: float, out: Path) 
     }
 
 
+def _child_local(
+    clients: int, overrides: dict[str, str], cpus: float, out: Path, *, population: bool
+) -> dict[str, Any]:
+    from fedsparse.client.app import app as client_app
+    from fedsparse.common.config import FederatedConfig
+    from fedsparse.lab.simulation.inprocess import InProcessGrid
+    from fedsparse.lab.simulation.population import PopulationGrid
+    from fedsparse.server.app import run_federated
+
+    logging.getLogger("flwr").setLevel(logging.WARNING)
+    cfg = FederatedConfig.from_run_config({**overrides, "out-dir": str(out)})
+    grid_class = PopulationGrid if population else InProcessGrid
+    grid = grid_class(client_app, num_nodes=clients, run_config=cfg.to_run_config())
+    run_federated(grid, cfg)
+    return {}
+
+
 def _child_flower(
     clients: int, overrides: dict[str, str], cpus: float, out: Path
 ) -> dict[str, Any]:
@@ -157,8 +194,13 @@ def child(args: argparse.Namespace) -> None:
         overrides["dataset"] = "digits"
     with tempfile.TemporaryDirectory(prefix="ray-population-") as tmp:
         out = Path(tmp)
-        run = _child_ray if args.engine == "ray" else _child_flower
-        result = run(args.child, overrides, args.cpus_per_client, out)
+        runs = {
+            "ray": _child_ray,
+            "flower": _child_flower,
+            "inprocess": functools.partial(_child_local, population=False),
+            "population": functools.partial(_child_local, population=True),
+        }
+        result = runs[args.engine](args.child, overrides, args.cpus_per_client, out)
         result.update(_rounds(out))
     result["startup_s"] = result.pop("first_round_started_at") - started
     print(json.dumps(result))
@@ -197,13 +239,13 @@ def measure(engine: str, clients: int, args: argparse.Namespace) -> dict[str, An
 
 def _print(results: list[dict[str, Any]]) -> None:
     print(
-        f"{'engine':>7} {'N':>5} {'start s':>8} {'round1 s':>9} {'steady s':>9} "
+        f"{'engine':>10} {'N':>5} {'start s':>8} {'round1 s':>9} {'steady s':>9} "
         f"{'peak RSS GiB':>13} {'peak PSS GiB':>13} {'state KiB/cl':>13} {'acc':>6} {'eps':>6}"
     )
     for r in results:
         state = r.get("state_bytes_per_client")
         print(
-            f"{r['engine']:>7} {r['clients']:>5} {r['startup_s']:>8.1f} {r['round1_s']:>9.2f} "
+            f"{r['engine']:>10} {r['clients']:>5} {r['startup_s']:>8.1f} {r['round1_s']:>9.2f} "
             f"{r['steady_round_s']:>9.2f} {r['peak_rss_bytes'] / GIB:>13.2f} "
             f"{r['peak_pss_bytes'] / GIB:>13.2f} "
             f"{(f'{state / 1024:.1f}' if state else '-'):>13} "
@@ -227,14 +269,14 @@ def main() -> None:
     parser.add_argument("--clients", type=int, nargs="+", default=[100, 1000])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--config", choices=sorted(CONFIGS), default="default")
-    parser.add_argument("--engines", nargs="+", choices=["ray", "flower"], default=["ray"])
+    parser.add_argument("--engines", nargs="+", choices=ENGINES, default=["ray"])
     parser.add_argument("--cpus-per-client", type=float, default=1.0)
     parser.add_argument("--dataset", choices=["digits", "synthetic"], default="digits")
     parser.add_argument("--examples-per-client", type=int, default=2)
     parser.add_argument("--clients-per-round", type=int, default=0)
     parser.add_argument("--json", type=Path, help="also write every result here")
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--engine", choices=["ray", "flower"], help=argparse.SUPPRESS)
+    parser.add_argument("--engine", choices=ENGINES, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child is not None:
         child(args)

@@ -14,16 +14,16 @@ node's accountant history, and encodes the delta on the kept coordinates as a ``
 ``error-feedback`` the values sent carry the node's residual (``feed_back``).
 
 Everything before it is the caller's: the request's checks, the node's policy and budget, σ's
-calibration and the ledger's charge (``client/app.py``, the ClientApp every runner sends its
-messages to: Flower's simulation engine, ``RayGrid``'s workers, ``InProcessGrid`` and a
-deployed SuperNode). A runner that simulates a population without messages calls this
-function with the same arguments and gets the same bytes (``tests/client/test_client_round.py``).
+calibration and the ledger's charge (``client/train_message.py: prepare_train``, which the
+ClientApp every runner sends its messages to calls: Flower's simulation engine, ``RayGrid``'s
+workers, ``InProcessGrid`` and a deployed SuperNode). Called with the ClientApp's arguments it
+gives the ClientApp's bytes (``tests/client/test_client_round.py``); ``client/population.py:
+population_round`` runs it for many clients at once.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -31,11 +31,10 @@ import torch
 from torch import nn
 
 from fedsparse.client.model_cache import release as release_model
+from fedsparse.client.round_reply import round_reply
 from fedsparse.common import masks
 from fedsparse.common.config import FederatedConfig
 from fedsparse.common.data.datasets import Split
-from fedsparse.common.dp.accounting import accountant_epsilon
-from fedsparse.common.dp.mechanisms import is_private
 from fedsparse.common.layout import ParamLayout
 from fedsparse.common.methods import suffix_mask
 from fedsparse.common.methods.base import Method
@@ -47,19 +46,17 @@ from fedsparse.common.training.local import (
     padded_cross_entropy,
     train_one_epoch,
 )
-from fedsparse.common.wire.payload import IndexEncoding, decode_update, encode_update
 from fedsparse.common.wire.protocol import TrainInstruction, TrainReply, client_mask_seed
-from fedsparse.common.wire.value_formats import explicit_encoding, wire_encoding
 
 __all__ = [
-    "RoundNoise",
+    "LocalTraining",
     "PublicRound",
     "Release",
+    "RoundNoise",
     "RoundPrivacy",
     "RoundResult",
     "client_round",
-    "feed_back",
-    "selected_payload",
+    "round_mask",
 ]
 
 History = list[tuple[float, float, int]]
@@ -85,6 +82,14 @@ class PublicRound:
     node_id: int
     frozen: int = 0
     explicit: torch.Tensor | None = None
+
+    @property
+    def mask_seed(self) -> int:
+        """The seed of the round's mask: the broadcast one, or the node's own under
+        ``mask-scope=client``."""
+        if self.task.mask_scope == "client":
+            return client_mask_seed(self.task.mask_seed, self.node_id)
+        return self.task.mask_seed
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -245,6 +250,46 @@ def client_round(
     return RoundResult(reply, history, spent, residual)
 
 
+def round_mask(
+    public: PublicRound, numel: int, selector: StepSelector | None
+) -> torch.Tensor | None:
+    """The round's public mask (None: every coordinate, or a per-step ``selector`` chooses):
+    from the broadcast seed (and the node id under ``mask-scope=client``), lf's unfrozen
+    suffix, or the server's explicit support. A fresh tensor: the DP step holds its own."""
+    task, frozen, explicit = public.task, public.frozen, public.explicit
+    if selector is not None:  # gip, random-k: no public mask, each step chooses
+        return None
+    if frozen:
+        return suffix_mask(numel, frozen)
+    if explicit is not None:
+        mask = torch.zeros(numel, dtype=torch.bool)
+        mask[explicit] = True
+        return mask
+    if task.keep == numel:
+        return None
+    # the process's shared mask, copied: the DP engine holds its own for the round
+    return masks.seeded_mask(numel, task.keep, public.mask_seed).clone()
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalTraining:
+    """What a round's local training produced (``client_round`` and the population runner).
+
+    Attributes:
+        trained: the trained model, flat, on the CPU.
+        epoch_losses: each epoch's mean training loss over its real examples (NaN: none).
+        examples: the real examples the epochs' batches held, in all.
+        history: the node's accountant history after the round.
+        index_epsilon: the per-step selector's ε this round (0: none).
+    """
+
+    trained: torch.Tensor
+    epoch_losses: list[float]
+    examples: int
+    history: History
+    index_epsilon: float = 0.0
+
+
 def _train(
     global_flat: torch.Tensor,
     data: Split,
@@ -257,26 +302,12 @@ def _train(
     residual: torch.Tensor | None,
 ) -> tuple[TrainReply, History]:
     """``client_round``'s training and encoding; ``residual`` is updated in place."""
-    cfg, task, frozen, explicit = public.cfg, public.task, public.frozen, public.explicit
+    cfg, task = public.cfg, public.task
     privacy, nominal_size = round_privacy.privacy, round_privacy.nominal_size
     layout = ParamLayout.from_module(model)
     numel = layout.numel
     layout.load_flat_(model, global_flat)
-    # The round's public mask: from the broadcast seed (and node id for per-client masks).
-    mask_seed = task.mask_seed
-    if task.mask_scope == "client":
-        mask_seed = client_mask_seed(mask_seed, public.node_id)
-    if selector is not None:  # gip, random-k: no public mask, each step chooses
-        mask = None
-    elif frozen:
-        mask = suffix_mask(numel, frozen)
-    elif explicit is not None:
-        mask = torch.zeros(numel, dtype=torch.bool)
-        mask[explicit] = True
-    else:  # the process's shared mask, copied: the DP engine holds its own for the round
-        mask = (
-            None if task.keep == numel else masks.seeded_mask(numel, task.keep, mask_seed).clone()
-        )
+    mask = round_mask(public, numel, selector)
     train_cfg = TrainConfig(
         epochs=task.local_epochs,
         batch_size=task.batch_size,
@@ -309,123 +340,23 @@ def _train(
             examples += n
     finally:
         release_model(model, module)
-    # engine.get_epsilon's value, from the memoized accountant (ε of the whole history).
-    epsilon = (
-        accountant_epsilon(
-            engine.accountant.history, delta=privacy.delta, accountant=privacy.accountant
-        )
-        + round_privacy.index_spent
-        + engine.index_epsilon
-        if is_private(privacy.mechanism)
-        else math.inf
+    local = LocalTraining(
+        trained=layout.flatten_module(model).cpu(),  # the model trained on cfg.device
+        epoch_losses=losses,
+        examples=examples,
+        history=list(engine.accountant.history),
+        index_epsilon=engine.index_epsilon,
     )
-
-    delta = layout.flatten_module(model).cpu() - global_flat  # the model trained on cfg.device
-    # int4/int2/int1's rounding: seeded exactly when the DP noise is (simulation), else OS
-    # entropy, so that the server cannot predict it (other dtypes never draw from it)
-    rounding = noise.rounding(task.server_round, secure_mode=privacy.secure_mode)
-    support = selector.union if selector is not None else mask  # None: every coordinate
-    if residual is not None:  # what the rounding lost in earlier rounds, sent this round
-        delta = delta.clone()
-        if support is None:
-            delta += residual
-        else:
-            delta[support] += residual[support]
-    if selector is not None:  # the union of the steps' supports travels explicitly
-        payload, values = selected_payload(cfg, task, delta, selector.union, rounding)
-    else:
-        values = delta if mask is None else delta[mask]
-        if cfg.secure_aggregation:  # never fail on the node's own values: zero them all
-            values = torch.where(torch.isfinite(values).all(), values, torch.zeros_like(values))
-        seeded_mask = mask is not None and not frozen and explicit is None
-        payload = encode_update(
-            values,
-            dense_size=numel - frozen if explicit is None else int(explicit.numel()),
-            round=task.server_round,
-            mask_seed=mask_seed if seeded_mask else None,
-            encoding=wire_encoding(cfg.codec, sparse=seeded_mask),
-            value_dtype=cfg.value_dtype,
-            value_block=cfg.value_block,
-            rounding=rounding,
-            compression=cfg.compression,
-        )
-    if residual is not None:
-        feed_back(residual, support, values, payload, server_round=task.server_round)
-    counts = release.example_count
-    reply = TrainReply(
-        update=payload,
-        # Not released by default: 1 and 0 (the server weights updates uniformly).
-        num_examples=len(data) if counts else 1,
-        examples_seen=examples if counts else 0,
-        train_loss=(float(np.nanmean(losses)) if examples else 0.0)
-        if release.train_loss and not cfg.secure_aggregation  # nothing in the clear
-        else math.nan,
-        epsilon=float(epsilon),
-        noise_multiplier=float(privacy.noise_multiplier or 0.0),
-        keep=int(values.numel()),
-        seeded_noise=int(noise.seeded and not privacy.secure_mode),
+    reply = round_reply(
+        global_flat,
+        len(data),
+        public,
+        round_privacy,
+        noise,
+        local,
+        mask,
+        selector,
+        release,
+        residual,
     )
-    return reply, list(engine.accountant.history)
-
-
-def feed_back(
-    residual: torch.Tensor,
-    support: torch.Tensor | None,
-    values: torch.Tensor,
-    payload: bytes,
-    *,
-    server_round: int,
-) -> None:
-    """Error feedback: ``residual[support] = values - decode(payload)``, in place.
-
-    ``values`` are the round's values on ``support`` (a boolean mask; None: every
-    coordinate), in the order the payload carries them, residual included; ``payload`` their
-    encoding. The decoded values are what the server decodes from the same bytes
-    (``decode_update``), so the residual is exactly the error the server's copy carries.
-    Coordinates off the support keep their residual.
-
-    Privacy: post-processing. The residual is a function of the values the DP mechanism
-    already released (the noised update, each round accounted) and of the rounding's own
-    randomness, never of the data otherwise; feeding it back costs no privacy.
-    """
-    decoded = decode_update(
-        payload, expected_round=server_round, expected_keep=int(values.numel())
-    ).values
-    error = values - decoded.to(values.dtype)
-    if support is None:
-        residual.copy_(error)
-    else:
-        residual[support] = error
-
-
-def selected_payload(
-    cfg: FederatedConfig,
-    task: TrainInstruction,
-    delta: torch.Tensor,
-    union: torch.Tensor,
-    rounding: np.random.Generator,
-) -> tuple[bytes, torch.Tensor]:
-    """gip / random-k: (the payload, its values): ``delta`` on the union of the
-    steps' supports, with that support explicit (``codec``; ``values``/``auto``: the
-    smallest of coo, delta and bitmap), or dense when every coordinate was chosen.
-
-    Raises:
-        RuntimeError: ``delta`` moved a coordinate off the union (a bug: no step chose it).
-    """
-    if bool(delta[~union].any()):
-        raise RuntimeError("gip: the update moved coordinates no step selected")
-    encoding: IndexEncoding = "dense" if bool(union.all()) else explicit_encoding(cfg.codec)
-    index = torch.nonzero(union).flatten()
-    values = delta[index]
-    payload = encode_update(
-        values,
-        dense_size=int(delta.numel()),
-        round=task.server_round,
-        indices=None if encoding == "dense" else index,
-        encoding=encoding,
-        value_dtype=cfg.value_dtype,
-        value_block=cfg.value_block,
-        rounding=rounding,
-        compression=cfg.compression,
-    )
-    return payload, values
+    return reply, local.history

@@ -260,8 +260,8 @@ class NodePolicy:
         (``plugin-methods``, ``plugin-models``), unless the node is simulated. Imports nothing:
         importing a module runs its code, and the run config is the server's. A name listed
         for one role is refused in the other (a model factory is not a method). The dataset
-        is the node's own declaration, never the server's choice (``client/app.py:
-        _declaration``).
+        is the node's own declaration, never the server's choice (``client/guard.py:
+        declaration``).
 
         Raises:
             PrivacyRefusal: naming the key, its value and the policy key.

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from fedsparse.lab.launch.backends import BACKEND_ALIASES, BACKENDS
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {
     "common": "fedsparse.common",
@@ -133,7 +135,7 @@ def test_the_method_branch_check_sees_a_branch() -> None:
 _VOCABULARIES = {
     "mechanism": (frozenset({"dpsgd", "clipped", "noisy"}), ("mechanism",), "common/dp"),
     "backend": (
-        frozenset({"flower", "inprocess", "deploy", "ray", "simulation"}),
+        frozenset(BACKENDS) | frozenset(BACKEND_ALIASES),
         ("backend",),
         "lab/launch",
     ),

@@ -62,7 +62,7 @@ def worst_case_noise_multiplier(
     """A sigma no client calibrates above, whatever its data size ``n``.
 
     A client calibrates sigma for ``target_epsilon`` over ``epochs K`` steps at ``q = 1/K`` (``K =
-    ceil(n / b)``, ``epochs = num-rounds x local-epochs``: ``client/app.py``), to within
+    ceil(n / b)``, ``epochs = num-rounds x local-epochs``: ``client/train_message.py``), to within
     ``epsilon_tolerance`` below the target (``privacy.calibrate_noise_multiplier``). Which ``K``
     needs the most noise depends on the target: ``q = 1`` for the usual targets, but for large ones
     (``epsilon = 30`` over one epoch) ``K = 7`` needs 1.6 times its sigma, so no ``K`` is assumed.

@@ -5,6 +5,8 @@
 
 - ``flower``: Flower's simulation engine (``run_simulation``: SuperLink + ``flwr run``);
 - ``inprocess``: ``run_federated`` on ``InProcessGrid`` with the real ClientApp (fast);
+- ``population``: the same on ``PopulationGrid`` (each round's training vectorised across the
+  clients, ``client/population.py``);
 - ``ray``: ``run_federated`` on ``RayGrid`` (``lab/simulation/raygrid.py``): one local Ray
   cluster and one set of workers, each holding many virtual clients, serve every run inside a
   ``ray_session`` (a sweep's), one run at a time (each run uses every worker);
@@ -82,10 +84,12 @@ def _run_inprocess(overrides: Mapping[str, str], out: Path, settings: RunSetting
     from fedsparse.client.app import app as client_app
     from fedsparse.common.config import FederatedConfig
     from fedsparse.lab.simulation.inprocess import InProcessGrid
+    from fedsparse.lab.simulation.population import PopulationGrid
     from fedsparse.server.app import run_federated
 
     cfg = FederatedConfig.from_run_config({**overrides, "out-dir": str(out)})
-    grid = InProcessGrid(client_app, num_nodes=settings.clients, run_config=cfg.to_run_config())
+    grid_class = PopulationGrid if traits(settings.backend).vectorised else InProcessGrid
+    grid = grid_class(client_app, num_nodes=settings.clients, run_config=cfg.to_run_config())
     with flower_logs_in_this_process():
         return run_federated(grid, cfg)
 
@@ -198,6 +202,7 @@ def run_backend(overrides: Mapping[str, str], out: Path, settings: RunSettings) 
         "flower": _run_flower,
         "deploy": _run_deployment,
         "ray": _run_ray,
+        "population": _run_inprocess,
     }
     return runners[settings.backend](overrides, out, settings)
 

@@ -3,7 +3,9 @@
 ``fedsparse simulate`` and ``fedsparse sweep`` both take ``--backend`` from ``BACKENDS``:
 ``flower`` (Flower's simulation engine), ``inprocess`` (``InProcessGrid``: the clients in the
 server's process), ``deploy`` (a loopback deployment of a SuperLink and SuperNodes) and ``ray``
-(``RayGrid``: many virtual clients per Ray worker). Older spellings stay accepted through
+(``RayGrid``: many virtual clients per Ray worker) and ``population`` (``PopulationGrid``: the
+clients in the server's process, each round's training vectorised across them,
+``client/population.py``). Older spellings stay accepted through
 ``BACKEND_ALIASES`` (``simulation``: the sweep's old name of Flower's engine). Nothing to
 import here but the names, so the command line's help reads them at no cost.
 """
@@ -27,12 +29,15 @@ __all__ = [
 ]
 
 #: Where the clients of a run live (see this module's docstring).
-Backend = Literal["flower", "inprocess", "deploy", "ray"]
-BACKENDS: tuple[Backend, ...] = ("flower", "inprocess", "deploy", "ray")
+Backend = Literal["flower", "inprocess", "deploy", "ray", "population"]
+BACKENDS: tuple[Backend, ...] = ("flower", "inprocess", "deploy", "ray", "population")
 #: Older names of backends, accepted wherever a backend is named.
 BACKEND_ALIASES: dict[str, Backend] = {"simulation": "flower"}
 #: The backends as the commands' ``--backend`` help names them.
-BACKEND_HELP = "flower (alias simulation): Flower's engine | inprocess | deploy | ray"
+BACKEND_HELP = (
+    "flower (alias simulation): Flower's engine | inprocess | deploy | ray | population "
+    "(in process, training vectorised across clients)"
+)
 
 
 def backend_name(name: str) -> str:
@@ -52,6 +57,8 @@ class BackendTraits:
         gpus: its clients can be given GPUs (``--gpus-per-client``).
         in_process: the clients live in the caller's process (a sweep gives each job its own
             process: Flower and torch keep process globals).
+        vectorised: a round's train messages are answered together, the clients' DP-SGD
+            steps vectorised across them (``PopulationGrid``).
     """
 
     deployed: bool = False
@@ -59,6 +66,7 @@ class BackendTraits:
     cluster: bool = False
     gpus: bool = False
     in_process: bool = False
+    vectorised: bool = False
 
 
 #: Each backend's traits (``BACKENDS``' order).
@@ -67,6 +75,7 @@ BACKEND_TRAITS: dict[Backend, BackendTraits] = {
     "inprocess": BackendTraits(in_process=True),
     "deploy": BackendTraits(deployed=True, shaped_links=True),
     "ray": BackendTraits(cluster=True, gpus=True),
+    "population": BackendTraits(in_process=True, vectorised=True),
 }
 #: The backend ``fedsparse simulate`` runs without ``--backend``.
 DEFAULT_BACKEND: Backend = "flower"

@@ -89,6 +89,8 @@ RESULT_FAMILIES: Final[Mapping[str, str]] = {
     "ray": "simulation",
     "inprocess": "simulation",
     "deploy": "deployment",
+    # float32-close to the simulation family, not bit for bit (client/population.py)
+    "population": "population",
 }
 
 

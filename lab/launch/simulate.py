@@ -35,7 +35,7 @@ from rich.text import Text
 
 from fedsparse.common.training.configs import planned_engine
 from fedsparse.common.wire.run_log import RoundLog, RunSummary, read_rounds, record_command
-from fedsparse.lab.launch.backends import BACKENDS, Backend
+from fedsparse.lab.launch.backends import BACKENDS, Backend, traits
 from fedsparse.lab.launch.base import (
     PreparedRun,
     connect,
@@ -276,10 +276,10 @@ def _simulate(
     live_rounds = _LiveRounds(
         table, run.out / "rounds.jsonl", since=math.floor(run.started), console=console
     )
-    if backend == "inprocess":
+    if traits(backend).in_process:
         with _live(live_rounds, console):
             live_rounds.set_status(f"waiting for round 1 ({clients} clients in this process)...")
-            return _run_in_process(run, clients=clients, state_dir=state_dir)
+            return _run_in_process(run, clients=clients, state_dir=state_dir, backend=backend)
     if backend == "ray":
         with _live(live_rounds, console):
             return _run_on_ray(
@@ -412,8 +412,11 @@ def _run_on_ray(
         raise RuntimeError(f"timeout={timeout:g} s: {err}") from err
 
 
-def _run_in_process(run: PreparedRun, *, clients: int, state_dir: Path) -> RunSummary:
-    """``run`` on ``InProcessGrid``: the ServerApp loop and the clients in this process.
+def _run_in_process(
+    run: PreparedRun, *, clients: int, state_dir: Path, backend: Backend
+) -> RunSummary:
+    """``run`` on ``InProcessGrid`` (``backend="population"``: ``PopulationGrid``): the
+    ServerApp loop and the clients in this process.
 
     The clients keep their state files in ``state_dir`` as Flower's simulated nodes do, so
     ``resume`` continues an in-process run as it continues a Flower one.
@@ -423,11 +426,13 @@ def _run_in_process(run: PreparedRun, *, clients: int, state_dir: Path) -> RunSu
     """
     from fedsparse.client.app import app as client_app
     from fedsparse.lab.simulation.inprocess import InProcessGrid
+    from fedsparse.lab.simulation.population import PopulationGrid
     from fedsparse.server.loop import run_federated
 
     node_config = {**SIMULATION_NODE_POLICY, "state-dir": str(state_dir)}
+    grid_class = PopulationGrid if traits(backend).vectorised else InProcessGrid
     with flower_logs_in_this_process():
-        grid = InProcessGrid(
+        grid = grid_class(
             client_app,
             num_nodes=clients,
             run_config=run.config.to_run_config(),

@@ -55,8 +55,8 @@ def simulate(
             (``{"num-rounds": 3, "final-rate": 0.7}``; ``num_rounds`` alike; values typed or
             as text). Keys left out keep their defaults (``docs/reference/run-config.md``).
         clients: the number of nodes (``--clients``).
-        backend: ``inprocess``, ``ray``, ``flower`` or ``deploy`` (``fedsparse simulate
-            --backend``).
+        backend: ``inprocess``, ``population``, ``ray``, ``flower`` or ``deploy``
+            (``fedsparse simulate --backend``).
         out: the run's folder; default the config's ``out-dir``, else ``runs/simulate``.
         progress: show the live round table (on stdout); False runs silently.
         timeout: seconds before the run is stopped (``--timeout``; not ``inprocess``).

@@ -21,7 +21,7 @@ from fedsparse.common.wire.protocol import (
 from fedsparse.lab.simulation.inprocess import InProcessGrid
 from fedsparse.server.messages import train_message
 
-__all__ = ["DEPLOYED", "NODE", "RATE", "ask", "cfg", "grid", "parse", "weights"]
+__all__ = ["DEPLOYED", "NODE", "RATE", "ask", "cfg", "first_task", "grid", "parse", "weights"]
 
 NODE = 1001
 RATE = 0.5
@@ -40,6 +40,25 @@ def weights(cfg: FederatedConfig, shift: float = 0.0) -> torch.Tensor:
     """The run's initial model, flat, plus ``shift``."""
     model = build_model(cfg.model_name, seed=cfg.seed)
     return ParamLayout.from_module(model).flatten_module(model) + shift
+
+
+def first_task(run: FederatedConfig, flat: torch.Tensor) -> TrainInstruction:
+    """Round 1's instruction, as the server sends it (constant schedule: keep at final-rate)."""
+    d = flat.numel()
+    return TrainInstruction(
+        server_round=1,
+        num_rounds=run.num_rounds,
+        mask_seed=round_seed(run.seed, 1),
+        keep=keep_count(d, rate=run.final_rate),
+        mask_scope=run.mask_scope,
+        local_epochs=run.local_epochs,
+        batch_size=run.batch_size,
+        lr=run.lr,
+        momentum=run.momentum,
+        base_version=-1,
+        model_version=0,
+        model=encode_update(flat, dense_size=d, round=1),
+    )
 
 
 def ask(grid: InProcessGrid, cfg: FederatedConfig, weights: torch.Tensor, rnd: int = 1):

@@ -9,7 +9,6 @@ import sys
 from typing import Any
 
 import pytest
-import torch
 
 from fedsparse.client.data import local_data
 from fedsparse.client.local_round import (
@@ -22,10 +21,8 @@ from fedsparse.client.local_round import (
 from fedsparse.client.model_cache import process_model
 from fedsparse.client.node_policy import SIMULATION_NODE_POLICY
 from fedsparse.common.masks import keep_count
-from fedsparse.common.wire.payload import encode_update
-from fedsparse.common.wire.protocol import TrainInstruction, round_seed
 from fedsparse.server.messages import train_message
-from tests.client.node_helpers import NODE, cfg, grid, parse, weights
+from tests.client.node_helpers import NODE, cfg, first_task, grid, parse, weights
 
 FIXED: dict[str, Any] = dict(target_epsilon=0.0, noise_multiplier=1.0, seed=3)
 
@@ -41,25 +38,6 @@ def test_importing_the_round_loads_no_flower_grpc_or_ray() -> None:
     assert out.strip() == "[]"
 
 
-def _task(run: Any, flat: torch.Tensor) -> TrainInstruction:
-    """Round 1's instruction, as the server sends it (constant schedule: keep at final-rate)."""
-    d = flat.numel()
-    return TrainInstruction(
-        server_round=1,
-        num_rounds=run.num_rounds,
-        mask_seed=round_seed(run.seed, 1),
-        keep=keep_count(d, rate=run.final_rate),
-        mask_scope=run.mask_scope,
-        local_epochs=run.local_epochs,
-        batch_size=run.batch_size,
-        lr=run.lr,
-        momentum=0.0,
-        base_version=-1,
-        model_version=0,
-        model=encode_update(flat, dense_size=d, round=1),
-    )
-
-
 @pytest.mark.parametrize(
     "settings",
     [
@@ -72,7 +50,7 @@ def _task(run: Any, flat: torch.Tensor) -> TrainInstruction:
 def test_the_function_gives_the_client_apps_bytes(settings: dict[str, Any]) -> None:
     run = cfg(**{**FIXED, "schedule": "constant", **settings})
     flat = weights(run)
-    task = _task(run, flat)
+    task = first_task(run, flat)
     # The ClientApp, through an in-process grid (a simulated node: seeded noise).
     node = grid(run, SIMULATION_NODE_POLICY)
     (message,) = node.send_and_receive([train_message(task, node=NODE)])

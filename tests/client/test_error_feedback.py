@@ -12,7 +12,7 @@ import pytest
 import torch
 from flwr.app import Context, RecordDict
 
-from fedsparse.client.local_round import feed_back
+from fedsparse.client.round_reply import feed_back
 from fedsparse.client.state import NodeState, StateFiles, residual_bytes, residual_vector
 from fedsparse.common.config import ADDED_KEYS, FederatedConfig, with_added_keys
 from fedsparse.common.wire.payload import decode_update, encode_update

@@ -17,7 +17,7 @@ import pytest
 import torch
 from flwr.app import Message
 
-from fedsparse.client import app as client_module
+from fedsparse.client import train_message as client_module
 from fedsparse.client.data import Holding, local_data, run_declaration
 from fedsparse.common.config import FederatedConfig
 from fedsparse.common.data.datasets import Split

@@ -6,7 +6,6 @@ import pytest
 import torch
 from flwr.app import Context, RecordDict
 
-from fedsparse.client.app import _node_state
 from fedsparse.client.node_policy import NodePolicy
 from fedsparse.client.state import (
     RESUMED_FROM,
@@ -15,6 +14,7 @@ from fedsparse.client.state import (
     apply_downlink,
     resumed_from,
 )
+from fedsparse.client.train_message import _node_state
 from fedsparse.common.wire.payload import PayloadError, encode_update
 from fedsparse.common.wire.protocol import STATE_RECORD, ProtocolError
 

@@ -14,12 +14,12 @@ from typing import Any
 
 import pytest
 
-from fedsparse.client.app import _index_charge
 from fedsparse.client.app import app as client_app
 from fedsparse.client.data import local_data
 from fedsparse.client.ledger import PrivacyLedger, ledger_path
 from fedsparse.client.node_data import data_identity
 from fedsparse.client.node_policy import SIMULATION_NODE_POLICY
+from fedsparse.client.train_message import _index_charge
 from fedsparse.common.config import FederatedConfig
 from fedsparse.common.dp.accounting import (
     calibrate_noise_multiplier,

@@ -30,6 +30,7 @@ from fedsparse.client.app import app as client_app
 from fedsparse.client.node_policy import SIMULATION_NODE_POLICY
 from fedsparse.common.config import FederatedConfig
 from fedsparse.lab.simulation.inprocess import InProcessGrid
+from fedsparse.lab.simulation.population import PopulationGrid
 from fedsparse.server.app import run_federated
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
@@ -77,10 +78,12 @@ CASES: dict[str, dict[str, Any]] = {
 NODES, ROUNDS = 3, 2
 
 
-def run_case(name: str, out: Path) -> tuple[list[dict[str, Any]], str]:
+def run_case(
+    name: str, out: Path, grid_class: type[InProcessGrid] = InProcessGrid
+) -> tuple[list[dict[str, Any]], str]:
     """(the case's rounds without clock fields, the SHA-256 of its final weights)."""
     cfg = FederatedConfig(out_dir=str(out), num_rounds=ROUNDS, **CASES[name])
-    grid = InProcessGrid(
+    grid = grid_class(
         client_app,
         num_nodes=NODES,
         run_config=cfg.to_run_config(),
@@ -130,6 +133,33 @@ def test_a_recorded_federation_reruns_line_for_line(name: str, tmp_path: Path) -
             assert differ == [], f"{name}: round {want['round']}: {differ}"
     if exact:
         assert weights == golden["weights_sha256"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_the_population_backend_reruns_each_case_to_float32_rounding(
+    name: str, tmp_path: Path
+) -> None:
+    """``PopulationGrid`` (the vectorised step where it applies): every integer and string
+    as recorded (bytes, counts, keep), floats within the tolerant comparison's 1e-3.
+
+    But user-level's second round: that case diverges (test loss 5.4, then 6.0; chance is 2.3),
+    and any float32-level change moves its round-2 model: the func engine, tested equal to
+    Opacus to rounding, gives accuracy 0.100 against the recorded 0.108 (3 examples of 360)
+    and test loss 6.004 against 6.020, as this runner does (0.100, 5.996). There the
+    model-quality floats get 2% (measured 0.4%) and the accuracy 3 examples."""
+    rounds, _ = run_case(name, tmp_path / name, PopulationGrid)
+    for got, want in zip(rounds, _golden(name)["rounds"], strict=True):
+        assert got.keys() == want.keys()
+        chaotic = {"test_loss", "train_loss", "test_accuracy"}
+        if name != "user-level" or want["round"] == 1:
+            chaotic = set()
+        differ = [k for k in want if k not in chaotic and not _close(got[k], want[k])]
+        assert differ == [], f"{name}: round {want['round']}: {differ}"
+        for key in sorted(chaotic - {"test_accuracy"}):
+            assert got[key] == pytest.approx(want[key], rel=0.02), key
+        if chaotic:
+            assert abs(got["test_accuracy"] - want["test_accuracy"]) <= 3 / 360 + 1e-12
 
 
 def test_the_tolerant_comparison_sees_a_difference() -> None:

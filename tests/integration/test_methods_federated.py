@@ -17,10 +17,10 @@ import pytest
 import torch
 from flwr.app import ConfigRecord, Context, Message
 
-from fedsparse.client.app import _server_support
 from fedsparse.client.app import app as client_app
 from fedsparse.client.data import _partitions
 from fedsparse.client.node_policy import SIMULATION_NODE_POLICY
+from fedsparse.client.train_message import _server_support
 from fedsparse.common.config import FederatedConfig
 from fedsparse.common.data.datasets import load_dataset
 from fedsparse.common.layout import ParamLayout

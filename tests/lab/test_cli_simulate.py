@@ -218,10 +218,11 @@ def test_a_repeated_log_line_is_seen_in_either_format() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("backend", ["inprocess", "population"])
 def test_a_simulate_in_this_process_says_what_it_waits_for_before_round_1(
-    tmp_path: Path,
+    tmp_path: Path, backend: str
 ) -> None:
-    output = _simulate(tmp_path / "run", "--backend", "inprocess")
+    output = _simulate(tmp_path / "run", "--backend", backend)
     lines = output.splitlines()
     status = lines.index("waiting for round 1 (2 clients in this process)...")
     assert status < _first_round_row(lines)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedsparse.client.local_round import feed_back
+from fedsparse.client.round_reply import feed_back
 from fedsparse.common.aggregation.quantized_norms import feedback_contraction, feedback_norm
 from fedsparse.common.wire.payload import decode_update
 from tests.client.test_error_feedback import encode_on

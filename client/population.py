@@ -1,0 +1,425 @@
+"""Many clients' rounds at once: ``population_round``, ``client_round`` for a population.
+
+``population_round(calls, model=...)`` returns, for each ``ClientCall`` (the arguments of one
+``client_round``), what ``client_round`` returns for it: the same update bytes (to float32
+rounding of the trained weights), the same reported numbers and accountant history. It is a
+runner for the client's round, not a second mechanism: the clients whose rounds it can
+vectorise (``population_error`` is None) train together, their weights stacked in one
+``(clients, d)`` tensor and each DP-SGD step's per-sample gradients computed for all of them
+by one ``torch.func.vmap`` over clients of ``vmap(grad(loss_i))`` over examples; every other
+call runs ``client_round`` itself. The reply of a vectorised client is encoded by the same code
+as ``client_round``'s (``local_round.round_reply``: the round's support, the run's codec, error
+feedback, the reported ε).
+
+Each vectorised step is ``client_round``'s step, client by client (``common/dp/optimizer.py``,
+RS paper Algorithm 1)::
+
+    B_k  = Poisson batch of client k           # its own sampler stream, rate q_k = 1/ceil(N_k/b)
+    g'_i = m_k * g_i                            # sparsify each per-sample gradient (k's mask)
+    c_i  = min(1, C / (||g'_i|| + 1e-6))        # clip on the masked norms (not: "noisy")
+    s_k  = sum_{i in B_k} c_i g'_i              # non-finite examples contribute exactly 0
+    g_k  = (s_k + m_k * N(0, (sigma_k C)^2)) / floor(N_k q_k)   # k's own noise stream
+    w_k  = SGD(w_k, g_k, lr, momentum)          # a fresh optimizer, as every round
+
+with the same streams as ``make_private`` (``seeds.Stream.POISSON_SAMPLING`` and
+``DP_NOISE`` of the round's train seed): the Poisson draws are Opacus's sampler's
+(``torch.rand(N_k) < q_k`` per step) and the noise is drawn parameter by parameter in the
+model's order, full size and then masked, as Opacus draws it. Batches of different sizes are
+padded to the largest with rows labelled ``DUMMY_LABEL``, whose loss and per-sample gradient
+are exactly 0, as the rows ``make_private`` pads a node's data to its nominal size with; a
+client whose steps are done (fewer examples, fewer steps) leaves the stack. The accountant of
+each client takes its ``(sigma, q)`` once per step, as Opacus's step hook does.
+
+What runs per client: ``client_round`` (``population_error`` says why) for a per-step
+selector (gip, random-k), secure mode (Opacus's OS-entropy generator), a σ not yet calibrated,
+a device other than the CPU, a model ``vmap`` cannot run (``func_support_error``) or no
+examples. The equivalence is tested per method, mechanism and codec against ``client_round``
+(``tests/client/test_population.py``).
+
+Memory: a step holds ``clients x batch x d`` per-sample gradients of a chunk of clients, the
+chunk sized to ``chunk_bytes``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import secrets
+from collections.abc import Sequence
+
+import torch
+from opacus.accountants import IAccountant, create_accountant
+from torch import nn
+from torch.func import functional_call, grad, vmap
+
+from fedsparse.client.local_round import (
+    LocalTraining,
+    PublicRound,
+    Release,
+    RoundNoise,
+    RoundPrivacy,
+    RoundResult,
+    client_round,
+    round_mask,
+)
+from fedsparse.client.round_reply import round_reply
+from fedsparse.common.data.datasets import Split
+from fedsparse.common.dp.engines.func import func_support_error
+from fedsparse.common.dp.mechanisms import mechanism_of
+from fedsparse.common.dp.optimizer import zero_non_finite
+from fedsparse.common.layout import ParamLayout
+from fedsparse.common.seeds import Stream, stream_seed
+from fedsparse.common.training.configs import resolve_device
+from fedsparse.common.training.local import DUMMY_LABEL, pad_to_nominal
+
+__all__ = [
+    "CHUNK_BYTES",
+    "ClientCall",
+    "population_error",
+    "population_round",
+    "population_round_settled",
+]
+
+#: Bytes of per-sample gradients a chunk of clients may hold in one step (``chunk_bytes``).
+CHUNK_BYTES = 64 * 2**20
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ClientCall:
+    """The arguments of one ``client_round`` (its ``model`` is the population's)."""
+
+    global_flat: torch.Tensor
+    examples: Split
+    public: PublicRound
+    privacy: RoundPrivacy
+    noise: RoundNoise
+    release: Release | None = None
+    residual: torch.Tensor | None = None
+
+
+def population_error(call: ClientCall, model: nn.Module) -> str | None:
+    """Why ``call`` runs on ``client_round`` instead of the vectorised step (None: it does
+    not)."""
+    privacy = call.privacy.privacy
+    if privacy.secure_mode:
+        return "secure-mode: Opacus's OS-entropy generator draws the batches and the noise"
+    if privacy.target_epsilon is not None:
+        return "target-epsilon: sigma is calibrated by client_round's make_private"
+    if resolve_device(call.public.cfg.device).type != "cpu":
+        return f"device={call.public.cfg.device!r}: the population step runs on the CPU"
+    error = func_support_error(model)
+    if error is not None:
+        return error
+    size = call.privacy.nominal_size or len(call.examples)
+    if size == 0:
+        return "no examples"
+    task = call.public.task
+    try:
+        selector = call.public.method.step_selector(
+            numel=int(call.global_flat.numel()),
+            keep_fraction=call.privacy.keep_fraction,
+            budget=call.privacy.budget,
+            seed=0,
+        )
+    except Exception as err:  # client_round raises it again, as it would alone
+        return f"method={call.public.cfg.method!r}: {err}"
+    if selector is not None:
+        return f"method={call.public.cfg.method!r}: each step chooses its support"
+    if task.local_epochs < 1:
+        return f"local-epochs={task.local_epochs}: nothing to vectorise"
+    return None
+
+
+def population_round(
+    calls: Sequence[ClientCall], *, model: nn.Module, chunk_bytes: int = CHUNK_BYTES
+) -> list[RoundResult]:
+    """``[client_round(c..., model=model) for c in calls]``, the vectorisable ones at once.
+
+    Args:
+        calls: the clients' rounds (any mix; the order of the results is theirs).
+        model: the run's architecture (its weights are not read; ``client_round``, for the
+            calls it runs, replaces them).
+        chunk_bytes: the per-sample gradients one step of a chunk of clients may hold.
+
+    Raises:
+        Exception: the first call's failure.
+    """
+    results = _population(calls, model=model, chunk_bytes=chunk_bytes, settle=False)
+    return [r for r in results if isinstance(r, RoundResult)]
+
+
+def population_round_settled(
+    calls: Sequence[ClientCall], *, model: nn.Module, chunk_bytes: int = CHUNK_BYTES
+) -> list[RoundResult | Exception]:
+    """``population_round``, with each failing call's exception in its place (a failing
+    chunk: each of its calls) and the other calls' results: one client never fails the
+    others."""
+    return _population(calls, model=model, chunk_bytes=chunk_bytes, settle=True)
+
+
+def _population(
+    calls: Sequence[ClientCall], *, model: nn.Module, chunk_bytes: int, settle: bool
+) -> list[RoundResult | Exception]:
+    return_exceptions = settle
+    results: list[RoundResult | Exception | None] = [None] * len(calls)
+    clients: list[_Client] = []
+    layout = ParamLayout.from_module(model)
+    for i, call in enumerate(calls):
+        try:
+            if population_error(call, model) is None:
+                clients.append(_Client.start(i, call, layout))
+                continue
+            results[i] = client_round(
+                call.global_flat,
+                call.examples,
+                call.public,
+                call.privacy,
+                call.noise,
+                model=model,
+                release=call.release,
+                residual=call.residual,
+            )
+        except Exception as err:
+            if not return_exceptions:
+                raise
+            results[i] = err
+    for chunk in _chunks(clients, layout.numel, chunk_bytes):
+        try:
+            trained = _train_chunk(chunk, model, layout)
+            for client, weights in zip(chunk, trained, strict=True):
+                try:
+                    results[client.index] = client.result(calls[client.index], weights)
+                except Exception as err:
+                    if not return_exceptions:
+                        raise
+                    results[client.index] = err
+        except Exception as err:
+            if not return_exceptions:
+                raise
+            for client in chunk:
+                if results[client.index] is None:
+                    results[client.index] = err
+    assert all(r is not None for r in results)
+    return results  # type: ignore[return-value]
+
+
+@dataclasses.dataclass(eq=False)
+class _Client:
+    """One vectorised client's round: its data, streams, mask and progress."""
+
+    index: int
+    x: torch.Tensor
+    y: torch.Tensor
+    rate: float  # Opacus's sample rate, 1 / len(loader)
+    steps_per_epoch: int
+    epochs: int
+    expected_batch: int
+    std: float  # sigma * C (0: no noise drawn)
+    max_grad_norm: float
+    clips: bool
+    lr: float
+    momentum: float
+    data_gen: torch.Generator
+    noise_gen: torch.Generator
+    mask: torch.Tensor | None  # bool, d
+    initial: torch.Tensor  # the round's global model, flat (d)
+    accountant: IAccountant
+    noise_multiplier: float
+    epoch_loss: list[float] = dataclasses.field(default_factory=list)
+    epoch_examples: list[int] = dataclasses.field(default_factory=list)
+
+    @classmethod
+    def start(cls, index: int, call: ClientCall, layout: ParamLayout) -> _Client:
+        """``make_private``'s setup for ``call``: streams, padded data, rate, mask."""
+        task, privacy = call.public.task, call.privacy.privacy
+        seed = call.noise.train_seed(task.server_round)
+        seed = seed if seed is not None else secrets.randbits(63)
+        data_gen = torch.Generator().manual_seed(stream_seed(seed, Stream.POISSON_SAMPLING))
+        noise_gen = torch.Generator().manual_seed(stream_seed(seed, Stream.DP_NOISE))
+        x, y = call.examples.x, call.examples.y
+        if call.privacy.nominal_size is not None:
+            x, y = pad_to_nominal(x, y, call.privacy.nominal_size)
+        size = len(x)
+        batches = math.ceil(size / max(1, min(task.batch_size, size)))  # len(loader)
+        rate = 1 / batches
+        accountant = create_accountant(mechanism=privacy.accountant)
+        accountant.history = list(call.privacy.history)
+        sigma = privacy.noise_multiplier
+        assert sigma is not None  # calibrated (population_error)
+        mechanism = mechanism_of(privacy.mechanism)
+        if not mechanism.noises and sigma != 0:  # the engine's own refusal, as client_round
+            raise ValueError(
+                f"noise_multiplier={sigma}: mechanism={privacy.mechanism!r} adds no noise, "
+                "expected noise_multiplier=0"
+            )
+        return cls(
+            index=index,
+            x=x,
+            y=y,
+            rate=rate,
+            steps_per_epoch=int(1 / rate),
+            epochs=task.local_epochs,
+            expected_batch=int(size * rate),
+            std=sigma * privacy.max_grad_norm,
+            max_grad_norm=privacy.max_grad_norm,
+            clips=mechanism.clips,
+            lr=task.lr,
+            momentum=task.momentum,
+            data_gen=data_gen,
+            noise_gen=noise_gen,
+            mask=round_mask(call.public, layout.numel, None),
+            initial=call.global_flat,
+            accountant=accountant,
+            noise_multiplier=sigma,
+        )
+
+    @property
+    def steps(self) -> int:
+        return self.epochs * self.steps_per_epoch
+
+    def sample(self) -> torch.Tensor:
+        """The next Poisson batch's indices (Opacus's ``UniformWithReplacementSampler``)."""
+        chosen = torch.rand(len(self.x), generator=self.data_gen) < self.rate
+        return chosen.nonzero(as_tuple=False).reshape(-1)
+
+    def noise(self, layout: ParamLayout) -> torch.Tensor:
+        """The step's masked noise, drawn parameter by parameter as Opacus draws it."""
+        parts = [
+            torch.normal(mean=0, std=self.std, size=shape, generator=self.noise_gen).reshape(-1)
+            for _, _, shape in layout.slices()
+        ]
+        noise = torch.cat(parts)
+        return noise if self.mask is None else noise.mul_(self.mask)
+
+    def result(self, call: ClientCall, trained: torch.Tensor) -> RoundResult:
+        """``client_round``'s result from the ``trained`` weights (``round_reply``)."""
+        for _ in range(self.steps):  # Opacus's step hook: one accountant step per step
+            self.accountant.step(noise_multiplier=self.noise_multiplier, sample_rate=self.rate)
+        losses = [
+            total / n if n else math.nan
+            for total, n in zip(self.epoch_loss, self.epoch_examples, strict=True)
+        ]
+        local = LocalTraining(
+            trained=trained,
+            epoch_losses=losses,
+            examples=sum(self.epoch_examples),
+            history=list(self.accountant.history),
+        )
+        residual = call.residual.clone() if call.residual is not None else None
+        reply = round_reply(
+            call.global_flat,
+            len(call.examples),
+            call.public,
+            call.privacy,
+            call.noise,
+            local,
+            self.mask,
+            None,
+            call.release or Release(),
+            residual,
+        )
+        return RoundResult(reply, local.history, call.privacy.index_spent, residual)
+
+
+def _chunks(clients: list[_Client], numel: int, chunk_bytes: int) -> list[list[_Client]]:
+    """The clients in chunks whose per-sample gradients fit ``chunk_bytes`` at about twice
+    their expected batch (Poisson batches vary)."""
+    chunks: list[list[_Client]] = []
+    current: list[_Client] = []
+    used = 0
+    for client in clients:
+        cost = 2 * max(1, client.expected_batch) * numel * 4
+        if current and used + cost > chunk_bytes:
+            chunks.append(current)
+            current, used = [], 0
+        current.append(client)
+        used += cost
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+def _train_chunk(clients: list[_Client], model: nn.Module, layout: ParamLayout) -> torch.Tensor:
+    """Every local step of ``clients``, vectorised across them: their trained weights, one row
+    each (``(clients, d)``)."""
+    slices = list(layout.slices())
+    sample_shape = clients[0].x.shape[1:]
+
+    def example_loss(
+        theta: dict[str, torch.Tensor], xi: torch.Tensor, yi: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        out = functional_call(model, theta, (xi.unsqueeze(0),))
+        loss = nn.functional.cross_entropy(
+            out, yi.unsqueeze(0), reduction="none", ignore_index=DUMMY_LABEL
+        ).sum()
+        return loss, loss.detach()
+
+    per_client = vmap(vmap(grad(example_loss, has_aux=True), in_dims=(None, 0, 0)))
+    weights = torch.stack([c.initial.detach().to(torch.float32) for c in clients])
+    velocity = torch.zeros_like(weights) if any(c.momentum for c in clients) else None
+    for step in range(max(c.steps for c in clients)):
+        rows = [k for k, c in enumerate(clients) if step < c.steps]
+        active = [clients[k] for k in rows]
+        index = torch.tensor(rows) if len(rows) < len(clients) else None
+        for c in active:
+            if step % c.steps_per_epoch == 0:  # iter(loader): the DataLoader's base seed
+                torch.empty((), dtype=torch.int64).random_(generator=c.data_gen)
+                c.epoch_loss.append(0.0)
+                c.epoch_examples.append(0)
+        chosen = [c.sample() for c in active]
+        width = max(1, max(len(idx) for idx in chosen))
+        xb = torch.zeros((len(active), width, *sample_shape), dtype=active[0].x.dtype)
+        yb = torch.full((len(active), width), DUMMY_LABEL, dtype=active[0].y.dtype)
+        for k, (c, idx) in enumerate(zip(active, chosen, strict=True)):
+            xb[k, : len(idx)] = c.x[idx]
+            yb[k, : len(idx)] = c.y[idx]
+        current = weights if index is None else weights.index_select(0, index)
+        theta = {name: current[:, part].view(len(active), *shape) for name, part, shape in slices}
+        grads, losses = per_client(theta, xb, yb)
+        per_sample = torch.cat(
+            [grads[name].reshape(len(active), width, -1) for name, _, _ in slices], dim=2
+        )
+        del grads, theta, current
+        masks = [c.mask for c in active]
+        if any(m is not None for m in masks):
+            keep = torch.stack(
+                [
+                    m.to(per_sample.dtype) if m is not None else torch.ones(layout.numel)
+                    for m in masks
+                ]
+            )
+            per_sample.mul_(keep.unsqueeze(1))
+        norms = per_sample.norm(2, dim=2)
+        bound = torch.tensor([c.max_grad_norm for c in active]).unsqueeze(1)
+        clipped = (bound / (norms + 1e-6)).clamp(max=1.0)
+        clips = torch.tensor([c.clips for c in active]).unsqueeze(1)
+        factor = torch.where(clips, clipped, torch.ones_like(clipped))
+        factor = torch.where(torch.isfinite(norms), factor, 0.0)
+        per_sample = zero_non_finite(per_sample, in_place=True)
+        step_grad = torch.bmm(factor.unsqueeze(1), per_sample).squeeze(1)
+        del per_sample
+        for k, c in enumerate(active):
+            if c.std != 0:
+                step_grad[k] += c.noise(layout)
+        step_grad /= torch.tensor([float(c.expected_batch) for c in active]).unsqueeze(1)
+        if velocity is not None:  # torch's SGD: the first step's buffer is the gradient
+            momentum = torch.tensor([c.momentum for c in active]).unsqueeze(1)
+            if step > 0:
+                old = velocity if index is None else velocity.index_select(0, index)
+                step_grad = old.mul_(momentum).add_(step_grad)
+            if index is None:
+                velocity.copy_(step_grad)
+            else:
+                velocity.index_copy_(0, index, step_grad)
+        lr = torch.tensor([c.lr for c in active]).unsqueeze(1)
+        if index is None:
+            weights.sub_(lr * step_grad)
+        else:
+            weights.index_add_(0, index, lr * step_grad, alpha=-1)
+        real = (yb != DUMMY_LABEL).sum(dim=1).tolist()
+        loss_sums = losses.sum(dim=1).tolist()
+        for k, c in enumerate(active):
+            if len(chosen[k]):
+                c.epoch_loss[-1] += loss_sums[k]
+                c.epoch_examples[-1] += int(real[k])
+    return weights

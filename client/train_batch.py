@@ -1,0 +1,76 @@
+"""Many train messages at once: ``train_population``, the ClientApp's ``train`` for a batch.
+
+For a runner that holds many simulated nodes in one process (``lab/simulation/population.py``,
+the ``population`` backend): each message is prepared and finished exactly as the ClientApp
+prepares and finishes it (``client/train_message.py``), and the rounds in between run together
+(``client/population.py: population_round``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from flwr.app import Context, Error, Message
+from flwr.common.constant import ErrorCode
+
+from fedsparse.client.guard import released_error
+from fedsparse.client.population import population_round_settled
+from fedsparse.client.train_message import PreparedTrain, finish_train, prepare_train, run_alone
+
+__all__ = ["error_reply", "train_population"]
+
+
+def train_population(batch: Sequence[tuple[Message, Context]]) -> list[Message]:
+    """``train``'s replies to a batch of train messages, the nodes' rounds run together by
+    ``population_round`` (the vectorised step where it applies, ``client_round`` where not).
+
+    Each message is prepared and finished as ``train`` does (the same checks, calibration,
+    ledger charge and state); a message whose preparation or finishing raises gets the error
+    reply Flower's runtimes give (``error_reply``), the others are unaffected. With secure
+    aggregation every node trains alone (``train``): its masking stages follow.
+    """
+    threads = torch.get_num_threads()  # prepare_train takes one; the batch the caller's
+    replies: list[Message | None] = [None] * len(batch)
+    prepared: dict[int, PreparedTrain] = {}
+    for i, (msg, context) in enumerate(batch):
+        try:
+            ready = prepare_train(msg, context)
+        except Exception as err:
+            replies[i] = error_reply(msg, err)
+            continue
+        if ready.secagg is not None:
+            replies[i] = _finish_alone(ready)
+        else:
+            prepared[i] = ready
+    if prepared:
+        first = next(iter(prepared.values()))
+        torch.set_num_threads(threads)
+        with first.reusable.lock:
+            results = population_round_settled(
+                [ready.call for ready in prepared.values()], model=first.reusable.model
+            )
+        for (i, ready), result in zip(prepared.items(), results, strict=True):
+            if isinstance(result, Exception):  # as train: one fixed error, named nothing
+                replies[i] = error_reply(ready.msg, released_error(result, data_read=True))
+                continue
+            try:
+                replies[i] = finish_train(ready, result)
+            except Exception as err:
+                replies[i] = error_reply(ready.msg, err)
+    assert all(r is not None for r in replies)
+    return replies  # type: ignore[return-value]
+
+
+def _finish_alone(ready: PreparedTrain) -> Message:
+    """``train``'s reply for a prepared message, trained alone (or the error reply)."""
+    try:
+        return finish_train(ready, run_alone(ready))
+    except Exception as err:
+        return error_reply(ready.msg, err)
+
+
+def error_reply(msg: Message, err: BaseException) -> Message:
+    """The reply Flower's runtimes give when the ClientApp raises: an error, no content."""
+    reason = f"{type(err).__name__}: {err}"
+    return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=reason), reply_to=msg)

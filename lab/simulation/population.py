@@ -1,0 +1,57 @@
+"""The population backend: ``InProcessGrid`` whose train messages of a round are answered
+together (``client/train_batch.py: train_population``).
+
+Every message is prepared and finished by the ClientApp's own steps (checks, calibration,
+ledger, node state, reply) and the rounds in between run in one ``population_round``: the
+clients' DP-SGD steps vectorised across them where ``population_error`` allows, else each
+client's ``client_round``. Other messages (evaluation, secure aggregation's stages) and nodes
+with an override go to the ClientApp one at a time, as ``InProcessGrid`` sends them.
+
+The rounds equal ``inprocess``'s to float32 rounding, not bit for bit (the vectorised step
+sums in other orders: ``client/population.py``), so a run started on one resumes only on the
+same backend family (``lab/launch/run_dir.py``). The vectorised step runs on every CPU this
+process may use (``torch.set_num_threads``), the ClientApp's steps on one as elsewhere.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+
+import torch
+from flwr.app import Message, MessageType
+
+from fedsparse.client.train_batch import train_population
+from fedsparse.lab.simulation.inprocess import InProcessGrid
+
+__all__ = ["PopulationGrid"]
+
+
+class PopulationGrid(InProcessGrid):
+    """``InProcessGrid`` (same arguments) answering a pull's train messages in one batch."""
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:  # noqa: D102
+        ids = list(message_ids)
+        batched = [
+            message_id
+            for message_id in ids
+            if self._pending[message_id].metadata.message_type == MessageType.TRAIN
+            and self._pending[message_id].metadata.dst_node_id not in self._overrides
+        ]
+        messages = [self._pending.pop(message_id) for message_id in batched]
+        threads = torch.get_num_threads()
+        torch.set_num_threads(len(os.sched_getaffinity(0)))
+        try:
+            answered = dict(
+                zip(
+                    batched,
+                    train_population(
+                        [(msg, self._contexts[msg.metadata.dst_node_id]) for msg in messages]
+                    ),
+                    strict=True,
+                )
+            )
+        finally:
+            torch.set_num_threads(threads)
+        rest = iter(super().pull_messages([i for i in ids if i not in answered]))
+        return [answered[i] if i in answered else next(rest) for i in ids]

@@ -1,0 +1,230 @@
+"""The population runner (``client/population.py``) gives each client what ``client_round``
+gives it: the same accountant history, ε, counts and payload sizes, and the same update to
+float32 rounding.
+
+Tolerance: the vectorised step sums the same per-sample gradients in other orders (a batched
+convolution, one norm over the kept coordinates instead of per-parameter norms), a few ulps a
+step; measured at most 2e-6 of the update's largest value after a round on these settings.
+``CLOSE`` allows 1e-4 of it, 50 times that, and far below a real difference: another noise
+draw or batch moves the values by their own size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+
+from fedsparse.client.data import local_data
+from fedsparse.client.local_round import (
+    PublicRound,
+    Release,
+    RoundNoise,
+    RoundPrivacy,
+    RoundResult,
+    client_round,
+)
+from fedsparse.client.model_cache import process_model
+from fedsparse.client.population import (
+    ClientCall,
+    population_error,
+    population_round,
+    population_round_settled,
+)
+from fedsparse.common.config import FederatedConfig
+from fedsparse.common.wire.payload import decode_update
+from tests.client.node_helpers import cfg, first_task, weights
+
+FIXED: dict[str, Any] = dict(target_epsilon=0.0, noise_multiplier=1.0, seed=3, schedule="constant")
+#: The largest difference allowed, relative to the update's largest value (module docstring).
+CLOSE = 1e-4
+CLIENTS = 3
+
+
+def _calls(
+    run: FederatedConfig,
+    *,
+    nominal: list[int | None] | None = None,
+    residual: bool = False,
+    frozen: int = 0,
+    explicit: torch.Tensor | None = None,
+) -> list[ClientCall]:
+    """Round 1 of ``CLIENTS`` simulated clients of ``run`` (partitions 0, 1, 2)."""
+    flat = weights(run)
+    task = first_task(run, flat)
+    calls = []
+    for p in range(CLIENTS):
+        method = run.make_method()
+        keep_fraction, _ = method.index_charge(
+            task, flat.numel(), None, 0, schedule=run.sparsity().rate_schedule(run.num_rounds)
+        )
+        calls.append(
+            ClientCall(
+                global_flat=flat,
+                examples=local_data(run, p, CLIENTS),
+                public=PublicRound(
+                    cfg=run,
+                    task=task,
+                    method=method,
+                    node_id=1001 + p,
+                    frozen=frozen,
+                    explicit=explicit,
+                ),
+                privacy=RoundPrivacy(
+                    privacy=run.privacy(),
+                    history=[(0.5, 0.25, 7)] if p == 1 else [],  # an earlier round's entry
+                    index_spent=0.0,
+                    nominal_size=nominal[p] if nominal else None,
+                    keep_fraction=keep_fraction,
+                ),
+                noise=RoundNoise(seeded=True, run_seed=run.seed, partition_id=p),
+                release=Release(example_count=True, train_loss=True),
+                residual=torch.linspace(-0.01, 0.01, flat.numel()) if residual else None,
+            )
+        )
+    return calls
+
+
+def _alone(call: ClientCall) -> RoundResult:
+    run = call.public.cfg
+    return client_round(
+        call.global_flat,
+        call.examples,
+        call.public,
+        call.privacy,
+        call.noise,
+        model=process_model(run.model_name, run.seed).model,
+        release=call.release,
+        residual=call.residual,
+    )
+
+
+def _assert_same(got: RoundResult, ref: RoundResult) -> None:
+    assert got.history == ref.history
+    assert got.index_spent == ref.index_spent
+    a, b = got.reply, ref.reply
+    numbers = ("num_examples", "examples_seen", "epsilon", "noise_multiplier", "keep")
+    assert [getattr(a, f) for f in numbers] == [getattr(b, f) for f in numbers]
+    assert a.seeded_noise == b.seeded_noise
+    assert a.train_loss == pytest.approx(b.train_loss, rel=1e-5)
+    assert len(a.update) == len(b.update)  # the same codec, the same sizes
+    ours, theirs = decode_update(a.update), decode_update(b.update)
+    assert (ours.mask_seed, ours.dense_size) == (theirs.mask_seed, theirs.dense_size)
+    scale = float(theirs.values.abs().max())
+    assert scale > 0
+    torch.testing.assert_close(ours.values, theirs.values, rtol=0, atol=CLOSE * scale)
+    if ref.residual is None:
+        assert got.residual is None
+    else:
+        assert got.residual is not None
+        torch.testing.assert_close(got.residual, ref.residual, rtol=0, atol=CLOSE * scale)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {},  # rs: dpsgd, the round's seeded mask
+        dict(final_rate=0.0, momentum=0.9, local_epochs=2),  # dense, momentum, two epochs
+        dict(mechanism="clipped", noise_multiplier=0.0),  # Algorithm 3: no noise
+        dict(mechanism="noisy", max_grad_norm=1.0),  # Algorithm 2: no clipping
+        dict(mask_scope="client", value_dtype="int4", error_feedback=True),
+        dict(compression="zstd", value_dtype="int8", batch_size=16),
+    ],
+    ids=["rs", "dense-momentum-2-epochs", "clipped", "noisy", "client-mask-int4-ef", "int8-zstd"],
+)
+def test_each_client_gets_what_client_round_gives_it(settings: dict[str, Any]) -> None:
+    run = cfg(**{**FIXED, **settings})
+    calls = _calls(run, residual=run.error_feedback)
+    model = process_model(run.model_name, run.seed).model
+    assert all(population_error(call, model) is None for call in calls)
+    got = population_round(calls, model=model)
+    for result, call in zip(got, calls, strict=True):
+        _assert_same(result, _alone(call))
+
+
+def test_clients_of_other_sizes_leave_the_stack_when_their_steps_are_done() -> None:
+    # 479 examples each, two padded to other nominal sizes: ceil(N / 64) steps an epoch.
+    run = cfg(**FIXED, batch_size=64, local_epochs=1)
+    calls = _calls(run, nominal=[None, 600, 900])
+    got = population_round(calls, model=process_model(run.model_name, run.seed).model)
+    assert [r.history[-1][2] for r in got] == [8, 10, 15]
+    for result, call in zip(got, calls, strict=True):
+        _assert_same(result, _alone(call))
+
+
+def test_lfs_frozen_prefix_and_an_explicit_support() -> None:
+    run = cfg(**FIXED, final_rate=0.0)
+    d = weights(run).numel()
+    for kwargs in (dict(frozen=d // 2), dict(explicit=torch.arange(0, d, 3))):
+        calls = _calls(run, **kwargs)  # type: ignore[arg-type]
+        got = population_round(calls, model=process_model(run.model_name, run.seed).model)
+        for result, call in zip(got, calls, strict=True):
+            _assert_same(result, _alone(call))
+
+
+def test_chunks_of_one_client_give_the_same_rounds() -> None:
+    run = cfg(**FIXED)
+    calls = _calls(run)
+    model = process_model(run.model_name, run.seed).model
+    together = population_round(calls, model=model)
+    apart = population_round(calls, model=model, chunk_bytes=1)
+    for a, b in zip(apart, together, strict=True):
+        _assert_same(a, b)
+
+
+def test_what_it_cannot_vectorise_runs_on_client_round_and_says_why() -> None:
+    run = cfg(**FIXED, method="random-k", final_rate=0.9)
+    calls = _calls(run)
+    model = process_model(run.model_name, run.seed).model
+    assert population_error(calls[0], model) == ("method='random-k': each step chooses its support")
+    got = population_round(calls, model=model)
+    for result, call in zip(got, calls, strict=True):
+        assert result.reply == _alone(call).reply  # client_round itself: the same bytes
+    secure = dataclasses.replace(
+        calls[0].privacy, privacy=dataclasses.replace(run.privacy(), secure_mode=True)
+    )
+    plain = _calls(cfg(**FIXED))[0]
+    assert "secure-mode" in str(population_error(dataclasses.replace(plain, privacy=secure), model))
+    uncalibrated = dataclasses.replace(
+        plain.privacy,
+        privacy=dataclasses.replace(run.privacy(), target_epsilon=3.0, noise_multiplier=None),
+    )
+    error = population_error(dataclasses.replace(plain, privacy=uncalibrated), model)
+    assert error is not None and error.startswith("target-epsilon")
+
+
+def test_another_noise_stream_is_another_update() -> None:
+    run = cfg(**FIXED)
+    calls = _calls(run)
+    model = process_model(run.model_name, run.seed).model
+    moved = [
+        dataclasses.replace(c, noise=RoundNoise(seeded=True, run_seed=4, partition_id=i))
+        for i, c in enumerate(calls)
+    ]
+    a = population_round(calls, model=model)
+    b = population_round(moved, model=model)
+    for x, y in zip(a, b, strict=True):
+        diff = decode_update(x.reply.update).values - decode_update(y.reply.update).values
+        assert float(diff.abs().max()) > 100 * CLOSE * float(
+            decode_update(x.reply.update).values.abs().max()
+        )
+
+
+def test_a_failing_client_gets_its_error_and_the_others_their_rounds() -> None:
+    run = cfg(**FIXED)
+    calls = _calls(run)
+    model = process_model(run.model_name, run.seed).model
+    broken = dataclasses.replace(
+        calls[1].privacy, privacy=dataclasses.replace(run.privacy(), mechanism="clipped")
+    )  # clipped with sigma 1: the engine's own refusal
+    calls[1] = dataclasses.replace(calls[1], privacy=broken)
+    with pytest.raises(ValueError, match="noise_multiplier=1.0: mechanism='clipped'"):
+        population_round(calls, model=model)
+    settled = population_round_settled(calls, model=model)
+    assert isinstance(settled[1], ValueError)
+    for i in (0, 2):
+        result = settled[i]
+        assert isinstance(result, RoundResult)
+        _assert_same(result, _alone(calls[i]))

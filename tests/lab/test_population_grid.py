@@ -1,0 +1,54 @@
+"""``PopulationGrid`` answers a round's train messages together: each node's reply is what
+``InProcessGrid`` (the ClientApp, one message at a time) gives it, to float32 rounding, and a
+malformed message gets the ClientApp's error reply without touching the others."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from flwr.app import Message
+
+from fedsparse.client.app import app as client_app
+from fedsparse.common.wire.protocol import CONFIG_RECORD
+from fedsparse.lab.simulation.inprocess import InProcessGrid
+from fedsparse.lab.simulation.population import PopulationGrid
+from fedsparse.server.messages import train_message
+from tests.client.node_helpers import cfg, first_task, parse, weights
+
+NODES = (1001, 1002, 1003)
+
+
+def _ask(
+    grid_class: type[InProcessGrid], *, broken: int | None = None
+) -> tuple[list[Message], list[Message]]:
+    """(the round's messages, the replies)."""
+    run = cfg(target_epsilon=0.0, noise_multiplier=1.0, seed=3, schedule="constant")
+    grid = grid_class(
+        client_app, num_nodes=len(NODES), run_config=run.to_run_config(), node_ids=NODES
+    )
+    task = first_task(run, weights(run))
+    messages = [train_message(task, node=node) for node in NODES]
+    if broken is not None:  # the instruction without its batch size
+        del messages[broken].content.config_records[CONFIG_RECORD]["batch-size"]
+    return messages, list(grid.send_and_receive(messages))
+
+
+def test_each_node_gets_the_client_apps_reply_and_a_bad_message_only_its_error() -> None:
+    _, alone = _ask(InProcessGrid)
+    sent, together = _ask(PopulationGrid, broken=1)
+    # one reply per message, in the messages' order
+    assert [m.metadata.reply_to_message_id for m in together] == [
+        m.metadata.message_id for m in sent
+    ]
+    assert together[1].has_error() and "batch-size" in together[1].error.reason
+    for i in (0, 2):
+        (ours, dense), (theirs, reference) = parse(together[i]), parse(alone[i])
+        assert dataclasses.replace(ours, update=b"", train_loss=0.0) == dataclasses.replace(
+            theirs, update=b"", train_loss=0.0
+        )  # every count, epsilon, sigma and keep
+        assert ours.train_loss == pytest.approx(theirs.train_loss, rel=1e-5)
+        assert len(ours.update) == len(theirs.update)
+        scale = float(reference.abs().max())
+        torch.testing.assert_close(dense, reference, rtol=0, atol=1e-4 * scale)
