@@ -21,7 +21,10 @@ per-example path with σ = 0 and no clipping (``mechanism=noisy``), its batches 
 (rate 1/ceil(n/32)) where pfl's are fixed batches of 32, and it encodes each update (fp32) and
 validates it on the server; pfl uses one thread in one process, fedsparse's vectorised step
 every CPU of its process. With N >= 45 every client holds at most 32 examples, so one batch is
-the whole partition in both (full-batch local steps: the same computation).
+the whole partition in both (full-batch local steps: the same computation). pfl's first round
+also evaluates every user before and after training (its iteration 0 is always an evaluation
+iteration); its later rounds do not, as fedsparse never does. The central evaluation on the
+test split runs after every round in both.
 
 Usage: python benchmarks/peer_pfl.py [--clients 100 1000] [--rounds 5] [--repeats 2]
            [--config no-dp|rs-0.9] [--engines population] [--pfl-python .venv-pfl/bin/python]

@@ -125,7 +125,9 @@ def main() -> None:
     FederatedAveraging().run(
         algorithm_params=NNAlgorithmParams(
             central_num_iterations=args.rounds,
-            evaluation_frequency=1,
+            # pfl evaluates every user before and after its training in the iterations this
+            # divides (iteration 0 always): fedsparse does not, so not after round 1
+            evaluation_frequency=args.rounds + 1,
             train_cohort_size=clients,
             val_cohort_size=0,
         ),
@@ -136,7 +138,7 @@ def main() -> None:
             local_learning_rate=args.lr,
             local_batch_size=args.batch_size,
         ),
-        model_eval_params=NNEvalHyperParams(local_batch_size=1024),
+        # no model_eval_params: pfl would evaluate every user before and after training
         callbacks=[evaluation, Accuracy(), clock],
     )
     print(
