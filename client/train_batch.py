@@ -28,8 +28,25 @@ def train_population(batch: Sequence[tuple[Message, Context]]) -> list[Message]:
     Each message is prepared and finished as ``train`` does (the same checks, calibration,
     ledger charge and state); a message whose preparation or finishing raises gets the error
     reply Flower's runtimes give (``error_reply``), the others are unaffected. With secure
-    aggregation every node trains alone (``train``): its masking stages follow.
+    aggregation every node trains alone (``train``): its masking stages follow. A second
+    message to a node already in the batch waits for the first to be finished (its state
+    saved), as the ClientApp would take them one after the other: the node's checks (a round
+    after its last one) and its accountant history see the first.
     """
+    first: list[int] = []
+    later: list[int] = []
+    seen: set[int] = set()
+    for i, (_, context) in enumerate(batch):
+        (later if id(context) in seen else first).append(i)
+        seen.add(id(context))
+    replies = dict(zip(first, _train_once([batch[i] for i in first]), strict=True))
+    if later:
+        replies |= dict(zip(later, train_population([batch[i] for i in later]), strict=True))
+    return [replies[i] for i in range(len(batch))]
+
+
+def _train_once(batch: Sequence[tuple[Message, Context]]) -> list[Message]:
+    """``train_population`` for messages to distinct nodes."""
     threads = torch.get_num_threads()  # prepare_train takes one; the batch the caller's
     replies: list[Message | None] = [None] * len(batch)
     prepared: dict[int, PreparedTrain] = {}
@@ -43,14 +60,15 @@ def train_population(batch: Sequence[tuple[Message, Context]]) -> list[Message]:
             replies[i] = _finish_alone(ready)
         else:
             prepared[i] = ready
-    if prepared:
-        first = next(iter(prepared.values()))
-        torch.set_num_threads(threads)
-        with first.reusable.lock:
+    torch.set_num_threads(threads)
+    models = {id(ready.reusable): ready.reusable for ready in prepared.values()}
+    for key, reusable in models.items():  # one run: one process model
+        group = {i: ready for i, ready in prepared.items() if id(ready.reusable) == key}
+        with reusable.lock:
             results = population_round_settled(
-                [ready.call for ready in prepared.values()], model=first.reusable.model
+                [ready.call for ready in group.values()], model=reusable.model
             )
-        for (i, ready), result in zip(prepared.items(), results, strict=True):
+        for (i, ready), result in zip(group.items(), results, strict=True):
             if isinstance(result, Exception):  # as train: one fixed error, named nothing
                 replies[i] = error_reply(ready.msg, released_error(result, data_read=True))
                 continue

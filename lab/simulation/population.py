@@ -5,7 +5,8 @@ Every message is prepared and finished by the ClientApp's own steps (checks, cal
 ledger, node state, reply) and the rounds in between run in one ``population_round``: the
 clients' DP-SGD steps vectorised across them where ``population_error`` allows, else each
 client's ``client_round``. Other messages (evaluation, secure aggregation's stages) and nodes
-with an override go to the ClientApp one at a time, as ``InProcessGrid`` sends them.
+with an override go to the ClientApp one at a time, as ``InProcessGrid`` sends them, and so
+does every message when the grid was given another ClientApp than fedsparse's.
 
 The rounds equal ``inprocess``'s to float32 rounding, not bit for bit (the vectorised step
 sums in other orders: ``client/population.py``), so a run started on one resumes only on the
@@ -21,7 +22,8 @@ from collections.abc import Iterable
 import torch
 from flwr.app import Message, MessageType
 
-from fedsparse.client.train_batch import train_population
+from fedsparse.client.app import app as fedsparse_app
+from fedsparse.client.train_batch import error_reply, train_population
 from fedsparse.lab.simulation.inprocess import InProcessGrid
 
 __all__ = ["PopulationGrid"]
@@ -32,6 +34,8 @@ class PopulationGrid(InProcessGrid):
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:  # noqa: D102
         ids = list(message_ids)
+        if self._client_app is not fedsparse_app:  # another app: one message at a time
+            return super().pull_messages(ids)
         batched = [
             message_id
             for message_id in ids
@@ -42,16 +46,13 @@ class PopulationGrid(InProcessGrid):
         threads = torch.get_num_threads()
         torch.set_num_threads(len(os.sched_getaffinity(0)))
         try:
-            answered = dict(
-                zip(
-                    batched,
-                    train_population(
-                        [(msg, self._contexts[msg.metadata.dst_node_id]) for msg in messages]
-                    ),
-                    strict=True,
-                )
+            answers = train_population(
+                [(msg, self._contexts[msg.metadata.dst_node_id]) for msg in messages]
             )
+        except Exception as err:  # as InProcessGrid: the runtime's error reply, none lost
+            answers = [error_reply(msg, err) for msg in messages]
         finally:
             torch.set_num_threads(threads)
+        answered = dict(zip(batched, answers, strict=True))
         rest = iter(super().pull_messages([i for i in ids if i not in answered]))
         return [answered[i] if i in answered else next(rest) for i in ids]

@@ -52,3 +52,20 @@ def test_each_node_gets_the_client_apps_reply_and_a_bad_message_only_its_error()
         assert len(ours.update) == len(theirs.update)
         scale = float(reference.abs().max())
         torch.testing.assert_close(dense, reference, rtol=0, atol=1e-4 * scale)
+
+
+def test_a_second_message_to_a_node_in_one_pull_sees_the_first_finished() -> None:
+    """As the ClientApp one message at a time: the node's state after the first round, so
+    its check (a later round than its last) refuses the repeat, and one round is charged."""
+    run = cfg(target_epsilon=0.0, noise_multiplier=1.0, seed=3, schedule="constant")
+    grid = PopulationGrid(
+        client_app, num_nodes=len(NODES), run_config=run.to_run_config(), node_ids=NODES
+    )
+    task = first_task(run, weights(run))
+    messages = [train_message(task, node=NODES[0]) for _ in range(2)]
+    messages.append(train_message(task, node=NODES[1]))
+    first, repeat, other = grid.send_and_receive(messages)
+    assert not first.has_error() and not other.has_error()
+    assert repeat.has_error() and "already trained round 1" in repeat.error.reason
+    reference = _ask(InProcessGrid)[1][0]
+    assert parse(first)[0].epsilon == parse(reference)[0].epsilon  # one round's epsilon
