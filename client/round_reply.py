@@ -19,7 +19,7 @@ from fedsparse.common.dp.mechanisms import is_private
 from fedsparse.common.methods.index_selection import StepSelector
 from fedsparse.common.wire.payload import IndexEncoding, decode_update, encode_update
 from fedsparse.common.wire.protocol import TrainInstruction, TrainReply
-from fedsparse.common.wire.value_formats import explicit_encoding, wire_encoding
+from fedsparse.common.wire.value_formats import explicit_encoding, value_format, wire_encoding
 
 if TYPE_CHECKING:
     from fedsparse.client.local_round import (
@@ -62,7 +62,12 @@ def round_reply(
     delta = local.trained - global_flat
     # int4/int2/int1's rounding: seeded exactly when the DP noise is (simulation), else OS
     # entropy, so that the server cannot predict it (other dtypes never draw from it)
-    rounding = noise.rounding(task.server_round, secure_mode=privacy.secure_mode)
+    # (drawn only for them: a generator costs ~50 µs a client)
+    rounding = (
+        noise.rounding(task.server_round, secure_mode=privacy.secure_mode)
+        if value_format(cfg.value_dtype).lowbit
+        else None
+    )
     support = selector.union if selector is not None else mask  # None: every coordinate
     if residual is not None:  # what the rounding lost in earlier rounds, sent this round
         delta = delta.clone()
@@ -142,7 +147,7 @@ def selected_payload(
     task: TrainInstruction,
     delta: torch.Tensor,
     union: torch.Tensor,
-    rounding: np.random.Generator,
+    rounding: np.random.Generator | None,
 ) -> tuple[bytes, torch.Tensor]:
     """gip / random-k: (the payload, its values): ``delta`` on the union of the
     steps' supports, with that support explicit (``codec``; ``values``/``auto``: the

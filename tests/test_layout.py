@@ -230,6 +230,7 @@ COMMON_CONCEPTS = {"aggregation", "data", "dp", "methods", "models", "training",
 COMMON_SHARED = {
     "atomic",
     "coerce",
+    "finite",  # all_finite: the one-sum check of the hot paths
     "config",
     "config_keys",
     "config_values",  # the run config's value checks that import nothing heavy

@@ -35,6 +35,7 @@ import math
 import torch
 
 from fedsparse.common.aggregation.robust import coordinate_median, trimmed_mean
+from fedsparse.common.finite import all_finite
 from fedsparse.common.names import AGGREGATORS, WEIGHTINGS, AggregatorName, Weighting
 
 __all__ = [
@@ -63,6 +64,10 @@ class SparseAggregator:
         # Updates on one support not yet scattered: (support, summed values, summed weight).
         self._pending: tuple[torch.Tensor, torch.Tensor, float] | None = None
         self._checked: torch.Tensor | None = None  # the last support that passed its checks
+        # Dense updates' summed weight not yet in ``_weights``, kept as a number only while
+        # every update so far was dense (every coordinate then has this weight): the same
+        # float64 additions in the same order, without a model-sized add per update.
+        self._dense_weight: float | None = 0.0
 
     def add(self, values: torch.Tensor, *, support: torch.Tensor | None, weight: float) -> None:
         """Adds one client's values on ``support`` (int64 indices; ``None`` = dense).
@@ -77,16 +82,22 @@ class SparseAggregator:
         _check_update(values, support, self.dense_size, checked=support is self._checked)
         unit = self._unit or weight
         relative = weight / unit
-        v = values.to(torch.float64) * relative
-        if not (math.isfinite(relative) and bool(torch.isfinite(v).all())):
+        v = values.to(torch.float64)
+        if relative != 1.0:  # (x 1.0 is exact: no second model-sized tensor)
+            v = v * relative
+        if not (math.isfinite(relative) and all_finite(v)):
             raise ValueError(f"weight={weight}: overflows relative to the first weight {unit}")
         self._unit = unit
         weight = relative
         if support is None:
             self._flush()
             self._sums += v
-            self._weights += weight
+            if self._dense_weight is not None:
+                self._dense_weight += weight
+            else:
+                self._weights += weight
         else:
+            self._materialize()
             self._checked = support
             pending = self._pending
             if pending is not None and pending[0] is support:
@@ -106,8 +117,16 @@ class SparseAggregator:
             self._weights.index_add_(0, support, torch.full_like(values, weight))
             self._pending = None
 
+    def _materialize(self) -> None:
+        """Writes the dense updates' summed weight into ``_weights`` (still all zero)."""
+        if self._dense_weight is not None:
+            if self._dense_weight:
+                self._weights.fill_(self._dense_weight)
+            self._dense_weight = None
+
     def touched(self) -> torch.Tensor:
         """Boolean mask of coordinates at least one update covered."""
+        self._materialize()
         self._flush()
         return self._weights > 0
 
@@ -148,7 +167,7 @@ def _check_update(
         raise ValueError(f"values has shape {tuple(values.shape)}: expected ({expected},)")
     if support is not None and not checked:
         _check_support(support, dense_size)
-    if not bool(torch.isfinite(values).all()):
+    if not all_finite(values):
         raise ValueError("values: non-finite entries")
 
 

@@ -101,11 +101,14 @@ def partition_indices(
             f"number of examples ({n}), so shards would be empty"
         )
 
-    from datasets import Dataset
-
     rng = np.random.default_rng(seed)
     order = rng.permutation(n)
     partitioner_seed = int(rng.integers(2**32))
+    if partitioner == "iid":  # IidPartitioner's contiguous shards (Dataset.shard), directly
+        return [np.sort(order[rows]) for rows in _contiguous_shards(n, int(num_partitions))]
+
+    from datasets import Dataset
+
     table = Dataset.from_dict({"label": labels[order].tolist(), "index": order.tolist()})
     part = _make_partitioner(
         partitioner,
@@ -119,7 +122,19 @@ def partition_indices(
     part.dataset = table
     try:
         with quiet_known_warnings():  # datasets' Dataset.sort trips a pyarrow deprecation
-            return [
+            first = part.load_partition(0)  # assigns every partition (and sorts for "shard")
+            rows = getattr(part, "_partition_id_to_indices", None)
+            if isinstance(rows, dict) and len(rows) == num_partitions:
+                # the assignment's rows of the partitioner's (possibly sorted) table, mapped
+                # to our indices at once: a Dataset.select per partition costs ~3 ms
+                column = np.asarray(part.dataset["index"], dtype=np.int64)
+                found = [
+                    np.sort(column[np.asarray(rows[pid], dtype=np.int64)])
+                    for pid in range(int(num_partitions))
+                ]
+                if np.array_equal(found[0], np.sort(np.asarray(first["index"], np.int64))):
+                    return found
+            return [  # another flwr-datasets: each partition through its public API
                 np.sort(np.asarray(part.load_partition(pid)["index"], dtype=np.int64))
                 for pid in range(int(num_partitions))
             ]
@@ -128,6 +143,14 @@ def partition_indices(
             f"{partitioner} partitioning of {n} examples into {num_partitions} partitions "
             f"(alpha={alpha}, min_partition_size={min_partition_size}) failed: {e}"
         ) from e
+
+
+def _contiguous_shards(n: int, shards: int) -> list[slice]:
+    """The rows of ``Dataset.shard(shards, i, contiguous=True)`` for every ``i``: sizes differ
+    by at most one, the larger first."""
+    div, mod = divmod(n, shards)
+    starts = [div * i + min(i, mod) for i in range(shards + 1)]
+    return [slice(starts[i], starts[i + 1]) for i in range(shards)]
 
 
 def _make_partitioner(

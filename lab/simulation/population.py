@@ -16,8 +16,10 @@ process may use (``torch.set_num_threads``), the ClientApp's steps on one as els
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from flwr.app import Message, MessageType
@@ -31,6 +33,12 @@ __all__ = ["PopulationGrid"]
 
 class PopulationGrid(InProcessGrid):
     """``InProcessGrid`` (same arguments) answering a pull's train messages in one batch."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # torch.func's first grad imports torch._dynamo (about a second): at start-up, not in
+        # round 1's time
+        importlib.import_module("torch._dynamo")
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:  # noqa: D102
         ids = list(message_ids)

@@ -16,7 +16,7 @@ from fedsparse.client.state import (
 )
 from fedsparse.client.train_message import _node_state
 from fedsparse.common.wire.payload import PayloadError, encode_update
-from fedsparse.common.wire.protocol import STATE_RECORD, ProtocolError
+from fedsparse.common.wire.protocol import STATE_MODEL, STATE_RECORD, ProtocolError
 
 
 def _context() -> Context:
@@ -38,7 +38,50 @@ def test_state_round_trips_through_the_context() -> None:
         "acc-sigma",
         "acc-q",
         "acc-steps",
+        STATE_MODEL,  # float32 little-endian bytes
     ]
+    assert ctx.state.config_records[STATE_RECORD][STATE_MODEL] == model.numpy().tobytes()
+    assert not ctx.state.array_records  # no Array: it would np.save and np.load the copy
+
+
+def test_nodes_holding_equal_models_share_one_stored_copy() -> None:
+    """A simulated population after a dense downlink stores one bytes object, not N."""
+    model = torch.randn(1000)
+    contexts = [_context() for _ in range(3)]
+    for ctx in contexts:
+        NodeState(model.clone(), 2, [(1.0, 0.5, 1)], last_round=2).save(ctx)
+    stored = [ctx.state.config_records[STATE_RECORD][STATE_MODEL] for ctx in contexts]
+    assert stored[0] is stored[1] is stored[2]
+    other = model.clone()
+    other[7] += 1.0
+    NodeState(other, 2, [], last_round=2).save(contexts[2])
+    changed = contexts[2].state.config_records[STATE_RECORD][STATE_MODEL]
+    assert changed is not stored[0] and changed != stored[0]
+    assert torch.equal(NodeState.load(contexts[0], 1000).model, model)
+    assert torch.equal(NodeState.load(contexts[2], 1000).model, other)
+
+
+def test_an_equal_downlink_is_decoded_once_and_never_shared_for_writing() -> None:
+    """The nodes of a process decode a round's payload once; each gets its own model, and a
+    payload for another round or size is decoded (and checked) anew."""
+    from fedsparse.client import state
+
+    held = torch.randn(100)
+    dense = encode_update(held, dense_size=100, round=5)
+    first = apply_downlink(None, -1, dense, base_version=-1, numel=100, server_round=5)
+    cached = state._LAST_DOWNLINK
+    assert cached is not None and cached[0] == dense
+    again = apply_downlink(
+        None, -1, bytes(bytearray(dense)), base_version=-1, numel=100, server_round=5
+    )  # an equal payload in another object
+    assert state._LAST_DOWNLINK is cached  # not decoded again
+    assert torch.equal(first, held) and torch.equal(again, held)
+    first += 1.0  # one node's model is its own
+    assert torch.equal(again, held) and torch.equal(cached[3].values, held)
+    with pytest.raises(PayloadError):  # the cached decoding is for round 5 only
+        apply_downlink(None, -1, dense, base_version=-1, numel=100, server_round=6)
+    with pytest.raises(PayloadError):
+        apply_downlink(None, -1, dense[:-1], base_version=-1, numel=100, server_round=5)
 
 
 def test_a_model_of_another_size_is_dropped_but_the_history_kept() -> None:

@@ -73,7 +73,9 @@ def test_every_node_holds_the_servers_model_after_each_round(
         assert not reply.has_error(), reply.error.reason
         version = context.state.config_records[STATE_RECORD]["version"]
         assert version == task.model_version
-        flat = torch.from_numpy(context.state.array_records[STATE_MODEL]["flat"].numpy().copy())
+        stored = context.state.config_records[STATE_RECORD][STATE_MODEL]  # float32 LE bytes
+        assert isinstance(stored, bytes)
+        flat = torch.frombuffer(bytearray(stored), dtype=torch.float32)
         kind = str(record.get(DOWNLINK_KIND, "values"))
         copies.append((node, task.model_version, kind, gap, flat))
         if kind == "delta":

@@ -13,6 +13,7 @@ from typing import cast
 import numpy as np
 import torch
 
+from fedsparse.common.finite import all_finite
 from fedsparse.common.masks import seeded_support
 from fedsparse.common.wire.payload.compression import unzstd, zstd
 from fedsparse.common.wire.payload.indices import (
@@ -195,7 +196,7 @@ def _value_sections(
         )
     wide = check_values(values)
     narrow = wide.to(torch.float32)
-    if not bool(torch.isfinite(narrow).all()):
+    if not all_finite(narrow):
         raise ValueError(
             f"values: max |v| = {float(wide.abs().max()):.6g} overflows {value_dtype} "
             "(float32 steps)"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from fedsparse.common.finite import all_finite
 from fedsparse.common.wire.payload.schema import PayloadDType, PayloadError, ValueDType, first_bad
 
 __all__ = [
@@ -51,7 +52,7 @@ def values_to_bytes(values: torch.Tensor, value_dtype: ValueDType) -> tuple[byte
     if value_dtype == "int8":
         return quantize_int8(values.to(torch.float32).numpy())
     cast = values.to(_TORCH_DTYPES[value_dtype]).contiguous()
-    if not bool(torch.isfinite(cast).all()):
+    if not all_finite(cast):
         max_abs = float(values.abs().max())
         limit = float(torch.finfo(cast.dtype).max)
         raise ValueError(
@@ -75,9 +76,8 @@ def check_values(values: torch.Tensor) -> torch.Tensor:
             f"values: {getattr(values, 'dtype', '')} {shape}, expected a 1-D float tensor"
         )
     values = values.detach().cpu()
-    finite = torch.isfinite(values)
-    if not bool(finite.all()):
-        bad = (~finite).numpy()
+    if not all_finite(values):
+        bad = (~torch.isfinite(values)).numpy()
         raise ValueError(
             f"values: {int(bad.sum())} non-finite, first at position {first_bad(bad)} "
             f"({float(values[first_bad(bad)])})"

@@ -555,3 +555,36 @@ def test_make_aggregator_picks_the_rule() -> None:
     assert isinstance(median, RobustAggregator) and median.rule == "median"
     trimmed_agg = make_aggregator("trimmed-mean", 3, trim_fraction=0.1)
     assert isinstance(trimmed_agg, RobustAggregator) and trimmed_agg.trim_fraction == 0.1
+
+
+@pytest.mark.parametrize(
+    "kinds", ["ddd", "dds", "ddsd", "sdd", "dsds", "d", "s"]
+)  # d: dense, s: sparse, in arrival order
+def test_the_dense_weights_kept_as_a_number_add_exactly_as_per_coordinate(kinds: str) -> None:
+    """While every update is dense their summed weight is one number, written into the
+    per-coordinate weights at the first sparse update (or the mean): the same float64
+    additions in the same order, so the mean is the per-coordinate computation's bit for bit."""
+    rng = np.random.default_rng(len(kinds) * 7 + kinds.count("s"))
+    d = 50
+    agg = SparseAggregator(d)
+    sums, weights = np.zeros(d), np.zeros(d)
+    unit = 0.0
+    for kind in kinds:
+        weight = float(rng.uniform(0.1, 3.0))  # relative weights that round in float64
+        values = rng.standard_normal(d if kind == "d" else 20).astype(np.float32)
+        support = None if kind == "d" else np.sort(rng.choice(d, 20, replace=False))
+        agg.add(
+            torch.from_numpy(values),
+            support=None if support is None else torch.from_numpy(support),
+            weight=weight,
+        )
+        unit = unit or weight
+        relative = weight / unit
+        where = slice(None) if support is None else support
+        sums[where] += values.astype(np.float64) * relative
+        weights[where] += relative
+    expected = np.zeros(d)
+    touched = weights > 0
+    expected[touched] = sums[touched] / weights[touched]
+    assert np.array_equal(agg.mean_update().numpy(), expected.astype(np.float32))
+    assert np.array_equal(agg.touched().numpy(), touched)

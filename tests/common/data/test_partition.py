@@ -250,3 +250,45 @@ def test_never_imports_flower_or_grpc() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def _through_flwr_datasets(labels: np.ndarray, num_partitions: int, name: str, seed: int) -> list:
+    """Each partition read through the partitioner's public ``load_partition``, as
+    ``partition_indices`` did before it read the assignment at once (and, for iid, before it
+    cut the contiguous shards itself)."""
+    from datasets import Dataset
+
+    from fedsparse.common.data.partition import _make_partitioner
+    from fedsparse.common.known_warnings import quiet_known_warnings
+
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(len(labels))
+    part = _make_partitioner(
+        name,
+        num_partitions=num_partitions,
+        alpha=0.5,
+        shards_per_partition=2,
+        min_partition_size=2,
+        self_balancing=False,
+        seed=int(rng.integers(2**32)),
+    )
+    part.dataset = Dataset.from_dict({"label": labels[order].tolist(), "index": order.tolist()})
+    with quiet_known_warnings():  # datasets' Dataset.sort trips a pyarrow deprecation
+        return [
+            np.sort(np.asarray(part.load_partition(pid)["index"], dtype=np.int64))
+            for pid in range(num_partitions)
+        ]
+
+
+@pytest.mark.parametrize("name", ["iid", "dirichlet", "shard"])
+@pytest.mark.parametrize(("n", "num_partitions", "seed"), [(1000, 10, 0), (997, 13, 3)])
+def test_the_partitions_are_flwr_datasets_own(name: str, n: int, num_partitions: int, seed: int):
+    """The fast paths (iid's shards cut here, the others' assignment read at once) give every
+    partition exactly as flwr-datasets' ``load_partition`` gives it, so recorded runs keep
+    their clients' data."""
+    labels = _labels(n, seed)
+    fast = partition_indices(labels, num_partitions=num_partitions, partitioner=name, seed=seed)
+    slow = _through_flwr_datasets(labels, num_partitions, name, seed)
+    assert len(fast) == len(slow) == num_partitions
+    for mine, theirs in zip(fast, slow, strict=True):
+        assert np.array_equal(mine, theirs)
