@@ -69,8 +69,9 @@ CONFIGS = {
 }
 GIB = 2**30
 #: The backends a run can take (``--engines``): ``population`` and ``inprocess`` run the
-#: clients in the child's process (``PopulationGrid``, ``InProcessGrid``).
-ENGINES = ("ray", "flower", "population", "inprocess")
+#: clients in the child's process (``PopulationGrid``, ``InProcessGrid``); ``ray-population``
+#: is ``ray`` with vectorised workers (``RayWorkers(vectorised=True)``).
+ENGINES = ("ray", "flower", "population", "inprocess", "ray-population")
 
 
 def _memory(pid: int) -> tuple[int, int]:
@@ -126,7 +127,9 @@ def _rounds(out: Path) -> dict[str, Any]:
     }
 
 
-def _child_ray(clients: int, overrides: dict[str, str], cpus: float, out: Path) -> dict[str, Any]:
+def _child_ray(
+    clients: int, overrides: dict[str, str], cpus: float, out: Path, *, vectorised: bool = False
+) -> dict[str, Any]:
     from fedsparse.client.app import app as client_app
     from fedsparse.common.config import FederatedConfig
     from fedsparse.lab.simulation.raygrid import RayGrid
@@ -135,7 +138,10 @@ def _child_ray(clients: int, overrides: dict[str, str], cpus: float, out: Path) 
 
     logging.getLogger("flwr").setLevel(logging.WARNING)  # after flwr set its own level
     cfg = FederatedConfig.from_run_config({**overrides, "out-dir": str(out)})
-    with ray_cluster(), RayWorkers(client_app, cpus_per_client=cpus) as workers:
+    with (
+        ray_cluster(),
+        RayWorkers(client_app, cpus_per_client=cpus, vectorised=vectorised) as workers,
+    ):
         grid = RayGrid(workers, num_nodes=clients, run_config=cfg.to_run_config())
         run_federated(grid, cfg)
         stats = workers.stats()
@@ -196,6 +202,7 @@ def child(args: argparse.Namespace) -> None:
         out = Path(tmp)
         runs = {
             "ray": _child_ray,
+            "ray-population": functools.partial(_child_ray, vectorised=True),
             "flower": _child_flower,
             "inprocess": functools.partial(_child_local, population=False),
             "population": functools.partial(_child_local, population=True),

@@ -133,7 +133,8 @@ class NodeState:
         residual = record.get(_RESIDUAL, b"")
         if not isinstance(residual, bytes):
             raise TypeError(f"{_RESIDUAL}: expected bytes, got {type(residual).__name__}")
-        residual_vector(residual, numel)  # its format, checked (ValueError)
+        if residual:  # its format, checked (ValueError); empty: none (no zeros made)
+            residual_vector(residual, numel)
         raw = record.get(STATE_MODEL, b"")
         if not isinstance(raw, bytes) or len(raw) != 4 * numel or not isinstance(version, int):
             return cls(

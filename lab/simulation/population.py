@@ -6,7 +6,9 @@ ledger, node state, reply) and the rounds in between run in one ``population_rou
 clients' DP-SGD steps vectorised across them where ``population_error`` allows, else each
 client's ``client_round``. Other messages (evaluation, secure aggregation's stages) and nodes
 with an override go to the ClientApp one at a time, as ``InProcessGrid`` sends them, and so
-does every message when the grid was given another ClientApp than fedsparse's.
+does every message when the grid was given another ClientApp than fedsparse's. Ray workers
+answer their share of a round the same way when made with ``vectorised=True``
+(``rayworkers.VirtualClients``: ``batched``, ``train_together``).
 
 The rounds equal ``inprocess``'s to float32 rounding, not bit for bit (the vectorised step
 sums in other orders: ``client/population.py``), so a run started on one resumes only on the
@@ -18,17 +20,46 @@ from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import Iterable
+from collections.abc import Container, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
-from flwr.app import Message, MessageType
+from flwr.app import Context, Message, MessageType
 
 from fedsparse.client.app import app as fedsparse_app
 from fedsparse.client.train_batch import error_reply, train_population
 from fedsparse.lab.simulation.inprocess import InProcessGrid
 
-__all__ = ["PopulationGrid"]
+__all__ = ["PopulationGrid", "batched", "train_together", "warm_up"]
+
+
+def batched(message: Message, overrides: Container[int]) -> bool:
+    """Whether ``message`` is answered in a batch: a train message to a node without an
+    override (others go to the ClientApp one at a time)."""
+    metadata = message.metadata
+    return metadata.message_type == MessageType.TRAIN and metadata.dst_node_id not in overrides
+
+
+def train_together(
+    messages: Sequence[Message], contexts: Mapping[int, Context], *, threads: int | None = None
+) -> list[Message]:
+    """``train_population``'s replies to train messages to nodes of ``contexts`` (a node's
+    second message waits for its first); a failure of the batch itself is every message's
+    error reply (as the runtimes reply when the ClientApp raises), none lost.
+
+    Args:
+        threads: torch's threads for the vectorised step (None: as the process has them;
+            a Ray worker's are its CPUs).
+    """
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        return train_population([(m, contexts[m.metadata.dst_node_id]) for m in messages])
+    except Exception as err:
+        return [error_reply(m, err) for m in messages]
+    finally:
+        torch.set_num_threads(before)
 
 
 class PopulationGrid(InProcessGrid):
@@ -36,31 +67,22 @@ class PopulationGrid(InProcessGrid):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        # torch.func's first grad imports torch._dynamo (about a second): at start-up, not in
-        # round 1's time
-        importlib.import_module("torch._dynamo")
+        warm_up()
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:  # noqa: D102
         ids = list(message_ids)
         if self._client_app is not fedsparse_app:  # another app: one message at a time
             return super().pull_messages(ids)
-        batched = [
-            message_id
-            for message_id in ids
-            if self._pending[message_id].metadata.message_type == MessageType.TRAIN
-            and self._pending[message_id].metadata.dst_node_id not in self._overrides
-        ]
-        messages = [self._pending.pop(message_id) for message_id in batched]
-        threads = torch.get_num_threads()
-        torch.set_num_threads(len(os.sched_getaffinity(0)))
-        try:
-            answers = train_population(
-                [(msg, self._contexts[msg.metadata.dst_node_id]) for msg in messages]
-            )
-        except Exception as err:  # as InProcessGrid: the runtime's error reply, none lost
-            answers = [error_reply(msg, err) for msg in messages]
-        finally:
-            torch.set_num_threads(threads)
-        answered = dict(zip(batched, answers, strict=True))
+        batch = [i for i in ids if batched(self._pending[i], self._overrides)]
+        messages = [self._pending.pop(message_id) for message_id in batch]
+        threads = len(os.sched_getaffinity(0))
+        answers = train_together(messages, self._contexts, threads=threads)
+        answered = dict(zip(batch, answers, strict=True))
         rest = iter(super().pull_messages([i for i in ids if i not in answered]))
         return [answered[i] if i in answered else next(rest) for i in ids]
+
+
+def warm_up() -> None:
+    """Imports what torch.func's first grad imports (``torch._dynamo``, about a second): at
+    start-up, not in round 1's time."""
+    importlib.import_module("torch._dynamo")

@@ -81,6 +81,12 @@ class WorkerStats:
     node_id: str = ""  # the Ray node the worker runs on (hex; "" outside Ray)
 
 
+def _is_fedsparse_app(client_app: object) -> bool:
+    from fedsparse.client.app import app
+
+    return client_app is app
+
+
 def _rss_bytes() -> tuple[int, int]:
     """(resident, peak resident) bytes of this process (Linux ``/proc``; peak from rusage)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -97,8 +103,15 @@ class VirtualClients:
     A plain class (``RayWorkers`` makes it a Ray actor), so it can be tested without Ray.
     """
 
-    def __init__(self, client_app: ClientApp | ClientFn) -> None:
+    def __init__(self, client_app: ClientApp | ClientFn, *, vectorised: bool = False) -> None:
         self._app = client_app
+        # fedsparse's ClientApp only: a batch's train messages answered together
+        # (``lab/simulation/population.py``), the others one at a time
+        self._vectorised = vectorised and _is_fedsparse_app(client_app)
+        if self._vectorised:
+            from fedsparse.lab.simulation.population import warm_up
+
+            warm_up()
         self._contexts: dict[int, Context] = {}
         self._overrides: dict[int, ClientFn] = {}
         self._calls = self._messages = 0
@@ -142,8 +155,18 @@ class VirtualClients:
         """Each message's reply, in order: the ClientApp with its node's ``Context``."""
         self._calls += 1
         self._messages += len(batch)
+        together: dict[int, Message] = {}
+        if self._vectorised:
+            from fedsparse.lab.simulation.population import batched, train_together
+
+            chosen = [k for k, msg in enumerate(batch) if batched(msg, self._overrides)]
+            answers = train_together([batch[k] for k in chosen], self._contexts)
+            together = dict(zip(chosen, answers, strict=True))
         replies = []
-        for msg in batch:
+        for k, msg in enumerate(batch):
+            if k in together:
+                replies.append(together[k])
+                continue
             node = msg.metadata.dst_node_id
             handler = self._overrides.get(node, self._app)
             try:
@@ -237,6 +260,9 @@ class RayWorkers:
         num_workers: default as many as the free CPUs (and GPUs) hold.
         cpus_per_client: Ray CPUs per worker: a worker trains one virtual client at a time.
         gpus_per_client: Ray GPUs per worker, fractional: 0.25 puts four workers on a GPU.
+        vectorised: each worker answers a call's train messages together, the clients'
+            DP-SGD steps vectorised across them (``population`` backend's runner,
+            ``lab/simulation/population.py``), when the ClientApp is fedsparse's.
 
     Raises:
         ValueError: the cluster cannot hold ``num_workers`` (or one) such workers.
@@ -250,6 +276,7 @@ class RayWorkers:
         num_workers: int | None = None,
         cpus_per_client: float = 1.0,
         gpus_per_client: float = 0.0,
+        vectorised: bool = False,
     ) -> None:
         if not ray.is_initialized():
             raise RuntimeError("no Ray cluster in this process: start one with ray_cluster()")
@@ -263,7 +290,7 @@ class RayWorkers:
         if num_workers is not None and not 1 <= num_workers <= fits:
             raise ValueError(f"num_workers={num_workers}: expected 1..{fits} (free resources)")
         self.cpus_per_client, self.gpus_per_client = cpus_per_client, gpus_per_client
-        self._app = client_app
+        self._app, self.vectorised = client_app, vectorised
         self._remote = ray.remote(VirtualClients).options(
             num_cpus=cpus_per_client, num_gpus=gpus_per_client
         )
@@ -280,7 +307,7 @@ class RayWorkers:
             raise
 
     def _start(self) -> Any:
-        return self._remote.remote(self._app)
+        return self._remote.remote(self._app, vectorised=self.vectorised)
 
     def assign(self, index: int, **kwargs: Any) -> Any:
         """``VirtualClients.assign`` on worker ``index``; a dead worker is replaced first.

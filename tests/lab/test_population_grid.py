@@ -69,3 +69,41 @@ def test_a_second_message_to_a_node_in_one_pull_sees_the_first_finished() -> Non
     assert repeat.has_error() and "already trained round 1" in repeat.error.reason
     reference = _ask(InProcessGrid)[1][0]
     assert parse(first)[0].epsilon == parse(reference)[0].epsilon  # one round's epsilon
+
+
+def test_a_vectorised_ray_worker_answers_as_the_population_grid_does() -> None:
+    """``VirtualClients(vectorised=True)`` (a Ray worker's clients, tested without Ray)
+    answers its share of a round together: the ClientApp's replies to float32 rounding, a bad
+    message its own error, and an overridden node through its override."""
+    from fedsparse.client.node_policy import SIMULATION_NODE_POLICY
+    from fedsparse.lab.simulation.rayworkers import VirtualClients
+
+    run = cfg(target_epsilon=0.0, noise_multiplier=1.0, seed=3, schedule="constant")
+    sent, alone = _ask(InProcessGrid)
+    worker = VirtualClients(client_app, vectorised=True)
+    calls: list[int] = []
+
+    def override(msg: Message, context: object) -> Message:
+        calls.append(msg.metadata.dst_node_id)
+        return client_app(msg, context)  # type: ignore[arg-type]
+
+    worker.assign(
+        run_id=1,
+        nodes=[(node, i) for i, node in enumerate(NODES)],
+        num_partitions=len(NODES),
+        node_config=SIMULATION_NODE_POLICY,
+        run_config=run.to_run_config(),
+        overrides={NODES[2]: override},
+    )
+    task = first_task(run, weights(run))
+    messages = [train_message(task, node=node) for node in NODES]
+    del messages[1].content.config_records[CONFIG_RECORD]["batch-size"]
+    replies = worker.handle(messages)
+    assert calls == [NODES[2]]  # the override alone; the others in the batch
+    assert replies[1].has_error() and "batch-size" in replies[1].error.reason
+    for i in (0, 2):
+        (ours, dense), (theirs, reference) = parse(replies[i]), parse(alone[i])
+        assert ours.epsilon == theirs.epsilon and len(ours.update) == len(theirs.update)
+        scale = float(reference.abs().max())
+        torch.testing.assert_close(dense, reference, rtol=0, atol=1e-4 * scale)
+    assert worker.stats().messages == 3
