@@ -6,6 +6,11 @@ NaN or an infinity among its terms is NaN or infinite whatever the order it adds
 infinity plus a finite value stays infinite, opposite infinities give NaN, NaN stays NaN), so
 a finite sum proves every term finite. A non-finite sum of finite terms (an overflow) falls
 back to the element check, so the answer is always exact.
+
+Its time depends on the values (the fallback runs only for a non-finite value or an overflowing
+sum): use it on what is released anyway (an encoded update) or on the server's own data, never
+inside a DP step on private per-sample values, whose handling is branch-free
+(``common/dp/optimizer.py``, "Non-finite per-sample gradients").
 """
 
 from __future__ import annotations
