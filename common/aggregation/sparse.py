@@ -82,7 +82,7 @@ class SparseAggregator:
         _check_update(values, support, self.dense_size, checked=support is self._checked)
         unit = self._unit or weight
         relative = weight / unit
-        v = values.to(torch.float64)
+        v = values.to(torch.float64, copy=True)  # ours: a pending sum adds into it
         if relative != 1.0:  # (x 1.0 is exact: no second model-sized tensor)
             v = v * relative
         if not (math.isfinite(relative) and all_finite(v)):

@@ -79,6 +79,7 @@ class WorkerStats:
     peak_rss_bytes: int  # and at its peak
     gpu_ids: tuple[str, ...]  # the GPUs Ray assigned to the worker
     node_id: str = ""  # the Ray node the worker runs on (hex; "" outside Ray)
+    together: int = 0  # of ``messages``, those answered in a vectorised batch
 
 
 def _is_fedsparse_app(client_app: object) -> bool:
@@ -104,17 +105,19 @@ class VirtualClients:
     """
 
     def __init__(self, client_app: ClientApp | ClientFn, *, vectorised: bool = False) -> None:
+        """``vectorised``: a batch's train messages answered together
+        (``lab/simulation/population.py``), the others one at a time; the caller has checked
+        that ``client_app`` is fedsparse's (``RayWorkers``: on the driver, as Ray hands the
+        worker a copy of the app, which no identity check recognises)."""
         self._app = client_app
-        # fedsparse's ClientApp only: a batch's train messages answered together
-        # (``lab/simulation/population.py``), the others one at a time
-        self._vectorised = vectorised and _is_fedsparse_app(client_app)
-        if self._vectorised:
+        self._vectorised = vectorised
+        if vectorised:
             from fedsparse.lab.simulation.population import warm_up
 
             warm_up()
         self._contexts: dict[int, Context] = {}
         self._overrides: dict[int, ClientFn] = {}
-        self._calls = self._messages = 0
+        self._calls = self._messages = self._together = 0
 
     def assign(
         self,
@@ -148,7 +151,7 @@ class VirtualClients:
             for node, partition in nodes
         }
         self._overrides = dict(overrides)
-        self._calls = self._messages = 0
+        self._calls = self._messages = self._together = 0
         return os.getpid()
 
     def handle(self, batch: Sequence[Message]) -> list[Message]:
@@ -162,6 +165,7 @@ class VirtualClients:
             chosen = [k for k, msg in enumerate(batch) if batched(msg, self._overrides)]
             answers = train_together([batch[k] for k in chosen], self._contexts)
             together = dict(zip(chosen, answers, strict=True))
+            self._together += len(chosen)
         replies = []
         for k, msg in enumerate(batch):
             if k in together:
@@ -195,6 +199,7 @@ class VirtualClients:
             peak_rss_bytes=peak,
             gpu_ids=gpus,
             node_id=node,
+            together=self._together,
         )
 
 
@@ -290,6 +295,11 @@ class RayWorkers:
         if num_workers is not None and not 1 <= num_workers <= fits:
             raise ValueError(f"num_workers={num_workers}: expected 1..{fits} (free resources)")
         self.cpus_per_client, self.gpus_per_client = cpus_per_client, gpus_per_client
+        if vectorised and not _is_fedsparse_app(client_app):
+            raise ValueError(
+                "vectorised=True: only fedsparse's ClientApp (fedsparse.client.app.app) has "
+                "its train step vectorised across clients"
+            )
         self._app, self.vectorised = client_app, vectorised
         self._remote = ray.remote(VirtualClients).options(
             num_cpus=cpus_per_client, num_gpus=gpus_per_client

@@ -30,6 +30,7 @@ from fedsparse.common.wire.run_log import read_rounds
 from fedsparse.lab.cli import app as cli_app
 from fedsparse.lab.launch.simulate import run_simulation
 from fedsparse.lab.simulation.inprocess import InProcessGrid
+from fedsparse.lab.simulation.population import PopulationGrid
 from fedsparse.lab.simulation.raygrid import RayGrid
 from fedsparse.lab.simulation.rayworkers import (
     RayWorkers,
@@ -45,6 +46,11 @@ QUICK = {"dataset": "digits", "min-clients": "2"}
 TIMES = ("wall_seconds", "started_at", "ended_at")
 #: Fields whose Flower framing holds the node and message ids (random in Flower's simulation).
 FRAMING = ("uplink_message_bytes", "downlink_message_bytes")
+
+
+def _echo_app(msg: Message, context: Context) -> Message:
+    """A ClientApp other than fedsparse's (module level: Ray pickles it)."""
+    return Message(msg.content, reply_to=msg)
 
 
 def _faults() -> ModuleType:
@@ -256,6 +262,32 @@ def test_fractional_gpus_put_several_workers_on_one_gpu(workers: RayWorkers) -> 
         RayWorkers(client_app, gpus_per_client=2)
     with pytest.raises(ValueError, match=r"num_workers=3: expected 1\.\.2"):
         RayWorkers(client_app, num_workers=3)
+
+
+def test_vectorised_workers_train_together_as_the_population_grid_does(
+    workers: RayWorkers, tmp_path: Path
+) -> None:
+    """``RayWorkers(vectorised=True)``: each worker answers its train messages in one batch
+    (Ray hands it a copy of the app: the driver checks it is fedsparse's), to float32
+    rounding of the ``population`` backend's run; another app is refused."""
+    sets = {"num-rounds": "2", "final-rate": "0.5"}
+    cfg = _config(tmp_path / "ray", **sets)
+    with RayWorkers(client_app, num_workers=2, vectorised=True) as pool:
+        run_federated(RayGrid(pool, num_nodes=4, run_config=cfg.to_run_config()), cfg)
+        stats = pool.stats()
+    assert [(s.messages, s.together) for s in stats] == [(4, 4), (4, 4)]
+    ref = _config(tmp_path / "population", **sets)
+    grid = PopulationGrid(client_app, num_nodes=4, run_config=ref.to_run_config())
+    run_federated(grid, ref)
+    ours, theirs = _weights(tmp_path / "ray"), _weights(tmp_path / "population")
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-4 * float(theirs.abs().max()))
+    rounds = read_rounds(tmp_path / "ray" / "rounds.jsonl")
+    assert [(r.num_accepted, r.uplink_payload_bytes) for r in rounds] == [
+        (r.num_accepted, r.uplink_payload_bytes)
+        for r in read_rounds(tmp_path / "population" / "rounds.jsonl")
+    ]
+    with pytest.raises(ValueError, match="vectorised=True: only fedsparse's ClientApp"):
+        RayWorkers(_echo_app, num_workers=1, vectorised=True)
 
 
 @pytest.mark.slow

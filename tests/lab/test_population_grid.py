@@ -106,4 +106,4 @@ def test_a_vectorised_ray_worker_answers_as_the_population_grid_does() -> None:
         assert ours.epsilon == theirs.epsilon and len(ours.update) == len(theirs.update)
         scale = float(reference.abs().max())
         torch.testing.assert_close(dense, reference, rtol=0, atol=1e-4 * scale)
-    assert worker.stats().messages == 3
+    assert (worker.stats().messages, worker.stats().together) == (3, 2)

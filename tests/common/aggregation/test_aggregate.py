@@ -588,3 +588,15 @@ def test_the_dense_weights_kept_as_a_number_add_exactly_as_per_coordinate(kinds:
     expected[touched] = sums[touched] / weights[touched]
     assert np.array_equal(agg.mean_update().numpy(), expected.astype(np.float32))
     assert np.array_equal(agg.touched().numpy(), touched)
+
+
+def test_the_callers_float64_values_are_never_added_into() -> None:
+    """At relative weight 1 a float64 update is not multiplied: the aggregator still keeps a
+    copy, as a later update on the same support is added into its pending sum."""
+    agg = SparseAggregator(4)
+    support = torch.tensor([1, 3])
+    first = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    agg.add(first, support=support, weight=1.0)
+    agg.add(torch.tensor([10.0, 20.0], dtype=torch.float64), support=support, weight=1.0)
+    assert first.tolist() == [1.0, 2.0]
+    assert agg.mean_update().tolist() == [0.0, 5.5, 0.0, 11.0]
