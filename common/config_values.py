@@ -85,7 +85,9 @@ NAMED_FIELDS: Final[dict[str, tuple[str, ...]]] = {
 
 #: The value dtypes ``error-feedback`` refuses, and why. The stochastic sign's error is about
 #: ``max |v|`` a value, larger than the values it rounds: fed back, the residual grows by a
-#: constant factor a round (diverging within tens of rounds), while int2's stays about a step.
+#: constant factor a round (diverging within tens of rounds). int2's stays bounded on a fixed
+#: support but grows to several times the values under random sparsification, costing accuracy
+#: (docs/explanation/bandwidth.md, "Error feedback"): allowed, not useful.
 NO_ERROR_FEEDBACK: Final[dict[str, str]] = {
     "fp32": "lossless: no error to feed back",
     "int1": "the stochastic sign's residual grows geometrically when fed back",
