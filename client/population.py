@@ -32,9 +32,16 @@ each client takes its ``(sigma, q)`` once per step, as Opacus's step hook does.
 
 What runs per client: ``client_round`` (``population_error`` says why) for a per-step
 selector (gip, random-k), secure mode (Opacus's OS-entropy generator), a σ not yet calibrated,
-a device other than the CPU, a model ``vmap`` cannot run (``func_support_error``) or no
-examples. The equivalence is tested per method, mechanism and codec against ``client_round``
-(``tests/client/test_population.py``).
+a device other than the CPU or CUDA, a model ``vmap`` cannot run (``func_support_error``) or no
+examples.
+
+On CUDA (``device="cuda"``, or ``"auto"`` where torch finds one) the chunk's weights, data and
+steps are on the device, and each client's noise comes from a CUDA generator seeded from its
+``DP_NOISE`` stream, as ``make_private`` draws it there; the Poisson draws stay on the CPU, as
+Opacus's sampler's do. The trained weights come back to the CPU for ``round_reply``.
+
+The equivalence is tested per method, mechanism and codec against ``client_round``, on the CPU
+and on CUDA (``tests/client/test_population.py``).
 
 "To float32 rounding" holds step by step; over many steps a rounding difference can tip a
 kink of the model (a max-pool choosing between two nearly equal inputs), where the per-sample
@@ -42,11 +49,13 @@ gradient jumps, and the two trajectories part by more (measured once: 2e-3 of th
 scale after 80 noisy steps of batch 6). Any two engines (``common/dp/engines``) share this.
 
 Memory: a step holds ``clients x batch x d`` per-sample gradients of a chunk of clients, the
-chunk sized to ``chunk_bytes``.
+chunk sized to ``chunk_bytes`` (by default ``CHUNK_BYTES`` on the CPU, ``CUDA_CHUNK_BYTES`` on
+a GPU).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import secrets
@@ -79,6 +88,7 @@ from fedsparse.common.training.local import DUMMY_LABEL, pad_to_nominal
 
 __all__ = [
     "CHUNK_BYTES",
+    "CUDA_CHUNK_BYTES",
     "ClientCall",
     "population_error",
     "population_round",
@@ -87,6 +97,9 @@ __all__ = [
 
 #: Bytes of per-sample gradients a chunk of clients may hold in one step (``chunk_bytes``).
 CHUNK_BYTES = 64 * 2**20
+#: The same on a CUDA device: a GPU's memory holds far larger chunks, and a launch per step
+#: is paid per chunk.
+CUDA_CHUNK_BYTES = 4 * 2**30
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -110,8 +123,8 @@ def population_error(call: ClientCall, model: nn.Module) -> str | None:
         return "secure-mode: Opacus's OS-entropy generator draws the batches and the noise"
     if privacy.target_epsilon is not None:
         return "target-epsilon: sigma is calibrated by client_round's make_private"
-    if resolve_device(call.public.cfg.device).type != "cpu":
-        return f"device={call.public.cfg.device!r}: the population step runs on the CPU"
+    if resolve_device(call.public.cfg.device).type not in ("cpu", "cuda"):
+        return f"device={call.public.cfg.device!r}: the population step runs on the CPU or CUDA"
     error = func_support_error(model)
     if error is not None:
         return error
@@ -136,7 +149,7 @@ def population_error(call: ClientCall, model: nn.Module) -> str | None:
 
 
 def population_round(
-    calls: Sequence[ClientCall], *, model: nn.Module, chunk_bytes: int = CHUNK_BYTES
+    calls: Sequence[ClientCall], *, model: nn.Module, chunk_bytes: int | None = None
 ) -> list[RoundResult]:
     """``[client_round(c..., model=model) for c in calls]``, the vectorisable ones at once.
 
@@ -144,7 +157,8 @@ def population_round(
         calls: the clients' rounds (any mix; the order of the results is theirs).
         model: the run's architecture (its weights are not read; ``client_round``, for the
             calls it runs, replaces them).
-        chunk_bytes: the per-sample gradients one step of a chunk of clients may hold.
+        chunk_bytes: the per-sample gradients one step of a chunk of clients may hold (None:
+            ``CHUNK_BYTES`` for a chunk on the CPU, ``CUDA_CHUNK_BYTES`` on a GPU).
 
     Raises:
         Exception: the first call's failure.
@@ -154,7 +168,7 @@ def population_round(
 
 
 def population_round_settled(
-    calls: Sequence[ClientCall], *, model: nn.Module, chunk_bytes: int = CHUNK_BYTES
+    calls: Sequence[ClientCall], *, model: nn.Module, chunk_bytes: int | None = None
 ) -> list[RoundResult | Exception]:
     """``population_round``, with each failing call's exception in its place (a failing
     chunk: each of its calls) and the other calls' results: one client never fails the
@@ -163,7 +177,7 @@ def population_round_settled(
 
 
 def _population(
-    calls: Sequence[ClientCall], *, model: nn.Module, chunk_bytes: int, settle: bool
+    calls: Sequence[ClientCall], *, model: nn.Module, chunk_bytes: int | None, settle: bool
 ) -> list[RoundResult | Exception]:
     return_exceptions = settle
     results: list[RoundResult | Exception | None] = [None] * len(calls)
@@ -230,7 +244,8 @@ class _Client:
     momentum: float
     data_gen: torch.Generator
     noise_gen: torch.Generator
-    mask: torch.Tensor | None  # bool, d
+    mask: torch.Tensor | None  # bool, d (on the CPU, as round_reply takes it)
+    device: torch.device  # where the client's steps run
     initial: torch.Tensor  # the round's global model, flat (d)
     accountant: IAccountant
     noise_multiplier: float
@@ -244,8 +259,10 @@ class _Client:
         task, privacy = call.public.task, call.privacy.privacy
         seed = call.noise.train_seed(task.server_round)
         seed = seed if seed is not None else secrets.randbits(63)
+        device = resolve_device(call.public.cfg.device)
         data_gen = torch.Generator().manual_seed(stream_seed(seed, Stream.POISSON_SAMPLING))
-        noise_gen = torch.Generator().manual_seed(stream_seed(seed, Stream.DP_NOISE))
+        # Noise is drawn where the gradients are (make_private): a CUDA generator on CUDA.
+        noise_gen = torch.Generator(device).manual_seed(stream_seed(seed, Stream.DP_NOISE))
         x, y = call.examples.x, call.examples.y
         if call.privacy.nominal_size is not None:
             x, y = pad_to_nominal(x, y, call.privacy.nominal_size)
@@ -283,6 +300,7 @@ class _Client:
             data_gen=data_gen,
             noise_gen=noise_gen,
             mask=round_mask(call.public, layout.numel, None),
+            device=device,
             initial=call.global_flat,
             accountant=accountant,
             noise_multiplier=sigma,
@@ -300,11 +318,12 @@ class _Client:
     def noise(self, layout: ParamLayout) -> torch.Tensor:
         """The step's masked noise, drawn parameter by parameter as Opacus draws it."""
         parts = [
-            torch.normal(mean=0, std=self.std, size=shape, generator=self.noise_gen).reshape(-1)
+            torch.normal(
+                mean=0, std=self.std, size=shape, generator=self.noise_gen, device=self.device
+            ).reshape(-1)
             for _, _, shape in layout.slices()
         ]
-        noise = torch.cat(parts)
-        return noise if self.mask is None else noise.mul_(self.mask)
+        return torch.cat(parts)
 
     def result(self, call: ClientCall, trained: torch.Tensor) -> RoundResult:
         """``client_round``'s result from the ``trained`` weights (``round_reply``)."""
@@ -338,7 +357,7 @@ class _Client:
         return RoundResult(reply, local.history, call.privacy.index_spent, residual)
 
 
-def _chunks(clients: list[_Client], numel: int, chunk_bytes: int) -> list[list[_Client]]:
+def _chunks(clients: list[_Client], numel: int, chunk_bytes: int | None) -> list[list[_Client]]:
     """The clients in chunks whose per-sample gradients fit ``chunk_bytes`` at about twice
     their expected batch (Poisson batches vary), a chunk's inputs of one shape and dtype."""
     chunks: list[list[_Client]] = []
@@ -346,14 +365,17 @@ def _chunks(clients: list[_Client], numel: int, chunk_bytes: int) -> list[list[_
     used = 0
 
     def kind(client: _Client) -> tuple[object, ...]:
-        return (tuple(client.x.shape[1:]), client.x.dtype, client.y.dtype)
+        return (tuple(client.x.shape[1:]), client.x.dtype, client.y.dtype, str(client.device))
 
     for client in sorted(clients, key=lambda c: str(kind(c))):  # stable: the calls' order
         if current and kind(current[0]) != kind(client):
             chunks.append(current)
             current, used = [], 0
         cost = 2 * max(1, client.expected_batch) * numel * 4
-        if current and used + cost > chunk_bytes:
+        limit = chunk_bytes
+        if limit is None:
+            limit = CUDA_CHUNK_BYTES if client.device.type == "cuda" else CHUNK_BYTES
+        if current and used + cost > limit:
             chunks.append(current)
             current, used = [], 0
         current.append(client)
@@ -365,9 +387,12 @@ def _chunks(clients: list[_Client], numel: int, chunk_bytes: int) -> list[list[_
 
 def _train_chunk(clients: list[_Client], model: nn.Module, layout: ParamLayout) -> torch.Tensor:
     """Every local step of ``clients``, vectorised across them: their trained weights, one row
-    each (``(clients, d)``)."""
+    each (``(clients, d)``, on the CPU)."""
     slices = list(layout.slices())
+    device = clients[0].device  # one per chunk (_chunks)
     sample_shape = clients[0].x.shape[1:]
+    if device.type != "cpu":  # the module's own tensors (not its weights) on the device too
+        model = copy.deepcopy(model).to(device)
 
     def example_loss(
         theta: dict[str, torch.Tensor], xi: torch.Tensor, yi: torch.Tensor
@@ -378,71 +403,95 @@ def _train_chunk(clients: list[_Client], model: nn.Module, layout: ParamLayout) 
         ).sum()
         return loss, loss.detach()
 
+    def column(values: Sequence[float | bool], dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).unsqueeze(1).to(device)
+
     per_client = vmap(vmap(grad(example_loss, has_aux=True), in_dims=(None, 0, 0)))
-    weights = torch.stack([c.initial.detach().to(torch.float32) for c in clients])
+    # every client's examples in one pool (a batch is one gather), their first row's offset
+    pool_x = torch.cat([c.x for c in clients]).to(device)
+    pool_y = torch.cat([c.y for c in clients]).to(device)
+    offsets = torch.tensor([0, *(len(c.x) for c in clients)]).cumsum(0)[:-1].tolist()
+    weights = torch.stack([c.initial.detach().to(torch.float32) for c in clients]).to(device)
+    keep_all = None
+    if any(c.mask is not None for c in clients):
+        ones = torch.ones(layout.numel, dtype=torch.bool)
+        keep_all = torch.stack([c.mask if c.mask is not None else ones for c in clients])
+        keep_all = keep_all.to(device)
+    bound_all = column([c.max_grad_norm for c in clients], torch.float32)
+    clips_all = column([c.clips for c in clients], torch.bool)
+    scale_all = column([float(c.expected_batch) for c in clients], torch.float32)
+    lr_all = column([c.lr for c in clients], torch.float32)
+    momentum_all = column([c.momentum for c in clients], torch.float32)
     velocity = torch.zeros_like(weights) if any(c.momentum for c in clients) else None
     for step in range(max(c.steps for c in clients)):
         rows = [k for k, c in enumerate(clients) if step < c.steps]
         active = [clients[k] for k in rows]
-        index = torch.tensor(rows) if len(rows) < len(clients) else None
+        index = torch.tensor(rows, device=device) if len(rows) < len(clients) else None
+
+        def pick(values: torch.Tensor, index: torch.Tensor | None = index) -> torch.Tensor:
+            return values if index is None else values.index_select(0, index)
+
         for c in active:
             if step % c.steps_per_epoch == 0:  # iter(loader): the DataLoader's base seed
                 torch.empty((), dtype=torch.int64).random_(generator=c.data_gen)
                 c.epoch_loss.append(0.0)
                 c.epoch_examples.append(0)
         chosen = [c.sample() for c in active]
-        width = max(1, max(len(idx) for idx in chosen))
-        xb = torch.zeros((len(active), width, *sample_shape), dtype=active[0].x.dtype)
-        yb = torch.full((len(active), width), DUMMY_LABEL, dtype=active[0].y.dtype)
-        for k, (c, idx) in enumerate(zip(active, chosen, strict=True)):
-            xb[k, : len(idx)] = c.x[idx]
-            yb[k, : len(idx)] = c.y[idx]
-        current = weights if index is None else weights.index_select(0, index)
+        sizes = [len(idx) for idx in chosen]
+        width = max(1, max(sizes))
+        xb = torch.zeros((len(active), width, *sample_shape), dtype=pool_x.dtype, device=device)
+        yb = torch.full((len(active), width), DUMMY_LABEL, dtype=pool_y.dtype, device=device)
+        if sum(sizes):
+            source = torch.cat([idx + offsets[k] for k, idx in zip(rows, chosen, strict=True)])
+            row = torch.repeat_interleave(torch.arange(len(active)), torch.tensor(sizes))
+            col = torch.cat([torch.arange(n) for n in sizes])
+            source, row, col = source.to(device), row.to(device), col.to(device)
+            xb[row, col] = pool_x[source]
+            yb[row, col] = pool_y[source]
+        current = pick(weights)
         theta = {name: current[:, part].view(len(active), *shape) for name, part, shape in slices}
         grads, losses = per_client(theta, xb, yb)
         per_sample = torch.cat(
             [grads[name].reshape(len(active), width, -1) for name, _, _ in slices], dim=2
         )
         del grads, theta, current
-        masks = [c.mask for c in active]
-        if any(m is not None for m in masks):
-            keep = torch.stack(
-                [m if m is not None else torch.ones(layout.numel, dtype=torch.bool) for m in masks]
-            )
+        keep = None if keep_all is None else pick(keep_all)
+        if keep is not None:
             # a select, not a product: an inf off the mask must not become a NaN on it (the
             # optimizer takes the kept coordinates, ``index_select``)
             per_sample.masked_fill_(~keep.unsqueeze(1), 0.0)
         norms = per_sample.norm(2, dim=2)
-        bound = torch.tensor([c.max_grad_norm for c in active]).unsqueeze(1)
-        clipped = (bound / (norms + 1e-6)).clamp(max=1.0)
-        clips = torch.tensor([c.clips for c in active]).unsqueeze(1)
-        factor = torch.where(clips, clipped, torch.ones_like(clipped))
+        clipped = (pick(bound_all) / (norms + 1e-6)).clamp(max=1.0)
+        factor = torch.where(pick(clips_all), clipped, torch.ones_like(clipped))
         factor = torch.where(torch.isfinite(norms), factor, 0.0)
         per_sample = zero_non_finite(per_sample, in_place=True)
         step_grad = torch.bmm(factor.unsqueeze(1), per_sample).squeeze(1)
         del per_sample
-        for k, c in enumerate(active):
-            if c.std != 0:
-                step_grad[k] += c.noise(layout)
-        step_grad /= torch.tensor([float(c.expected_batch) for c in active]).unsqueeze(1)
+        noisy = [k for k, c in enumerate(active) if c.std != 0]
+        if noisy:
+            noise = torch.stack([active[k].noise(layout) for k in noisy])
+            if keep is not None:
+                noise.mul_(keep[noisy] if len(noisy) < len(active) else keep)
+            if len(noisy) == len(active):
+                step_grad += noise
+            else:
+                step_grad.index_add_(0, torch.tensor(noisy, device=device), noise)
+        step_grad /= pick(scale_all)
         if velocity is not None:  # torch's SGD: the first step's buffer is the gradient
-            momentum = torch.tensor([c.momentum for c in active]).unsqueeze(1)
             if step > 0:
-                old = velocity if index is None else velocity.index_select(0, index)
-                step_grad = old.mul_(momentum).add_(step_grad)
+                step_grad = pick(velocity).mul_(pick(momentum_all)).add_(step_grad)
             if index is None:
                 velocity.copy_(step_grad)
             else:
                 velocity.index_copy_(0, index, step_grad)
-        lr = torch.tensor([c.lr for c in active]).unsqueeze(1)
         if index is None:
-            weights.sub_(lr * step_grad)
+            weights.sub_(lr_all * step_grad)
         else:
-            weights.index_add_(0, index, lr * step_grad, alpha=-1)
+            weights.index_add_(0, index, pick(lr_all) * step_grad, alpha=-1)
         real = (yb != DUMMY_LABEL).sum(dim=1).tolist()
         loss_sums = losses.sum(dim=1).tolist()
         for k, c in enumerate(active):
-            if len(chosen[k]):
+            if sizes[k]:
                 c.epoch_loss[-1] += loss_sums[k]
                 c.epoch_examples[-1] += int(real[k])
-    return weights
+    return weights.cpu()

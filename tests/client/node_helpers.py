@@ -7,9 +7,7 @@ from flwr.app import Message
 
 from fedsparse.client.app import app as client_app
 from fedsparse.common.config import FederatedConfig
-from fedsparse.common.layout import ParamLayout
 from fedsparse.common.masks import keep_count
-from fedsparse.common.models.classifiers import build_model
 from fedsparse.common.wire.payload import decode_update, encode_update
 from fedsparse.common.wire.protocol import (
     CONFIG_RECORD,
@@ -20,45 +18,15 @@ from fedsparse.common.wire.protocol import (
 )
 from fedsparse.lab.simulation.inprocess import InProcessGrid
 from fedsparse.server.messages import train_message
+from tests.client.round_helpers import RATE, cfg, first_task, weights
 
 __all__ = ["DEPLOYED", "NODE", "RATE", "ask", "cfg", "first_task", "grid", "parse", "weights"]
 
 NODE = 1001
-RATE = 0.5
 #: A deployed node's defaults (fresh noise), without a ledger, holding the data the tests'
 #: run configs name (digits, one partition, seed 0: the same examples as local_data(cfg, 0, 1)),
 #: declaring their count as its nominal size (the numbers a simulated node computes).
 DEPLOYED = {"ledger-dir": "", "dataset": "digits", "nominal-size": 1437}
-
-
-def cfg(**kwargs) -> FederatedConfig:
-    """The tests' run config: 3 rounds at final rate ``RATE``, then ``kwargs``."""
-    return FederatedConfig(**{"num_rounds": 3, "final_rate": RATE, **kwargs})
-
-
-def weights(cfg: FederatedConfig, shift: float = 0.0) -> torch.Tensor:
-    """The run's initial model, flat, plus ``shift``."""
-    model = build_model(cfg.model_name, seed=cfg.seed)
-    return ParamLayout.from_module(model).flatten_module(model) + shift
-
-
-def first_task(run: FederatedConfig, flat: torch.Tensor) -> TrainInstruction:
-    """Round 1's instruction, as the server sends it (constant schedule: keep at final-rate)."""
-    d = flat.numel()
-    return TrainInstruction(
-        server_round=1,
-        num_rounds=run.num_rounds,
-        mask_seed=round_seed(run.seed, 1),
-        keep=keep_count(d, rate=run.final_rate),
-        mask_scope=run.mask_scope,
-        local_epochs=run.local_epochs,
-        batch_size=run.batch_size,
-        lr=run.lr,
-        momentum=run.momentum,
-        base_version=-1,
-        model_version=0,
-        model=encode_update(flat, dense_size=d, round=1),
-    )
 
 
 def ask(grid: InProcessGrid, cfg: FederatedConfig, weights: torch.Tensor, rnd: int = 1):
