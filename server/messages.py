@@ -22,6 +22,7 @@ is the serialized one byte for byte (``tests/server/test_message_bytes.py``).
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from flwr.app import ConfigRecord, Message, MessageType, MetricRecord, RecordDict
@@ -37,7 +38,13 @@ from fedsparse.common.wire.protocol import (
     TrainInstruction,
 )
 
-__all__ = ["framed_bytes", "message_bytes", "serialized_bytes", "train_message"]
+__all__ = [
+    "framed_bytes",
+    "message_bytes",
+    "serialized_bytes",
+    "train_message",
+    "train_messages",
+]
 
 _ID_LEN = 64  # an object id: the SHA-256 hex digest of the deflated object
 _INT64_MAX = 2**63 - 1
@@ -56,17 +63,22 @@ def serialized_bytes(message: Message) -> int:
     return sum(len(obj.deflate()) for obj in get_all_nested_objects(message).values())
 
 
-def message_bytes(message: Message) -> int:
-    """``serialized_bytes(message)``, computed from its parts where ``framed_bytes`` can."""
-    size = framed_bytes(message)
+def message_bytes(message: Message, *, sizes: dict[int, int | None] | None = None) -> int:
+    """``serialized_bytes(message)``, computed from its parts where ``framed_bytes`` can.
+
+    ``sizes``: a memo of record body sizes by ``id(record)``, for messages that share records
+    the caller keeps alive and unchanged while it uses the memo (``train_messages``).
+    """
+    size = framed_bytes(message, sizes=sizes)
     return serialized_bytes(message) if size is None else size
 
 
-def framed_bytes(message: Message) -> int | None:
+def framed_bytes(message: Message, *, sizes: dict[int, int | None] | None = None) -> int | None:
     """``serialized_bytes(message)`` without serializing the payload; None: not covered.
 
     Covered: a message without content, or whose content holds scalar ``ConfigRecord``s and
-    ``MetricRecord``s, at most one of each class (see the module docstring).
+    ``MetricRecord``s, at most one of each class (see the module docstring). ``sizes``: as
+    ``message_bytes``'s.
     """
     name, body = type(message).__qualname__, _message_body_bytes(message)
     if not message.has_content():
@@ -79,7 +91,12 @@ def framed_bytes(message: Message) -> int | None:
     refs = json.dumps({key: "0" * _ID_LEN for key in content})
     total += _object_bytes(type(content).__qualname__, len(records), len(refs.encode("utf-8")))
     for record in records:
-        size = _record_body_bytes(record)
+        if sizes is None:
+            size = _record_body_bytes(record)
+        else:
+            if id(record) not in sizes:
+                sizes[id(record)] = _record_body_bytes(record)
+            size = sizes[id(record)]
         if size is None:
             return None
         total += _object_bytes(type(record).__qualname__, 0, size)
@@ -159,6 +176,40 @@ def train_message(
     A resumed run adds ``resumed-from``, the round of the checkpoint it continues: the rounds
     a simulated node may restore its state from (``client/state.py``).
     """
+    record = _train_record(instruction, resumed_from, support, downlink_kind)
+    return _addressed(record, node, instruction.server_round)
+
+
+def train_messages(
+    instructions: Sequence[tuple[int, TrainInstruction, str]],
+    *,
+    resumed_from: int = 0,
+    support: bytes = b"",
+) -> tuple[list[Message], list[int]]:
+    """``train_message`` for each ``(node, instruction, downlink_kind)``, and each message's
+    ``message_bytes``: equal instructions (a round's broadcast) share one validated record.
+
+    The messages are those ``train_message`` builds, but that nodes given equal instructions
+    hold the same ``ConfigRecord`` (read, never changed, by the ClientApp); building and
+    validating it once per distinct instruction is what a round of N clients saves.
+    """
+    records: dict[tuple[TrainInstruction, str], ConfigRecord] = {}
+    sizes: dict[int, int | None] = {}
+    messages, counts = [], []
+    for node, instruction, kind in instructions:
+        record = records.get((instruction, kind))
+        if record is None:
+            record = _train_record(instruction, resumed_from, support, kind)
+            records[instruction, kind] = record
+        message = _addressed(record, node, instruction.server_round)
+        messages.append(message)
+        counts.append(message_bytes(message, sizes=sizes))
+    return messages, counts
+
+
+def _train_record(
+    instruction: TrainInstruction, resumed_from: int, support: bytes, downlink_kind: str
+) -> ConfigRecord:
     record = instruction.to_record()
     if resumed_from:
         record[RESUMED_FROM] = resumed_from
@@ -166,9 +217,13 @@ def train_message(
         record[SERVER_SUPPORT] = support
     if downlink_kind != "values":  # a lossy downlink-dtype's change (server/downlink.py)
         record[DOWNLINK_KIND] = downlink_kind
+    return ConfigRecord(record)
+
+
+def _addressed(record: ConfigRecord, node: int, server_round: int) -> Message:
     return Message(
-        content=RecordDict({CONFIG_RECORD: ConfigRecord(record)}),
+        content=RecordDict({CONFIG_RECORD: record}),
         dst_node_id=node,
         message_type=MessageType.TRAIN,
-        group_id=str(instruction.server_round),
+        group_id=str(server_round),
     )

@@ -64,7 +64,7 @@ from fedsparse.common.seeds import Stream, stream_seed
 from fedsparse.common.wire.payload.indices import indices_to_bytes
 from fedsparse.common.wire.protocol import TrainInstruction, round_seed
 from fedsparse.server.downlink import DownlinkCache
-from fedsparse.server.messages import message_bytes, train_message
+from fedsparse.server.messages import train_messages
 from fedsparse.server.norm_bound import bound_norms, derived_bound, train_split_size
 from fedsparse.server.round_stats import FederationFailed, RoundStats
 from fedsparse.server.round_updates import (
@@ -353,10 +353,10 @@ class SparseFedAvg(Strategy):
         )
         self.last_round = stats
         version = server_round - 1
-        messages = []
         payloads = self.downlink.payloads(
             stats.selected, weights, version=version, server_round=server_round
         )
+        addressed = []
         for node in stats.selected:
             payload, base = payloads[node]
             instruction = TrainInstruction(
@@ -373,16 +373,12 @@ class SparseFedAvg(Strategy):
                 model_version=version,
                 model=payload,
             )
-            message = train_message(
-                instruction,
-                node=node,
-                resumed_from=self.resumed_from,
-                support=support_bytes,
-                downlink_kind=self.downlink.kind(base, version),
-            )
-            messages.append(message)
+            addressed.append((node, instruction, self.downlink.kind(base, version)))
             stats.downlink_payload_bytes += len(payload) + len(support_bytes)
-            stats.downlink_message_bytes += message_bytes(message)
+        messages, sizes = train_messages(
+            addressed, resumed_from=self.resumed_from, support=support_bytes
+        )
+        stats.downlink_message_bytes += sum(sizes)
         return messages
 
     def aggregate_train(

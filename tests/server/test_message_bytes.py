@@ -12,6 +12,7 @@ from fedsparse.client.app import app as client_app
 from fedsparse.common.config import FederatedConfig
 from fedsparse.common.layout import ParamLayout
 from fedsparse.common.models.classifiers import build_model
+from fedsparse.common.wire.protocol import CONFIG_RECORD, TrainInstruction
 from fedsparse.lab.simulation.inprocess import InProcessGrid
 from fedsparse.server import messages
 from fedsparse.server.messages import framed_bytes, message_bytes, serialized_bytes
@@ -28,6 +29,8 @@ def _round_messages(grid: InProcessGrid, cfg: FederatedConfig, d: int, w0: torch
     for server_round in range(1, cfg.num_rounds + 1):
         sent = list(strategy.configure_train(server_round, arrays, ConfigRecord(), grid))
         sizes = [framed_bytes(m) for m in sent]
+        # the round's count, from records the messages share: each message's own size
+        assert strategy.last_round.downlink_message_bytes == sum(serialized_bytes(m) for m in sent)
         seen += sent
         replies = list(grid.send_and_receive(sent))
         assert [framed_bytes(m) for m in sent] == sizes  # ids stamped: same size
@@ -100,6 +103,29 @@ def test_computed_bytes_equal_serialized_for_the_real_client_app(tmp_path) -> No
     superlink = Message(Error(code=2, reason="node 1001 went away"), reply_to=seen[0])
     superlink.metadata.__dict__["_src_node_id"] = SUPERLINK_NODE_ID
     _check([*seen, superlink])
+
+
+def test_train_messages_are_train_message_s_sharing_a_record_per_instruction() -> None:
+    base = dict(
+        num_rounds=3, mask_seed=5, keep=9, mask_scope="round", local_epochs=1, batch_size=8,
+        lr=0.1, momentum=0.0, base_version=-1, model_version=0,
+    )  # fmt: skip
+    same = TrainInstruction(server_round=1, model=b"\x01" * 40, **base)  # type: ignore[arg-type]
+    other = TrainInstruction(server_round=1, model=b"\x02" * 41, **base)  # type: ignore[arg-type]
+    plan = [(3, same, "values"), (2**40, same, "values"), (9, other, "values"), (4, same, "d")]
+    got, sizes = messages.train_messages(plan, resumed_from=2, support=b"\xff")
+    for message, size, (node, instruction, kind) in zip(got, sizes, plan, strict=True):
+        alone = messages.train_message(
+            instruction, node=node, resumed_from=2, support=b"\xff", downlink_kind=kind
+        )
+        assert message.metadata.dst_node_id == node
+        assert dict(message.content.config_records[CONFIG_RECORD]) == dict(
+            alone.content.config_records[CONFIG_RECORD]
+        )
+        assert size == serialized_bytes(message) == serialized_bytes(alone)
+    records = [m.content.config_records[CONFIG_RECORD] for m in got]
+    assert records[0] is records[1]  # one record per (instruction, downlink kind)
+    assert len({id(r) for r in records}) == 3
 
 
 def _message(**records) -> Message:  # type: ignore[no-untyped-def]
