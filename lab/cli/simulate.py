@@ -31,7 +31,7 @@ from fedsparse.lab.launch.backends import BACKEND_ALIASES, BACKEND_HELP, BACKEND
 
 #: ``--ray-address``'s help (``fedsparse simulate`` and ``fedsparse sweep``).
 RAY_ADDRESS_HELP = (
-    "--backend ray: run on an existing Ray cluster, auto or HOST:PORT (its head; "
+    "--backend ray or ray-population: run on an existing Ray cluster, auto or HOST:PORT (its head; "
     "default $FEDSPARSE_RAY_ADDRESS, else a local Ray of the run's own)"
 )
 
@@ -73,6 +73,9 @@ def simulate(
     Ray of its own, never one that an earlier `ray start` left behind.
     --backend inprocess runs the clients in this process (quick looks); --backend deploy on
     a loopback deployment (TLS, authenticated SuperNodes; no --resume, no GPUs).
+    --backend population trains each round's clients together in this process (their DP-SGD
+    steps vectorised, client/population.py; equal to the others to float32 rounding), and
+    --backend ray-population does so on each Ray worker for its share of the clients.
 
     An OUT that holds a run (finished or not) is refused: --resume continues it, --overwrite
     replaces it (the old run's files, logs included, are removed first). With --resume, a

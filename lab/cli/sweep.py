@@ -43,7 +43,7 @@ def sweep(
     timeout: Annotated[float, Opt(help="seconds per simulation run")] = 3600.0,
     cpus_per_client: Annotated[float, Opt(help="Ray CPUs per virtual client")] = 1.0,
     gpus_per_client: Annotated[
-        float, Opt(help="Ray GPUs per virtual client (flower, ray), e.g. 0.25")
+        float, Opt(help="Ray GPUs per virtual client (flower, ray, ray-population), e.g. 0.25")
     ] = 0.0,
     runs_dir: Annotated[Path | None, Opt(help="per-run directories (default OUT/runs)")] = None,
     uplink_rate: Annotated[
@@ -76,7 +76,8 @@ def sweep(
     arm with the first, best vs best, with 95% intervals (lab/experiments/tuning.py).
 
     --backend ray runs every run on one local Ray cluster and one set of workers
-    (lab/simulation/raygrid.py), one run at a time (--jobs 1): each run uses every worker.
+    (lab/simulation/raygrid.py), one run at a time (--jobs 1): each run uses every worker;
+    --backend ray-population alike, each worker's share of a round trained vectorised.
     A runs-dir that holds runs is refused unless --resume (finished runs with the same config,
     clients and backend are reused; a finished run of another config is refused by name, not
     rerun over) or --overwrite (start over). Failed runs are recorded and the sweep goes on

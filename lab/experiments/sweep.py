@@ -225,7 +225,8 @@ def check_jobs(settings: RunSettings, jobs: int) -> None:
         raise ValueError(f"jobs={jobs}: expected >= 1")
     if jobs > 1 and traits(settings.backend).cluster:
         raise ValueError(
-            f"jobs={jobs}: expected 1 with backend='ray' (each run trains on every Ray worker)"
+            f"jobs={jobs}: expected 1 with backend={settings.backend!r} (each run trains on "
+            "every Ray worker)"
         )
 
 

@@ -10,6 +10,8 @@
 - ``ray``: ``run_federated`` on ``RayGrid`` (``lab/simulation/raygrid.py``): one local Ray
   cluster and one set of workers, each holding many virtual clients, serve every run inside a
   ``ray_session`` (a sweep's), one run at a time (each run uses every worker);
+- ``ray-population``: the same with each worker training its share of a round vectorised
+  (``RayWorkers(vectorised=True)``);
 - ``deploy``: a loopback deployment (``run_deployment``: TLS, authenticated SuperNodes),
   optionally on shaped links (``uplink_bps``/``downlink_bps``).
 """
@@ -63,7 +65,8 @@ class RunSettings:
                 )
         if self.ray_address and not traits(self.backend).cluster:
             raise ValueError(
-                f"ray-address {self.ray_address}: a cluster address needs --backend ray "
+                f"ray-address {self.ray_address}: a cluster address needs --backend ray or "
+                f"ray-population "
                 f"(backend={self.backend!r})"
             )
         if self.clients < 1:
@@ -74,7 +77,8 @@ class RunSettings:
             raise ValueError(f"gpus_per_client={self.gpus_per_client}: expected >= 0")
         if self.gpus_per_client > 0 and not traits(self.backend).gpus:
             raise ValueError(
-                f"gpus-per-client: GPUs need --backend flower or ray (backend={self.backend!r})"
+                f"gpus-per-client: GPUs need --backend flower, ray or ray-population "
+                f"(backend={self.backend!r})"
             )
         if not self.timeout > 0:
             raise ValueError(f"timeout={self.timeout}: expected > 0")
@@ -120,6 +124,7 @@ class _RaySession:
                     client_app,
                     cpus_per_client=self.settings.cpus_per_client,
                     gpus_per_client=self.settings.gpus_per_client,
+                    vectorised=traits(self.settings.backend).vectorised,
                 )
             )
         return self.workers
@@ -202,6 +207,7 @@ def run_backend(overrides: Mapping[str, str], out: Path, settings: RunSettings) 
         "flower": _run_flower,
         "deploy": _run_deployment,
         "ray": _run_ray,
+        "ray-population": _run_ray,
         "population": _run_inprocess,
     }
     return runners[settings.backend](overrides, out, settings)

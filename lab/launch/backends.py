@@ -2,12 +2,14 @@
 
 ``fedsparse simulate`` and ``fedsparse sweep`` both take ``--backend`` from ``BACKENDS``:
 ``flower`` (Flower's simulation engine), ``inprocess`` (``InProcessGrid``: the clients in the
-server's process), ``deploy`` (a loopback deployment of a SuperLink and SuperNodes) and ``ray``
-(``RayGrid``: many virtual clients per Ray worker) and ``population`` (``PopulationGrid``: the
+server's process), ``deploy`` (a loopback deployment of a SuperLink and SuperNodes), ``ray``
+(``RayGrid``: many virtual clients per Ray worker), ``population`` (``PopulationGrid``: the
 clients in the server's process, each round's training vectorised across them,
-``client/population.py``). Older spellings stay accepted through
-``BACKEND_ALIASES`` (``simulation``: the sweep's old name of Flower's engine). Nothing to
-import here but the names, so the command line's help reads them at no cost.
+``client/population.py``) and ``ray-population`` (``RayGrid`` whose workers each train their
+share of a round vectorised, as ``population`` does: ``RayWorkers(vectorised=True)``). Older
+spellings stay accepted through ``BACKEND_ALIASES`` (``simulation``: the sweep's old name of
+Flower's engine). Nothing to import here but the names, so the command line's help reads them
+at no cost.
 """
 
 from __future__ import annotations
@@ -29,14 +31,22 @@ __all__ = [
 ]
 
 #: Where the clients of a run live (see this module's docstring).
-Backend = Literal["flower", "inprocess", "deploy", "ray", "population"]
-BACKENDS: tuple[Backend, ...] = ("flower", "inprocess", "deploy", "ray", "population")
+Backend = Literal["flower", "inprocess", "deploy", "ray", "population", "ray-population"]
+BACKENDS: tuple[Backend, ...] = (
+    "flower",
+    "inprocess",
+    "deploy",
+    "ray",
+    "population",
+    "ray-population",
+)
 #: Older names of backends, accepted wherever a backend is named.
 BACKEND_ALIASES: dict[str, Backend] = {"simulation": "flower"}
 #: The backends as the commands' ``--backend`` help names them.
 BACKEND_HELP = (
     "flower (alias simulation): Flower's engine | inprocess | deploy | ray | population "
-    "(in process, training vectorised across clients)"
+    "(in process, training vectorised across clients) | ray-population (vectorised on each "
+    "Ray worker)"
 )
 
 
@@ -58,7 +68,8 @@ class BackendTraits:
         in_process: the clients live in the caller's process (a sweep gives each job its own
             process: Flower and torch keep process globals).
         vectorised: a round's train messages are answered together, the clients' DP-SGD
-            steps vectorised across them (``PopulationGrid``).
+            steps vectorised across them (``PopulationGrid``, or each Ray worker's share:
+            ``RayWorkers(vectorised=True)``).
     """
 
     deployed: bool = False
@@ -76,6 +87,7 @@ BACKEND_TRAITS: dict[Backend, BackendTraits] = {
     "deploy": BackendTraits(deployed=True, shaped_links=True),
     "ray": BackendTraits(cluster=True, gpus=True),
     "population": BackendTraits(in_process=True, vectorised=True),
+    "ray-population": BackendTraits(cluster=True, gpus=True, vectorised=True),
 }
 #: The backend ``fedsparse simulate`` runs without ``--backend``.
 DEFAULT_BACKEND: Backend = "flower"

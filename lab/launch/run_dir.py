@@ -91,6 +91,7 @@ RESULT_FAMILIES: Final[Mapping[str, str]] = {
     "deploy": "deployment",
     # float32-close to the simulation family, not bit for bit (client/population.py)
     "population": "population",
+    "ray-population": "population",  # the same vectorised step, on Ray workers
 }
 
 

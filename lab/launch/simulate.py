@@ -218,10 +218,15 @@ def _simulate(
         raise ValueError(f"clients={clients}: expected >= 1")
     if not (math.isfinite(gpus_per_client) and gpus_per_client >= 0):
         raise ValueError(f"gpus_per_client={gpus_per_client}: expected a finite value >= 0")
-    if gpus_per_client > 0 and backend not in ("flower", "ray"):
-        raise ValueError(f"gpus_per_client: GPUs need backend flower or ray (backend={backend!r})")
-    if ray_address and backend != "ray":
-        raise ValueError(f"ray_address={ray_address}: a cluster address needs backend ray")
+    if gpus_per_client > 0 and not traits(backend).gpus:
+        raise ValueError(
+            f"gpus_per_client: GPUs need backend flower, ray or ray-population "
+            f"(backend={backend!r})"
+        )
+    if ray_address and not traits(backend).cluster:
+        raise ValueError(
+            f"ray_address={ray_address}: a cluster address needs backend ray or ray-population"
+        )
     if resume and backend == "deploy":
         raise ValueError(
             "resume: a deployment does not resume; use backend flower, ray or inprocess"
@@ -280,7 +285,7 @@ def _simulate(
         with _live(live_rounds, console):
             live_rounds.set_status(f"waiting for round 1 ({clients} clients in this process)...")
             return _run_in_process(run, clients=clients, state_dir=state_dir, backend=backend)
-    if backend == "ray":
+    if traits(backend).cluster:
         with _live(live_rounds, console):
             return _run_on_ray(
                 run,
@@ -291,6 +296,7 @@ def _simulate(
                 state_dir=state_dir,
                 status=live_rounds.set_status,
                 ray_address=ray_address,
+                vectorised=traits(backend).vectorised,
             )
     link = connect(run, name="sim")
     superlink = superlink_args(
@@ -368,8 +374,10 @@ def _run_on_ray(
     state_dir: Path,
     status: Callable[[str], None],
     ray_address: str | None = None,
+    vectorised: bool = False,
 ) -> RunSummary:
-    """``run`` on ``RayGrid``: the ServerApp loop here, the clients on Ray workers.
+    """``run`` on ``RayGrid``: the ServerApp loop here, the clients on Ray workers
+    (``vectorised``: each worker trains its share of a round at once, ``ray-population``).
 
     The virtual clients keep their state files in ``state_dir`` as Flower's simulated nodes
     do, so ``resume`` continues a ray run as it continues a Flower one. ``status`` is told
@@ -392,7 +400,10 @@ def _run_on_ray(
             flower_logs_in_this_process(),
             ray_cluster(address=ray_address),
             RayWorkers(
-                client_app, cpus_per_client=cpus_per_client, gpus_per_client=gpus_per_client
+                client_app,
+                cpus_per_client=cpus_per_client,
+                gpus_per_client=gpus_per_client,
+                vectorised=vectorised,
             ) as workers,
         ):
             grid = RayGrid(

@@ -2,9 +2,11 @@
 
 The same run as ``fedsparse simulate`` (``lab/launch/simulate.py:run_simulation``), on any of
 its backends (``lab/launch/backends.py``): ``inprocess`` (the default here: the clients in this
-process, ``InProcessGrid``), ``ray`` (``RayGrid``), ``flower`` (Flower's simulation engine) or
-``deploy`` (a loopback deployment). It writes what the command writes (``rounds.jsonl``,
-``summary.json``, ``checkpoint.pt``) and returns the run's ``RunSummary``::
+process, ``InProcessGrid``), ``population`` (the same, training vectorised across the clients),
+``ray`` (``RayGrid``), ``ray-population`` (``RayGrid``, each worker's share vectorised),
+``flower`` (Flower's simulation engine) or ``deploy`` (a loopback deployment). It writes what
+the command writes (``rounds.jsonl``, ``summary.json``, ``checkpoint.pt``) and returns the
+run's ``RunSummary``::
 
     from fedsparse.lab.simulation import simulate
 
@@ -55,8 +57,8 @@ def simulate(
             (``{"num-rounds": 3, "final-rate": 0.7}``; ``num_rounds`` alike; values typed or
             as text). Keys left out keep their defaults (``docs/reference/run-config.md``).
         clients: the number of nodes (``--clients``).
-        backend: ``inprocess``, ``population``, ``ray``, ``flower`` or ``deploy``
-            (``fedsparse simulate --backend``).
+        backend: ``inprocess``, ``population``, ``ray``, ``ray-population``, ``flower`` or
+            ``deploy`` (``fedsparse simulate --backend``).
         out: the run's folder; default the config's ``out-dir``, else ``runs/simulate``.
         progress: show the live round table (on stdout); False runs silently.
         timeout: seconds before the run is stopped (``--timeout``; not ``inprocess``).
@@ -66,7 +68,7 @@ def simulate(
             config, clients, data and plug-ins, else refused by name.
         overwrite: replace the run ``out`` holds, its files removed first (``--overwrite``);
             without ``resume`` or ``overwrite`` an ``out`` that holds a run is refused.
-        ray_address: ``backend="ray"`` only: the Ray cluster to run on, ``auto`` or
+        ray_address: ``ray`` and ``ray-population`` only: the Ray cluster to run on, ``auto`` or
             ``HOST:PORT`` (``--ray-address``); default ``FEDSPARSE_RAY_ADDRESS``, else a
             local cluster of the run's own.
 

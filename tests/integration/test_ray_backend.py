@@ -28,6 +28,7 @@ from fedsparse.client.node_policy import SIMULATION_NODE_POLICY
 from fedsparse.common.config import FederatedConfig
 from fedsparse.common.wire.run_log import read_rounds
 from fedsparse.lab.cli import app as cli_app
+from fedsparse.lab.launch.run_dir import INPUTS_FILE, RunFolderError, RunInputs, check_inputs
 from fedsparse.lab.launch.simulate import run_simulation
 from fedsparse.lab.simulation.inprocess import InProcessGrid
 from fedsparse.lab.simulation.population import PopulationGrid
@@ -291,6 +292,37 @@ def test_vectorised_workers_train_together_as_the_population_grid_does(
 
 
 @pytest.mark.slow
+def test_the_ray_population_backend_runs_as_population_and_resumes_in_its_family(
+    workers: RayWorkers, tmp_path: Path
+) -> None:
+    """``--backend ray-population``: ``RayWorkers(vectorised=True)`` behind the commands, to
+    float32 rounding of ``population``'s run; a run may resume on the other's backend (one
+    family), not on ``ray``'s."""
+    sets = {**QUICK, "num-rounds": "2", "final-rate": "0.5", "clients-per-round": "0"}
+    ours = run_simulation(
+        out=tmp_path / "ray-population", overrides=sets, clients=4, backend="ray-population"
+    )
+    theirs = run_simulation(
+        out=tmp_path / "population", overrides=sets, clients=4, backend="population"
+    )
+    a, b = _weights(tmp_path / "ray-population"), _weights(tmp_path / "population")
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-4 * float(b.abs().max()))
+    assert ours.epsilon_max == theirs.epsilon_max
+    assert ours.final_test_accuracy == pytest.approx(theirs.final_test_accuracy, abs=0.02)
+    saved = json.loads((tmp_path / "ray-population" / INPUTS_FILE).read_text())
+    for backend in ("population", "ray"):
+        inputs = dataclasses.replace(
+            RunInputs(**saved),
+            results=RunInputs.of_run(clients=4, backend=backend, data="", run_config={}).results,
+        )
+        if backend == "population":
+            check_inputs(tmp_path / "ray-population", inputs)  # one family: it may resume
+        else:
+            with pytest.raises(RunFolderError, match="backend"):
+                check_inputs(tmp_path / "ray-population", inputs)
+
+
+@pytest.mark.slow
 def test_bit_identical_to_flower_simulation_and_in_process(tmp_path: Path) -> None:
     # Full participation: Flower draws random node ids, so only then are the same clients
     # selected (node ids still travel in the message framing, whose size differs slightly).
@@ -327,9 +359,11 @@ def test_cli_rejects_an_unknown_backend_and_parallel_ray_sweeps(tmp_path: Path) 
         result.exit_code != 0
         and "backend='dask': expected one of flower, inprocess, deploy, ray" in result.output
     )
-    args = ["sweep", "--out", str(tmp_path / "b"), "--backend", "ray", "--jobs", "2"]
-    result = CliRunner().invoke(cli_app, args, env=env)
-    assert result.exit_code != 0 and "jobs=2: expected 1 with backend='ray'" in result.output
+    for backend in ("ray", "ray-population"):
+        args = ["sweep", "--out", str(tmp_path / "b"), "--backend", backend, "--jobs", "2"]
+        result = CliRunner().invoke(cli_app, args, env=env)
+        assert result.exit_code != 0
+        assert f"jobs=2: expected 1 with backend={backend!r}" in result.output
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 

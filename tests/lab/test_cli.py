@@ -235,7 +235,15 @@ def test_one_backend_vocabulary_in_every_command(
     monkeypatch.setattr("fedsparse.lab.launch.simulate.run_simulation", simulate)
     monkeypatch.setattr("fedsparse.lab.experiments.sweep.run_sweep", sweep)
     names = {**{name: name for name in BACKENDS}, **BACKEND_ALIASES}
-    assert set(names) == {"flower", "inprocess", "deploy", "ray", "population", "simulation"}
+    assert set(names) == {
+        "flower",
+        "inprocess",
+        "deploy",
+        "ray",
+        "population",
+        "ray-population",
+        "simulation",
+    }
     for name, resolved in names.items():
         args = [command, "--out", str(tmp_path / name), "--backend", name]
         result = CliRunner().invoke(app, args, env={"COLUMNS": "240"})
