@@ -50,6 +50,13 @@ def frontier(
     ] = None,
     seeds: Annotated[int, Opt(help="final seeds per arm, paired across arms")] = 10,
     tune_seeds: Annotated[int, Opt(help="seeds per tuning combination")] = 2,
+    extend_corners: Annotated[
+        int,
+        Opt(
+            help="extend a numeric tuning axis past a pick at its end (x2 or /2), up to N "
+            "times an arm; a pick still at an end is 'at the cap' (no verdict)"
+        ),
+    ] = 0,
     clients: Annotated[int, Opt(help="clients (SuperNodes) per run")] = 10,
     backend: Annotated[str, Opt(help=BACKEND_HELP)] = "inprocess",
     jobs: Annotated[int, Opt(help="runs at a time")] = 1,
@@ -75,6 +82,8 @@ def frontier(
             pairs = [p.split("=", 1) for p in text.split(",") if "=" in p]
             check_grid_values([f"{k}={v}" for k, v in pairs], fixed)
         check_grid_values(tune or [], fixed)
+        if extend_corners < 0:
+            raise ValueError(f"--extend-corners {extend_corners}: expected an integer >= 0")
     except ValueError as err:
         raise typer.BadParameter(str(err)) from err
     from fedsparse.lab.experiments.frontier import (
@@ -109,6 +118,7 @@ def frontier(
     args += [a for t in tune or [] for a in ("--tune", t)]
     args += ["--seeds", str(seeds), "--tune-seeds", str(tune_seeds), "--clients", str(clients)]
     args += ["--backend", backend, "--jobs", str(jobs)]
+    args += ["--extend-corners", str(extend_corners)] if extend_corners else []
     args += ["--runs-dir", str(runs_dir)] if runs_dir else []
     try:
         outcomes = run_frontier(
@@ -121,6 +131,7 @@ def frontier(
             runs_dir=runs_dir or out / "runs",
             jobs=jobs,
             console=console,
+            extend=extend_corners,
         )
     except ValueError as err:
         raise typer.BadParameter(str(err)) from err

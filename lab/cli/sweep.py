@@ -57,6 +57,13 @@ def sweep(
         Opt("--tune", help="key=v1,v2,...: tune each grid point (arm) over these, on validation"),
     ] = None,
     tune_seeds: Annotated[int, Opt(help="--tune: seeds per tuning combination")] = 2,
+    extend_corners: Annotated[
+        int,
+        Opt(
+            help="--tune: extend a numeric axis past a pick at its end (x2 or /2), up to N "
+            "times an arm; a pick still at an end is 'at the cap' (no verdict)"
+        ),
+    ] = 0,
     ray_address: Annotated[str | None, Opt(help=RAY_ADDRESS_HELP)] = None,
     scale_clip: Annotated[
         bool,
@@ -90,6 +97,10 @@ def sweep(
     try:
         check_run_config(fixed)  # before the imports below: they take seconds
         check_grid_values([*(grid or []), *(tune or [])], fixed)
+        if extend_corners < 0 or (extend_corners and not tune):
+            raise ValueError(
+                f"--extend-corners {extend_corners}: expected an integer >= 0, with --tune"
+            )
     except ValueError as err:
         raise typer.BadParameter(str(err)) from err
     from fedsparse.lab.experiments.report import write_outputs
@@ -127,6 +138,7 @@ def sweep(
     args += ["--downlink-rate", downlink_rate] if downlink_rate else []
     args += [a for t in tune or [] for a in ("--tune", t)]
     args += ["--tune-seeds", str(tune_seeds)] if tune else []
+    args += ["--extend-corners", str(extend_corners)] if tune and extend_corners else []
     args += ["--scale-clip"] if scale_clip else []
     args += ["--ray-address", ray_address] if ray_address else []
     runs_dir = runs_dir or out / "runs"
@@ -160,6 +172,7 @@ def sweep(
                     scale_clip=scale_clip,
                     console=console,
                     tuning_csv=out / "tuning.csv",
+                    extend=extend_corners,
                 )
             except ValueError as err:
                 raise typer.BadParameter(str(err)) from err

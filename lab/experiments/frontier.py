@@ -139,6 +139,8 @@ class ArmOutcome:
     verdict: str
     by_seed: Mapping[int, float]
     edge: str = ""  # the tuned values at an end of their grid (``lr=0.05 (lowest)``)
+    #: ``edge`` is after extending the grid past its corners (``extend`` > 0): at the cap
+    capped: bool = False
 
 
 def grid_edges(best: Sequence[tuple[str, str]], tune: Mapping[str, Sequence[str]]) -> str:
@@ -164,6 +166,8 @@ def _outcome(
     clients: int,
     baseline: Mapping[int, float] | None,
     tune: Mapping[str, Sequence[str]],
+    extended: bool = False,
+    baseline_capped: bool = False,
 ) -> ArmOutcome:
     rows = [r for r in tuned.rows if r["status"] == "ok"]
     by_seed = {int(r["seed"]): float(r["final_test_accuracy"]) for r in rows}
@@ -191,9 +195,16 @@ def _outcome(
         difference=difference,
         low=low,
         high=high,
-        verdict="baseline" if baseline is None else verdict(low, high),
+        verdict=(
+            "baseline"
+            if baseline is None
+            else "at the cap"
+            if extended and (tuned.choices[0].capped or baseline_capped)
+            else verdict(low, high)
+        ),
         by_seed=by_seed,
-        edge=grid_edges(tuned.choices[0].best, tune),
+        edge=tuned.choices[0].capped if extended else grid_edges(tuned.choices[0].best, tune),
+        capped=extended and bool(tuned.choices[0].capped),
     )
 
 
@@ -231,8 +242,13 @@ def run_frontier(
     runs_dir: Path,
     jobs: int = 1,
     console: Console | None = None,
+    extend: int = 0,
 ) -> list[ArmOutcome]:
     """Tunes and runs every arm (each under ``runs_dir/<arm>``), the first being the baseline.
+
+    ``extend``: each arm's tuning goes on past a pick at an end of a numeric axis, up to
+    ``extend`` steps an axis (``run_tuned_sweep``); an arm, or a baseline, still at an end is
+    ``at the cap`` and gets that instead of a verdict.
 
     Finished runs are reused (the sweep's rule), so an interrupted frontier resumes.
 
@@ -256,8 +272,17 @@ def run_frontier(
             runs_dir=runs_dir / run_slug(arm.items(), 0).removesuffix("_seed-0"),
             jobs=jobs,
             console=console,
+            extend=extend,
         )
-        outcome = _outcome(arm, tuned, clients=settings.clients, baseline=baseline, tune=tune)
+        outcome = _outcome(
+            arm,
+            tuned,
+            clients=settings.clients,
+            baseline=baseline,
+            tune=tune,
+            extended=extend > 0,
+            baseline_capped=bool(outcomes) and outcomes[0].capped,
+        )
         outcomes.append(outcome)
         if baseline is None:
             baseline = outcome.by_seed
@@ -374,7 +399,14 @@ def write_frontier(
             f"{o.uplink_bits:.3f} | {o.downlink_bits:.3f} | {o.client_megabytes:.2f} | "
             f"{100 * o.difference:+.1f} | {interval} | {o.verdict} |"
         )
-    edges = [f"{o.label}: {o.edge}" for o in outcomes if o.edge]
+    capped = [f"{o.label}: {o.edge}" for o in outcomes if o.capped]
+    if capped:
+        lines += [
+            "",
+            "Still at an end of its tuning grid after the grid was extended to its cap (no "
+            "verdict against it: `at the cap`): " + "; ".join(capped) + ".",
+        ]
+    edges = [f"{o.label}: {o.edge}" for o in outcomes if o.edge and not o.capped]
     if edges:
         lines += [
             "",

@@ -12,6 +12,11 @@ phases, both ordinary sweep runs (resumable, reused when finished):
 2. **Final**, on the test split: each arm at its own best combination over ``seeds`` seeds
    ``base .. base + seeds - 1``, the same seeds for every arm, so the comparison is paired.
 
+With ``extend=N`` the tuning phase goes on past grid corners (``corners.py``): an arm whose pick
+sits at an end of a numeric axis gets that axis extended (x2 / /2) and is picked again, until its
+picks are interior or the axis was extended ``N`` times; a pick still at an end is *at the cap*
+(``ArmChoice.capped``), and a comparison with such an arm gets no verdict.
+
 ``paired_differences`` compares every arm with the first (the baseline): per seed, the
 difference of final test accuracies; its mean, a Student-t 95% confidence interval over the
 paired seeds (``fedsparse.lab.experiments.stats.paired_t_interval``), and whether the interval
@@ -27,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
+from fedsparse.lab.experiments.corners import past_corners
 from fedsparse.lab.experiments.report import write_csv
 from fedsparse.lab.experiments.stats import CONFIDENCE, mean_se, paired_t_interval
 from fedsparse.lab.experiments.sweep import SweepInterrupted, run_sweep
@@ -73,6 +79,9 @@ class ArmChoice:
     best: tuple[tuple[str, str], ...]  # (tune key, value)
     score: float  # mean validation accuracy of ``best``
     candidates: tuple[tuple[str, float, float, int], ...]  # (label, mean, se, n ok)
+    #: the picks at an end of their axis after the last extension (``extend`` > 0 only):
+    #: ``lr=0.0125 (lowest)``; empty: every pick interior
+    capped: str = ""
 
     @property
     def label(self) -> str:
@@ -304,8 +313,12 @@ def render_tuning(
         lines += ["", f"Paired differences in final test accuracy ({pct} t-intervals):", ""]
         lines += ["| arm − baseline | pairs | difference | interval | verdict |"]
         lines += ["|---|---:|---:|---|---|"]
+        capped = {c.label: c.capped for c in choices if c.capped}
         for d in differences:
-            if d.n < 2:
+            at_cap = [f"{arm}: {capped[arm]}" for arm in (d.arm, d.baseline) if arm in capped]
+            if at_cap:
+                verdict = "at the cap (" + "; ".join(at_cap) + ")"
+            elif d.n < 2:
                 verdict = "too few pairs for an interval"
             elif d.significant:
                 verdict = "better" if d.mean > 0 else "worse"
@@ -317,7 +330,7 @@ def render_tuning(
             )
         lines.append("")
         for d in differences:
-            if d.n >= 2 and not d.significant:
+            if d.n >= 2 and not d.significant and not {d.arm, d.baseline} & set(capped):
                 lines.append(
                     f"- {d.arm} vs {d.baseline}: the difference ({d.mean:+.4f}) is not "
                     f"significant: its {pct} interval [{d.low:+.4f}, {d.high:+.4f}] holds 0."
@@ -372,14 +385,20 @@ def run_tuned_sweep(
     scale_clip: bool = False,
     console: Console | None = None,
     tuning_csv: Path | None = None,
+    extend: int = 0,
 ) -> TunedSweep:
     """Tunes every arm on validation (runs under ``runs_dir/tune``), then runs each at its best
     on the test split (under ``runs_dir``) and compares them with the first arm, paired by seed.
+
+    ``extend``: how many times each arm's numeric axis may be extended past a pick at its end
+    (``corners.py``; 0: the grid as given, no pick marked at the cap).
 
     Raises:
         ValueError: a bad grid or tune key, or an arm none of whose combinations finished.
         SweepInterrupted: a stop during the final phase (with its rows).
     """
+    if isinstance(extend, bool) or not isinstance(extend, int) or extend < 0:
+        raise ValueError(f"extend={extend!r}: expected an integer >= 0")
     clients = settings.clients
     tuning = check_tuned_sweep(
         grid,
@@ -398,9 +417,29 @@ def run_tuned_sweep(
     tuned = run_sweep(
         tuning, runs_dir=runs_dir / "tune", settings=settings, jobs=jobs, console=console
     )
+    choices = choose_best(tuning, tuned, list(grid))
+    if extend > 0:
+        tuning, tuned, choices = past_corners(
+            tuning,
+            tuned,
+            choices,
+            tune=tune,
+            extend=extend,
+            run=lambda plan: run_sweep(
+                plan, runs_dir=runs_dir / "tune", settings=settings, jobs=jobs, console=console
+            ),
+            line=lambda arm, axes: plan_tuning(
+                {k: [v] for k, v in arm},
+                axes,
+                fixed,
+                tune_seeds=tune_seeds,
+                clients=clients,
+                scale_clip=scale_clip,
+            ),
+            choose=lambda plan, rows: choose_best(plan, rows, list(grid)),
+        )
     if tuning_csv is not None:
         write_tuning_csv(tuning_csv, tuning, tuned)
-    choices = choose_best(tuning, tuned, list(grid))
     plan = plan_final(choices, fixed, seeds=seeds, clients=clients, scale_clip=scale_clip)
     if console is not None:
         for choice in choices:
