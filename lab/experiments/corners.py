@@ -7,9 +7,13 @@ beyond the grid; a comparison against such a pick is not best against best. ``ru
 one geometric step (``beyond``: the highest value x2, the lowest /2; an integer axis stays
 integer and >= 1), runs the new combinations with every value of the other axes on the same
 tuning seeds, and picks again, until every pick is interior or the axis has been extended
-``N`` times (its *cap*). A pick still at an end then is *at the cap* (``corner_label``), and
-its comparisons state that instead of a verdict. An axis whose values are not all numbers
-(a method name) has no order, and no end.
+``N`` times (its *cap*). A pick still at an end of an axis extended ``N`` times is *at the cap*
+(``ArmChoice.capped``), and its comparisons state that instead of a verdict. An axis that
+cannot go further (its next value is one the run config refuses, such as ``momentum=1.8``, or
+an integer axis at 1) ends at its *bound*: a pick there is reported (``ArmChoice.edges``) but
+keeps its verdict. An axis whose values are not all numbers (a method name) has no order, and
+no end. Whether an axis is one of integers is its run-config key's type (``lr=1,2,4`` is a
+float axis), else whether every value is written as an integer.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
+from fedsparse.common.config import run_config_fields
 from fedsparse.lab.experiments.sweep_plan import SweepPlan, SweepRun
 
 if TYPE_CHECKING:
@@ -41,7 +46,10 @@ def _numbers(values: Sequence[str]) -> list[float] | None:
     return numbers if all(math.isfinite(x) for x in numbers) else None
 
 
-def _integers(values: Sequence[str]) -> bool:
+def _integers(key: str, values: Sequence[str]) -> bool:
+    kinds = {f.name.replace("_", "-"): type(f.default) for f in run_config_fields()}
+    if key in kinds:
+        return kinds[key] is int
     try:
         return all(str(int(v)) == v.strip() for v in values)
     except ValueError:
@@ -65,15 +73,18 @@ def corners(best: Sequence[tuple[str, str]], grid: Mapping[str, Sequence[str]]) 
     return found
 
 
-def beyond(values: Sequence[str], side: Side) -> str | None:
-    """The next value past ``side`` of a numeric axis: the highest x ``STEP`` or the lowest /
-    ``STEP``; an integer axis (every value an integer) stays integer and >= 1. None: no such
-    value (not numeric, or an integer axis already at 1, or 0 to scale)."""
+def beyond(values: Sequence[str], side: Side, key: str = "") -> str | None:
+    """The next value past ``side`` of the numeric axis ``key``: the highest x ``STEP`` or the
+    lowest / ``STEP``; an integer axis stays integer and >= 1. None: no such value (not
+    numeric, an integer axis already at 1, 0 to scale, or a value <= 0 whose step would not
+    move outwards)."""
     numbers = _numbers(values)
     if numbers is None or not numbers:
         return None
     end = max(numbers) if side == "highest" else min(numbers)
-    if _integers(values):
+    if end <= 0:  # x2 of a negative end moves inwards, /2 of 0 stays
+        return None
+    if _integers(key, values):
         step = int(end) * STEP if side == "highest" else int(end) // STEP
         return str(step) if step >= 1 and step != int(end) else None
     nxt = end * STEP if side == "highest" else end / STEP
@@ -111,20 +122,30 @@ def past_corners(
     """
     axes = {c.arm: {k: list(v) for k, v in tune.items()} for c in choices}
     used = {c.arm: dict.fromkeys(tune, 0) for c in choices}
+    bound: dict[tuple[tuple[str, str], ...], set[tuple[str, Side]]] = {
+        c.arm: set() for c in choices
+    }
     runs, rows = list(tuning.runs), list(rows)
     while True:
         extra: list[SweepRun] = []
         for choice in choices:
             mine = axes[choice.arm]
             for key, _, side in corners(choice.best, mine):
-                new = beyond(mine[key], side)
-                if used[choice.arm][key] >= extend or new is None or new in mine[key]:
+                if used[choice.arm][key] >= extend or (key, side) in bound[choice.arm]:
+                    continue
+                new = beyond(mine[key], side, key)
+                if new is None or new in mine[key]:  # an integer axis at 1, say: a bound
+                    bound[choice.arm].add((key, side))
+                    continue
+                # the new value with every value of the other axes, on the same tuning seeds
+                along = {k: [new] if k == key else v for k, v in mine.items()}
+                try:
+                    plan = line(choice.arm, along)
+                except ValueError:  # the run config refuses it (momentum=1.8): a bound
+                    bound[choice.arm].add((key, side))
                     continue
                 used[choice.arm][key] += 1
-                # the new value with every value of the other axes, on the same tuning seeds
-                extra += line(
-                    choice.arm, {k: [new] if k == key else v for k, v in mine.items()}
-                ).runs
+                extra += plan.runs
                 mine[key] = [*mine[key], new]
         if not extra:
             break
@@ -136,11 +157,9 @@ def past_corners(
         runs += extra
         tuning = dataclasses.replace(tuning, grid=merged, runs=tuple(runs))
         choices = choose(tuning, rows)
-    return (
-        tuning,
-        rows,
-        [
-            dataclasses.replace(c, capped=corner_label(corners(c.best, axes[c.arm])))
-            for c in choices
-        ],
-    )
+    marked = []
+    for c in choices:
+        ends = corners(c.best, axes[c.arm])
+        capped = [e for e in ends if (e[0], e[2]) not in bound[c.arm]]
+        marked.append(dataclasses.replace(c, capped=corner_label(capped), edges=corner_label(ends)))
+    return tuning, rows, marked

@@ -203,7 +203,7 @@ def _outcome(
             else verdict(low, high)
         ),
         by_seed=by_seed,
-        edge=tuned.choices[0].capped if extended else grid_edges(tuned.choices[0].best, tune),
+        edge=tuned.choices[0].edges if extended else grid_edges(tuned.choices[0].best, tune),
         capped=extended and bool(tuned.choices[0].capped),
     )
 
@@ -404,7 +404,8 @@ def write_frontier(
         lines += [
             "",
             "Still at an end of its tuning grid after the grid was extended to its cap (no "
-            "verdict against it: `at the cap`): " + "; ".join(capped) + ".",
+            "verdict against it: `at the cap`; an end the run config bounds, such as momentum "
+            "below 1, keeps its verdict): " + "; ".join(capped) + ".",
         ]
     edges = [f"{o.label}: {o.edge}" for o in outcomes if o.edge and not o.capped]
     if edges:

@@ -79,9 +79,12 @@ class ArmChoice:
     best: tuple[tuple[str, str], ...]  # (tune key, value)
     score: float  # mean validation accuracy of ``best``
     candidates: tuple[tuple[str, float, float, int], ...]  # (label, mean, se, n ok)
-    #: the picks at an end of their axis after the last extension (``extend`` > 0 only):
-    #: ``lr=0.0125 (lowest)``; empty: every pick interior
+    #: the picks at an end of an axis extended to its cap (``extend`` > 0 only):
+    #: ``lr=0.0125 (lowest)``; empty: none (its comparisons get a verdict)
     capped: str = ""
+    #: every pick at an end after the extensions, at the cap or at a bound the run config
+    #: sets (``momentum=0.9 (highest)``: 1.8 is refused), ``extend`` > 0 only
+    edges: str = ""
 
     @property
     def label(self) -> str:

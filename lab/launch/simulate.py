@@ -229,7 +229,8 @@ def _simulate(
         )
     if resume and backend == "deploy":
         raise ValueError(
-            "resume: a deployment does not resume; use backend flower, ray or inprocess"
+            "resume: a deployment does not resume; use backend flower, ray, inprocess, "
+            "population or ray-population"
         )
     if resume and not (Path(out) / "checkpoint.pt").exists():
         raise ValueError(f"resume: no checkpoint.pt in out={out}: nothing to resume")

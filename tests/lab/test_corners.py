@@ -41,12 +41,19 @@ def test_corners_are_the_numeric_ends_of_axes_of_two_or_more_values() -> None:
         (["1", "2"], "lowest", None),  # an integer axis stays >= 1
         (["0", "0.5"], "lowest", None),  # 0 does not scale
         (["rs", "gip"], "highest", None),  # no order
+        (["-2", "-1"], "highest", None),  # x2 would move inwards
     ],
 )
 def test_beyond_is_one_geometric_step_past_the_end(
     values: list[str], side: str, expected: str | None
 ) -> None:
     assert beyond(values, side) == expected  # type: ignore[arg-type]
+
+
+def test_an_axis_is_one_of_integers_by_its_run_config_key() -> None:
+    assert beyond(["1", "2", "4"], "lowest", "lr") == "0.5"  # lr is a float key
+    assert beyond(["1", "2"], "lowest", "local-epochs") is None  # an int key, at 1
+    assert beyond(["40", "80"], "highest", "num-rounds") == "160"
 
 
 #: Validation accuracy: each arm's peak at lr = 0.125 (rate 0) or 0.5 (rate 0.9), at 20 rounds.
@@ -175,3 +182,40 @@ def test_the_commands_refuse_a_negative_cap_and_a_cap_without_tuning(tmp_path: P
         result = CliRunner().invoke(app, args, env=env)
         assert result.exit_code != 0 and "--extend-corners" in result.output, result.output
         assert not (tmp_path / args[2]).exists()
+
+
+def test_an_axis_the_run_config_bounds_ends_there_and_keeps_its_verdict(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """momentum=0.9 at the top: 1.8 is refused by the run config (no crash, no run); a pick
+    there, or at local-epochs=1, is an edge, not at the cap."""
+    ran: list[dict[str, str]] = []
+
+    def run_sweep(plan: Any, **kwargs: Any) -> list[dict[str, Any]]:
+        rows = []
+        for run in plan.runs:
+            point = {k: str(v) for k, v in run.overrides.items()}
+            ran.append(point)
+            score = float(point["momentum"]) - 0.1 * float(point["local-epochs"])
+            rows.append({"status": "ok", "final_test_accuracy": score, "seed": run.seed})
+        return rows
+
+    monkeypatch.setattr(tuning, "run_sweep", run_sweep)
+    result = run_tuned_sweep(
+        parse_grid(["final-rate=0,0.9"]),
+        parse_grid(["momentum=0,0.5,0.9", "local-epochs=1,2"]),
+        {},
+        tune_seeds=1,
+        seeds=2,
+        settings=RunSettings(backend="inprocess", clients=3),
+        runs_dir=Path("unused"),
+        extend=3,
+    )
+    for choice in result.choices:
+        assert dict(choice.best) == {"momentum": "0.9", "local-epochs": "1"}
+        assert choice.capped == ""
+        assert choice.edges == "momentum=0.9 (highest), local-epochs=1 (lowest)"
+    tuned = [r for r in ran if r["eval-split"] == "validation"]
+    assert len(tuned) == 2 * 6  # the grid as given: nothing past either bound ran
+    lines = render_tuning(result.choices, result.differences, tune={}, tune_seeds=1)
+    assert not any("at the cap" in line for line in lines)
