@@ -53,8 +53,10 @@ class Holding:
         return data_identity(self.train)
 
 
+@functools.lru_cache(maxsize=65536)
 def run_declaration(cfg: FederatedConfig, partition_id: int, num_partitions: int) -> NodeData:
-    """The declaration of a simulated node's partition: the run config's data keys."""
+    """The declaration of a simulated node's partition: the run config's data keys (cached:
+    both are frozen)."""
     return NodeData(
         dataset=cfg.dataset,
         data_dir=cfg.data_dir,
@@ -70,14 +72,36 @@ def run_declaration(cfg: FederatedConfig, partition_id: int, num_partitions: int
     )
 
 
-@functools.lru_cache(maxsize=4)
 def holding(declared: NodeData) -> Holding:
-    """The training examples ``declared`` names (cached per process)."""
-    eval_split: EvalSplit = "validation" if declared.hold_out_validation else "test"
-    seeds = (declared.data_seed, eval_split, declared.train_test_seed)
-    train, _ = _dataset(declared.dataset, declared.data_dir, *seeds)
-    idx = torch.from_numpy(_declared_partitions(declared)[declared.partition_id])
-    return Holding(Split(x=train.x[idx], y=train.y[idx]), declared)
+    """The training examples ``declared`` names (cached per process: the latest ones up to
+    ``HELD_BYTES`` in all, so that a process simulating many nodes copies each node's
+    examples once, not once a round)."""
+    global _HELD_TOTAL
+    held = _HELD.pop(declared, None)
+    if held is not None:
+        _HELD_TOTAL -= _held_bytes(held)
+    else:
+        eval_split: EvalSplit = "validation" if declared.hold_out_validation else "test"
+        seeds = (declared.data_seed, eval_split, declared.train_test_seed)
+        train, _ = _dataset(declared.dataset, declared.data_dir, *seeds)
+        idx = torch.from_numpy(_declared_partitions(declared)[declared.partition_id])
+        held = Holding(Split(x=train.x[idx], y=train.y[idx]), declared)
+    _HELD[declared] = held  # the most recent last
+    _HELD_TOTAL += _held_bytes(held)
+    while _HELD_TOTAL > HELD_BYTES and len(_HELD) > 4:  # the 4 latest stay, whatever their size
+        _HELD_TOTAL -= _held_bytes(_HELD.pop(next(iter(_HELD))))
+    return held
+
+
+#: The most bytes of examples ``holding`` keeps (beyond the 4 latest nodes').
+HELD_BYTES = 256 * 2**20
+_HELD: dict[NodeData, Holding] = {}
+_HELD_TOTAL = 0
+
+
+def _held_bytes(held: Holding) -> int:
+    split = held.train
+    return split.x.numel() * split.x.element_size() + split.y.numel() * split.y.element_size()
 
 
 def largest_partition(declared: NodeData) -> int:

@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Mapping
 from logging import ERROR
 from pathlib import Path
+from typing import Any
 
 from flwr.app import Context
 from flwr.common.logger import log
@@ -64,9 +66,44 @@ CLIENT_FAILURE = "client error (details in the node's log)"
 def node_policy(context: Context) -> NodePolicy:
     """The node's policy: defaults (``SIMULATION_NODE_POLICY`` inside Flower's simulation
     engine: ``in_flower_simulation``), then ``$FEDSPARSE_NODE_POLICY``, then the node config."""
-    env = parse_assignments(os.environ.get(POLICY_ENV, ""))
-    base = dict(SIMULATION_NODE_POLICY) if in_flower_simulation() else {}
-    return NodePolicy.from_sources(base, env, dict(context.node_config))
+    text = os.environ.get(POLICY_ENV, "")
+    simulated = in_flower_simulation()
+    key = _sources_key(text, context.node_config, simulated)
+    policy = _POLICIES.get(key) if key is not None else None
+    if policy is None:
+        env = parse_assignments(text)
+        base = dict(SIMULATION_NODE_POLICY) if simulated else {}
+        policy = NodePolicy.from_sources(base, env, dict(context.node_config))
+        _remember(_POLICIES, key, policy)
+    return policy
+
+
+#: Policies and declarations parsed in this process, by ``_sources_key`` (each a frozen
+#: dataclass): a process simulating many nodes parses each node's once, not every round.
+_POLICIES: dict[tuple[object, ...], NodePolicy] = {}
+_DECLARED: dict[tuple[object, ...], NodeData | None] = {}
+
+
+def _sources_key(text: str, node_config: Mapping[str, Any], *extra: object) -> tuple | None:
+    """A memo key for what ``text`` ($FEDSPARSE_NODE_POLICY) and ``node_config`` say, values
+    with their types (1, 1.0 and True differ); None (parse every time) when a source names a
+    ``policy-file``, which its owner may edit between rounds, or holds an unhashable value."""
+    if "policy-file" in node_config or "policy-file" in text:
+        return None
+    key = (text, *extra, *((k, type(v), v) for k, v in node_config.items()))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _remember(memo: dict[tuple[object, ...], Any], key: tuple | None, value: Any) -> None:
+    if key is None:
+        return
+    if len(memo) >= 65536:
+        memo.clear()
+    memo[key] = value
 
 
 def in_flower_simulation() -> bool:
@@ -98,8 +135,13 @@ def in_flower_simulation() -> bool:
 def node_data(context: Context) -> NodeData | None:
     """The data the node's owner declared (``client/node_data.py``), from the same sources
     as its policy; None if it declares none."""
-    env = parse_assignments(os.environ.get(POLICY_ENV, ""))
-    return NodeData.from_sources(env, dict(context.node_config))
+    text = os.environ.get(POLICY_ENV, "")
+    key = _sources_key(text, context.node_config)
+    if key is not None and key in _DECLARED:
+        return _DECLARED[key]
+    declared = NodeData.from_sources(parse_assignments(text), dict(context.node_config))
+    _remember(_DECLARED, key, declared)
+    return declared
 
 
 def node_ledger(

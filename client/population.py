@@ -6,7 +6,8 @@ rounding of the trained weights), the same reported numbers and accountant histo
 runner for the client's round, not a second mechanism: the clients whose rounds it can
 vectorise (``population_error`` is None) train together, their weights stacked in one
 ``(clients, d)`` tensor and each DP-SGD step's per-sample gradients computed for all of them
-by one ``torch.func.vmap`` over clients of ``vmap(grad(loss_i))`` over examples; every other
+by one ``torch.func.vmap`` over clients of ``vmap(grad(loss_i))`` over examples (where no
+client clips, one batch gradient a client: ``client/population_step.py``); every other
 call runs ``client_round`` itself. The reply of a vectorised client is encoded by the same code
 as ``client_round``'s (``local_round.round_reply``: the round's support, the run's codec, error
 feedback, the reported ε).
@@ -55,7 +56,6 @@ a GPU).
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 import secrets
@@ -64,7 +64,6 @@ from collections.abc import Sequence
 import torch
 from opacus.accountants import IAccountant, create_accountant
 from torch import nn
-from torch.func import functional_call, grad, vmap
 
 from fedsparse.client.local_round import (
     LocalTraining,
@@ -76,15 +75,15 @@ from fedsparse.client.local_round import (
     client_round,
     round_mask,
 )
+from fedsparse.client.population_step import train_chunk
 from fedsparse.client.round_reply import round_reply
 from fedsparse.common.data.datasets import Split
 from fedsparse.common.dp.engines.func import func_support_error
 from fedsparse.common.dp.mechanisms import mechanism_of
-from fedsparse.common.dp.optimizer import zero_non_finite
 from fedsparse.common.layout import ParamLayout
 from fedsparse.common.seeds import Stream, stream_seed
 from fedsparse.common.training.configs import resolve_device
-from fedsparse.common.training.local import DUMMY_LABEL, pad_to_nominal
+from fedsparse.common.training.local import pad_to_nominal
 
 __all__ = [
     "CHUNK_BYTES",
@@ -206,7 +205,7 @@ def _population(
     while pending:
         chunk = pending.pop(0)
         try:
-            trained = _train_chunk(chunk, model, layout)
+            trained = train_chunk(chunk, model, layout)
         except Exception as err:
             if not return_exceptions:
                 raise
@@ -384,115 +383,3 @@ def _chunks(clients: list[_Client], numel: int, chunk_bytes: int | None) -> list
     if current:
         chunks.append(current)
     return chunks
-
-
-def _train_chunk(clients: list[_Client], model: nn.Module, layout: ParamLayout) -> torch.Tensor:
-    """Every local step of ``clients``, vectorised across them: their trained weights, one row
-    each (``(clients, d)``, on the CPU)."""
-    slices = list(layout.slices())
-    device = clients[0].device  # one per chunk (_chunks)
-    sample_shape = clients[0].x.shape[1:]
-    if device.type != "cpu":  # the module's own tensors (not its weights) on the device too
-        model = copy.deepcopy(model).to(device)
-
-    def example_loss(
-        theta: dict[str, torch.Tensor], xi: torch.Tensor, yi: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        out = functional_call(model, theta, (xi.unsqueeze(0),))
-        loss = nn.functional.cross_entropy(
-            out, yi.unsqueeze(0), reduction="none", ignore_index=DUMMY_LABEL
-        ).sum()
-        return loss, loss.detach()
-
-    def column(values: Sequence[float | bool], dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype).unsqueeze(1).to(device)
-
-    per_client = vmap(vmap(grad(example_loss, has_aux=True), in_dims=(None, 0, 0)))
-    # every client's examples in one pool (a batch is one gather), their first row's offset
-    pool_x = torch.cat([c.x for c in clients]).to(device)
-    pool_y = torch.cat([c.y for c in clients]).to(device)
-    offsets = torch.tensor([0, *(len(c.x) for c in clients)]).cumsum(0)[:-1].tolist()
-    weights = torch.stack([c.initial.detach().to(torch.float32) for c in clients]).to(device)
-    keep_all = None
-    if any(c.mask is not None for c in clients):
-        ones = torch.ones(layout.numel, dtype=torch.bool)
-        keep_all = torch.stack([c.mask if c.mask is not None else ones for c in clients])
-        keep_all = keep_all.to(device)
-    bound_all = column([c.max_grad_norm for c in clients], torch.float32)
-    clips_all = column([c.clips for c in clients], torch.bool)
-    scale_all = column([float(c.expected_batch) for c in clients], torch.float32)
-    lr_all = column([c.lr for c in clients], torch.float32)
-    momentum_all = column([c.momentum for c in clients], torch.float32)
-    velocity = torch.zeros_like(weights) if any(c.momentum for c in clients) else None
-    for step in range(max(c.steps for c in clients)):
-        rows = [k for k, c in enumerate(clients) if step < c.steps]
-        active = [clients[k] for k in rows]
-        index = torch.tensor(rows, device=device) if len(rows) < len(clients) else None
-
-        def pick(values: torch.Tensor, index: torch.Tensor | None = index) -> torch.Tensor:
-            return values if index is None else values.index_select(0, index)
-
-        for c in active:
-            if step % c.steps_per_epoch == 0:  # iter(loader): the DataLoader's base seed
-                torch.empty((), dtype=torch.int64).random_(generator=c.data_gen)
-                c.epoch_loss.append(0.0)
-                c.epoch_examples.append(0)
-        chosen = [c.sample() for c in active]
-        sizes = [len(idx) for idx in chosen]
-        width = max(1, max(sizes))
-        xb = torch.zeros((len(active), width, *sample_shape), dtype=pool_x.dtype, device=device)
-        yb = torch.full((len(active), width), DUMMY_LABEL, dtype=pool_y.dtype, device=device)
-        if sum(sizes):
-            source = torch.cat([idx + offsets[k] for k, idx in zip(rows, chosen, strict=True)])
-            row = torch.repeat_interleave(torch.arange(len(active)), torch.tensor(sizes))
-            col = torch.cat([torch.arange(n) for n in sizes])
-            source, row, col = source.to(device), row.to(device), col.to(device)
-            xb[row, col] = pool_x[source]
-            yb[row, col] = pool_y[source]
-        current = pick(weights)
-        theta = {name: current[:, part].view(len(active), *shape) for name, part, shape in slices}
-        grads, losses = per_client(theta, xb, yb)
-        per_sample = torch.cat(
-            [grads[name].reshape(len(active), width, -1) for name, _, _ in slices], dim=2
-        )
-        del grads, theta, current
-        keep = None if keep_all is None else pick(keep_all)
-        if keep is not None:
-            # a select, not a product: an inf off the mask must not become a NaN on it (the
-            # optimizer takes the kept coordinates, ``index_select``)
-            per_sample.masked_fill_(~keep.unsqueeze(1), 0.0)
-        norms = per_sample.norm(2, dim=2)
-        clipped = (pick(bound_all) / (norms + 1e-6)).clamp(max=1.0)
-        factor = torch.where(pick(clips_all), clipped, torch.ones_like(clipped))
-        factor = torch.where(torch.isfinite(norms), factor, 0.0)
-        per_sample = zero_non_finite(per_sample, in_place=True)
-        step_grad = torch.bmm(factor.unsqueeze(1), per_sample).squeeze(1)
-        del per_sample
-        noisy = [k for k, c in enumerate(active) if c.std != 0]
-        if noisy:
-            noise = torch.stack([active[k].noise(layout) for k in noisy])
-            if keep is not None:
-                noise.mul_(keep[noisy] if len(noisy) < len(active) else keep)
-            if len(noisy) == len(active):
-                step_grad += noise
-            else:
-                step_grad.index_add_(0, torch.tensor(noisy, device=device), noise)
-        step_grad /= pick(scale_all)
-        if velocity is not None:  # torch's SGD: the first step's buffer is the gradient
-            if step > 0:
-                step_grad = pick(velocity).mul_(pick(momentum_all)).add_(step_grad)
-            if index is None:
-                velocity.copy_(step_grad)
-            else:
-                velocity.index_copy_(0, index, step_grad)
-        if index is None:
-            weights.sub_(lr_all * step_grad)
-        else:
-            weights.index_add_(0, index, pick(lr_all) * step_grad, alpha=-1)
-        real = (yb != DUMMY_LABEL).sum(dim=1).tolist()
-        loss_sums = losses.sum(dim=1).tolist()
-        for k, c in enumerate(active):
-            if sizes[k]:
-                c.epoch_loss[-1] += loss_sums[k]
-                c.epoch_examples[-1] += int(real[k])
-    return weights.cpu()

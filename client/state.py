@@ -87,19 +87,37 @@ def residual_vector(raw: bytes, numel: int) -> torch.Tensor:
     return torch.from_numpy(values)
 
 
-#: The model copy a node of this process stored last: nodes that hold equal copies (a
-#: simulated population after a dense downlink) store one bytes object, not one each.
-_LAST_MODEL: bytes = b""
+#: The model copy a node of this process stored last, and the tensor (with its in-place
+#: version counter) it was made from: nodes that hold equal copies (a simulated population
+#: after a dense downlink) store one bytes object, not one each.
+_LAST_MODEL: tuple[bytes, torch.Tensor | None, int] = (b"", None, -1)
+#: The model tensor a node of this process loaded last, and the bytes object it came from.
+_LAST_LOADED: tuple[bytes, torch.Tensor] | None = None
 
 
 def _shared_bytes(model: torch.Tensor) -> bytes:
-    """``residual_bytes(model)``, the same object as the last stored copy when equal."""
+    """``residual_bytes(model)``, the same object as the last stored copy when equal (not
+    even copied when ``model`` is the very tensor stored last, unchanged since)."""
     global _LAST_MODEL
+    last, tensor, version = _LAST_MODEL
+    if model is tensor and model._version == version:
+        return last
     raw = residual_bytes(model)
-    if raw == _LAST_MODEL:
-        return _LAST_MODEL
-    _LAST_MODEL = raw
-    return raw
+    if raw != last:
+        last = raw
+    _LAST_MODEL = (last, model, model._version)
+    return last
+
+
+def _shared_tensor(raw: bytes) -> torch.Tensor:
+    """The float32 model ``raw`` holds (a native copy), the same tensor for the same bytes
+    object as the last call: read only."""
+    global _LAST_LOADED
+    if _LAST_LOADED is not None and _LAST_LOADED[0] is raw:
+        return _LAST_LOADED[1]
+    flat = torch.from_numpy(np.frombuffer(raw, dtype=_FLOAT32_LE).astype(np.float32))
+    _LAST_LOADED = (raw, flat)
+    return flat
 
 
 @dataclass
@@ -117,14 +135,16 @@ class NodeState:
     @staticmethod
     def in_context(context: Context) -> bool:
         """Whether ``context`` holds a state (this node trained before in this Flower run)."""
-        return STATE_RECORD in context.state.config_records
+        return isinstance(context.state.get(STATE_RECORD), ConfigRecord)
 
     @classmethod
     def load(cls, context: Context, numel: int) -> NodeState:
-        """The state stored in ``context`` (a model of another size is dropped)."""
-        if STATE_RECORD not in context.state.config_records:
+        """The state stored in ``context`` (a model of another size is dropped). Its model is
+        only read (``apply_downlink`` patches a copy): nodes that stored one bytes object
+        (``_shared_bytes``) load one tensor."""
+        record = context.state.get(STATE_RECORD)
+        if not isinstance(record, ConfigRecord):
             return cls()
-        record = context.state.config_records[STATE_RECORD]
         history = history_from_record(record)
         version, last_round = record["version"], record["last-round"]
         if not isinstance(last_round, int):
@@ -140,14 +160,13 @@ class NodeState:
             return cls(
                 history=history, last_round=last_round, index_epsilon=index, residual=residual
             )
-        flat = torch.from_numpy(np.frombuffer(raw, dtype=_FLOAT32_LE).astype(np.float32))
-        return cls(flat, version, history, last_round, index, residual)
+        return cls(_shared_tensor(raw), version, history, last_round, index, residual)
 
     def save(self, context: Context) -> None:
         """Stores the state in ``context`` (needs a model)."""
         if self.model is None:
             raise ValueError("model=None: nothing to store")
-        context.state.config_records[STATE_RECORD] = ConfigRecord(
+        context.state[STATE_RECORD] = ConfigRecord(
             {
                 "version": self.version,
                 "last-round": self.last_round,
@@ -256,7 +275,8 @@ def apply_downlink(
     server_round: int,
     kind: object = "values",
 ) -> torch.Tensor:
-    """The global model after patching ``stored`` with the downlink ``payload`` (exact).
+    """The global model after patching ``stored`` with the downlink ``payload`` (exact; the
+    node's own tensor: ``stored`` is only read).
 
     ``kind`` (the train message's ``downlink-kind``): ``"values"``, global-model values that
     replace the node's; ``"delta"``, a lossy ``downlink-dtype``'s decoded change, added to the

@@ -71,6 +71,7 @@ from fedsparse.common.wire.protocol import (
     ProtocolError,
     TrainInstruction,
     TrainReply,
+    typed_record,
 )
 from fedsparse.common.wire.secagg import SECAGG_RECORD
 
@@ -95,7 +96,7 @@ def run_config(context: Context, policy: NodePolicy) -> FederatedConfig:
     """
     policy.check_plugins(context.run_config)
     try:  # every message of a run carries the same one (parsing it: ~0.2 ms)
-        key = tuple(sorted((k, type(v).__name__, v) for k, v in context.run_config.items()))
+        key = tuple((k, type(v), v) for k, v in context.run_config.items())
         hash(key)
     except TypeError:  # a value Flower's run config never holds: parse it every time
         return FederatedConfig.from_run_config(context.run_config)
@@ -107,9 +108,8 @@ def run_config(context: Context, policy: NodePolicy) -> FederatedConfig:
     return cfg
 
 
-#: Run configs parsed in this process, by their items and their types (1, 1.0 and True are
-#: equal keys, not equal config values); ``FederatedConfig`` is frozen.
-_PARSED: dict[tuple[tuple[str, str, object], ...], FederatedConfig] = {}
+#: Parsed run configs by their items and types (1, 1.0, True: equal keys, not equal values).
+_PARSED: dict[tuple[tuple[str, type, object], ...], FederatedConfig] = {}
 
 
 def _calibrated(
@@ -216,7 +216,7 @@ def prepare_train(msg: Message, context: Context) -> PreparedTrain:
     policy = node_policy(context)
     cfg = run_config(context, policy)
     resolve_device(cfg.device)  # device='cuda' without one: a config error, named in the reply
-    record = msg.content.config_records[CONFIG_RECORD]
+    record = typed_record(msg.content, CONFIG_RECORD, ConfigRecord)
     task = TrainInstruction.from_record(record)
     privacy = cfg.privacy()
     secure = cfg.secure_aggregation  # the release is the masked input (client/secagg_node.py)

@@ -21,6 +21,7 @@ is the serialized one byte for byte (``tests/server/test_message_bytes.py``).
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from typing import Any
@@ -88,8 +89,8 @@ def framed_bytes(message: Message, *, sizes: dict[int, int | None] | None = None
     if len({type(record) for record in records}) != len(records):
         return None  # two records of one class may share an id: Flower ships it once
     total = _object_bytes(name, 1, body)
-    refs = json.dumps({key: "0" * _ID_LEN for key in content})
-    total += _object_bytes(type(content).__qualname__, len(records), len(refs.encode("utf-8")))
+    refs = _refs_bytes(tuple(content))
+    total += _object_bytes(type(content).__qualname__, len(records), refs)
     for record in records:
         if sizes is None:
             size = _record_body_bytes(record)
@@ -101,6 +102,12 @@ def framed_bytes(message: Message, *, sizes: dict[int, int | None] | None = None
             return None
         total += _object_bytes(type(record).__qualname__, 0, size)
     return total
+
+
+@functools.lru_cache(maxsize=64)
+def _refs_bytes(keys: tuple[str, ...]) -> int:
+    """Size of a ``RecordDict``'s body: its keys mapped to object ids, as JSON."""
+    return len(json.dumps({key: "0" * _ID_LEN for key in keys}).encode("utf-8"))
 
 
 def _object_bytes(class_name: str, children: int, body: int) -> int:

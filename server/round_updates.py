@@ -61,7 +61,7 @@ class Candidate:
 
 def canonical(candidate: Candidate) -> bytes:
     """A key that orders updates by content alone (not by node id or arrival)."""
-    return hashlib.sha256(candidate.values.numpy().tobytes()).digest()
+    return hashlib.sha256(candidate.values.contiguous().numpy().data).digest()
 
 
 def validate_replies(

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from flwr.app import Message
+from flwr.app import ConfigRecord, Message, MetricRecord
 
 from fedsparse.common.aggregation.sparse import Weighting
 from fedsparse.common.config import CodecName
@@ -41,7 +41,13 @@ from fedsparse.common.wire.payload import (
     value_section_size,
 )
 from fedsparse.common.wire.payload.sizing import index_section_bounds
-from fedsparse.common.wire.protocol import CONFIG_RECORD, METRICS_RECORD, ProtocolError, TrainReply
+from fedsparse.common.wire.protocol import (
+    CONFIG_RECORD,
+    METRICS_RECORD,
+    ProtocolError,
+    TrainReply,
+    typed_record,
+)
 from fedsparse.common.wire.value_formats import wire_encoding
 
 __all__ = [
@@ -182,7 +188,8 @@ def check_reply(
     try:
         content = message.content
         reply = TrainReply.from_records(
-            content.config_records[CONFIG_RECORD], content.metric_records[METRICS_RECORD]
+            typed_record(content, CONFIG_RECORD, ConfigRecord),
+            typed_record(content, METRICS_RECORD, MetricRecord),
         )
         update = decode_update(
             reply.update,

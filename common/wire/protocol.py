@@ -23,10 +23,11 @@ an ``int``; an ``int`` is accepted where a ``float`` is expected) or out of rang
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Final, Self
+from typing import Any, ClassVar, Final, Self, TypeVar
 
 from fedsparse.common.names import MASK_SCOPES, MaskScope
 from fedsparse.common.seeds import Stream, stream_seed
@@ -49,6 +50,7 @@ __all__ = [
     "TrainReply",
     "client_mask_seed",
     "round_seed",
+    "typed_record",
 ]
 
 CONFIG_RECORD = "fedsparse"
@@ -69,6 +71,7 @@ DOWNLINK_KINDS: Final = ("values", "delta")
 
 
 _INT64 = 2**63
+_R = TypeVar("_R")
 
 
 class ProtocolError(ValueError):
@@ -83,6 +86,29 @@ def round_seed(seed: int, server_round: int) -> int:
 def client_mask_seed(round_mask_seed: int, node_id: int) -> int:
     """``mask-scope=client``: the per-client mask seed, derivable by server and client alike."""
     return stream_seed(round_mask_seed, Stream.CLIENT_MASK, node_id % 2**64)
+
+
+def typed_record(records: Mapping[str, object], key: str, kind: type[_R]) -> _R:
+    """``records[key]`` if it is a ``kind`` (a Flower ``RecordDict``'s ``config_records[key]``
+    without building that view: the view copies every record, about 90 µs a message).
+
+    Raises:
+        KeyError: no record of that kind under ``key`` (as the view raises).
+    """
+    value = records.get(key)
+    if not isinstance(value, kind):
+        raise KeyError(key)
+    return value
+
+
+@functools.cache
+def _fields(cls: type[_Record]) -> tuple[tuple[str, str, type], ...]:
+    """(field, record key, type) of each of ``cls``'s fields, in order."""
+    types = {"int": int, "float": float, "str": str, "bytes": bytes, "bool": bool}
+    return tuple(
+        (f.name, cls._record_key(f.name), types[str(f.type)])
+        for f in dataclasses.fields(cls)  # type: ignore[arg-type]
+    )
 
 
 def _key(name: str) -> str:
@@ -132,11 +158,9 @@ class _Record:
         """Parses and validates ``record``; raises ``ProtocolError`` naming the bad key."""
         if not isinstance(record, Mapping):
             raise ProtocolError(f"{cls.MESSAGE}: expected a record, got {type(record).__name__}")
-        types = {"int": int, "float": float, "str": str, "bytes": bytes, "bool": bool}
-        kwargs = {
-            f.name: _read(cls.MESSAGE, record, cls._record_key(f.name), types[str(f.type)])
-            for f in dataclasses.fields(cls)  # type: ignore[arg-type]
-        }
+        message = cls.MESSAGE
+        fields = _fields(cls)  # type: ignore[arg-type]
+        kwargs = {name: _read(message, record, key, kind) for name, key, kind in fields}
         return cls(**kwargs)
 
 

@@ -15,11 +15,13 @@ steps of batch 6), as it can between any two engines.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import pytest
 import torch
 
+from fedsparse.client import population_step
 from fedsparse.client.data import local_data
 from fedsparse.client.local_round import (
     PublicRound,
@@ -113,7 +115,10 @@ def _assert_same(got: RoundResult, ref: RoundResult, *, loss_rel: float = 1e-5) 
     numbers = ("num_examples", "examples_seen", "epsilon", "noise_multiplier", "keep")
     assert [getattr(a, f) for f in numbers] == [getattr(b, f) for f in numbers]
     assert a.seeded_noise == b.seeded_noise
-    assert a.train_loss == pytest.approx(b.train_loss, rel=loss_rel)
+    if math.isnan(b.train_loss):  # a non-finite example's loss counts in both
+        assert math.isnan(a.train_loss)
+    else:
+        assert a.train_loss == pytest.approx(b.train_loss, rel=loss_rel)
     assert len(a.update) == len(b.update)  # the same codec, the same sizes
     ours, theirs = decode_update(a.update), decode_update(b.update)
     assert (ours.mask_seed, ours.dense_size) == (theirs.mask_seed, theirs.dense_size)
@@ -147,6 +152,36 @@ def test_each_client_gets_what_client_round_gives_it(settings: dict[str, Any]) -
     got = population_round(calls, model=model)
     for result, call in zip(got, calls, strict=True):
         _assert_same(result, _alone(call))
+
+
+@pytest.mark.parametrize("poisoned", [False, True], ids=["finite", "nan-examples"])
+def test_without_clipping_a_client_sums_its_batch_gradient_and_non_finite_steps_drop_examples(
+    poisoned: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # "noisy" clips no client: one batch gradient a client; a step whose sum is not finite
+    # (NaN pixels in every 5th example of client 1) is recomputed per sample, and its
+    # non-finite examples contribute 0, as client_round's do.
+    run = cfg(**{**FIXED, "mechanism": "noisy", "max_grad_norm": 1.0})
+    calls = _calls(run)
+    if poisoned:
+        data = calls[1].examples
+        x = data.x.clone()
+        x[::5] = math.nan
+        calls[1] = dataclasses.replace(calls[1], examples=dataclasses.replace(data, x=x))
+    per_sample = []
+    clipped_step = population_step._clipped_step
+
+    def counted(*args: Any) -> Any:
+        per_sample.append(len(args[2]))
+        return clipped_step(*args)
+
+    monkeypatch.setattr(population_step, "_clipped_step", counted)
+    got = population_round(calls, model=process_model(run.model_name, run.seed).model)
+    assert bool(per_sample) == poisoned  # finite: no per-sample gradient at all
+    for result, call in zip(got, calls, strict=True):
+        _assert_same(result, _alone(call))
+    if poisoned:
+        assert all(torch.isfinite(decode_update(r.reply.update).values).all() for r in got)
 
 
 def test_clients_of_other_sizes_leave_the_stack_when_their_steps_are_done() -> None:
