@@ -59,6 +59,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import secrets
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -124,7 +125,9 @@ def population_error(call: ClientCall, model: nn.Module) -> str | None:
         return "target-epsilon: sigma is calibrated by client_round's make_private"
     if resolve_device(call.public.cfg.device).type not in ("cpu", "cuda"):
         return f"device={call.public.cfg.device!r}: the population step runs on the CPU or CUDA"
-    error = func_support_error(model)
+    if model not in _SUPPORT:  # a process model's layers do not change
+        _SUPPORT[model] = func_support_error(model)
+    error = _SUPPORT[model]
     if error is not None:
         return error
     size = call.privacy.nominal_size or len(call.examples)
@@ -145,6 +148,10 @@ def population_error(call: ClientCall, model: nn.Module) -> str | None:
     if task.local_epochs < 1:
         return f"local-epochs={task.local_epochs}: nothing to vectorise"
     return None
+
+
+#: ``func_support_error`` of each model ``population_error`` was asked about.
+_SUPPORT: weakref.WeakKeyDictionary[nn.Module, str | None] = weakref.WeakKeyDictionary()
 
 
 def population_round(
