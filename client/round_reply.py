@@ -8,6 +8,7 @@ end their rounds here, so the two send the same kind of bytes.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -102,7 +103,7 @@ def round_reply(
         # Not released by default: 1 and 0 (the server weights updates uniformly).
         num_examples=num_examples if counts else 1,
         examples_seen=examples if counts else 0,
-        train_loss=(float(np.nanmean(losses)) if examples else 0.0)
+        train_loss=(_nanmean(losses) if examples else 0.0)
         if release.train_loss and not cfg.secure_aggregation  # nothing in the clear
         else math.nan,
         epsilon=float(epsilon),
@@ -173,3 +174,17 @@ def selected_payload(
         compression=cfg.compression,
     )
     return payload, values
+
+
+def _nanmean(losses: Sequence[float]) -> float:
+    """``float(np.nanmean(losses))``, bit for bit: below 8 values numpy adds them one by one
+    (at 8 and more, pairwise: numpy's own), and the call costs 0.1 ms a client."""
+    if len(losses) >= 8:
+        return float(np.nanmean(losses))
+    kept = [float(x) for x in losses if not math.isnan(x)]
+    if not kept:
+        return math.nan
+    total = 0.0
+    for x in kept:
+        total += x
+    return total / len(kept)

@@ -97,16 +97,29 @@ _LAST_LOADED: tuple[bytes, torch.Tensor] | None = None
 
 def _shared_bytes(model: torch.Tensor) -> bytes:
     """``residual_bytes(model)``, the same object as the last stored copy when equal (not
-    even copied when ``model`` is the very tensor stored last, unchanged since)."""
+    even copied when ``model`` equals, bit for bit, the tensor stored last, unchanged since)."""
     global _LAST_MODEL
     last, tensor, version = _LAST_MODEL
-    if model is tensor and model._version == version:
+    if tensor is not None and tensor._version == version and _same_bits(model, tensor):
         return last
     raw = residual_bytes(model)
     if raw != last:
         last = raw
     _LAST_MODEL = (last, model, model._version)
     return last
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two float32 CPU tensors hold the same bits (-0.0 is not 0.0, NaNs compare by
+    pattern), without copying either."""
+    if a is b:
+        return True
+    kinds = (a.dtype, b.dtype, a.device.type, b.device.type)
+    if kinds != (torch.float32, torch.float32, "cpu", "cpu") or a.shape != b.shape:
+        return False
+    if not (a.is_contiguous() and b.is_contiguous()):
+        return False
+    return torch.equal(a.view(torch.int32), b.view(torch.int32))
 
 
 def _shared_tensor(raw: bytes) -> torch.Tensor:

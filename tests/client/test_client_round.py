@@ -4,6 +4,7 @@ Flower, gRPC or Ray."""
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 from typing import Any
@@ -88,3 +89,24 @@ def test_the_function_gives_the_client_apps_bytes(settings: dict[str, Any]) -> N
     other = round_with(run.seed + 1)
     assert other.reply.update != reply.update
     assert other.reply.num_examples == 1 and other.reply.examples_seen == 0  # nothing released
+
+
+def test_the_reported_train_loss_is_numpys_nanmean_bit_for_bit() -> None:
+    import random
+    import warnings
+
+    import numpy as np
+
+    from fedsparse.client.round_reply import _nanmean
+
+    rng = random.Random(0)
+    for _ in range(20_000):
+        losses = [
+            rng.choice([math.nan, -0.0, 0.0, rng.uniform(0, 5), rng.expovariate(1) * 1e-3])
+            for _ in range(rng.randint(1, 12))
+        ]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # all NaN: numpy warns
+            want = float(np.nanmean(losses))
+        got = _nanmean(losses)
+        assert (math.isnan(got) and math.isnan(want)) or got.hex() == want.hex(), losses

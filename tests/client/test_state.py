@@ -84,6 +84,32 @@ def test_an_equal_downlink_is_decoded_once_and_never_shared_for_writing() -> Non
         apply_downlink(None, -1, dense[:-1], base_version=-1, numel=100, server_round=5)
 
 
+def test_nodes_with_equal_models_store_and_load_one_copy_but_other_bits_their_own() -> None:
+    """A simulated population after a dense downlink: each node's own tensor, equal bits, one
+    stored bytes object and one loaded tensor; a model that differs only in a zero's sign, or
+    the same tensor changed in place, is stored anew."""
+    model = torch.linspace(-1.0, 1.0, 64)
+    contexts = [_context() for _ in range(3)]
+    for ctx in contexts:
+        NodeState(model.clone(), 1, []).save(ctx)
+    stored = [ctx.state[STATE_RECORD][STATE_MODEL] for ctx in contexts]
+    assert stored[0] is stored[1] is stored[2]
+    loaded = [NodeState.load(ctx, 64).model for ctx in contexts]
+    assert loaded[0] is loaded[1] is loaded[2] and torch.equal(loaded[0], model)
+    signed = torch.zeros(64)
+    NodeState(signed, 2, []).save(contexts[0])
+    negative = -signed  # -0.0 everywhere: equal values, other bits
+    NodeState(negative, 2, []).save(contexts[1])
+    zero, minus = (ctx.state[STATE_RECORD][STATE_MODEL] for ctx in contexts[:2])
+    assert zero is not minus and zero != minus
+    assert torch.equal(
+        NodeState.load(contexts[1], 64).model.view(torch.int32), negative.view(torch.int32)
+    )
+    negative.add_(1.0)  # changed in place after it was stored: not taken for the last copy
+    NodeState(negative, 3, []).save(contexts[2])
+    assert torch.equal(NodeState.load(contexts[2], 64).model, torch.ones(64))
+
+
 def test_a_model_of_another_size_is_dropped_but_the_history_kept() -> None:
     ctx = _context()
     NodeState(torch.zeros(10), 2, [(1.0, 0.5, 3)]).save(ctx)
