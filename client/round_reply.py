@@ -177,9 +177,10 @@ def selected_payload(
 
 
 def _nanmean(losses: Sequence[float]) -> float:
-    """``float(np.nanmean(losses))``, bit for bit: below 8 values numpy adds them one by one
-    (at 8 and more, pairwise: numpy's own), and the call costs 0.1 ms a client."""
-    if len(losses) >= 8:
+    """``float(np.nanmean(losses))``, bit for bit: below 8 Python floats numpy adds them one
+    by one (from 8 on it sums pairwise, other types in their own precision: numpy then runs),
+    and the call costs 0.1 ms a client."""
+    if len(losses) >= 8 or not all(type(x) is float for x in losses):  # numpy's own
         return float(np.nanmean(losses))
     kept = [float(x) for x in losses if not math.isnan(x)]
     if not kept:

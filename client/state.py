@@ -87,25 +87,25 @@ def residual_vector(raw: bytes, numel: int) -> torch.Tensor:
     return torch.from_numpy(values)
 
 
-#: The model copy a node of this process stored last, and the tensor (with its in-place
-#: version counter) it was made from: nodes that hold equal copies (a simulated population
-#: after a dense downlink) store one bytes object, not one each.
-_LAST_MODEL: tuple[bytes, torch.Tensor | None, int] = (b"", None, -1)
+#: The model copy a node of this process stored last, and a private copy of the tensor it was
+#: made from (no one else holds it, so nothing writes it): nodes that hold equal copies (a
+#: simulated population after a dense downlink) store one bytes object, not one each.
+_LAST_MODEL: tuple[bytes, torch.Tensor | None] = (b"", None)
 #: The model tensor a node of this process loaded last, and the bytes object it came from.
 _LAST_LOADED: tuple[bytes, torch.Tensor] | None = None
 
 
 def _shared_bytes(model: torch.Tensor) -> bytes:
     """``residual_bytes(model)``, the same object as the last stored copy when equal (not
-    even copied when ``model`` equals, bit for bit, the tensor stored last, unchanged since)."""
+    even copied when ``model`` holds the same bits as the model stored last)."""
     global _LAST_MODEL
-    last, tensor, version = _LAST_MODEL
-    if tensor is not None and tensor._version == version and _same_bits(model, tensor):
+    last, kept = _LAST_MODEL
+    if kept is not None and _same_bits(model, kept):
         return last
     raw = residual_bytes(model)
     if raw != last:
         last = raw
-    _LAST_MODEL = (last, model, model._version)
+    _LAST_MODEL = (last, model.detach().to("cpu", torch.float32, copy=True))
     return last
 
 

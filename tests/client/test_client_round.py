@@ -110,3 +110,5 @@ def test_the_reported_train_loss_is_numpys_nanmean_bit_for_bit() -> None:
             want = float(np.nanmean(losses))
         got = _nanmean(losses)
         assert (math.isnan(got) and math.isnan(want)) or got.hex() == want.hex(), losses
+    narrow = [np.float32(0.1), np.float32(0.2), np.float32(0.7)]  # numpy's float32 mean
+    assert _nanmean(narrow) == float(np.nanmean(narrow)) != sum(map(float, narrow)) / 3
