@@ -47,7 +47,7 @@ def train_population(batch: Sequence[tuple[Message, Context]]) -> list[Message]:
 
 def _train_once(batch: Sequence[tuple[Message, Context]]) -> list[Message]:
     """``train_population`` for messages to distinct nodes."""
-    threads = torch.get_num_threads()  # prepare_train takes one; the batch the caller's
+    threads = torch.get_num_threads()  # the vectorised step's; preparing and finishing take one
     replies: list[Message | None] = [None] * len(batch)
     prepared: dict[int, PreparedTrain] = {}
     for i, (msg, context) in enumerate(batch):
@@ -60,14 +60,15 @@ def _train_once(batch: Sequence[tuple[Message, Context]]) -> list[Message]:
             replies[i] = _finish_alone(ready)
         else:
             prepared[i] = ready
-    torch.set_num_threads(threads)
     models = {id(ready.reusable): ready.reusable for ready in prepared.values()}
     for key, reusable in models.items():  # one run: one process model
         group = {i: ready for i, ready in prepared.items() if id(ready.reusable) == key}
         with reusable.lock:
+            torch.set_num_threads(threads)
             results = population_round_settled(
                 [ready.call for ready in group.values()], model=reusable.model
             )
+        torch.set_num_threads(1)  # finishing a message: one thread, as the ClientApp's
         for (i, ready), result in zip(group.items(), results, strict=True):
             if isinstance(result, Exception):  # as train: one fixed error, named nothing
                 replies[i] = error_reply(ready.msg, released_error(result, data_read=True))
@@ -76,6 +77,7 @@ def _train_once(batch: Sequence[tuple[Message, Context]]) -> list[Message]:
                 replies[i] = finish_train(ready, result)
             except Exception as err:
                 replies[i] = error_reply(ready.msg, err)
+    torch.set_num_threads(threads)
     assert all(r is not None for r in replies)
     return replies  # type: ignore[return-value]
 

@@ -19,7 +19,12 @@ from fedsparse.lab.cli.utils import (
     console,
     parse_sets,
 )
-from fedsparse.lab.launch.backends import BACKEND_ALIASES, BACKEND_HELP, BACKENDS
+from fedsparse.lab.launch.backends import (
+    AUTO,
+    BACKEND_ALIASES,
+    BACKEND_CHOICE_HELP,
+    BACKEND_CHOICES,
+)
 
 __all__ = ["frontier"]
 
@@ -58,7 +63,7 @@ def frontier(
         ),
     ] = 0,
     clients: Annotated[int, Opt(help="clients (SuperNodes) per run")] = 10,
-    backend: Annotated[str, Opt(help=BACKEND_HELP)] = "inprocess",
+    backend: Annotated[str, Opt(help=BACKEND_CHOICE_HELP)] = AUTO,
     jobs: Annotated[int, Opt(help="runs at a time")] = 1,
     timeout: Annotated[float, Opt(help="seconds per simulation run")] = 3600.0,
     runs_dir: Annotated[Path | None, Opt(help="per-run directories (default OUT/runs)")] = None,
@@ -69,6 +74,8 @@ def frontier(
     values) tuned on validation, then run at its best with paired seeds; each compared with
     the first arm (dense fp32), verdict "within 1 point" from its 95% interval.
 
+    --backend auto (the default) trains each new run on population and keeps a run folder's
+    finished run on the backend that ran it (the committed frontier's: inprocess).
     A runs-dir that holds runs is refused unless --resume (an interrupted frontier resumes:
     finished runs of the same inputs are reused) or --overwrite (start over). The committed
     frontier: docs/frontier.
@@ -103,7 +110,7 @@ def frontier(
         arms = [parse_arm(a) for a in arm] if arm else [dict(a) for a in DEFAULT_ARMS]
         tuning = parse_grid(tune) if tune else {k: list(v) for k, v in DEFAULT_TUNE.items()}
         settings = RunSettings(
-            backend=choice("backend", backend, BACKENDS, aliases=BACKEND_ALIASES),
+            backend=choice("backend", backend, BACKEND_CHOICES, aliases=BACKEND_ALIASES),
             clients=clients,
             timeout=timeout,
         )

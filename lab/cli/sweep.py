@@ -25,7 +25,12 @@ from fedsparse.lab.cli.utils import (
     parse_sets,
     rate,
 )
-from fedsparse.lab.launch.backends import BACKEND_ALIASES, BACKEND_HELP, BACKENDS
+from fedsparse.lab.launch.backends import (
+    AUTO,
+    BACKEND_ALIASES,
+    BACKEND_CHOICE_HELP,
+    BACKEND_CHOICES,
+)
 
 __all__ = ["sweep"]
 
@@ -38,7 +43,7 @@ def sweep(
     set_: Annotated[list[str] | None, Opt("--set", help="fixed override key=value")] = None,
     seeds: Annotated[int, Opt(help="seeds per config: base+0..N-1 (base: --set seed)")] = 1,
     clients: Annotated[int, Opt(help="clients (SuperNodes) per run")] = 10,
-    backend: Annotated[str, Opt(help=BACKEND_HELP)] = "flower",
+    backend: Annotated[str, Opt(help=BACKEND_CHOICE_HELP)] = AUTO,
     jobs: Annotated[int, Opt(help="runs at a time")] = 1,
     timeout: Annotated[float, Opt(help="seconds per simulation run")] = 3600.0,
     cpus_per_client: Annotated[float, Opt(help="Ray CPUs per virtual client")] = 1.0,
@@ -82,7 +87,10 @@ def sweep(
     its own best on the test split with --seeds paired seeds, and the report compares every
     arm with the first, best vs best, with 95% intervals (lab/experiments/tuning.py).
 
-    --backend ray runs every run on one local Ray cluster and one set of workers
+    --backend auto (the default) trains each new run on population (in process, each round
+    vectorised across the clients; ray-population with --ray-address or GPUs) and keeps a
+    run folder's finished run on the backend that ran it, so a recorded sweep is reused as
+    it ran. --backend ray runs every run on one local Ray cluster and one set of workers
     (lab/simulation/raygrid.py), one run at a time (--jobs 1): each run uses every worker;
     --backend ray-population alike, each worker's share of a round trained vectorised.
     A runs-dir that holds runs is refused unless --resume (finished runs with the same config,
@@ -112,7 +120,7 @@ def sweep(
 
     try:
         settings = RunSettings(
-            backend=choice("backend", backend, BACKENDS, aliases=BACKEND_ALIASES),
+            backend=choice("backend", backend, BACKEND_CHOICES, aliases=BACKEND_ALIASES),
             clients=clients,
             cpus_per_client=cpus_per_client,
             gpus_per_client=gpus_per_client,

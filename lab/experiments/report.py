@@ -163,7 +163,7 @@ def link_label(settings: RunSettings) -> str:
         for name, bps in (("up", settings.uplink_bps), ("down", settings.downlink_bps))
         if bps is not None
     ]
-    return f"{settings.backend}" + (f", {', '.join(rates)} per node" if rates else "")
+    return settings.label + (f", {', '.join(rates)} per node" if rates else "")
 
 
 def plot_final_accuracy(plan: SweepPlan, summary: Sequence[Mapping[str, Any]], path: Path) -> None:

@@ -40,10 +40,11 @@ from fedsparse.lab.experiments.sweep_backends import (
     RunSettings,
     ray_session,
     run_backend,
+    share_cpus,
     standalone_command,
 )
 from fedsparse.lab.experiments.sweep_plan import SweepPlan, SweepRun
-from fedsparse.lab.launch.backends import backend_name, traits
+from fedsparse.lab.launch.backends import backend_name
 from fedsparse.lab.launch.processes import request_stop
 from fedsparse.lab.launch.run_dir import RunInputs, claim, data_digest
 
@@ -81,7 +82,7 @@ def _identity(run: SweepRun, settings: RunSettings) -> dict[str, Any]:
         "data": _data_digest(cfg.dataset, cfg.data_dir, cfg.seed),
         "plugins": RunInputs.of_run(clients=0, backend="", data="", run_config=config).plugins,
     }
-    if traits(settings.backend).shaped_links:  # part of what a deployed run measured
+    if settings.backend_traits.shaped_links:  # part of what a deployed run measured
         identity |= {"uplink_bps": settings.uplink_bps, "downlink_bps": settings.downlink_bps}
     return identity
 
@@ -187,6 +188,7 @@ def execute_run(run: SweepRun, run_dir: Path, settings: RunSettings) -> dict[str
     The row has ``status`` ``ok`` or ``failed``; a failure's message is in ``error`` (one
     line) and in full in ``<run_dir>/error.txt``.
     """
+    settings = settings.for_folder(run_dir)  # auto: the backend of the run the folder holds
     identity = _identity(run, settings)
     found = _reusable(run_dir, identity)
     if found is not None:
@@ -223,7 +225,7 @@ def check_jobs(settings: RunSettings, jobs: int) -> None:
     """
     if jobs < 1:
         raise ValueError(f"jobs={jobs}: expected >= 1")
-    if jobs > 1 and traits(settings.backend).cluster:
+    if jobs > 1 and settings.backend_traits.cluster:
         raise ValueError(
             f"jobs={jobs}: expected 1 with backend={settings.backend!r} (each run trains on "
             "every Ray worker)"
@@ -231,8 +233,13 @@ def check_jobs(settings: RunSettings, jobs: int) -> None:
 
 
 def _executor(settings: RunSettings, jobs: int) -> Executor:
-    if traits(settings.backend).in_process:  # process globals: one process per job
-        return ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("spawn"))
+    if settings.backend_traits.in_process:  # process globals: one process per job
+        return ProcessPoolExecutor(
+            max_workers=jobs,
+            mp_context=get_context("spawn"),
+            initializer=share_cpus,  # a vectorised run's threads: its share of the CPUs
+            initargs=(jobs,),
+        )
     return ThreadPoolExecutor(max_workers=jobs)  # each run already lives in subprocesses
 
 

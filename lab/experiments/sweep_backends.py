@@ -14,36 +14,56 @@
   (``RayWorkers(vectorised=True)``);
 - ``deploy``: a loopback deployment (``run_deployment``: TLS, authenticated SuperNodes),
   optionally on shaped links (``uplink_bps``/``downlink_bps``).
+
+``RunSettings.backend`` may also be ``auto`` (the default of sweep, frontier and reproduce):
+``for_folder`` then gives each run its backend, the one that ran the finished run its folder
+holds, else ``fresh``'s (``population``; ``ray-population`` with a cluster address or GPUs).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
+import json
 import math
+import os
 import shlex
 import time
 from collections.abc import Iterator, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from fedsparse.common.wire.run_log import RunSummary
     from fedsparse.lab.simulation.rayworkers import RayWorkers
 
-from fedsparse.lab.launch.backends import BACKENDS, Backend, backend_args, backend_name, traits
+from fedsparse.lab.launch.backends import (
+    AUTO,
+    BACKENDS,
+    Backend,
+    BackendTraits,
+    auto_backend,
+    backend_args,
+    backend_name,
+    is_auto,
+    traits,
+)
 from fedsparse.lab.launch.flower import flower_logs_in_this_process
 
-__all__ = ["RunSettings", "ray_session", "run_backend", "standalone_command"]
+__all__ = ["RunSettings", "ray_session", "run_backend", "share_cpus", "standalone_command"]
 
 
 @dataclass(frozen=True, kw_only=True)
 class RunSettings:
-    """How each run executes (not part of the run config; ``clients`` is part of a run's id)."""
+    """How each run executes (not part of the run config; ``clients`` is part of a run's id).
 
-    backend: Backend = "flower"
+    ``backend`` is a ``BACKENDS`` name or ``auto``: each run's own is then ``for_folder``'s.
+    """
+
+    backend: Backend | str = "flower"
     clients: int = 10
     cpus_per_client: float = 1.0
     gpus_per_client: float = 0.0  # flower and ray only: Ray GPUs per client trained
@@ -54,16 +74,18 @@ class RunSettings:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "backend", backend_name(self.backend))  # an older spelling
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend={self.backend!r}: expected one of {', '.join(BACKENDS)}")
+        if self.backend not in BACKENDS and not is_auto(self.backend):
+            raise ValueError(
+                f"backend={self.backend!r}: expected one of {', '.join(BACKENDS)} or {AUTO}"
+            )
         for name in ("uplink_bps", "downlink_bps"):
             value = getattr(self, name)
-            if value is not None and not traits(self.backend).shaped_links:
+            if value is not None and not self.backend_traits.shaped_links:
                 raise ValueError(
                     f"{name.replace('_bps', '-rate')}: shaped links need --backend deploy "
                     f"(backend={self.backend!r})"
                 )
-        if self.ray_address and not traits(self.backend).cluster:
+        if self.ray_address and not self.backend_traits.cluster:
             raise ValueError(
                 f"ray-address {self.ray_address}: a cluster address needs --backend ray or "
                 f"ray-population "
@@ -75,13 +97,66 @@ class RunSettings:
             raise ValueError(f"cpus_per_client={self.cpus_per_client}: expected > 0")
         if not (math.isfinite(self.gpus_per_client) and self.gpus_per_client >= 0):
             raise ValueError(f"gpus_per_client={self.gpus_per_client}: expected >= 0")
-        if self.gpus_per_client > 0 and not traits(self.backend).gpus:
+        if self.gpus_per_client > 0 and not self.backend_traits.gpus:
             raise ValueError(
                 f"gpus-per-client: GPUs need --backend flower, ray or ray-population "
                 f"(backend={self.backend!r})"
             )
         if not self.timeout > 0:
             raise ValueError(f"timeout={self.timeout}: expected > 0")
+
+    @property
+    def fresh_backend(self) -> Backend:
+        """The backend a new run trains on: ``backend``, or ``auto_backend``'s for ``auto``."""
+        if is_auto(self.backend):
+            return auto_backend(cluster=bool(self.ray_address), gpus=self.gpus_per_client > 0)
+        return self.backend  # type: ignore[return-value]
+
+    @property
+    def backend_traits(self) -> BackendTraits:
+        """The traits of ``fresh_backend`` (what a new run's backend runs)."""
+        return traits(self.fresh_backend)
+
+    @property
+    def label(self) -> str:
+        """The backend as a report names it (``auto`` with the backend of its new runs)."""
+        if is_auto(self.backend):
+            return f"{AUTO} (new runs: {self.fresh_backend})"
+        return str(self.backend)
+
+    def for_folder(self, run_dir: Path) -> RunSettings:
+        """These settings for the run in ``run_dir``, with a backend of ``BACKENDS``: under
+        ``auto``, the backend that ran the finished run ``run_dir`` holds (its
+        ``sweep-run.json``; reuse and the refusal of other inputs compare with it), else
+        ``fresh_backend``; any other backend as it is."""
+        if not is_auto(self.backend):
+            return self
+        recorded = None
+        try:
+            record = json.loads((Path(run_dir) / "sweep-run.json").read_text())
+        except (OSError, ValueError):
+            record = None
+        if isinstance(record, dict) and record.get("status") == "ok":
+            name = record.get("backend")
+            recorded = backend_name(name) if isinstance(name, str) else None
+        if recorded in BACKENDS:
+            try:  # the recorded backend, where these settings fit it (else a fresh run's)
+                return dataclasses.replace(self, backend=recorded)
+            except ValueError:
+                pass
+        return dataclasses.replace(self, backend=self.fresh_backend)
+
+
+#: torch's threads for a vectorised run in this process: a sweep's job process gets its share
+#: of the CPUs (``share_cpus``); None: every CPU the process may use.
+_JOB_THREADS: int | None = None
+
+
+def share_cpus(jobs: int) -> None:
+    """Gives this process (one of ``jobs`` running at once) its share of the CPUs for a
+    vectorised run: a process pool's initializer."""
+    global _JOB_THREADS
+    _JOB_THREADS = max(1, len(os.sched_getaffinity(0)) // max(1, jobs))
 
 
 def _run_inprocess(overrides: Mapping[str, str], out: Path, settings: RunSettings) -> RunSummary:
@@ -92,10 +167,20 @@ def _run_inprocess(overrides: Mapping[str, str], out: Path, settings: RunSetting
     from fedsparse.server.app import run_federated
 
     cfg = FederatedConfig.from_run_config({**overrides, "out-dir": str(out)})
-    grid_class = PopulationGrid if traits(settings.backend).vectorised else InProcessGrid
-    grid = grid_class(client_app, num_nodes=settings.clients, run_config=cfg.to_run_config())
-    with flower_logs_in_this_process():
-        return run_federated(grid, cfg)
+    common: dict[str, Any] = {
+        "num_nodes": settings.clients,
+        "run_config": cfg.to_run_config(),
+        "stop_at": time.monotonic() + settings.timeout,  # checked between rounds
+    }
+    if settings.backend_traits.vectorised:
+        grid: InProcessGrid = PopulationGrid(client_app, threads=_JOB_THREADS, **common)
+    else:
+        grid = InProcessGrid(client_app, **common)
+    try:
+        with flower_logs_in_this_process():
+            return run_federated(grid, cfg)
+    except TimeoutError as err:
+        raise RuntimeError(f"timeout={settings.timeout:g} s: {err}") from err
 
 
 @dataclass
@@ -124,7 +209,7 @@ class _RaySession:
                     client_app,
                     cpus_per_client=self.settings.cpus_per_client,
                     gpus_per_client=self.settings.gpus_per_client,
-                    vectorised=traits(self.settings.backend).vectorised,
+                    vectorised=self.settings.backend_traits.vectorised,
                 )
             )
         return self.workers
@@ -201,7 +286,8 @@ def _run_deployment(overrides: Mapping[str, str], out: Path, settings: RunSettin
 
 
 def run_backend(overrides: Mapping[str, str], out: Path, settings: RunSettings) -> RunSummary:
-    """Runs one federation on ``settings.backend``; returns its summary (``summary.json``)."""
+    """Runs one federation on ``settings.fresh_backend`` (``settings.backend``, or ``auto``'s
+    choice for a new run); returns its summary (``summary.json``)."""
     runners = {
         "inprocess": _run_inprocess,
         "flower": _run_flower,
@@ -210,7 +296,7 @@ def run_backend(overrides: Mapping[str, str], out: Path, settings: RunSettings) 
         "ray-population": _run_ray,
         "population": _run_inprocess,
     }
-    return runners[settings.backend](overrides, out, settings)
+    return runners[settings.fresh_backend](overrides, out, settings)
 
 
 def _bits_per_second(rate: float) -> str:
@@ -223,7 +309,7 @@ def standalone_command(overrides: Mapping[str, str], out: Path, settings: RunSet
     federation on its own, into ``out``, as ``run_backend`` runs it; options at their
     defaults left out. A sweep records it in each run's ``summary.json`` (``command``)."""
     sets = [a for key, value in overrides.items() for a in ("--set", f"{key}={value}")]
-    if traits(settings.backend).deployed:
+    if settings.backend_traits.deployed:
         args = ["fedsparse", "deploy", "--out", str(out), "--nodes", str(settings.clients)]
         args += [*sets, "--idle-seconds", "0"]
         for flag, rate in (
@@ -234,7 +320,7 @@ def standalone_command(overrides: Mapping[str, str], out: Path, settings: RunSet
     else:
         args = ["fedsparse", "simulate", "--out", str(out), "--clients", str(settings.clients)]
         args += [*sets]
-        args += backend_args(settings.backend)
+        args += backend_args(settings.fresh_backend)
         if settings.cpus_per_client != 1.0:
             args += ["--cpus-per-client", f"{settings.cpus_per_client:g}"]
         if settings.gpus_per_client:

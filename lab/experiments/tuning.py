@@ -449,7 +449,7 @@ def run_tuned_sweep(
             console.print(f"{choice.label or 'default'}: best {point_label(choice.best)}")
         console.print(
             f"[bold]{len(plan.runs)} runs[/] ({len(plan.runs) // seeds} configs x {seeds} "
-            f"seeds, {clients} clients, {settings.backend}); run directories under {runs_dir}"
+            f"seeds, {clients} clients, {settings.label}); run directories under {runs_dir}"
         )
     try:
         rows = run_sweep(plan, runs_dir=runs_dir, settings=settings, jobs=jobs, console=console)

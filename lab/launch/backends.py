@@ -10,23 +10,34 @@ share of a round vectorised, as ``population`` does: ``RayWorkers(vectorised=Tru
 spellings stay accepted through ``BACKEND_ALIASES`` (``simulation``: the sweep's old name of
 Flower's engine). Nothing to import here but the names, so the command line's help reads them
 at no cost.
+
+``auto`` (``AUTO``, the default of ``fedsparse sweep``, ``frontier`` and ``reproduce``) is a
+choice, not a backend: a run folder that holds a finished run keeps the backend that ran it
+(its numbers, and so its reuse, belong to that backend), and a new run goes to
+``auto_backend``: ``population``, or ``ray-population`` where the settings ask for a Ray
+cluster or GPUs.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Final, Literal
 
 __all__ = [
+    "AUTO",
     "BACKENDS",
     "BACKEND_ALIASES",
+    "BACKEND_CHOICES",
+    "BACKEND_CHOICE_HELP",
     "BACKEND_HELP",
     "BACKEND_TRAITS",
     "DEFAULT_BACKEND",
     "Backend",
     "BackendTraits",
+    "auto_backend",
     "backend_args",
     "backend_name",
+    "is_auto",
     "traits",
 ]
 
@@ -42,11 +53,21 @@ BACKENDS: tuple[Backend, ...] = (
 )
 #: Older names of backends, accepted wherever a backend is named.
 BACKEND_ALIASES: dict[str, Backend] = {"simulation": "flower"}
+#: The choice of backend by run folder and settings (this module's docstring).
+AUTO: Final = "auto"
+#: What the commands that run many federations (sweep, frontier, reproduce) take as
+#: ``--backend``: a backend, or ``AUTO``.
+BACKEND_CHOICES: tuple[str, ...] = (*BACKENDS, AUTO)
 #: The backends as the commands' ``--backend`` help names them.
 BACKEND_HELP = (
     "flower (alias simulation): Flower's engine | inprocess | deploy | ray | population "
     "(in process, training vectorised across clients) | ray-population (vectorised on each "
     "Ray worker)"
+)
+#: ``BACKEND_HELP`` for the commands that also take ``AUTO``.
+BACKEND_CHOICE_HELP = (
+    f"{BACKEND_HELP} | auto: a folder's finished run keeps the backend that ran it, a new run "
+    "trains on population (ray-population with --ray-address or GPUs)"
 )
 
 
@@ -109,3 +130,14 @@ def backend_args(name: str) -> list[str]:
     """The ``fedsparse simulate`` arguments that select ``name`` (none for the default)."""
     name = backend_name(name)
     return [] if name == DEFAULT_BACKEND else ["--backend", name]
+
+
+def auto_backend(*, cluster: bool = False, gpus: bool = False) -> Backend:
+    """The backend ``AUTO`` gives a new run: ``population``, or ``ray-population`` where the
+    run needs a Ray cluster (``cluster``: an address) or GPUs (``gpus``)."""
+    return "ray-population" if cluster or gpus else "population"
+
+
+def is_auto(name: str) -> bool:
+    """Whether ``name`` is the ``AUTO`` choice rather than a backend."""
+    return name == AUTO

@@ -10,6 +10,7 @@ from the payload and the known framing; a test keeps it equal to the serialized 
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 from uuid import uuid4
@@ -39,6 +40,8 @@ class InProcessGrid(LocalGrid):
             ``SIMULATION_NODE_POLICY`` (seeded noise, no ledger, everything allowed and
             released); ``{"ledger-dir": ...}`` gives a deployed node's defaults.
         run_id: the run id every node's Context carries.
+        stop_at: a ``time.monotonic()`` deadline for the whole run: a pull after it raises
+            ``TimeoutError`` (a round under way is not cut; None: no deadline).
     """
 
     def __init__(
@@ -51,8 +54,10 @@ class InProcessGrid(LocalGrid):
         overrides: Mapping[int, ClientFn] | None = None,
         node_config: Mapping[str, Any] | None = None,
         run_id: int = 1,
+        stop_at: float | None = None,
     ) -> None:
         super().__init__()
+        self._stop_at = stop_at
         ids = default_node_ids(node_ids, num_nodes)
         self._client_app = client_app
         self._overrides = dict(overrides or {})
@@ -89,7 +94,13 @@ class InProcessGrid(LocalGrid):
             ids.append(msg.metadata.message_id)
         return ids
 
+    def check_deadline(self) -> None:
+        """Raises ``TimeoutError`` once the run's ``stop_at`` has passed."""
+        if self._stop_at is not None and time.monotonic() > self._stop_at:
+            raise TimeoutError("the run's deadline passed before a round's replies were pulled")
+
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:  # noqa: D102
+        self.check_deadline()
         replies = []
         for message_id in message_ids:
             msg = self._pending.pop(message_id)

@@ -63,19 +63,28 @@ def train_together(
 
 
 class PopulationGrid(InProcessGrid):
-    """``InProcessGrid`` (same arguments) answering a pull's train messages in one batch."""
+    """``InProcessGrid`` (same arguments) answering a pull's train messages in one batch.
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    Args:
+        threads: torch's threads for the vectorised step; None: every CPU this process may
+            use (a sweep running several jobs gives each its share).
+    """
+
+    def __init__(self, *args: Any, threads: int | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        if threads is not None and threads < 1:
+            raise ValueError(f"threads={threads}: expected >= 1")
+        self._threads = threads
         warm_up()
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:  # noqa: D102
         ids = list(message_ids)
+        self.check_deadline()
         if self._client_app is not fedsparse_app:  # another app: one message at a time
             return super().pull_messages(ids)
         batch = [i for i in ids if batched(self._pending[i], self._overrides)]
         messages = [self._pending.pop(message_id) for message_id in batch]
-        threads = len(os.sched_getaffinity(0))
+        threads = self._threads or len(os.sched_getaffinity(0))
         answers = train_together(messages, self._contexts, threads=threads)
         answered = dict(zip(batch, answers, strict=True))
         rest = iter(super().pull_messages([i for i in ids if i not in answered]))

@@ -325,3 +325,37 @@ def test_on_cuda_each_client_gets_what_client_round_gives_it_there(
         for result, call in zip(got, calls, strict=True):
             assert result.reply.update  # bytes, from weights brought back to the CPU
             _assert_same(result, _alone(call), loss_rel=CLOSE)
+
+
+def test_the_vectorised_step_takes_the_callers_threads_and_a_clients_reply_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A reply is elementwise work on one model's values: at one thread, as the ClientApp
+    # takes; threads waiting on a busy core cost more than they share (a sweep's jobs).
+    from fedsparse.client import population
+
+    seen: dict[str, list[int]] = {"step": [], "reply": []}
+    step, reply = population_step.train_chunk, population.round_reply
+
+    def counted_step(*args: Any, **kwargs: Any) -> torch.Tensor:
+        seen["step"].append(torch.get_num_threads())
+        return step(*args, **kwargs)
+
+    def counted_reply(*args: Any, **kwargs: Any) -> Any:
+        seen["reply"].append(torch.get_num_threads())
+        return reply(*args, **kwargs)
+
+    monkeypatch.setattr(population, "train_chunk", counted_step)
+    monkeypatch.setattr(population, "round_reply", counted_reply)
+    run = cfg(**FIXED)
+    calls = _calls(run)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got = population_round(calls, model=process_model(run.model_name, run.seed).model)
+        assert torch.get_num_threads() == 2  # the caller's, given back
+    finally:
+        torch.set_num_threads(before)
+    assert seen == {"step": [2], "reply": [1] * CLIENTS}
+    for result, call in zip(got, calls, strict=True):
+        _assert_same(result, _alone(call))

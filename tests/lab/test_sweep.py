@@ -392,6 +392,103 @@ def test_a_run_recorded_under_an_older_backend_name_is_reused(
     assert run_sweep(plan, runs_dir=run_dir.parent, settings=settings)[0]["reused"]
 
 
+def test_the_default_backend_trains_a_new_run_on_population_with_inprocess_numbers(
+    swept: Path, tmp_path: Path
+) -> None:
+    # No --backend: auto. A new run trains vectorised (population) and records that backend
+    # and the line that reruns it; its bytes equal inprocess's run of the same cell exactly,
+    # its accuracy to float32 rounding (client/population.py).
+    out = tmp_path / "auto"
+    args = ["sweep", "--out", str(out), "--grid", "final-rate=0.9", "--set", "num-rounds=2"]
+    result = CliRunner().invoke(app, [*args, "--clients", "3"], env=ENV)
+    assert result.exit_code == 0, result.output
+    (row,) = read_csv(out / "results.csv")
+    run_dir = out / "runs" / row["slug"]
+    assert json.loads((run_dir / "sweep-run.json").read_text())["backend"] == "population"
+    command = shlex.split(json.loads((run_dir / "summary.json").read_text())["command"])
+    assert command[command.index("--backend") + 1] == "population"
+    assert "--backend auto" in (out / "report.md").read_text()
+    assert "auto (new runs: population)" in (out / "report.md").read_text()
+    (reference,) = [r for r in read_csv(swept / "results.csv") if r["slug"] == row["slug"]]
+    for key in INT_METRICS:
+        assert row[key] == reference[key], key
+    assert float(row["epsilon_max"]) == pytest.approx(float(reference["epsilon_max"]), rel=1e-12)
+    # float32 rounding may flip an example on the boundary: two of digits' 360 test examples
+    gap = abs(float(row["final_test_accuracy"]) - float(reference["final_test_accuracy"]))
+    assert gap <= 2 / 360 + 1e-12
+
+
+def test_auto_keeps_a_folders_finished_run_on_the_backend_that_ran_it(
+    monkeypatch: pytest.MonkeyPatch, swept: Path, tmp_path: Path
+) -> None:
+    # A recorded sweep (inprocess, or Flower's engine under its old name) is reused under
+    # auto; another config in such a folder is refused by that key, not by the backend; an
+    # empty folder runs on population.
+    ran: list[tuple[str, str]] = []
+
+    def fake(overrides, out, settings):
+        ran.append((out.name, settings.fresh_backend))
+        raise RuntimeError("ran")
+
+    monkeypatch.setattr(sweep_mod, "run_backend", fake)
+    src = swept / "runs" / "final-rate-0_seed-0"
+    record = json.loads((src / "sweep-run.json").read_text())
+    assert record["backend"] == "inprocess"
+    plan = plan_sweep({"final-rate": ["0"]}, {"num-rounds": "2"}, seeds=1)
+    auto = RunSettings(backend="auto", clients=3)
+    for name, backend in (("inprocess", "inprocess"), ("old-name", "simulation")):
+        run_dir = tmp_path / name / src.name
+        run_dir.mkdir(parents=True)
+        (run_dir / "summary.json").write_bytes((src / "summary.json").read_bytes())
+        (run_dir / "sweep-run.json").write_text(json.dumps({**record, "backend": backend}))
+        (row,) = run_sweep(plan, runs_dir=run_dir.parent, settings=auto)
+        assert row["status"] == "ok" and row["reused"], row
+    lr = plan_sweep({"final-rate": ["0"]}, {"num-rounds": "2", "lr": "0.1"}, seeds=1)
+    (row,) = run_sweep(lr, runs_dir=tmp_path / "inprocess", settings=auto)
+    assert row["status"] == "failed" and "lr=0.25, this sweep's has lr=0.1" in row["error"]
+    assert ran == []  # nothing was rerun over a finished run
+    (row,) = run_sweep(plan, runs_dir=tmp_path / "new", settings=auto)
+    assert row["status"] == "failed" and ran == [(src.name, "population")]
+    # a failed run's folder is not a finished run: it runs again, on auto's choice
+    (row,) = run_sweep(plan, runs_dir=tmp_path / "new", settings=auto)
+    assert ran[-1] == (src.name, "population")
+
+
+def test_auto_picks_ray_population_for_a_cluster_or_gpus_and_refuses_shaped_links() -> None:
+    assert RunSettings(backend="auto").fresh_backend == "population"
+    assert RunSettings(backend="auto").backend_traits.in_process
+    cluster = RunSettings(backend="auto", ray_address="auto")
+    assert cluster.fresh_backend == "ray-population" and cluster.backend_traits.cluster
+    assert RunSettings(backend="auto", gpus_per_client=0.5).fresh_backend == "ray-population"
+    with pytest.raises(ValueError, match=r"uplink-rate: shaped links need --backend deploy"):
+        RunSettings(backend="auto", uplink_bps=1e6)
+    with pytest.raises(ValueError, match="jobs=2: expected 1 with backend='auto'"):
+        sweep_mod.check_jobs(cluster, 2)
+    assert RunSettings(backend="inprocess").for_folder(Path("/nonexistent")).backend == "inprocess"
+    assert RunSettings(backend="auto").for_folder(Path("/nonexistent")).backend == "population"
+
+
+@pytest.mark.parametrize("backend", ["inprocess", "population"])
+def test_an_in_process_run_past_its_timeout_fails_with_it(backend: str, tmp_path: Path) -> None:
+    # In process the deadline is checked when a round's replies are pulled: round 1 here.
+    plan = plan_sweep({}, {"num-rounds": "2"}, seeds=1)
+    settings = RunSettings(backend=backend, clients=2, timeout=1e-6)
+    (row,) = run_sweep(plan, runs_dir=tmp_path / "runs", settings=settings)
+    assert row["status"] == "failed", row
+    assert "timeout=1e-06 s: the run's deadline passed" in row["error"], row["error"]
+
+
+def test_a_job_process_gets_its_share_of_the_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fedsparse.lab.experiments import sweep_backends
+
+    monkeypatch.setattr(sweep_backends.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4})
+    monkeypatch.setattr(sweep_backends, "_JOB_THREADS", None)
+    sweep_backends.share_cpus(2)
+    assert sweep_backends._JOB_THREADS == 2
+    sweep_backends.share_cpus(8)
+    assert sweep_backends._JOB_THREADS == 1
+
+
 def test_a_failed_run_is_recorded_and_the_others_go_on(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

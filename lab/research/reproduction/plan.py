@@ -167,7 +167,7 @@ class FederatedStudy:
                 "fedsparse sweep",
                 f"--grid final-rate={','.join(f'{r:g}' for r in self.rates)}",
                 *(f"--set {s}" for s in sets),
-                f"--seeds {self.seeds} --clients {self.clients} --backend inprocess",
+                f"--seeds {self.seeds} --clients {self.clients} --backend auto",
                 *(f"--tune {k}={','.join(v)}" for k, v in self.tune.items()),
                 f"--tune-seeds {self.tune_seeds}",
             ]

@@ -157,6 +157,7 @@ def run_federated_study(
     from fedsparse.lab.experiments.report import write_outputs
     from fedsparse.lab.experiments.sweep_backends import RunSettings
     from fedsparse.lab.experiments.tuning import render_tuning, run_tuned_sweep
+    from fedsparse.lab.launch.backends import AUTO
 
     fixed = {
         "dataset": study.dataset,
@@ -165,7 +166,8 @@ def run_federated_study(
         **dict(study.extra),
     }
     tune = study.tune
-    settings = RunSettings(backend="inprocess", clients=study.clients)
+    # auto: population for a new run; a recorded run folder keeps the backend that ran it
+    settings = RunSettings(backend=AUTO, clients=study.clients)
     sweep_out = out / study.name
     if log:
         log(f"{study.name}: federated tuned sweep ({study.command})")
