@@ -210,31 +210,32 @@ def _population(
             results[i] = err
     pending = _chunks(clients, layout.numel, chunk_bytes)
     threads = torch.get_num_threads()  # the vectorised step's; a client's reply takes one
-    while pending:
-        chunk = pending.pop(0)
-        try:
+    try:
+        while pending:
+            chunk = pending.pop(0)
             torch.set_num_threads(threads)
-            trained = train_chunk(chunk, model, layout)
-        except Exception as err:
-            if not return_exceptions:
-                raise
-            if len(chunk) == 1:
-                results[chunk[0].index] = err
-            else:  # one client's failure is its own: each again alone, from fresh streams
-                pending[:0] = [[_Client.start(c.index, calls[c.index], layout)] for c in chunk]
-            continue
-        finally:
-            # a client's reply is elementwise work on one model's values: one thread, as the
-            # ClientApp takes (threads waiting on a busy core cost more than they share)
-            torch.set_num_threads(1)
-        for client, weights in zip(chunk, trained, strict=True):
             try:
-                results[client.index] = client.result(calls[client.index], weights)
+                trained = train_chunk(chunk, model, layout)
             except Exception as err:
                 if not return_exceptions:
                     raise
-                results[client.index] = err
-    torch.set_num_threads(threads)
+                if len(chunk) == 1:
+                    results[chunk[0].index] = err
+                else:  # one client's failure is its own: each again alone, from fresh streams
+                    pending[:0] = [[_Client.start(c.index, calls[c.index], layout)] for c in chunk]
+                continue
+            # a client's reply is elementwise work on one model's values: one thread, as the
+            # ClientApp takes (threads waiting on a busy core cost more than they share)
+            torch.set_num_threads(1)
+            for client, weights in zip(chunk, trained, strict=True):
+                try:
+                    results[client.index] = client.result(calls[client.index], weights)
+                except Exception as err:
+                    if not return_exceptions:
+                        raise
+                    results[client.index] = err
+    finally:
+        torch.set_num_threads(threads)
     assert all(r is not None for r in results)
     return results  # type: ignore[return-value]
 

@@ -117,6 +117,10 @@ class FederatedConfig:
     # to central-clip and adds central noise; the clients add none (mechanism noisy, sigma 0)
     dp_level: DPLevel = "sample"
     central_noise_multiplier: float = 1.0
+    # dp-level=user: the user-level epsilon the server calibrates the central sigma for (at
+    # delta, over num-rounds rounds at round 1's users' rate q = clients-per-round / N;
+    # central-noise-multiplier is then not used); 0: off. Not with secure-aggregation=true.
+    central_target_epsilon: float = 0.0
     central_clip: float = 1.0
     central_noise: CentralNoise = "fresh"  # "seeded": reproducible, the noise is not secret
     # dp-level=user without a trusted server: the server decodes only the round's sum, each

@@ -29,7 +29,7 @@ from fedsparse.common.aggregation.robust import l2_norm
 from fedsparse.common.aggregation.sparse import make_aggregator
 from fedsparse.common.config import FederatedConfig
 from fedsparse.common.dp.accounting import compute_epsilon_of_history
-from fedsparse.common.dp.central import central_aggregate
+from fedsparse.common.dp.central import calibrate_central_noise, central_aggregate
 from fedsparse.common.masks import seeded_support
 from fedsparse.common.wire.protocol import client_mask_seed
 from fedsparse.common.wire.run_log import epsilon_stats, noise_range, round_noise
@@ -42,6 +42,7 @@ __all__ = [
     "Candidate",
     "aggregate",
     "aggregate_central",
+    "calibrated_sigma",
     "canonical",
     "round_numbers",
     "round_support",
@@ -215,6 +216,28 @@ def round_support(stats: RoundStats, d: int) -> torch.Tensor | None:
     return None
 
 
+def calibrated_sigma(cfg: FederatedConfig, user_rate: float) -> float:
+    """``central-target-epsilon``'s sigma: spent over ``num-rounds`` rounds at ``user_rate``
+    (``calibrate_central_noise``), logged with what it was calibrated from."""
+    sigma = calibrate_central_noise(
+        target_epsilon=cfg.central_target_epsilon,
+        sample_rate=user_rate,
+        rounds=cfg.num_rounds,
+        delta=cfg.delta,
+        accountant=cfg.accountant,
+    )
+    log(
+        INFO,
+        "central-target-epsilon=%g: central sigma %.6g (q=%.6g, %d rounds, delta=%g)",
+        cfg.central_target_epsilon,
+        sigma,
+        user_rate,
+        cfg.num_rounds,
+        cfg.delta,
+    )
+    return sigma
+
+
 def aggregate_central(
     stats: RoundStats,
     weights: torch.Tensor,
@@ -226,13 +249,16 @@ def aggregate_central(
     user_rate: float,
     expected_users: float,
     generator: torch.Generator,
+    noise_multiplier: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """dp-level=user: DP-FedAvg's clipped sum plus noise over q N (``common/dp/central.py``).
+    """dp-level=user: DP-FedAvg's clipped sum plus noise over q N (``common/dp/central.py``),
+    at ``noise_multiplier`` (``central-noise-multiplier``, or the one calibrated for
+    ``central-target-epsilon``).
 
     Every round is accounted, whether or not anyone answered (conservative): the round is
     added to ``history`` (the accountant's ``(sigma, rate, rounds)`` entries, updated in
     place) at users' sampling rate ``user_rate``."""
-    entry = (cfg.central_noise_multiplier, user_rate, 1)
+    entry = (noise_multiplier, user_rate, 1)
     if history and history[-1][:2] == entry[:2]:
         sigma, rate, rounds = history[-1]
         history[-1] = (sigma, rate, rounds + 1)
@@ -240,7 +266,7 @@ def aggregate_central(
         history.append(entry)
     stats.user_epsilon = (
         math.inf
-        if cfg.central_noise_multiplier == 0
+        if noise_multiplier == 0
         else compute_epsilon_of_history(history, delta=cfg.delta, accountant=cfg.accountant)
     )
     stats.accepted = len(accepted)
@@ -257,7 +283,7 @@ def aggregate_central(
         [(c.values, c.valid.support) for c in accepted],
         support=round_support(stats, d),
         clip=cfg.central_clip,
-        noise_multiplier=cfg.central_noise_multiplier,
+        noise_multiplier=noise_multiplier,
         expected_users=expected_users,
         generator=generator,
         secure=cfg.secure_mode,

@@ -1,9 +1,8 @@
 """``SparseFedAvg``: sparse-aware FedAvg with seed-shared masks, as a Flower ``Strategy``.
 
-It implements Flower 1.39's ``flwr.serverapp.strategy.Strategy`` interface, so it can be
-swapped like any Flower strategy and driven by Flower's own ``Strategy.start`` loop; the
-fedsparse ServerApp drives the same two methods from its round loop (``server/loop.py``) to
-add centralized evaluation, run records and checkpoints.
+It implements Flower 1.39's ``Strategy`` interface, so it can be swapped like any Flower
+strategy and driven by Flower's own ``Strategy.start`` loop; the fedsparse ServerApp drives
+the same two methods from its loop (``server/loop.py``) to add evaluation, records, checkpoints.
 
 * ``configure_train`` computes the round's rate from the schedule and ``keep``, the round's
   mask seed (``protocol.round_seed``), samples clients (``Stream.CLIENT_SELECTION``), and
@@ -26,14 +25,13 @@ add centralized evaluation, run records and checkpoints.
   typed, with the reasons (strings do not fit a ``MetricRecord``).
 
 ``state_dict``/``load_state_dict`` carry what a resumed run needs of the strategy (the
-client-sampling generator, the clients' last epsilons, the failed rounds in a row) through
-the checkpoint (``server/checkpoint.py``); a resumed run's train messages also carry
-``resumed-from``, the checkpoint's round (``client/state.py``).
+client-sampling generator, the clients' last epsilons, the failed rounds in a row, a
+calibrated central sigma) through the checkpoint (``server/checkpoint.py``); a resumed run's
+train messages carry ``resumed-from``, the checkpoint's round (``client/state.py``).
 
-Where Flower's interface does not reach: the strategy needs the previous global model to
-apply a sparse mean (coordinates no client covered stay as they were), so it keeps the model
-it was configured with; and client-side evaluation is not used (``configure_evaluate`` sends
-nothing): clients hold only private training data, and the server evaluates centrally.
+Beyond Flower's interface: a sparse mean needs the previous model (coordinates no client
+covered stay), so it keeps the model it was configured with; there is no client-side
+evaluation (``configure_evaluate`` sends nothing): the server evaluates centrally.
 """
 
 from __future__ import annotations
@@ -53,11 +51,7 @@ from flwr.serverapp.strategy import Strategy
 
 from fedsparse.common.aggregation.norm_bounds import HonestClientBound
 from fedsparse.common.config import FederatedConfig
-from fedsparse.common.dp.central import (
-    central_noise_generator,
-    poisson_sample,
-    user_sample_rate,
-)
+from fedsparse.common.dp.central import central_noise_generator, poisson_sample, user_sample_rate
 from fedsparse.common.dp.mechanisms import is_private
 from fedsparse.common.layout import ParamLayout
 from fedsparse.common.seeds import Stream, stream_seed
@@ -71,6 +65,7 @@ from fedsparse.server.round_updates import (
     Candidate,
     aggregate,
     aggregate_central,
+    calibrated_sigma,
     canonical,
     round_numbers,
     validate_replies,
@@ -143,12 +138,14 @@ class SparseFedAvg(Strategy):
         self._failed_in_a_row: list[int] = []  # rounds
         self.last_round: RoundStats | None = None
         self.resumed_from = 0  # the checkpoint round a resumed run continues (0: not resumed)
-        # dp-level=user (common/dp/central.py): the users' sampling rate of the round being
-        # run, the accountant history of the rounds so far, and the server's noise stream.
+        # dp-level=user (common/dp/central.py): users' rate this round, history, sigma, noise
         self.user_level = cfg.dp_level == "user"
         self._user_rate = 1.0
         self._user_expected = float(cfg.clients_per_round)  # DP-FedAvg's fixed denominator
         self._user_history: list[tuple[float, float, int]] = []
+        self.central_sigma: float | None = (
+            None if cfg.central_target_epsilon else cfg.central_noise_multiplier
+        )
         self._central_gen = central_noise_generator(
             cfg.central_noise, seed=stream_seed(cfg.seed, Stream.CENTRAL_NOISE)
         )
@@ -175,6 +172,7 @@ class SparseFedAvg(Strategy):
         state.update(self.method.state_dict())
         if self.user_level:  # dp-level=user: the rounds accounted (the noise stays secret)
             state["user-history"] = [list(entry) for entry in self._user_history]
+            state["central-sigma"] = self.central_sigma  # calibrated once, kept on resume
             if self.cfg.central_noise == "seeded":  # a resumed run continues the streams
                 state["central-noise-state"] = self._central_gen.get_state()
                 state["user-sampling-rng"] = self._user_rng.bit_generator.state
@@ -195,6 +193,8 @@ class SparseFedAvg(Strategy):
             user_history = [
                 (float(s), float(q), int(n)) for s, q, n in state.get("user-history", [])
             ]
+            sigma = state.get("central-sigma", self.central_sigma)
+            sigma = None if sigma is None else float(sigma)
             central_state = state.get("central-noise-state")
             user_sampling = state.get("user-sampling-rng")
         except KeyError as err:
@@ -206,6 +206,7 @@ class SparseFedAvg(Strategy):
         self._failed_in_a_row = failed
         self.method.load_state_dict(state)
         self._user_history = user_history
+        self.central_sigma = sigma
         if central_state is not None:
             self._central_gen.set_state(central_state)
         if user_sampling is not None:
@@ -306,6 +307,8 @@ class SparseFedAvg(Strategy):
         nodes = sorted(grid.get_node_ids())
         if self.user_level:  # Poisson sampling of users: the accountant's subsampling
             self._user_rate = user_sample_rate(self.cfg.clients_per_round, len(nodes))
+            if self.central_sigma is None:  # central-target-epsilon: from round 1's rate
+                self.central_sigma = calibrated_sigma(self.cfg, self._user_rate)
             return poisson_sample(nodes, self._user_rate, self._user_rng)
         count = min(self.cfg.clients_per_round or len(nodes), len(nodes))
         # Sample positions, not ids: numpy would turn 64-bit node ids into floats.
@@ -462,6 +465,7 @@ class SparseFedAvg(Strategy):
             user_rate=self._user_rate,
             expected_users=self._user_expected,
             generator=self._central_gen,
+            noise_multiplier=self.central_sigma,  # type: ignore[arg-type]  # set by _sample
         )
 
     def _count_failures(self, stats: RoundStats) -> None:

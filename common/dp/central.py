@@ -18,6 +18,12 @@ Gaussian mechanism over *users*:
    user-level epsilon at ``delta`` (:func:`user_level_epsilon`); every round counts and every
    round releases the mechanism's output, also one in which nobody was sampled or answered
    (the model then moves by the noise alone).
+5. **A target instead of a multiplier** (``central-target-epsilon``): ``sigma_c`` is the
+   smallest the search finds whose ``num-rounds`` rounds at round 1's ``q`` spend at most the
+   target, within 0.1% of it (:func:`calibrate_central_noise`). It depends only on public
+   numbers (the target, ``delta``, ``num-rounds``, ``clients-per-round`` and ``N``), is fixed
+   for the run (a resumed run keeps it) and is accounted like a given one: with fewer nodes
+   later ``q`` grows and the run spends more than the target, which ``user_epsilon`` shows.
 
 Coordinates off the support get neither signal nor noise, as in RS: the support is public, so
 restricting the mechanism to it changes no privacy argument. Methods whose supports the
@@ -47,7 +53,11 @@ import torch
 from opacus.optimizers.optimizer import _generate_noise
 
 from fedsparse.common.aggregation.robust import clip_to_norm
-from fedsparse.common.dp.accounting import AccountantName, compute_epsilon_of_history
+from fedsparse.common.dp.accounting import (
+    AccountantName,
+    calibrate_noise_multiplier,
+    compute_epsilon_of_history,
+)
 from fedsparse.common.names import CENTRAL_NOISE_SOURCES, DP_LEVELS, CentralNoise, DPLevel
 
 __all__ = [
@@ -55,6 +65,7 @@ __all__ = [
     "DP_LEVELS",
     "CentralNoise",
     "DPLevel",
+    "calibrate_central_noise",
     "central_aggregate",
     "central_noise_generator",
     "poisson_sample",
@@ -182,4 +193,33 @@ def user_level_epsilon(
         return math.inf
     return compute_epsilon_of_history(
         [(noise_multiplier, sample_rate, rounds)], delta=delta, accountant=accountant
+    )
+
+
+#: How far below its target a calibrated user-level epsilon may land, relative to the target.
+CENTRAL_TARGET_TOLERANCE = 1e-3
+
+
+def calibrate_central_noise(
+    *,
+    target_epsilon: float,
+    sample_rate: float,
+    rounds: int,
+    delta: float,
+    accountant: AccountantName = "rdp",
+) -> float:
+    """``sigma_c`` whose ``rounds`` DP-FedAvg rounds at users' rate ``sample_rate`` spend at most
+    ``target_epsilon`` at ``delta``, and at least ``target_epsilon`` less 0.1% of it (Opacus's
+    search: ``calibrate_noise_multiplier``).
+
+    Raises:
+        ValueError: an argument out of range, named with its value.
+    """
+    return calibrate_noise_multiplier(
+        target_epsilon=target_epsilon,
+        delta=delta,
+        sample_rate=sample_rate,
+        steps=rounds,
+        accountant=accountant,
+        epsilon_tolerance=CENTRAL_TARGET_TOLERANCE * target_epsilon,
     )

@@ -108,6 +108,8 @@ def _reusable(run_dir: Path, identity: dict[str, Any]) -> tuple[dict[str, Any], 
         summary = RunSummary.from_json((run_dir / "summary.json").read_text())
     except (OSError, ValueError, TypeError):  # missing, unreadable or of another schema
         return None
+    if not isinstance(record, dict):
+        return None
     config = with_added_keys(summary.config)  # a run older than a key ran at its old behaviour
     for key in ("out-dir", "resume"):
         config.pop(key, None)
@@ -188,8 +190,8 @@ def execute_run(run: SweepRun, run_dir: Path, settings: RunSettings) -> dict[str
     The row has ``status`` ``ok`` or ``failed``; a failure's message is in ``error`` (one
     line) and in full in ``<run_dir>/error.txt``.
     """
-    settings = settings.for_folder(run_dir)  # auto: the backend of the run the folder holds
-    identity = _identity(run, settings)
+    recorded = settings.for_folder(run_dir)  # auto: the backend of the run the folder holds
+    identity = _identity(run, recorded)
     found = _reusable(run_dir, identity)
     if found is not None:
         record, summary = found
@@ -198,6 +200,9 @@ def execute_run(run: SweepRun, run_dir: Path, settings: RunSettings) -> dict[str
     other = other_run(run_dir, identity)
     if other is not None:  # a finished run of other numbers: never rerun over silently
         return _row(run, run_dir, status="failed", error=f"RunFolderError: {other}")
+    settings = settings.fresh()  # a run that trains: on auto's choice, as the sweep set up
+    if settings.backend != recorded.backend:
+        identity = _identity(run, settings)
     claim(run_dir, overwrite=True)  # an unfinished run's leftovers (the sweep claimed runs-dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()

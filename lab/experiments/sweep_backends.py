@@ -121,14 +121,26 @@ class RunSettings:
     def label(self) -> str:
         """The backend as a report names it (``auto`` with the backend of its new runs)."""
         if is_auto(self.backend):
-            return f"{AUTO} (new runs: {self.fresh_backend})"
+            return (
+                f"{AUTO} (new runs: {self.fresh_backend}; a reused run: the backend its "
+                "sweep-run.json names)"
+            )
         return str(self.backend)
 
-    def for_folder(self, run_dir: Path) -> RunSettings:
-        """These settings for the run in ``run_dir``, with a backend of ``BACKENDS``: under
-        ``auto``, the backend that ran the finished run ``run_dir`` holds (its
-        ``sweep-run.json``; reuse and the refusal of other inputs compare with it), else
+    def fresh(self) -> RunSettings:
+        """These settings as a run that trains takes them: ``auto`` replaced by
         ``fresh_backend``; any other backend as it is."""
+        if not is_auto(self.backend):
+            return self
+        return dataclasses.replace(self, backend=self.fresh_backend)
+
+    def for_folder(self, run_dir: Path) -> RunSettings:
+        """These settings as the run ``run_dir`` holds is compared with them (reused, or
+        refused by the input that differs): under ``auto``, with the backend that ran the
+        finished run there (its ``sweep-run.json``), else ``fresh``'s; any other backend as it
+        is. Only compared with, never run (``execute_run`` trains on ``fresh``), so the
+        recorded backend is taken as it is, without checking the other settings against it
+        (a population run is reused under ``--ray-address``)."""
         if not is_auto(self.backend):
             return self
         recorded = None
@@ -139,12 +151,10 @@ class RunSettings:
         if isinstance(record, dict) and record.get("status") == "ok":
             name = record.get("backend")
             recorded = backend_name(name) if isinstance(name, str) else None
-        if recorded in BACKENDS:
-            try:  # the recorded backend, where these settings fit it (else a fresh run's)
-                return dataclasses.replace(self, backend=recorded)
-            except ValueError:
-                pass
-        return dataclasses.replace(self, backend=self.fresh_backend)
+        settings = self.fresh()
+        if recorded in BACKENDS and recorded != settings.backend:
+            object.__setattr__(settings, "backend", recorded)  # compared with, not run
+        return settings
 
 
 #: torch's threads for a vectorised run in this process: a sweep's job process gets its share
@@ -156,7 +166,9 @@ def share_cpus(jobs: int) -> None:
     """Gives this process (one of ``jobs`` running at once) its share of the CPUs for a
     vectorised run: a process pool's initializer."""
     global _JOB_THREADS
-    _JOB_THREADS = max(1, len(os.sched_getaffinity(0)) // max(1, jobs))
+    getaffinity = getattr(os, "sched_getaffinity", None)  # Linux; else every CPU
+    cpus = len(getaffinity(0)) if getaffinity else (os.cpu_count() or 1)
+    _JOB_THREADS = max(1, cpus // max(1, jobs))
 
 
 def _run_inprocess(overrides: Mapping[str, str], out: Path, settings: RunSettings) -> RunSummary:

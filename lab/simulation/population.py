@@ -81,13 +81,13 @@ class PopulationGrid(InProcessGrid):
         ids = list(message_ids)
         self.check_deadline()
         if self._client_app is not fedsparse_app:  # another app: one message at a time
-            return super().pull_messages(ids)
+            return self._deliver(ids)
         batch = [i for i in ids if batched(self._pending[i], self._overrides)]
         messages = [self._pending.pop(message_id) for message_id in batch]
         threads = self._threads or len(os.sched_getaffinity(0))
         answers = train_together(messages, self._contexts, threads=threads)
         answered = dict(zip(batch, answers, strict=True))
-        rest = iter(super().pull_messages([i for i in ids if i not in answered]))
+        rest = iter(self._deliver([i for i in ids if i not in answered]))  # a round under way
         return [answered[i] if i in answered else next(rest) for i in ids]
 
 

@@ -359,3 +359,29 @@ def test_the_vectorised_step_takes_the_callers_threads_and_a_clients_reply_one(
     assert seen == {"step": [2], "reply": [1] * CLIENTS}
     for result, call in zip(got, calls, strict=True):
         _assert_same(result, _alone(call))
+
+
+def test_a_failing_round_gives_the_caller_its_threads_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from fedsparse.client import population
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("a reply failed")
+
+    run = cfg(**FIXED)
+    calls = _calls(run)
+    model = process_model(run.model_name, run.seed).model
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        monkeypatch.setattr(population, "round_reply", broken)
+        with pytest.raises(RuntimeError, match="a reply failed"):
+            population_round(calls, model=model)
+        assert torch.get_num_threads() == 2
+        monkeypatch.setattr(population, "train_chunk", broken)
+        with pytest.raises(RuntimeError, match="a reply failed"):
+            population_round(calls, model=model)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

@@ -14,7 +14,7 @@ from fedsparse.client.app import app as client_app
 from fedsparse.client.node_policy import SIMULATION_NODE_POLICY
 from fedsparse.common.config import FederatedConfig
 from fedsparse.common.dp.accounting import compute_epsilon_of_history
-from fedsparse.common.dp.central import poisson_sample
+from fedsparse.common.dp.central import calibrate_central_noise, poisson_sample
 from fedsparse.lab.simulation.inprocess import InProcessGrid
 from fedsparse.server.app import run_federated
 from fedsparse.server.round_stats import RoundStats
@@ -53,6 +53,37 @@ def test_a_user_level_federation_accounts_users_per_round(tmp_path: Path) -> Non
     # Seeded central noise: the same run twice is the same run.
     again = _run(tmp_path / "b")
     assert [r["test_accuracy"] for r in again] == [r["test_accuracy"] for r in rounds]
+
+
+@pytest.mark.slow
+def test_a_central_target_epsilon_is_spent_within_a_tenth_of_a_percent(tmp_path: Path) -> None:
+    # sigma calibrated by the server for 3 rounds at q = 4/8 (the given
+    # central-noise-multiplier, 0.8, is not used): the last round's user epsilon is the target
+    rounds = _run(tmp_path / "t", central_target_epsilon=2.0)
+    spent = [r["user_epsilon"] for r in rounds]
+    assert spent == sorted(spent) and 2.0 * (1 - 1e-3) <= spent[-1] <= 2.0
+    sigma = calibrate_central_noise(target_epsilon=2.0, sample_rate=0.5, rounds=3, delta=1e-5)
+    assert sigma != 0.8
+    for r in rounds:
+        expected = compute_epsilon_of_history(
+            [(sigma, 4 / 8, r["round"])], delta=1e-5, accountant="rdp"
+        )
+        assert r["user_epsilon"] == pytest.approx(expected, rel=1e-12)
+
+
+def test_a_calibrated_central_sigma_is_kept_on_resume() -> None:
+    a = _strategy(central_target_epsilon=2.0, central_noise="seeded")
+    assert a.central_sigma is None  # calibrated from round 1's rate
+    a.central_sigma = calibrate_central_noise(
+        target_epsilon=2.0, sample_rate=0.1, rounds=a.cfg.num_rounds, delta=a.cfg.delta
+    )
+    a._aggregate_central(_stats([]), torch.zeros(50), [])
+    b = _strategy(central_target_epsilon=2.0, central_noise="seeded")
+    b.load_state_dict(a.state_dict(), resumed_from=1)
+    assert b.central_sigma == a.central_sigma  # not recalibrated from the resumed round's N
+    assert b._user_history == a._user_history == [(a.central_sigma, 1.0, 1)]
+    given = _strategy(central_noise_multiplier=0.7)
+    assert given.central_sigma == 0.7
 
 
 def _strategy(**kwargs: object) -> SparseFedAvg:

@@ -5,6 +5,7 @@ malformed message gets the ClientApp's error reply without touching the others."
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -107,3 +108,32 @@ def test_a_vectorised_ray_worker_answers_as_the_population_grid_does() -> None:
         scale = float(reference.abs().max())
         torch.testing.assert_close(dense, reference, rtol=0, atol=1e-4 * scale)
     assert (worker.stats().messages, worker.stats().together) == (3, 2)
+
+
+def test_a_deadline_passing_while_a_round_trains_keeps_the_round(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The deadline is checked before a round, not after it: replies already trained (their
+    # ledger charged, their state saved) are delivered; the next pull is refused.
+    from fedsparse.lab.simulation import population
+
+    run = cfg(target_epsilon=0.0, noise_multiplier=1.0, seed=3, schedule="constant")
+    grid = PopulationGrid(
+        client_app,
+        num_nodes=len(NODES),
+        run_config=run.to_run_config(),
+        node_ids=NODES,
+        stop_at=time.monotonic() + 600,
+    )
+    real = population.train_together
+
+    def late(*args, **kwargs):  # the deadline passes while the round trains
+        grid._stop_at = time.monotonic() - 1.0
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(population, "train_together", late)
+    task = first_task(run, weights(run))
+    replies = list(grid.send_and_receive([train_message(task, node=node) for node in NODES]))
+    assert len(replies) == len(NODES) and not any(r.has_error() for r in replies)
+    with pytest.raises(TimeoutError, match="deadline passed"):
+        grid.send_and_receive([train_message(task, node=NODES[0])])

@@ -408,7 +408,7 @@ def test_the_default_backend_trains_a_new_run_on_population_with_inprocess_numbe
     command = shlex.split(json.loads((run_dir / "summary.json").read_text())["command"])
     assert command[command.index("--backend") + 1] == "population"
     assert "--backend auto" in (out / "report.md").read_text()
-    assert "auto (new runs: population)" in (out / "report.md").read_text()
+    assert "auto (new runs: population;" in (out / "report.md").read_text()
     (reference,) = [r for r in read_csv(swept / "results.csv") if r["slug"] == row["slug"]]
     for key in INT_METRICS:
         assert row[key] == reference[key], key
@@ -449,9 +449,34 @@ def test_auto_keeps_a_folders_finished_run_on_the_backend_that_ran_it(
     assert ran == []  # nothing was rerun over a finished run
     (row,) = run_sweep(plan, runs_dir=tmp_path / "new", settings=auto)
     assert row["status"] == "failed" and ran == [(src.name, "population")]
-    # a failed run's folder is not a finished run: it runs again, on auto's choice
-    (row,) = run_sweep(plan, runs_dir=tmp_path / "new", settings=auto)
-    assert ran[-1] == (src.name, "population")
+    # a run recorded as failed is not a finished run: it runs again, on auto's choice
+    run_dir = tmp_path / "failed" / src.name
+    run_dir.mkdir(parents=True)
+    (run_dir / "sweep-run.json").write_text(json.dumps({**record, "status": "failed"}))
+    run_sweep(plan, runs_dir=run_dir.parent, settings=auto)
+    # the same run recorded on inprocess whose summary is gone trains again, but on auto's
+    # choice (what the sweep set up), never on the recorded backend
+    run_dir = tmp_path / "no-summary" / src.name
+    run_dir.mkdir(parents=True)
+    (run_dir / "sweep-run.json").write_text(json.dumps(record))
+    run_sweep(plan, runs_dir=run_dir.parent, settings=auto)
+    # a record that is not an object is no finished run (the sweep goes on)
+    run_dir = tmp_path / "list" / src.name
+    run_dir.mkdir(parents=True)
+    (run_dir / "summary.json").write_bytes((src / "summary.json").read_bytes())
+    (run_dir / "sweep-run.json").write_text("[1, 2]")
+    (row,) = run_sweep(plan, runs_dir=run_dir.parent, settings=auto)
+    assert row["status"] == "failed" and row["error"] == "RuntimeError: ran"
+    assert ran == [(src.name, "population")] * 4
+    # a cluster address asks new runs for ray-population; a recorded population run is
+    # still reused under it (reuse needs no cluster)
+    recorded = tmp_path / "population" / src.name
+    recorded.mkdir(parents=True)
+    (recorded / "summary.json").write_bytes((src / "summary.json").read_bytes())
+    (recorded / "sweep-run.json").write_text(json.dumps({**record, "backend": "population"}))
+    cluster = RunSettings(backend="auto", clients=3, ray_address="127.0.0.1:1")
+    (row,) = run_sweep(plan, runs_dir=recorded.parent, settings=cluster)
+    assert row["status"] == "ok" and row["reused"], row
 
 
 def test_auto_picks_ray_population_for_a_cluster_or_gpus_and_refuses_shaped_links() -> None:

@@ -12,6 +12,7 @@ import torch
 from fedsparse.common.config import FederatedConfig
 from fedsparse.common.dp.accounting import compute_epsilon_of_history
 from fedsparse.common.dp.central import (
+    calibrate_central_noise,
     central_aggregate,
     central_noise_generator,
     poisson_sample,
@@ -147,8 +148,38 @@ def test_user_level_epsilon_is_the_accountants() -> None:
         (dict(aggregator="median"), "aggregator='mean'"),
         (dict(central_clip=0.0), "central-clip=0.0"),
         (dict(clients_per_round=0), "clients-per-round >= 1"),
+        (dict(central_target_epsilon=-1.0), "central-target-epsilon=-1.0"),
+        (dict(central_target_epsilon=math.nan), "central-target-epsilon=nan"),
+        (
+            dict(central_target_epsilon=2.0, secure_aggregation=True),
+            "central-target-epsilon=2.0: expected 0 with secure-aggregation=true",
+        ),
     ],
 )
 def test_user_level_config_errors(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         FederatedConfig(dp_level="user", **{"clients_per_round": 2, **kwargs})
+
+
+def test_a_target_needs_user_level_dp() -> None:
+    with pytest.raises(ValueError, match="central-target-epsilon=2.0: expected 0 .off.*dp-level"):
+        FederatedConfig(central_target_epsilon=2.0)
+
+
+@pytest.mark.parametrize(
+    ("target", "rate", "rounds"),
+    [(3.0, 0.5, 3), (1.0, 0.1, 40), (8.0, 1.0, 10), (0.5, 0.01, 1000)],
+)
+def test_a_calibrated_central_sigma_spends_its_target_within_a_tenth_of_a_percent(
+    target: float, rate: float, rounds: int
+) -> None:
+    sigma = calibrate_central_noise(
+        target_epsilon=target, sample_rate=rate, rounds=rounds, delta=1e-5
+    )
+    spent = user_level_epsilon(noise_multiplier=sigma, sample_rate=rate, rounds=rounds, delta=1e-5)
+    assert target * (1 - 1e-3) <= spent <= target
+    # a round more than planned spends more (the target holds for num-rounds rounds)
+    more = user_level_epsilon(
+        noise_multiplier=sigma, sample_rate=rate, rounds=rounds + 1, delta=1e-5
+    )
+    assert more > spent
