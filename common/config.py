@@ -118,8 +118,9 @@ class FederatedConfig:
     dp_level: DPLevel = "sample"
     central_noise_multiplier: float = 1.0
     # dp-level=user: the user-level epsilon the server calibrates the central sigma for (at
-    # delta, over num-rounds rounds at round 1's users' rate q = clients-per-round / N;
-    # central-noise-multiplier is then not used); 0: off. Not with secure-aggregation=true.
+    # delta over num-rounds rounds, checked each round at its users' rate q =
+    # clients-per-round / N; central-noise-multiplier is then not used); 0: off. Not with
+    # secure-aggregation=true.
     central_target_epsilon: float = 0.0
     central_clip: float = 1.0
     central_noise: CentralNoise = "fresh"  # "seeded": reproducible, the noise is not secret

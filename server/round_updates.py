@@ -44,6 +44,7 @@ __all__ = [
     "aggregate_central",
     "calibrated_sigma",
     "canonical",
+    "checked_sigma",
     "round_numbers",
     "round_support",
     "validate_replies",
@@ -216,26 +217,59 @@ def round_support(stats: RoundStats, d: int) -> torch.Tensor | None:
     return None
 
 
-def calibrated_sigma(cfg: FederatedConfig, user_rate: float) -> float:
-    """``central-target-epsilon``'s sigma: spent over ``num-rounds`` rounds at ``user_rate``
-    (``calibrate_central_noise``), logged with what it was calibrated from."""
-    sigma = calibrate_central_noise(
+def calibrated_sigma(
+    cfg: FederatedConfig,
+    user_rate: float,
+    history: list[tuple[float, float, int]],
+    sigma: float | None,
+) -> float:
+    """``central-target-epsilon``'s sigma for the round about to run at ``user_rate`` after
+    ``history``: ``sigma`` while the run still fits the target at this rate, else the one that
+    makes it fit (``calibrate_central_noise``), logged with what it was calibrated from."""
+    done = sum(rounds for _, _, rounds in history)
+    chosen = calibrate_central_noise(
         target_epsilon=cfg.central_target_epsilon,
         sample_rate=user_rate,
-        rounds=cfg.num_rounds,
+        rounds=max(1, cfg.num_rounds - done),
         delta=cfg.delta,
         accountant=cfg.accountant,
+        history=history,
+        sigma=sigma,
     )
-    log(
-        INFO,
-        "central-target-epsilon=%g: central sigma %.6g (q=%.6g, %d rounds, delta=%g)",
-        cfg.central_target_epsilon,
-        sigma,
-        user_rate,
-        cfg.num_rounds,
-        cfg.delta,
-    )
-    return sigma
+    if chosen != sigma:
+        log(
+            INFO,
+            "central-target-epsilon=%g: central sigma %.6g for rounds %d-%d (q=%.6g, delta=%g)",
+            cfg.central_target_epsilon,
+            chosen,
+            done + 1,
+            max(done + 1, cfg.num_rounds),
+            user_rate,
+            cfg.delta,
+        )
+    return chosen
+
+
+def checked_sigma(cfg: FederatedConfig, value: object) -> float | None:
+    """A checkpoint's central sigma, checked against ``cfg`` (None: not calibrated yet).
+
+    Raises:
+        ValueError: not a finite number >= 0 (> 0 under ``central-target-epsilon``), or
+            another than ``central-noise-multiplier`` without a target.
+    """
+    if value is None and cfg.central_target_epsilon:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"central-sigma={value!r}: expected a finite number")
+    low = 0.0 if not cfg.central_target_epsilon else math.ulp(0.0)
+    if value < low:
+        raise ValueError(f"central-sigma={value!r}: expected a number >= {low:g}")
+    if not cfg.central_target_epsilon and value != cfg.central_noise_multiplier:
+        raise ValueError(
+            f"central-sigma={value!r}: the run config's central-noise-multiplier is "
+            f"{cfg.central_noise_multiplier!r}"
+        )
+    return float(value)
 
 
 def aggregate_central(

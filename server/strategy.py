@@ -19,10 +19,9 @@ the same two methods from its loop (``server/loop.py``) to add evaluation, recor
   trimmed mean / median (``aggregator``), or under ``dp-level=user`` by DP-FedAvg's noisy
   clipped sum (``common/dp/central.py``); (4) a new model with a non-finite value is refused;
   (5) a lossy ``downlink-dtype`` moves it by the decoded change (``server/downlink.py``).
-  A round that changes nothing is failed (``RoundStats.failure``, ``server/round_stats.py``)
-  and ``max-failed-rounds`` of them in a row raise ``FederationFailed``. It returns the new
-  global model and the round's numbers as a ``MetricRecord``; ``last_round`` keeps them
-  typed, with the reasons (strings do not fit a ``MetricRecord``).
+  A round that changes nothing is failed (``RoundStats.failure``) and ``max-failed-rounds``
+  of them in a row raise ``FederationFailed``. It returns the new model and the round's
+  numbers as a ``MetricRecord``; ``last_round`` keeps them typed, with the reasons.
 
 ``state_dict``/``load_state_dict`` carry what a resumed run needs of the strategy (the
 client-sampling generator, the clients' last epsilons, the failed rounds in a row, a
@@ -67,6 +66,7 @@ from fedsparse.server.round_updates import (
     aggregate_central,
     calibrated_sigma,
     canonical,
+    checked_sigma,
     round_numbers,
     validate_replies,
 )
@@ -193,8 +193,7 @@ class SparseFedAvg(Strategy):
             user_history = [
                 (float(s), float(q), int(n)) for s, q, n in state.get("user-history", [])
             ]
-            sigma = state.get("central-sigma", self.central_sigma)
-            sigma = None if sigma is None else float(sigma)
+            sigma = checked_sigma(self.cfg, state.get("central-sigma", self.central_sigma))
             central_state = state.get("central-noise-state")
             user_sampling = state.get("user-sampling-rng")
         except KeyError as err:
@@ -307,8 +306,9 @@ class SparseFedAvg(Strategy):
         nodes = sorted(grid.get_node_ids())
         if self.user_level:  # Poisson sampling of users: the accountant's subsampling
             self._user_rate = user_sample_rate(self.cfg.clients_per_round, len(nodes))
-            if self.central_sigma is None:  # central-target-epsilon: from round 1's rate
-                self.central_sigma = calibrated_sigma(self.cfg, self._user_rate)
+            if self.cfg.central_target_epsilon:  # the target holds at this round's rate
+                history, sigma = self._user_history, self.central_sigma
+                self.central_sigma = calibrated_sigma(self.cfg, self._user_rate, history, sigma)
             return poisson_sample(nodes, self._user_rate, self._user_rng)
         count = min(self.cfg.clients_per_round or len(nodes), len(nodes))
         # Sample positions, not ids: numpy would turn 64-bit node ids into floats.

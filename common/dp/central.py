@@ -18,12 +18,14 @@ Gaussian mechanism over *users*:
    user-level epsilon at ``delta`` (:func:`user_level_epsilon`); every round counts and every
    round releases the mechanism's output, also one in which nobody was sampled or answered
    (the model then moves by the noise alone).
-5. **A target instead of a multiplier** (``central-target-epsilon``): ``sigma_c`` is the
-   smallest the search finds whose ``num-rounds`` rounds at round 1's ``q`` spend at most the
-   target, within 0.1% of it (:func:`calibrate_central_noise`). It depends only on public
-   numbers (the target, ``delta``, ``num-rounds``, ``clients-per-round`` and ``N``), is fixed
-   for the run (a resumed run keeps it) and is accounted like a given one: with fewer nodes
-   later ``q`` grows and the run spends more than the target, which ``user_epsilon`` shows.
+5. **A target instead of a multiplier** (``central-target-epsilon``): before each round the
+   server checks that the rounds so far plus the rounds left at this round's ``q`` spend at
+   most the target; in round 1 it picks the smallest ``sigma_c`` that does (within 0.1% of the
+   target), and it raises ``sigma_c`` in a later round whose ``q`` grew (fewer nodes), so
+   nodes that connect for round 1 only cannot push the run past its target
+   (:func:`calibrate_central_noise`). Every input is public (the target, ``delta``,
+   ``num-rounds``, ``clients-per-round``, ``N``), and the history records each round's own
+   ``sigma_c``.
 
 Coordinates off the support get neither signal nor noise, as in RS: the support is public, so
 restricting the mechanism to it changes no privacy argument. Methods whose supports the
@@ -47,17 +49,14 @@ from __future__ import annotations
 
 import math
 import secrets
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 from opacus.optimizers.optimizer import _generate_noise
 
 from fedsparse.common.aggregation.robust import clip_to_norm
-from fedsparse.common.dp.accounting import (
-    AccountantName,
-    calibrate_noise_multiplier,
-    compute_epsilon_of_history,
-)
+from fedsparse.common.dp.accounting import AccountantName, compute_epsilon_of_history
 from fedsparse.common.names import CENTRAL_NOISE_SOURCES, DP_LEVELS, CentralNoise, DPLevel
 
 __all__ = [
@@ -198,6 +197,9 @@ def user_level_epsilon(
 
 #: How far below its target a calibrated user-level epsilon may land, relative to the target.
 CENTRAL_TARGET_TOLERANCE = 1e-3
+#: The largest central sigma searched: the accountant's epsilon there is within 0.1% of its
+#: floor at delta (about 0.103 at delta = 1e-5 over Opacus's orders), below which no sigma goes.
+_MAX_CENTRAL_SIGMA = 1e3
 
 
 def calibrate_central_noise(
@@ -207,19 +209,49 @@ def calibrate_central_noise(
     rounds: int,
     delta: float,
     accountant: AccountantName = "rdp",
+    history: Sequence[tuple[float, float, int]] = (),
+    sigma: float | None = None,
 ) -> float:
-    """``sigma_c`` whose ``rounds`` DP-FedAvg rounds at users' rate ``sample_rate`` spend at most
-    ``target_epsilon`` at ``delta``, and at least ``target_epsilon`` less 0.1% of it (Opacus's
-    search: ``calibrate_noise_multiplier``).
+    """``sigma_c`` for the next ``rounds`` DP-FedAvg rounds at users' rate ``sample_rate``,
+    after the rounds of ``history`` (``(sigma, q, rounds)`` entries), so that the whole run
+    spends at most ``target_epsilon`` at ``delta``: ``sigma`` (the run's so far) where it
+    still does, else the smallest sigma a bisection finds that does, within 0.1% of the
+    target (``CENTRAL_TARGET_TOLERANCE``). The inputs are public (the rate follows from
+    ``clients-per-round`` and the connected nodes), so choosing sigma by them each round is
+    accounted like a fixed one: the history records each round's own.
 
     Raises:
-        ValueError: an argument out of range, named with its value.
+        ValueError: an argument out of range, or a target the history leaves no room for
+            (no sigma <= 1e3 reaches it), named with its value.
     """
-    return calibrate_noise_multiplier(
-        target_epsilon=target_epsilon,
-        delta=delta,
-        sample_rate=sample_rate,
-        steps=rounds,
-        accountant=accountant,
-        epsilon_tolerance=CENTRAL_TARGET_TOLERANCE * target_epsilon,
-    )
+    if not (math.isfinite(target_epsilon) and target_epsilon > 0):
+        raise ValueError(f"central-target-epsilon={target_epsilon!r}: expected a finite value > 0")
+    if not 0.0 < sample_rate <= 1.0:
+        raise ValueError(f"sample_rate={sample_rate!r}: expected 0 < q <= 1")
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"rounds={rounds!r}: expected an integer >= 1")
+    past = list(history)
+
+    def spent(s: float) -> float:
+        entries = [*past, (s, sample_rate, rounds)]
+        return compute_epsilon_of_history(entries, delta=delta, accountant=accountant)
+
+    if sigma is not None and sigma > 0 and spent(sigma) <= target_epsilon:
+        return sigma
+    low, high = 0.0, 10.0
+    while spent(high) > target_epsilon:
+        if high >= _MAX_CENTRAL_SIGMA:  # near the accountant's floor at delta
+            before = compute_epsilon_of_history(past, delta=delta, accountant=accountant)
+            raise ValueError(
+                f"central-target-epsilon={target_epsilon!r}: unreachable with sigma <= "
+                f"{_MAX_CENTRAL_SIGMA:g} for {rounds} more rounds at q={sample_rate:.6g} and "
+                f"delta={delta:g} (the rounds so far spent {before:.6g})"
+            )
+        low, high = high, min(2 * high, _MAX_CENTRAL_SIGMA)
+    while target_epsilon - spent(high) > CENTRAL_TARGET_TOLERANCE * target_epsilon:
+        mid = (low + high) / 2
+        if spent(mid) <= target_epsilon:
+            high = mid
+        else:
+            low = mid
+    return high

@@ -71,19 +71,76 @@ def test_a_central_target_epsilon_is_spent_within_a_tenth_of_a_percent(tmp_path:
         assert r["user_epsilon"] == pytest.approx(expected, rel=1e-12)
 
 
-def test_a_calibrated_central_sigma_is_kept_on_resume() -> None:
-    a = _strategy(central_target_epsilon=2.0, central_noise="seeded")
-    assert a.central_sigma is None  # calibrated from round 1's rate
-    a.central_sigma = calibrate_central_noise(
-        target_epsilon=2.0, sample_rate=0.1, rounds=a.cfg.num_rounds, delta=a.cfg.delta
+class _Nodes:
+    """A grid of ``n`` connected nodes, as ``_sample`` sees one."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def get_node_ids(self) -> list[int]:
+        return list(range(1, self.n + 1))
+
+
+def _round(strategy: SparseFedAvg, nodes: int) -> None:
+    """One user-level round at ``nodes`` connected nodes, nobody's update accepted."""
+    strategy._sample(_Nodes(nodes))  # type: ignore[arg-type]
+    strategy._aggregate_central(_stats([]), torch.zeros(50), [])
+
+
+def _spent(strategy: SparseFedAvg) -> float:
+    return compute_epsilon_of_history(strategy._user_history, delta=1e-5, accountant="rdp")
+
+
+def test_nodes_that_leave_after_round_1_cannot_push_the_run_past_its_target() -> None:
+    # 1,000 nodes in round 1 make q small and sigma small; with 10 left q = 1/5 each round:
+    # the server raises sigma for the rounds left, and the run still spends at most 1.
+    strategy = _strategy(central_target_epsilon=1.0, num_rounds=20, central_noise="seeded")
+    _round(strategy, 1000)
+    first = strategy.central_sigma
+    assert first is not None and strategy._user_history == [(first, 2 / 1000, 1)]
+    for _ in range(19):
+        _round(strategy, 10)
+    assert strategy.central_sigma is not None and strategy.central_sigma > first
+    assert 1.0 * (1 - 1e-3) <= _spent(strategy) <= 1.0
+    # had sigma stayed, the run would have spent far more
+    kept = compute_epsilon_of_history(
+        [(first, 2 / 1000, 1), (first, 2 / 10, 19)], delta=1e-5, accountant="rdp"
     )
-    a._aggregate_central(_stats([]), torch.zeros(50), [])
-    b = _strategy(central_target_epsilon=2.0, central_noise="seeded")
+    assert kept > 5
+
+
+def test_more_nodes_later_keep_sigma_and_spend_less_than_the_target() -> None:
+    strategy = _strategy(central_target_epsilon=1.0, num_rounds=5, central_noise="seeded")
+    _round(strategy, 20)
+    first = strategy.central_sigma
+    for _ in range(4):
+        _round(strategy, 200)
+    assert strategy.central_sigma == first and _spent(strategy) < 1.0
+
+
+def test_a_calibrated_central_sigma_is_kept_on_resume_and_checked() -> None:
+    a = _strategy(central_target_epsilon=2.0, central_noise="seeded", num_rounds=4)
+    assert a.central_sigma is None  # calibrated in round 1, at its rate
+    _round(a, 40)
+    b = _strategy(central_target_epsilon=2.0, central_noise="seeded", num_rounds=4)
     b.load_state_dict(a.state_dict(), resumed_from=1)
-    assert b.central_sigma == a.central_sigma  # not recalibrated from the resumed round's N
-    assert b._user_history == a._user_history == [(a.central_sigma, 1.0, 1)]
+    assert b.central_sigma == a.central_sigma and b._user_history == a._user_history
+    _round(b, 40)  # the same nodes: not recalibrated
+    assert b.central_sigma == a.central_sigma
+    for bad in ("0.3", True, math.nan, -1.0, 0.0):
+        state = {**a.state_dict(), "central-sigma": bad}
+        with pytest.raises(ValueError, match="central-sigma="):
+            _strategy(central_target_epsilon=2.0).load_state_dict(state, resumed_from=1)
     given = _strategy(central_noise_multiplier=0.7)
     assert given.central_sigma == 0.7
+    with pytest.raises(ValueError, match="central-noise-multiplier is 0.7"):
+        given.load_state_dict({**a.state_dict(), "central-sigma": 0.9}, resumed_from=1)
+
+
+def test_an_unreachable_target_is_named() -> None:
+    strategy = _strategy(central_target_epsilon=1e-9, num_rounds=3)
+    with pytest.raises(ValueError, match="central-target-epsilon=1e-09: unreachable"):
+        strategy._sample(_Nodes(4))  # type: ignore[arg-type]
 
 
 def _strategy(**kwargs: object) -> SparseFedAvg:

@@ -183,3 +183,19 @@ def test_a_calibrated_central_sigma_spends_its_target_within_a_tenth_of_a_percen
         noise_multiplier=sigma, sample_rate=rate, rounds=rounds + 1, delta=1e-5
     )
     assert more > spent
+
+
+def test_a_central_sigma_is_raised_only_where_the_history_needs_it() -> None:
+    # 10 rounds planned at q = 0.01, 5 run; then q = 0.2 for the 5 left
+    sigma = calibrate_central_noise(target_epsilon=2.0, sample_rate=0.01, rounds=10, delta=1e-5)
+    history = [(sigma, 0.01, 5)]
+    raised = calibrate_central_noise(
+        target_epsilon=2.0, sample_rate=0.2, rounds=5, delta=1e-5, history=history, sigma=sigma
+    )
+    total = compute_epsilon_of_history([*history, (raised, 0.2, 5)], delta=1e-5, accountant="rdp")
+    assert raised > sigma and 2.0 * (1 - 1e-3) <= total <= 2.0
+    # at the planned rate the run's sigma still fits: kept as it is
+    kept = calibrate_central_noise(
+        target_epsilon=2.0, sample_rate=0.01, rounds=5, delta=1e-5, history=history, sigma=sigma
+    )
+    assert kept == sigma
