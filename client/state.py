@@ -90,7 +90,10 @@ def residual_vector(raw: bytes, numel: int) -> torch.Tensor:
 #: The model copy a node of this process stored last, and a private copy of the tensor it was
 #: made from (no one else holds it, so nothing writes it): nodes that hold equal copies (a
 #: simulated population after a dense downlink) store one bytes object, not one each.
-_LAST_MODEL: tuple[bytes, torch.Tensor | None] = (b"", None)
+#: With them, the tensor stored last and its write counter then (``_version``): the same
+#: tensor, not written since (``apply_downlink``'s shared model), is not compared again. One
+#: tuple, replaced in one assignment: never a source paired with another model's bytes.
+_LAST_MODEL: tuple[bytes, torch.Tensor | None, torch.Tensor | None, int] = (b"", None, None, -1)
 #: The model tensor a node of this process loaded last, and the bytes object it came from.
 _LAST_LOADED: tuple[bytes, torch.Tensor] | None = None
 
@@ -99,13 +102,17 @@ def _shared_bytes(model: torch.Tensor) -> bytes:
     """``residual_bytes(model)``, the same object as the last stored copy when equal (not
     even copied when ``model`` holds the same bits as the model stored last)."""
     global _LAST_MODEL
-    last, kept = _LAST_MODEL
+    last, kept, source, writes = _LAST_MODEL
+    if kept is not None and source is model and _version(model) == writes:
+        return last
     if kept is not None and _same_bits(model, kept):
+        _LAST_MODEL = (last, kept, model, _version(model))
         return last
     raw = residual_bytes(model)
     if raw != last:
         last = raw
-    _LAST_MODEL = (last, model.detach().to("cpu", torch.float32, copy=True))
+    copy = model.detach().to("cpu", torch.float32, copy=True)
+    _LAST_MODEL = (last, copy, model, _version(model))
     return last
 
 
@@ -288,8 +295,10 @@ def apply_downlink(
     server_round: int,
     kind: object = "values",
 ) -> torch.Tensor:
-    """The global model after patching ``stored`` with the downlink ``payload`` (exact; the
-    node's own tensor: ``stored`` is only read).
+    """The global model after patching ``stored`` with the downlink ``payload`` (exact;
+    ``stored`` is only read). Read only: the nodes of a process that patch the same stored
+    tensor with the same payload (a simulated population: ``_shared_tensor``) get one tensor,
+    not a model copy each (``_LAST_PATCH``).
 
     ``kind`` (the train message's ``downlink-kind``): ``"values"``, global-model values that
     replace the node's; ``"delta"``, a lossy ``downlink-dtype``'s decoded change, added to the
@@ -313,12 +322,33 @@ def apply_downlink(
     support = update.support(shared=True)  # read only
     delta = kind == "delta"
     if support is None and not delta:
-        return update.values.clone()
-    if stored is None or stored_version != base_version:
+        stored = None  # the values replace the node's: whatever it holds gives this model
+    elif stored is None or stored_version != base_version:
         raise ValueError(
             f"base-version={base_version}: this node holds model version {stored_version}; "
             "the server must send the dense model"
         )
+    global _LAST_PATCH
+    last = _LAST_PATCH
+    if last is not None and last.made_from(stored, update, kind):
+        return last.model
+    flat = _patched(stored, update, support, delta=delta, stored_version=stored_version)
+    _LAST_PATCH = _Patch(stored, _version(stored), update, kind, flat, _version(flat))
+    return flat
+
+
+def _patched(
+    stored: torch.Tensor | None,
+    update: SparseUpdate,
+    support: torch.Tensor | None,
+    *,
+    delta: bool,
+    stored_version: int,
+) -> torch.Tensor:
+    """``apply_downlink``'s model, a new tensor (``stored`` None: the update's values)."""
+    if stored is None:
+        return update.values.clone()
+    kind = "delta" if delta else "values"
     flat = stored.clone()
     if support is None:
         flat += update.values
@@ -333,6 +363,39 @@ def apply_downlink(
             "non-finite values"
         )
     return flat
+
+
+def _version(tensor: torch.Tensor | None) -> int:
+    """``tensor``'s in-place write counter (torch's ``_version``; -1 for None)."""
+    return -1 if tensor is None else int(tensor._version)
+
+
+@dataclass(frozen=True, eq=False)
+class _Patch:
+    """A model ``apply_downlink`` returned and what it was made from, with the write
+    counters of the stored tensor and of the model at that time: a tensor written in place
+    since (by anyone) is not reused."""
+
+    stored: torch.Tensor | None
+    stored_writes: int
+    update: SparseUpdate
+    kind: str
+    model: torch.Tensor
+    model_writes: int
+
+    def made_from(self, stored: torch.Tensor | None, update: SparseUpdate, kind: str) -> bool:
+        """Whether patching ``stored`` with ``update`` (as ``kind``) gives ``model``."""
+        return (
+            self.stored is stored
+            and self.update is update
+            and self.kind == kind
+            and _version(stored) == self.stored_writes
+            and _version(self.model) == self.model_writes
+        )
+
+
+#: The model ``apply_downlink`` returned last (None: none yet).
+_LAST_PATCH: _Patch | None = None
 
 
 #: The last downlink decoded in this process, (payload, numel, round, update): the nodes a

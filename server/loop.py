@@ -20,12 +20,13 @@ the run failed; the simulation engine exits with code 700) and the launchers, wh
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections import deque
+from collections.abc import Iterable, Iterator, Mapping
 from logging import ERROR, INFO
 from pathlib import Path
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord
+from flwr.app import ArrayRecord, ConfigRecord, Message
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 
@@ -167,7 +168,7 @@ def run_federated(grid: Grid, cfg: FederatedConfig, *, expected_nodes: int = 0) 
                     strategy, grid, server_round, messages, timeout=cfg.round_timeout
                 )
             else:
-                replies = grid.send_and_receive(messages, timeout=cfg.round_timeout)
+                replies = drained(grid.send_and_receive(messages, timeout=cfg.round_timeout))
                 new_arrays, _ = strategy.aggregate_train(server_round, replies)
         except FederationFailed as err:  # the model is unchanged; record the round first
             failed, new_arrays = err, None
@@ -201,6 +202,22 @@ def run_federated(grid: Grid, cfg: FederatedConfig, *, expected_nodes: int = 0) 
     if cause is not None:  # the records are written; the run did not succeed
         raise _failed(out, cause)
     return summary
+
+
+def drained(replies: Iterable[Message]) -> Iterator[Message]:
+    """``replies`` one at a time, each let go of when the next is taken: the round's messages
+    are not all held while their updates are decoded (N dense updates would be held twice,
+    as received and as decoded: 1.5 GB more at N = 10,000 of a 38k-parameter model). The
+    caller keeps no reference (``del`` after passing it, or pass the call's result). A grid
+    that streams its replies (``RayGrid``'s generator) is read as it streams: not gathered
+    first, so the server decodes each while later ones train."""
+    if not isinstance(replies, list):  # a stream: one at a time already
+        yield from replies
+        return
+    queue = deque(replies)
+    del replies
+    while queue:
+        yield queue.popleft()
 
 
 def _failed(out: Path, cause: str) -> FederationFailed:

@@ -149,9 +149,13 @@ def test_each_client_gets_what_client_round_gives_it(settings: dict[str, Any]) -
     calls = _calls(run, residual=run.error_feedback)
     model = process_model(run.model_name, run.seed).model
     assert all(population_error(call, model) is None for call in calls)
+    shared = calls[0].global_flat  # every call's, as apply_downlink hands it out: read only
+    writes, bits = shared._version, shared.clone()
     got = population_round(calls, model=model)
     for result, call in zip(got, calls, strict=True):
         _assert_same(result, _alone(call))
+    assert all(call.global_flat is shared for call in calls)
+    assert shared._version == writes and torch.equal(shared, bits)  # neither runner wrote it
 
 
 @pytest.mark.parametrize("poisoned", [False, True], ids=["finite", "nan-examples"])

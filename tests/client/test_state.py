@@ -61,9 +61,10 @@ def test_nodes_holding_equal_models_share_one_stored_copy() -> None:
     assert torch.equal(NodeState.load(contexts[2], 1000).model, other)
 
 
-def test_an_equal_downlink_is_decoded_once_and_never_shared_for_writing() -> None:
-    """The nodes of a process decode a round's payload once; each gets its own model, and a
-    payload for another round or size is decoded (and checked) anew."""
+def test_an_equal_downlink_is_decoded_once_and_one_model_shared_until_written() -> None:
+    """The nodes of a process decode a round's payload once and get one read-only model (not
+    a copy each); a model written in place is not handed out again, the cached decoding
+    stays as decoded, and a payload for another round or size is decoded (and checked) anew."""
     from fedsparse.client import state
 
     held = torch.randn(100)
@@ -75,13 +76,44 @@ def test_an_equal_downlink_is_decoded_once_and_never_shared_for_writing() -> Non
         None, -1, bytes(bytearray(dense)), base_version=-1, numel=100, server_round=5
     )  # an equal payload in another object
     assert state._LAST_DOWNLINK is cached  # not decoded again
-    assert torch.equal(first, held) and torch.equal(again, held)
-    first += 1.0  # one node's model is its own
-    assert torch.equal(again, held) and torch.equal(cached[3].values, held)
+    assert again is first and torch.equal(first, held)
+    assert cached[3].values is not first  # the decoding is not what the nodes hold
+    first += 1.0  # written in place (no consumer does: test_population's read-only check)
+    fresh = apply_downlink(None, -1, dense, base_version=-1, numel=100, server_round=5)
+    assert fresh is not first and torch.equal(fresh, held)
+    assert torch.equal(cached[3].values, held)
     with pytest.raises(PayloadError):  # the cached decoding is for round 5 only
         apply_downlink(None, -1, dense, base_version=-1, numel=100, server_round=6)
     with pytest.raises(PayloadError):
         apply_downlink(None, -1, dense[:-1], base_version=-1, numel=100, server_round=5)
+
+
+def test_a_sparse_patch_of_one_stored_model_is_made_once_and_per_stored_tensor() -> None:
+    """Nodes holding one stored tensor patched with one payload share the patched model;
+    another stored tensor (equal bits or not), a stored tensor written since, or another
+    downlink kind gives its own patch, each exact."""
+    d = 50
+    stored = torch.randn(d)
+    support = torch.tensor([3, 10, 49])
+    values = torch.tensor([1.0, -2.0, 0.5])
+    sparse = encode_update(values, indices=support, dense_size=d, round=2)
+
+    def patch(model: torch.Tensor, kind: str = "values") -> torch.Tensor:
+        return apply_downlink(model, 1, sparse, base_version=1, numel=d, server_round=2, kind=kind)
+
+    want = stored.clone()
+    want[support] = values
+    first = patch(stored)
+    assert torch.equal(first, want) and patch(stored) is first
+    copy = stored.clone()
+    assert patch(copy) is not first and torch.equal(patch(copy), want)
+    added = stored.clone()
+    added[support] += values
+    assert torch.equal(patch(stored, "delta"), added)
+    stored[0] = 7.0  # the stored tensor written in place: patched anew, from its new bits
+    want[0] = 7.0
+    again = patch(stored)
+    assert again is not first and torch.equal(again, want)
 
 
 def test_nodes_with_equal_models_store_and_load_one_copy_but_other_bits_their_own() -> None:

@@ -10,8 +10,9 @@ weight fails here. Regenerate, only for a change meant to alter results, with
 Exact where the machine computes as the recording one did (the same torch version and CPU
 capability, ``torch.backends.cpu.get_cpu_capability``: the kernels, hence the float sums,
 depend on them). Elsewhere integers and strings must still match, floats within a relative
-1e-3 (an ulp-level difference in a kernel, carried through two rounds), and the weights' hash
-is not compared.
+1e-3 (an ulp-level difference in a kernel, carried through two rounds), a diverged round's
+model quality within ``CHAOTIC_LOSS`` and ``CHAOTIC_EXAMPLES``, and the weights' hash is not
+compared.
 """
 
 from __future__ import annotations
@@ -117,9 +118,32 @@ def _close(got: Any, want: Any) -> bool:
     return got == want
 
 
+#: The model-quality floats of a round that diverged (user-level's second: test loss 5.4,
+#: then 6.0; chance is 2.3), where any float32-level change moves the model: relative
+#: tolerance of the losses (measured: 0.4%) and of the accuracy, in examples of the 360
+#: (measured: 3 on the recording machine's kernels, 5 on AVX512's, in both runners).
+CHAOTIC = {"test_loss", "train_loss", "test_accuracy"}
+CHAOTIC_LOSS, CHAOTIC_EXAMPLES = 0.02, 7
+
+
+def _assert_tolerantly_equal(name: str, got: dict[str, Any], want: dict[str, Any]) -> None:
+    """Every integer and string as recorded, floats within ``_close``'s 1e-3; a diverged
+    round's model-quality floats within ``CHAOTIC_LOSS`` and ``CHAOTIC_EXAMPLES``."""
+    assert got.keys() == want.keys()
+    chaotic = CHAOTIC if name == "user-level" and want["round"] > 1 else set()
+    differ = [k for k in want if k not in chaotic and not _close(got[k], want[k])]
+    assert differ == [], f"{name}: round {want['round']}: {differ}"
+    for key in sorted(chaotic - {"test_accuracy"}):
+        assert got[key] == pytest.approx(want[key], rel=CHAOTIC_LOSS), key
+    if chaotic:
+        tolerance = CHAOTIC_EXAMPLES / 360 + 1e-12
+        assert abs(got["test_accuracy"] - want["test_accuracy"]) <= tolerance
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_a_recorded_federation_reruns_line_for_line(name: str, tmp_path: Path) -> None:
+    """Exactly on the recording machine; elsewhere ``_assert_tolerantly_equal``."""
     rounds, weights = run_case(name, tmp_path / name)
     golden = _golden(name)
     assert len(rounds) == len(golden["rounds"]) == ROUNDS
@@ -128,9 +152,7 @@ def test_a_recorded_federation_reruns_line_for_line(name: str, tmp_path: Path) -
         if exact:
             assert got == want, f"{name}: round {want['round']} differs"
         else:
-            assert got.keys() == want.keys()
-            differ = [k for k in want if not _close(got[k], want[k])]
-            assert differ == [], f"{name}: round {want['round']}: {differ}"
+            _assert_tolerantly_equal(name, got, want)
     if exact:
         assert weights == golden["weights_sha256"]
 
@@ -140,26 +162,14 @@ def test_a_recorded_federation_reruns_line_for_line(name: str, tmp_path: Path) -
 def test_the_population_backend_reruns_each_case_to_float32_rounding(
     name: str, tmp_path: Path
 ) -> None:
-    """``PopulationGrid`` (the vectorised step where it applies): every integer and string
-    as recorded (bytes, counts, keep), floats within the tolerant comparison's 1e-3.
-
-    But user-level's second round: that case diverges (test loss 5.4, then 6.0; chance is 2.3),
-    and any float32-level change moves its round-2 model: the func engine, tested equal to
-    Opacus to rounding, gives accuracy 0.100 against the recorded 0.108 (3 examples of 360)
-    and test loss 6.004 against 6.020, as this runner does (0.100, 5.996). There the
-    model-quality floats get 2% (measured 0.4%) and the accuracy 3 examples."""
+    """``PopulationGrid`` (the vectorised step where it applies): ``_assert_tolerantly_equal``
+    on every machine (the vectorised step sums in other orders). On the recording machine the
+    diverged round's func engine, tested equal to Opacus to rounding, gives accuracy 0.100
+    against the recorded 0.108 (3 examples of 360) and test loss 6.004 against 6.020, as this
+    runner does (0.100, 5.996)."""
     rounds, _ = run_case(name, tmp_path / name, PopulationGrid)
     for got, want in zip(rounds, _golden(name)["rounds"], strict=True):
-        assert got.keys() == want.keys()
-        chaotic = {"test_loss", "train_loss", "test_accuracy"}
-        if name != "user-level" or want["round"] == 1:
-            chaotic = set()
-        differ = [k for k in want if k not in chaotic and not _close(got[k], want[k])]
-        assert differ == [], f"{name}: round {want['round']}: {differ}"
-        for key in sorted(chaotic - {"test_accuracy"}):
-            assert got[key] == pytest.approx(want[key], rel=0.02), key
-        if chaotic:
-            assert abs(got["test_accuracy"] - want["test_accuracy"]) <= 3 / 360 + 1e-12
+        _assert_tolerantly_equal(name, got, want)
 
 
 def test_the_tolerant_comparison_sees_a_difference() -> None:
