@@ -303,5 +303,6 @@ def _round_log(stats: RoundStats, *, d: int, test_accuracy: float, test_loss: fl
         noise_multiplier_min=stats.noise_multiplier_min,
         noise_multiplier_max=stats.noise_multiplier_max,
         central_epsilon=stats.central_epsilon,
+        central_noise_multiplier=stats.central_noise_multiplier,
         secagg_bytes=stats.secagg_bytes,
     )

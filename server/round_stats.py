@@ -72,6 +72,8 @@ class RoundStats:
     #: (``RoundLog.central_epsilon``, ``secagg_bytes``)
     central_epsilon: float | None = None
     secagg_bytes: dict[str, dict[str, int]] | None = None
+    #: dp-level=user: the sigma of the round's central noise (``RoundLog``'s field)
+    central_noise_multiplier: float | None = None
 
     @property
     def failed(self) -> bool:

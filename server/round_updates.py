@@ -292,6 +292,7 @@ def aggregate_central(
     Every round is accounted, whether or not anyone answered (conservative): the round is
     added to ``history`` (the accountant's ``(sigma, rate, rounds)`` entries, updated in
     place) at users' sampling rate ``user_rate``."""
+    stats.central_noise_multiplier = noise_multiplier
     entry = (noise_multiplier, user_rate, 1)
     if history and history[-1][:2] == entry[:2]:
         sigma, rate, rounds = history[-1]

@@ -242,6 +242,8 @@ def _account(strategy: SparseFedAvg, stats: RoundStats, sigma: float | None) -> 
         history[-1] = (sigma, rate, history[-1][2] + 1)
     elif sigma is not None:
         history.append((sigma, rate, 1))
+    if sigma is not None:
+        stats.central_noise_multiplier = sigma
     if not history:
         return
     stats.user_epsilon = compute_epsilon_of_history(

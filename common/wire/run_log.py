@@ -182,6 +182,11 @@ class RoundLog:
     #: each stage's payload bytes, ``{stage: {"down": ..., "up": ...}}`` (None: in the clear)
     central_epsilon: float | None = None
     secagg_bytes: dict[str, dict[str, int]] | None = None
+    #: dp-level=user: the noise multiplier of the round's central noise (the server's:
+    #: ``central-noise-multiplier``, or the one calibrated for ``central-target-epsilon``;
+    #: under secure aggregation the one the survivors' shares give). None, ``null``: a
+    #: sample-level run, a secure round that released nothing, or a line older than the field
+    central_noise_multiplier: float | None = None
 
     def __post_init__(self) -> None:
         for link in LINKS:

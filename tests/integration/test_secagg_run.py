@@ -146,6 +146,7 @@ def test_a_secure_run_moves_the_model_by_the_plaintext_sum_of_the_same_inputs(
     sigma = central_noise_multiplier(params, NODES)
     central = compute_epsilon_of_history([(sigma, 1.0, 2)], delta=1e-5, accountant="rdp")
     assert rounds[-1]["central_epsilon"] == pytest.approx(central, rel=1e-9)
+    assert [r["central_noise_multiplier"] for r in rounds] == [sigma, sigma]  # the survivors'
     assert rounds[-1]["user_epsilon"] == pytest.approx(central, rel=1e-9)  # q = 1
     worst = worst_case_noise_multiplier(params) / 2  # one example moves the update by 2C
     node = compute_epsilon_of_history([(worst, 1.0, 2)], delta=1e-5, accountant="rdp")

@@ -48,6 +48,7 @@ def test_a_user_level_federation_accounts_users_per_round(tmp_path: Path) -> Non
         )
         assert r["user_epsilon"] == pytest.approx(expected, rel=1e-12)
         assert r["epsilon_max"] == math.inf  # the clients add no noise: no sample-level DP
+        assert r["central_noise_multiplier"] == 0.8  # the run config's, recorded each round
     summary = json.loads((tmp_path / "a" / "summary.json").read_text())
     assert summary["user_epsilon"] == rounds[-1]["user_epsilon"]
     # Seeded central noise: the same run twice is the same run.
@@ -64,6 +65,7 @@ def test_a_central_target_epsilon_is_spent_within_a_tenth_of_a_percent(tmp_path:
     assert spent == sorted(spent) and 2.0 * (1 - 1e-3) <= spent[-1] <= 2.0
     sigma = calibrate_central_noise(target_epsilon=2.0, sample_rate=0.5, rounds=3, delta=1e-5)
     assert sigma != 0.8
+    assert [r["central_noise_multiplier"] for r in rounds] == [sigma] * 3  # the calibrated one
     for r in rounds:
         expected = compute_epsilon_of_history(
             [(sigma, 4 / 8, r["round"])], delta=1e-5, accountant="rdp"
