@@ -161,7 +161,7 @@ class FederatedConfig:
     value_block: int = DEFAULT_VALUE_BLOCK
     # the client carries each round's quantization error (what value-dtype's rounding lost on
     # the sent values) into its next round's values, in its node state (fp16, bf16, int8,
-    # int4, int2; int2 needs dp-norm-bound='off': docs/explanation/bandwidth.md)
+    # int4; not int2/int1, whose rounding does not contract: docs/explanation/bandwidth.md)
     error_feedback: bool = False
     compression: Compression = "none"
     # the broadcast's value dtype (value-dtype's names; fp32: exact values, as before): a lossy

@@ -438,13 +438,22 @@ def _check_entry(
         raise ValueError(f"{sigma_key}[{i}]={sigma!r}: expected a finite value >= 0")
     if not (_is_real(q) and 0.0 <= q <= 1.0):
         raise ValueError(f"{q_key}[{i}]={q!r}: expected 0 <= q <= 1")
-    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < min_steps:
+    if not _is_integer(steps) or steps < min_steps:
         raise ValueError(f"{steps_key}[{i}]={steps!r}: expected an integer >= {min_steps}")
     return float(sigma), float(q), int(steps)
 
 
 def _is_real(value: Any) -> bool:
+    kind = type(value)  # float and int first: an ABC check is ~10x slower (a history a round)
+    if kind is float or kind is int:
+        return True
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _is_integer(value: Any) -> bool:
+    if type(value) is int:  # as _is_real
+        return True
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _check_positive(field: str, value: float) -> None:

@@ -95,7 +95,11 @@ def load_exported(
 def _from_checkpoint(path: Path) -> dict[str, Any]:
     data = torch.load(path, weights_only=True)
     try:
-        cfg = FederatedConfig.from_run_config(data["config"])
+        config = data["config"]
+        try:
+            cfg = FederatedConfig.from_run_config(config)
+        except ValueError:  # a run recorded before a refusal (int2 with error feedback, ...)
+            cfg = FederatedConfig.from_run_config({"model": config["model"]})  # its model
         weights, names, round_ = data["weights"], list(data["names"]), int(data["round"])
     except (KeyError, TypeError, ValueError) as err:
         raise ValueError(f"{path}: not a fedsparse checkpoint ({err})") from None

@@ -1,4 +1,4 @@
-"""Error feedback end to end: an in-process int2 federation with ``error-feedback=true`` runs,
+"""Error feedback end to end: an in-process int4 federation with ``error-feedback=true`` runs,
 records the key, keeps each node's residual in its state files, and a killed and resumed run
 equals the uninterrupted one bit for bit (the residual restored from the files)."""
 
@@ -32,7 +32,7 @@ from tests.integration.test_resume import (
 pytestmark = pytest.mark.slow
 
 EF: dict[str, Any] = dict(
-    value_dtype="int2", value_block=64, error_feedback=True, dp_norm_bound="off"
+    value_dtype="int4", value_block=64, error_feedback=True, dp_norm_bound="off"
 )
 
 
@@ -44,14 +44,14 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def test_an_int2_federation_with_error_feedback_runs_and_records_the_key(
+def test_an_int4_federation_with_error_feedback_runs_and_records_the_key(
     uninterrupted: Path, tmp_path: Path
 ) -> None:
     rounds = _lines(uninterrupted)
     assert [(r["num_accepted"], r["rejected"]) for r in rounds] == [(2, [])] * 4
     summary = json.loads((uninterrupted / "summary.json").read_text())
     assert summary["config"]["error-feedback"] is True
-    assert summary["config"]["value-dtype"] == "int2"
+    assert summary["config"]["value-dtype"] == "int4"
     # every node that trained keeps a residual of the model's size, nonzero on what it sent
     cfg = _cfg(uninterrupted, **EF)
     d = ParamLayout.from_module(build_model(cfg.model_name, seed=cfg.seed)).numel
@@ -63,7 +63,7 @@ def test_an_int2_federation_with_error_feedback_runs_and_records_the_key(
         assert bool(torch.isfinite(residual).all()) and bool((residual != 0).any())
     # the same run without it: the same bytes a round, other weights
     off = tmp_path / "off"
-    plain = _cfg(off, value_dtype="int2", value_block=64)
+    plain = _cfg(off, value_dtype="int4", value_block=64)
     run_federated(_grid(plain, _sim_policy(off)), plain)
     assert [r["uplink_payload_bytes"] for r in _lines(off)] == [
         r["uplink_payload_bytes"] for r in rounds

@@ -53,6 +53,30 @@ def test_a_federated_run_exports_its_global_model(tmp_path: Path) -> None:
     assert torch.equal(flat(fresh), flat(model))
 
 
+def test_a_run_recorded_before_a_refusal_still_exports(tmp_path: Path) -> None:
+    """int2 with error feedback ran until 2026-12-01 (then refused: common/config_values.py):
+    its checkpoints still export, by their model key."""
+    cfg = FederatedConfig()
+    trained = build_model(cfg.model_name, seed=7)
+    layout = ParamLayout.from_module(trained)
+    config = {**cfg.to_run_config(), "value-dtype": "int2", "error-feedback": True}
+    config["dp-norm-bound"] = "off"
+    with pytest.raises(ValueError, match="value-dtype='int2'"):
+        FederatedConfig.from_run_config(config)
+    run = tmp_path / "old"
+    run.mkdir()
+    Checkpoint(
+        round=2,
+        weights=layout.flatten_module(trained),
+        names=list(layout.names),
+        shapes=[tuple(s) for s in layout.shapes],
+        config=config,
+    ).save(run / "checkpoint.pt")
+    exported = export_model(run, tmp_path / "model.pt")
+    assert (exported["model"], exported["round"]) == ("digits-cnn", 2)
+    assert torch.equal(flat(load_exported(tmp_path / "model.pt")), flat(trained))
+
+
 def test_the_whole_state_dict_travels_so_loading_is_strict(tmp_path: Path) -> None:
     # The H-CNN: its scattering filters are fixed buffers, rebuilt by the model itself.
     run = federated_run(tmp_path, model="mnist-hcnn")
