@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -18,8 +19,15 @@ def flat(model: torch.nn.Module) -> torch.Tensor:
     return ParamLayout.from_module(model).flatten_module(model)
 
 
-def federated_run(tmp_path: Path, *, model: str = "digits-cnn", weights_of: str = "") -> Path:
-    """A run folder whose checkpoint.pt holds the weights of build_model(seed=7)."""
+def federated_run(
+    tmp_path: Path,
+    *,
+    model: str = "digits-cnn",
+    weights_of: str = "",
+    config: dict[str, Any] | None = None,
+) -> Path:
+    """A run folder whose checkpoint.pt holds the weights of build_model(seed=7) (and the
+    run config ``config``, if given)."""
     cfg = (
         FederatedConfig()
         if model == "digits-cnn"
@@ -34,7 +42,7 @@ def federated_run(tmp_path: Path, *, model: str = "digits-cnn", weights_of: str 
         weights=layout.flatten_module(trained),
         names=list(layout.names),
         shapes=[tuple(s) for s in layout.shapes],
-        config=cfg.to_run_config(),
+        config=config or cfg.to_run_config(),
     ).save(run / "checkpoint.pt")
     return run
 
@@ -54,27 +62,16 @@ def test_a_federated_run_exports_its_global_model(tmp_path: Path) -> None:
 
 
 def test_a_run_recorded_before_a_refusal_still_exports(tmp_path: Path) -> None:
-    """int2 with error feedback ran until 2026-12-01 (then refused: common/config_values.py):
-    its checkpoints still export, by their model key."""
-    cfg = FederatedConfig()
-    trained = build_model(cfg.model_name, seed=7)
-    layout = ParamLayout.from_module(trained)
-    config = {**cfg.to_run_config(), "value-dtype": "int2", "error-feedback": True}
+    """int2 with error feedback ran until it was refused (common/config_values.py): its
+    checkpoints still export, by their model key."""
+    config = {**FederatedConfig().to_run_config(), "value-dtype": "int2", "error-feedback": True}
     config["dp-norm-bound"] = "off"
     with pytest.raises(ValueError, match="value-dtype='int2'"):
         FederatedConfig.from_run_config(config)
-    run = tmp_path / "old"
-    run.mkdir()
-    Checkpoint(
-        round=2,
-        weights=layout.flatten_module(trained),
-        names=list(layout.names),
-        shapes=[tuple(s) for s in layout.shapes],
-        config=config,
-    ).save(run / "checkpoint.pt")
-    exported = export_model(run, tmp_path / "model.pt")
-    assert (exported["model"], exported["round"]) == ("digits-cnn", 2)
-    assert torch.equal(flat(load_exported(tmp_path / "model.pt")), flat(trained))
+    exported = export_model(federated_run(tmp_path, config=config), tmp_path / "model.pt")
+    assert (exported["model"], exported["round"]) == ("digits-cnn", 3)
+    model = load_exported(tmp_path / "model.pt")
+    assert torch.equal(flat(model), flat(build_model("digits-cnn", seed=7)))
 
 
 def test_the_whole_state_dict_travels_so_loading_is_strict(tmp_path: Path) -> None:
