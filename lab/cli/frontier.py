@@ -10,6 +10,7 @@ from typing import Annotated, Final
 import typer
 
 from fedsparse.lab.cli.utils import (
+    DEFAULT_EXTEND_CORNERS,
     Opt,
     OverwriteRuns,
     ResumeRuns,
@@ -59,9 +60,10 @@ def frontier(
         int,
         Opt(
             help="extend a numeric tuning axis past a pick at its end (x2 or /2), up to N "
-            "times an arm; a pick still at an end is 'at the cap' (no verdict)"
+            "times an arm; a pick still at an end is 'at the cap' (no verdict); 0: the grid "
+            "as given"
         ),
-    ] = 0,
+    ] = DEFAULT_EXTEND_CORNERS,
     clients: Annotated[int, Opt(help="clients (SuperNodes) per run")] = 10,
     backend: Annotated[str, Opt(help=BACKEND_CHOICE_HELP)] = AUTO,
     jobs: Annotated[int, Opt(help="runs at a time")] = 1,
@@ -125,7 +127,7 @@ def frontier(
     args += [a for t in tune or [] for a in ("--tune", t)]
     args += ["--seeds", str(seeds), "--tune-seeds", str(tune_seeds), "--clients", str(clients)]
     args += ["--backend", backend, "--jobs", str(jobs)]
-    args += ["--extend-corners", str(extend_corners)] if extend_corners else []
+    args += ["--extend-corners", str(extend_corners)]  # 0 too: explicit
     args += ["--runs-dir", str(runs_dir)] if runs_dir else []
     try:
         outcomes = run_frontier(

@@ -15,6 +15,7 @@ import typer
 
 from fedsparse.lab.cli.simulate import RAY_ADDRESS_HELP
 from fedsparse.lab.cli.utils import (
+    DEFAULT_EXTEND_CORNERS,
     Opt,
     OverwriteRuns,
     ResumeRuns,
@@ -63,12 +64,14 @@ def sweep(
     ] = None,
     tune_seeds: Annotated[int, Opt(help="--tune: seeds per tuning combination")] = 2,
     extend_corners: Annotated[
-        int,
+        int | None,
         Opt(
             help="--tune: extend a numeric axis past a pick at its end (x2 or /2), up to N "
-            "times an arm; a pick still at an end is 'at the cap' (no verdict)"
+            "times an arm; a pick still at an end is 'at the cap' (no verdict); default 2 "
+            "with --tune (0: the grid as given)",
+            show_default=False,
         ),
-    ] = 0,
+    ] = None,
     ray_address: Annotated[str | None, Opt(help=RAY_ADDRESS_HELP)] = None,
     scale_clip: Annotated[
         bool,
@@ -105,10 +108,12 @@ def sweep(
     try:
         check_run_config(fixed)  # before the imports below: they take seconds
         check_grid_values([*(grid or []), *(tune or [])], fixed)
-        if extend_corners < 0 or (extend_corners and not tune):
+        if extend_corners is not None and (extend_corners < 0 or not tune):
             raise ValueError(
                 f"--extend-corners {extend_corners}: expected an integer >= 0, with --tune"
             )
+        if extend_corners is None:
+            extend_corners = DEFAULT_EXTEND_CORNERS if tune else 0
     except ValueError as err:
         raise typer.BadParameter(str(err)) from err
     from fedsparse.lab.experiments.report import write_outputs
@@ -146,7 +151,7 @@ def sweep(
     args += ["--downlink-rate", downlink_rate] if downlink_rate else []
     args += [a for t in tune or [] for a in ("--tune", t)]
     args += ["--tune-seeds", str(tune_seeds)] if tune else []
-    args += ["--extend-corners", str(extend_corners)] if tune and extend_corners else []
+    args += ["--extend-corners", str(extend_corners)] if tune else []  # 0 too: explicit
     args += ["--scale-clip"] if scale_clip else []
     args += ["--ray-address", ray_address] if ray_address else []
     runs_dir = runs_dir or out / "runs"

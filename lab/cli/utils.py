@@ -145,6 +145,10 @@ APP_PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
 #: The run-config key that carries a plug-in method's own keys (``common/config_keys.py``'s
 #: ``METHOD_OPTIONS``, named here without importing it).
 CARRIER = "method-options"
+#: ``--extend-corners``'s default (``sweep --tune``, ``frontier``): each numeric tuning axis of
+#: an arm goes at most this many steps past its grid (``lab/experiments/corners.py``; 0: the
+#: grid as given).
+DEFAULT_EXTEND_CORNERS = 2
 
 
 def _app_config() -> dict[str, Any] | None:

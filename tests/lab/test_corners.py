@@ -219,3 +219,44 @@ def test_an_axis_the_run_config_bounds_ends_there_and_keeps_its_verdict(
     assert len(tuned) == 2 * 6  # the grid as given: nothing past either bound ran
     lines = render_tuning(result.choices, result.differences, tune={}, tune_seeds=1)
     assert not any("at the cap" in line for line in lines)
+
+
+class _Stop(ValueError):
+    """Ends a command once it has called the tuner (the CLI reports a ValueError)."""
+
+
+def test_the_commands_extend_twice_unless_told_and_record_the_cap(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--extend-corners`` defaults to 2 in ``sweep --tune`` and ``frontier``; 0 keeps the grid
+    as given; the frontier's report records the cap it ran with, 0 included."""
+    seen: list[int] = []
+
+    def tuned(*args: Any, extend: int, **kwargs: Any) -> Any:
+        seen.append(extend)
+        raise _Stop("stop")
+
+    monkeypatch.setattr(tuning, "run_tuned_sweep", tuned)
+    commands: list[str] = []
+
+    def frontier_runs(*args: Any, extend: int, **kwargs: Any) -> list[Any]:
+        seen.append(extend)
+        return []
+
+    monkeypatch.setattr(frontier, "run_frontier", frontier_runs)
+    monkeypatch.setattr(
+        frontier, "write_frontier", lambda out, *a, command, **k: commands.append(command)
+    )
+    env = {"COLUMNS": "240"}
+    sweep = ["sweep", "--tune", "lr=0.1,1", "--backend", "inprocess"]
+    for i, extra in enumerate(([], ["--extend-corners", "0"], ["--extend-corners", "3"])):
+        result = CliRunner().invoke(
+            app, [*sweep, "--out", str(tmp_path / f"s{i}"), *extra], env=env
+        )
+        assert result.exit_code != 0 and "stop" in result.output, result.output
+    for i, extra in enumerate(([], ["--extend-corners", "0"])):
+        args = ["frontier", "--out", str(tmp_path / f"f{i}"), "--arm", "final-rate=0", *extra]
+        result = CliRunner().invoke(app, [*args, "--backend", "inprocess"], env=env)
+        assert result.exit_code == 0, result.output
+    assert seen == [2, 0, 3, 2, 0]
+    assert [c.split("--extend-corners ")[1].split()[0] for c in commands] == ["2", "0"]

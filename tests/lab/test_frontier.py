@@ -85,6 +85,7 @@ def test_a_small_frontier_end_to_end(tmp_path: Path) -> None:
     args += ["--arm", "final-rate=0.9,value-dtype=int2,schedule=constant"]
     args += ["--tune", "lr=0.25,0.5", "--set", "num-rounds=2", "--seeds", "3"]
     args += ["--tune-seeds", "1", "--clients", "3", "--backend", "inprocess"]
+    args += ["--extend-corners", "0"]  # the grid as given
     result = CliRunner().invoke(app, args, env=ENV)
     assert result.exit_code == 0, result.output
     with (out / "frontier.csv").open() as fh:

@@ -163,7 +163,7 @@ def test_a_tuned_sweep_end_to_end(tmp_path: Path) -> None:
     out = tmp_path / "tuned"
     args = ["sweep", "--out", str(out), "--grid", "final-rate=0,0.9", "--tune", "lr=0.25,1.0"]
     args += ["--tune-seeds", "1", "--seeds", "2", "--set", "num-rounds=2", "--clients", "3"]
-    args += ["--backend", "inprocess"]
+    args += ["--backend", "inprocess", "--extend-corners", "0"]  # the grid as given
     result = CliRunner().invoke(app, args, env=ENV)
     assert result.exit_code == 0, result.output
     with (out / "tuning.csv").open() as fh:

@@ -169,7 +169,7 @@ class FederatedStudy:
                 *(f"--set {s}" for s in sets),
                 f"--seeds {self.seeds} --clients {self.clients} --backend auto",
                 *(f"--tune {k}={','.join(v)}" for k, v in self.tune.items()),
-                f"--tune-seeds {self.tune_seeds}",
+                f"--tune-seeds {self.tune_seeds} --extend-corners 0",  # the grid as given
             ]
         )
 
