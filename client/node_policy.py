@@ -52,6 +52,10 @@ key                        default        meaning
                                           and with the server's values of its own keys
 ``plugin-models``          ""             the same for ``model``: ``package.module:factory``
                                           model factories (``common/models/classifiers.py``)
+``plugin-engines``         ""             the same for ``engine``: ``package.module:spec`` DP
+                                          engines (``common/dp/engines/``). Listing one
+                                          trusts it with the clipped, noised sum the node's
+                                          ε is charged for
 ``secure-aggregation``     "allow"        ``allow``: take part in runs with or without
                                           secure aggregation; ``require``: refuse every
                                           round whose update the server would see alone;
@@ -184,6 +188,7 @@ class NodePolicy:
     allowed_fab_hashes: tuple[str, ...] = ()
     plugin_methods: tuple[str, ...] = ()
     plugin_models: tuple[str, ...] = ()
+    plugin_engines: tuple[str, ...] = ()
     secure_aggregation: SecureAggregation = "allow"
     secagg_colluders: int = 0
 
@@ -212,6 +217,7 @@ class NodePolicy:
         for key, names in (
             ("plugin-methods", self.plugin_methods),
             ("plugin-models", self.plugin_models),
+            ("plugin-engines", self.plugin_engines),
         ):
             for name in names:
                 if not _is_plugin_method(name):
@@ -255,11 +261,12 @@ class NodePolicy:
         return cls(**values)
 
     def check_plugins(self, run_config: Mapping[str, Any]) -> None:
-        """Refuses a run config whose ``method`` or ``model`` is a plug-in
+        """Refuses a run config whose ``method``, ``model`` or ``engine`` is a plug-in
         (``package.module:attribute``) this node's owner did not list for that role
-        (``plugin-methods``, ``plugin-models``), unless the node is simulated. Imports nothing:
-        importing a module runs its code, and the run config is the server's. A name listed
-        for one role is refused in the other (a model factory is not a method). The dataset
+        (``plugin-methods``, ``plugin-models``, ``plugin-engines``), unless the node is
+        simulated. Imports nothing: importing a module runs its code, and the run config is
+        the server's. A name listed for one role is refused in the other (a model factory is
+        not a method). The dataset
         is the node's own declaration, never the server's choice (``client/guard.py:
         declaration``).
 
@@ -268,7 +275,11 @@ class NodePolicy:
         """
         if self.noise == "seeded":
             return
-        for key, listed in (("method", self.plugin_methods), ("model", self.plugin_models)):
+        for key, listed in (
+            ("method", self.plugin_methods),
+            ("model", self.plugin_models),
+            ("engine", self.plugin_engines),
+        ):
             value = str(run_config.get(key, ""))
             if _is_plugin_method(value) and value not in listed:
                 raise PrivacyRefusal(

@@ -79,6 +79,7 @@ from fedsparse.client.local_round import (
 from fedsparse.client.population_step import train_chunk
 from fedsparse.client.round_reply import round_reply
 from fedsparse.common.data.datasets import Split
+from fedsparse.common.dp.engines import is_user_engine
 from fedsparse.common.dp.engines.func import func_support_error
 from fedsparse.common.dp.mechanisms import mechanism_of
 from fedsparse.common.layout import ParamLayout
@@ -123,6 +124,8 @@ def population_error(call: ClientCall, model: nn.Module) -> str | None:
         return "secure-mode: Opacus's OS-entropy generator draws the batches and the noise"
     if privacy.target_epsilon is not None:
         return "target-epsilon: sigma is calibrated by client_round's make_private"
+    if is_user_engine(call.public.cfg.engine):
+        return f"engine={call.public.cfg.engine!r}: a user's engine runs in client_round"
     if resolve_device(call.public.cfg.device).type not in ("cpu", "cuda"):
         return f"device={call.public.cfg.device!r}: the population step runs on the CPU or CUDA"
     if model not in _SUPPORT:  # a process model's layers do not change

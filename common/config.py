@@ -100,9 +100,10 @@ class FederatedConfig:
     batch_size: int = 32
     lr: float = 0.25
     momentum: float = 0.0
-    # local performance: the DP engine ("auto": func on CUDA, else factored) and the device
-    # ("auto": CUDA if the client has one). Checked for availability where training runs, not
-    # here: the server parses this config too and needs no GPU.
+    # local performance: the DP engine ("auto": func on CUDA, else factored; or a user's
+    # EngineSpec as package.module:attribute) and the device ("auto": CUDA if the client has
+    # one). Checked for availability where training runs, not here: the server parses this
+    # config too and needs no GPU.
     engine: EngineName = "auto"
     device: DeviceName = "auto"
     # privacy (target-epsilon > 0 calibrates sigma; else noise-multiplier is used)

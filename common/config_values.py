@@ -83,6 +83,12 @@ NAMED_FIELDS: Final[dict[str, tuple[str, ...]]] = {
     "dp_norm_bound": DP_NORM_BOUNDS,
 }
 
+#: Named fields that also take a user's ``package.module:attribute``, and what it names.
+_PLUGIN_FIELDS: Final[dict[str, str]] = {
+    "dataset": " or package.module:loader",
+    "engine": ", or package.module:attribute (an EngineSpec)",
+}
+
 #: The value dtypes ``error-feedback`` refuses, and why. Error feedback corrects a compressor
 #: whose error is smaller than what it compresses (a contraction); int2's and int1's unbiased
 #: stochastic rounding is not one: its expected squared error is ``s ||x||_1 - ||x||^2`` for
@@ -174,11 +180,10 @@ def _check_names(v: Mapping[str, Any], fail: Fail) -> None:
     checked where it is imported), and the model against the dataset's image shape."""
     for field, names in NAMED_FIELDS.items():
         value = v[field]
-        if field == "dataset" and plugins.is_reference(value):
-            continue  # a user's loader (common/plugins.py): imported where it is loaded
+        if field in _PLUGIN_FIELDS and plugins.is_reference(value):
+            continue  # a user's loader or engine (common/plugins.py): checked where it loads
         if value not in names:
-            more = " or package.module:loader" if field == "dataset" else ""
-            fail(field, f"one of {', '.join(names)}{more}")
+            fail(field, f"one of {', '.join(names)}{_PLUGIN_FIELDS.get(field, '')}")
     if v["method"] not in METHOD_NAMES and not plugins.is_reference(v["method"]):
         fail(
             "method",

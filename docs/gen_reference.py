@@ -64,7 +64,10 @@ MEANINGS: dict[str, str] = {
     "lr": "Local SGD learning rate (the baseline's best on validation at 10 rounds).",
     "momentum": "Local SGD momentum (0 <= momentum < 1); every round starts a fresh optimizer.",
     "engine": "The per-sample-gradient engine: `auto` is `factored` on the CPU and `func` on "
-    "CUDA where it supports the model, else `opacus` (bit for bit Opacus's own step).",
+    "CUDA where it supports the model, else `opacus` (bit for bit Opacus's own step); or a "
+    "user's `EngineSpec` as `package.module:attribute` (a deployed node imports it only if "
+    "its policy's `plugin-engines` lists it; docs/explanation/architecture.md, \"Where to add "
+    "an engine\").",
     "device": "Where clients train: `auto` is CUDA if the client has one; `cuda` without one "
     "is a client error naming the key.",
     "mechanism": "`dpsgd` (clip + noise); `clipped` and `noisy` are the RS paper's "

@@ -7,7 +7,10 @@ folder outside the repository and put on the import path (fedsparse is not touch
 - ``<name>:tiny_cnn``: a model factory for 1x6x6 images;
 - ``<name>:stripes`` (60 train, 30 test images) and ``<name>:more_stripes`` (240, 120): 6
   classes, class k a bright row k on noise;
-- ``not_a_factory``, ``returns_a_tensor``, ``returns_one_split``: what a loader must refuse.
+- ``not_a_factory``, ``returns_a_tensor``, ``returns_one_split``: what a loader must refuse;
+- ``<name>.engines:counting``: a DP engine (``EngineSpec``): the func engine, counting the
+  batches it computes per-sample gradients of (``BATCHES``); ``builds_something_else``,
+  ``no_conv`` and ``not_a_spec``: what ``engine=`` must refuse.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-__all__ = ["LAB", "METHOD", "PACKAGE", "forget", "user_package", "write_user_package"]
+__all__ = ["ENGINE", "LAB", "METHOD", "PACKAGE", "forget", "user_package", "write_user_package"]
 
 #: The package's default name.
 PACKAGE = "fedsparse_example_plugin"
@@ -63,6 +66,53 @@ class EvenCoordinates(Method):
         mask = torch.zeros(ctx.layout.numel, dtype=torch.bool)
         mask[self.coordinates(ctx.layout.numel)] = True
         return 1.0 - 1.0 / self.option("stride"), mask, False
+'''
+
+#: ``<name>/engines.py``: the DP engine.
+ENGINE = '''
+"""A user's DP engine: the func engine's per-sample gradients, each batch counted."""
+
+from fedsparse.common.dp.engines import EngineSpec
+from fedsparse.common.dp.engines.func import (
+    FuncDPEngine,
+    FuncGradSampleModule,
+    func_support_error,
+)
+
+BATCHES = []
+
+
+class CountingModule(FuncGradSampleModule):
+    def backward_per_sample(self, x, y, *, criterion):
+        BATCHES.append(len(x))
+        return super().backward_per_sample(x, y, criterion=criterion)
+
+
+class CountingEngine(FuncDPEngine):
+    def _prepare_model(self, module, **kwargs):
+        wrapped = super()._prepare_model(module, **kwargs)  # the func engine's checks
+        return wrapped if isinstance(wrapped, CountingModule) else CountingModule(module)
+
+
+counting = EngineSpec(name="counting", make=CountingEngine, support_error=func_support_error)
+
+
+class NotAnEngine:
+    def __init__(self, **kwargs):
+        pass
+
+
+builds_something_else = EngineSpec(name="else", make=NotAnEngine)
+
+
+def _no_conv(module):
+    if any(type(m).__name__ == "Conv2d" for m in module.modules()):
+        return "engine='no-conv': this engine trains no Conv2d layer"
+    return None
+
+
+no_conv = EngineSpec(name="no-conv", make=CountingEngine, support_error=_no_conv)
+not_a_spec = 3
 '''
 
 #: ``<name>/__init__.py``: the model and the data.
@@ -119,12 +169,14 @@ def returns_one_split(*, data_dir, seed):
 
 
 def write_user_package(root: Path, name: str = PACKAGE) -> Path:
-    """Writes package ``name`` (``__init__.py``: ``LAB``; ``even.py``: ``METHOD``) under
-    ``root``; returns ``root`` (the folder to put on the import path)."""
+    """Writes package ``name`` (``__init__.py``: ``LAB``; ``even.py``: ``METHOD``;
+    ``engines.py``: ``ENGINE``) under ``root``; returns ``root`` (the folder to put on the
+    import path)."""
     package = root / name
     package.mkdir(parents=True, exist_ok=True)
     (package / "__init__.py").write_text(textwrap.dedent(LAB))
     (package / "even.py").write_text(textwrap.dedent(METHOD))
+    (package / "engines.py").write_text(textwrap.dedent(ENGINE))
     return root
 
 

@@ -134,6 +134,11 @@ def test_the_method_branch_check_sees_a_branch() -> None:
 #: names that hold one; the package that alone may compare them).
 _VOCABULARIES = {
     "mechanism": (frozenset({"dpsgd", "clipped", "noisy"}), ("mechanism",), "common/dp"),
+    "engine": (
+        frozenset({"opacus", "func", "factored"}),
+        ("engine", "engine_name"),
+        "common/dp/engines",
+    ),
     "backend": (
         frozenset(BACKENDS) | frozenset(BACKEND_ALIASES),
         ("backend",),
@@ -175,7 +180,8 @@ def _vocabulary_branches(source: str, where: str, names: frozenset[str], refs: t
 
 @pytest.mark.parametrize("vocabulary", sorted(_VOCABULARIES))
 def test_no_mechanism_backend_or_codec_branch_outside_its_package(vocabulary: str) -> None:
-    """A mechanism is asked what it does (``common/dp/mechanisms.py``), a backend what it
+    """A mechanism is asked what it does (``common/dp/mechanisms.py``), an engine for its
+    ``EngineSpec`` (``common/dp/engines/__init__.py``), a backend what it
     runs (``lab/launch/backends.py``), a value dtype or codec how it rounds and encodes
     (``common/wire/value_formats.py``); names are compared in their own package only."""
     names, refs, home = _VOCABULARIES[vocabulary]

@@ -60,6 +60,11 @@ class PerSampleModule(nn.Module):
             return output
         return self._module(*args, **kwargs)
 
+    def backward_per_sample(self, x: torch.Tensor, y: torch.Tensor, *, criterion: Any) -> Any:
+        """The batch's per-sample work for the next optimizer step, in place of
+        ``criterion(module(x), y).backward()``; returns the batch loss (detached)."""
+        raise NotImplementedError
+
     def _record_forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Any]:
         """The output for ``x`` and what ``_backward_recorded`` needs of this pass."""
         raise NotImplementedError

@@ -19,7 +19,13 @@ from dataclasses import dataclass
 import torch
 
 from fedsparse.common.dp.accounting import ACCOUNTANTS, AccountantName
-from fedsparse.common.dp.engines import ENGINES, EngineName, select_engine
+from fedsparse.common.dp.engines import (
+    ENGINES,
+    EngineName,
+    is_user_engine,
+    select_engine,
+    unknown_engine,
+)
 from fedsparse.common.dp.mechanisms import is_private
 from fedsparse.common.dp.optimizer import MECHANISMS, MechanismName
 from fedsparse.common.methods.schedules import RateSchedule, ScheduleName
@@ -58,7 +64,9 @@ def resolve_device(name: DeviceName) -> torch.device:
 
 
 @functools.lru_cache(maxsize=64)
-def planned_engine(engine: EngineName, model_name: ModelName, device: DeviceName = "auto") -> str:
+def planned_engine(
+    engine: EngineName | str, model_name: ModelName, device: DeviceName = "auto"
+) -> str:
     """The engine ``make_private`` picks for a fresh ``model_name`` on ``device`` here.
 
     What a run's record names, so that a finished result is reused only by a run that would
@@ -162,8 +170,9 @@ class TrainConfig:
     seed: int | None = 0
     #: DP engine computing per-sample gradients (``engines.select_engine``): "opacus" hooks,
     #: "func" (torch.func), "factored" (``factored_dp``), or "auto" (func on CUDA, factored
-    #: elsewhere; Opacus for a model they cannot train).
-    engine: EngineName = "auto"
+    #: elsewhere; Opacus for a model they cannot train), or a user's ``EngineSpec`` as
+    #: ``package.module:attribute``.
+    engine: EngineName | str = "auto"
     #: Where the model and batches go (``resolve_device``); checked here, so "cuda" on a
     #: machine without one fails when the config is built.
     device: DeviceName = "auto"
@@ -180,6 +189,6 @@ class TrainConfig:
             raise ValueError(
                 f"max_physical_batch_size={self.max_physical_batch_size}: expected >= 0"
             )
-        if self.engine not in ENGINES:
-            raise ValueError(f"engine={self.engine!r}: expected one of {', '.join(ENGINES)}")
+        if self.engine not in ENGINES and not is_user_engine(self.engine):
+            raise ValueError(unknown_engine(self.engine))
         resolve_device(self.device)

@@ -33,9 +33,8 @@ from fedsparse.common.dp.accounting import (
     steps_per_epoch,
 )
 from fedsparse.common.dp.engine import SparseDPEngine
-from fedsparse.common.dp.engines import select_engine
-from fedsparse.common.dp.engines.factored import FactoredDPEngine, FactoredGradSampleModule
-from fedsparse.common.dp.engines.func import FuncDPEngine, FuncGradSampleModule
+from fedsparse.common.dp.engines import engine_spec, select_engine
+from fedsparse.common.dp.per_sample import PerSampleModule
 from fedsparse.common.known_warnings import quiet_known_warnings
 from fedsparse.common.seeds import Stream, stream_seed
 from fedsparse.common.training.configs import PrivacyConfig, TrainConfig, resolve_device
@@ -138,11 +137,14 @@ def make_private(
         shuffle=not train.poisson_sampling and data_gen is not None,
     )
     optimizer = torch.optim.SGD(model.parameters(), lr=train.lr, momentum=train.momentum)
-    engines = {"func": FuncDPEngine, "factored": FactoredDPEngine}
-    engine_cls = engines.get(engine_name, SparseDPEngine)
-    engine = engine_cls(
+    engine = engine_spec(engine_name).make(
         accountant=privacy.accountant, secure_mode=privacy.secure_mode, mechanism=privacy.mechanism
     )
+    if not isinstance(engine, SparseDPEngine):  # a user's engine: the mechanism is ours
+        raise ValueError(
+            f"engine={engine_name!r}: built a {type(engine).__name__}, expected a "
+            "fedsparse.common.dp.engine.SparseDPEngine (sparsify -> clip -> sum -> noise)"
+        )
     with quiet_known_warnings():
         private = engine.make_private(
             module=model,
@@ -203,11 +205,10 @@ def train_one_epoch(
     """One pass over ``loader``; returns (mean training loss, examples seen).
 
     Batches go to the model's device. ``model`` is what ``make_private`` returned: Opacus's
-    ``GradSampleModule`` (per-sample gradients from hooks in ``backward``), the func
-    engine's ``FuncGradSampleModule`` or the factored engine's ``FactoredGradSampleModule``
-    (``backward_per_sample``). ``criterion``: the batch loss (default cross-entropy; data
-    padded to a nominal size: ``padded_cross_entropy``, and the examples seen are the real
-    ones).
+    ``GradSampleModule`` (per-sample gradients from hooks in ``backward``) or a
+    ``PerSampleModule`` (the func and factored engines' modules: ``backward_per_sample``).
+    ``criterion``: the batch loss (default cross-entropy; data padded to a nominal size:
+    ``padded_cross_entropy``, and the examples seen are the real ones).
     """
     model.train()
     criterion = criterion or nn.CrossEntropyLoss()
@@ -246,7 +247,7 @@ def _backward(
     criterion: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
 ) -> torch.Tensor:
     """Computes the batch's per-sample gradients for the DP optimizer; returns the mean loss."""
-    if isinstance(model, (FuncGradSampleModule, FactoredGradSampleModule)):
+    if isinstance(model, PerSampleModule):  # the module computes its own (func, factored)
         return model.backward_per_sample(x, y, criterion=criterion)
     loss = criterion(model(x), y)
     loss.backward()

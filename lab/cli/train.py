@@ -85,7 +85,10 @@ def train(
     seed: Annotated[int, Opt(help="seed for init, sampling, noise and masks")] = 0,
     engine: Annotated[
         str,
-        Opt(help="DP engine: auto (func on CUDA, else factored) | opacus | func | factored"),
+        Opt(
+            help="DP engine: auto (func on CUDA, else factored) | opacus | func | factored | "
+            "package.module:spec (an EngineSpec)"
+        ),
     ] = "auto",
     device: Annotated[str, Opt(help="auto (CUDA if available) | cpu | cuda")] = "auto",
     eval_split: Annotated[
@@ -174,7 +177,7 @@ def train(
             momentum=momentum,
             max_physical_batch_size=max_physical_batch_size,
             seed=seed,
-            engine=choice("engine", engine, DP_ENGINES),
+            engine=choice("engine", engine, DP_ENGINES, plugin=True),
             device=choice("device", device, DEVICES),
         )
         dataset_name = choice("dataset", dataset, DATASET_NAMES, plugin=True)

@@ -218,6 +218,41 @@ def test_chunks_of_one_client_give_the_same_rounds() -> None:
         _assert_same(a, b)
 
 
+@pytest.mark.parametrize(
+    "settings", [{}, dict(mechanism="noisy", momentum=0.9, local_epochs=2)], ids=["rs", "noisy"]
+)
+def test_clients_from_copies_of_the_model_get_the_shared_models_rounds(
+    settings: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # One downlinked tensor for all: the first step runs from unstacked weights; a copy each
+    # (another process's nodes, a restored state): every step from stacked rows. Both paths
+    # give each client its round.
+    run = cfg(**{**FIXED, **settings})
+    shared = _calls(run)
+    copies = [dataclasses.replace(c, global_flat=c.global_flat.clone()) for c in shared]
+    grads = []
+    summed_step, clipped_step = population_step._summed_step, population_step._clipped_step
+
+    def seen(step: Any) -> Any:
+        def wrapped(*args: Any) -> Any:
+            grads.append(args[1]["features.0.weight"].dim())  # 5: one row a client
+            return step(*args)
+
+        return wrapped
+
+    monkeypatch.setattr(population_step, "_summed_step", seen(summed_step))
+    monkeypatch.setattr(population_step, "_clipped_step", seen(clipped_step))
+    model = process_model(run.model_name, run.seed).model
+    from_shared = population_round(shared, model=model)
+    steps = len(grads)
+    from_copies = population_round(copies, model=model)
+    assert grads[0] == 4 and grads[steps] == 5  # the shared model, then a row a client
+    assert set(grads[1:steps]) <= {5} and set(grads[steps:]) == {5}
+    for a, b, call in zip(from_shared, from_copies, shared, strict=True):
+        _assert_same(a, b)
+        _assert_same(a, _alone(call))
+
+
 def test_what_it_cannot_vectorise_runs_on_client_round_and_says_why() -> None:
     run = cfg(**FIXED, method="random-k", final_rate=0.9)
     calls = _calls(run)

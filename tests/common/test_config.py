@@ -139,6 +139,8 @@ def test_an_unknown_name_fails_at_parse_time_in_one_line(key: str, value: str) -
         expected += " ('' for the dataset's default) or package.module:factory"
     if key == "dataset":
         expected += " or package.module:loader"  # a user's own (common/plugins.py)
+    if key == "engine":
+        expected += ", or package.module:attribute (an EngineSpec)"
     assert message == expected
     assert "\n" not in message
 

@@ -23,7 +23,7 @@ from torch import nn
 
 from fedsparse.common.config import FederatedConfig
 from fedsparse.common.dp.engine import SparseDPEngine
-from fedsparse.common.dp.engines import AUTO_FUNC_DEVICES, ENGINES, select_engine
+from fedsparse.common.dp.engines import AUTO_ENGINES, ENGINE_SPECS, ENGINES, select_engine
 from fedsparse.common.dp.engines.factored import FactoredDPEngine
 from fedsparse.common.dp.engines.func import FuncDPEngine
 from fedsparse.common.layout import ParamLayout
@@ -196,7 +196,8 @@ def test_every_model_runs_on_every_engine(name: str) -> None:
     for engine in ("opacus", *FASTER):
         assert select_engine(engine, module=model, device=CPU) == engine  # type: ignore[arg-type]
     # auto: factored on the CPU, func on CUDA, Opacus where neither can train the model.
-    assert "cpu" not in AUTO_FUNC_DEVICES and "cuda" in AUTO_FUNC_DEVICES
+    assert AUTO_ENGINES == {"cuda": ("func", "opacus"), None: ("factored", "opacus")}
+    assert set(ENGINE_SPECS) == {"opacus", *FASTER}
     assert select_engine("auto", module=model, device=CPU) == "factored"
     assert select_engine("auto", module=model, device=torch.device("cuda")) == "func"
     assert select_engine("opacus", module=model, device=torch.device("cuda")) == "opacus"
@@ -205,7 +206,10 @@ def test_every_model_runs_on_every_engine(name: str) -> None:
 def test_engine_and_device_names_are_checked() -> None:
     assert ENGINES == ("auto", "opacus", "func", "factored")
     assert DEVICES == ("auto", "cpu", "cuda")
-    unknown = r"^engine='jax': expected one of auto, opacus, func, factored$"
+    unknown = (
+        r"^engine='jax': expected one of auto, opacus, func, factored, or "
+        r"package\.module:attribute \(an EngineSpec\)$"
+    )
     with pytest.raises(ValueError, match=unknown):
         TrainConfig(engine="jax")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"^device='tpu': expected one of auto, cpu, cuda$"):
