@@ -62,7 +62,7 @@ from fedsparse.common.known_warnings import quiet_known_warnings
 from fedsparse.common.layout import ParamLayout
 from fedsparse.common.methods.base import Method
 from fedsparse.common.methods.index_selection import IndexBudget
-from fedsparse.common.training.configs import PrivacyConfig, resolve_device
+from fedsparse.common.training.configs import PrivacyConfig, planned_engine, resolve_device
 from fedsparse.common.wire.protocol import (
     CONFIG_RECORD,
     DOWNLINK_KIND,
@@ -86,13 +86,12 @@ __all__ = [
 
 
 def run_config(context: Context, policy: NodePolicy) -> FederatedConfig:
-    """The run config, parsed once the node's policy allows its ``method``: a plug-in method
-    (``package.module:Class``) is imported only if the node's owner lists it
-    (``plugins``) or the node is simulated; else refused before anything is imported (a
-    plug-in ``model`` likewise).
+    """The run config, parsed once the node's policy allows its plug-ins: a plug-in method,
+    model or engine (``package.module:attribute``) is imported only if the node's owner lists
+    it or the node is simulated; else refused before anything is imported.
 
     Raises:
-        PrivacyRefusal: a plug-in method the policy does not list.
+        PrivacyRefusal: a plug-in the policy does not list.
     """
     policy.check_plugins(context.run_config)
     try:  # every message of a run carries the same one (parsing it: ~0.2 ms)
@@ -231,6 +230,7 @@ def prepare_train(msg: Message, context: Context) -> PreparedTrain:
     declared = declaration(context, cfg, policy)
     secagg = SecAggRound.open(msg, context, cfg, policy, task, declared) if secure else None
     reusable = model_cache.process_model(cfg.model_name, cfg.seed)
+    planned_engine(cfg.engine, cfg.model_name, cfg.device)  # it trains the model: no charge yet
     layout = reusable.layout
     method = cfg.make_method()  # one instance for the round
     frozen = _frozen_prefix(cfg, task, layout, method)

@@ -66,8 +66,8 @@ MEANINGS: dict[str, str] = {
     "engine": "The per-sample-gradient engine: `auto` is `factored` on the CPU and `func` on "
     "CUDA where it supports the model, else `opacus` (bit for bit Opacus's own step); or a "
     "user's `EngineSpec` as `package.module:attribute` (a deployed node imports it only if "
-    "its policy's `plugin-engines` lists it; docs/explanation/architecture.md, \"Where to add "
-    "an engine\").",
+    "its policy's `plugin-engines` lists it; docs/explanation/architecture.md, \"Where to "
+    "add\").",
     "device": "Where clients train: `auto` is CUDA if the client has one; `cuda` without one "
     "is a client error naming the key.",
     "mechanism": "`dpsgd` (clip + noise); `clipped` and `noisy` are the RS paper's "
@@ -235,7 +235,8 @@ def run_config_page() -> str:
             ]
         meaning = row["meaning"]
         if row["values"]:
-            meaning += ("" if meaning.endswith(".") else ".") + f" One of {row['values']}."
+            one_of = "Built-in names:" if row["key"] == "engine" else "One of"  # and plug-ins
+            meaning += ("" if meaning.endswith(".") else ".") + f" {one_of} {row['values']}."
         lines.append(f"| `{row['key']}` | {row['type']} | `{row['default']}` | {cell(meaning)} |")
     return "\n".join(_close_tables(lines)) + "\n"
 

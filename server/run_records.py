@@ -140,7 +140,7 @@ def _engine(cfg: FederatedConfig) -> str | None:
     None where this machine cannot tell (a ``device`` it lacks)."""
     try:
         return planned_engine(cfg.engine, cfg.model_name, cfg.device)
-    except ValueError:
+    except Exception:  # noqa: BLE001 - a user's engine may raise anything: record its name
         return None if cfg.engine == "auto" else str(cfg.engine)
 
 

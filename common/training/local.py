@@ -140,7 +140,7 @@ def make_private(
     engine = engine_spec(engine_name).make(
         accountant=privacy.accountant, secure_mode=privacy.secure_mode, mechanism=privacy.mechanism
     )
-    if not isinstance(engine, SparseDPEngine):  # a user's engine: the mechanism is ours
+    if not isinstance(engine, SparseDPEngine):  # a user's mistake (its honesty is trusted)
         raise ValueError(
             f"engine={engine_name!r}: built a {type(engine).__name__}, expected a "
             "fedsparse.common.dp.engine.SparseDPEngine (sparsify -> clip -> sum -> noise)"

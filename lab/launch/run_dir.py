@@ -221,7 +221,7 @@ class RunInputs:
         versions = {
             key: f"{value} @ {plugin_version(str(value))}"
             for key, value in sorted(run_config.items())
-            if key in ("method", "model", "dataset") and plugins.is_reference(str(value))
+            if key in ("method", "model", "dataset", "engine") and plugins.is_reference(str(value))
         }
         every = int(run_config.get("clients-per-round", 0) or 0) in (0, clients)
         results = RESULT_FAMILIES.get(backend, backend) if every else backend

@@ -17,16 +17,22 @@ from pathlib import Path
 
 import pytest
 import torch
+from flwr.app import Message
 
+import fedsparse.client.train_message as train_message_module
 from fedsparse.client.app import app as client_app
 from fedsparse.client.node_policy import SIMULATION_NODE_POLICY, NodePolicy, PrivacyRefusal
 from fedsparse.common.config import FederatedConfig
 from fedsparse.common.dp.engines import engine_spec, select_engine
+from fedsparse.common.layout import ParamLayout
 from fedsparse.common.models.classifiers import build_model
 from fedsparse.common.training.configs import TrainConfig, planned_engine
+from fedsparse.common.wire.payload import encode_update
+from fedsparse.common.wire.protocol import TrainInstruction
 from fedsparse.lab.simulation.inprocess import InProcessGrid
 from fedsparse.lab.simulation.population import PopulationGrid
 from fedsparse.server.app import run_federated
+from fedsparse.server.messages import train_message
 from tests.plugin_package import PACKAGE, user_package
 
 SPEC = f"{PACKAGE}.engines:counting"
@@ -101,7 +107,6 @@ def test_an_engine_reference_must_name_an_engine_that_trains_the_model(plugin: s
         with pytest.raises(ValueError, match=unknown):
             build()
     assert TrainConfig(engine=plugin).engine == plugin  # checked where it loads, not here
-    assert PACKAGE not in sys.modules or f"{PACKAGE}.engines" in sys.modules
 
 
 def test_an_engine_that_builds_no_sparse_dp_engine_is_refused(plugin: str, tmp_path: Path) -> None:
@@ -132,3 +137,52 @@ def test_a_deployed_node_imports_only_the_plugin_engines_its_owner_lists(plugin:
     NodePolicy.from_sources(SIMULATION_NODE_POLICY).check_plugins(run_config)  # simulated
     with pytest.raises(ValueError, match=r"plugin-engines='auto': expected"):
         NodePolicy(plugin_engines=("auto",))
+
+
+DEPLOYED = {"ledger-dir": "", "dataset": "digits", "nominal-size": 1437}
+
+
+def _ask(node_config: dict[str, object], engine: str) -> Message:
+    """A round-1 train instruction of a run on ``engine`` to a node (in process); its reply."""
+    cfg = FederatedConfig(num_rounds=3, target_epsilon=0.0, noise_multiplier=1.0)
+    run_config = {**cfg.to_run_config(), "engine": engine}  # as a server sends it: not imported
+    model = build_model(cfg.model_name, seed=cfg.seed)
+    flat = ParamLayout.from_module(model).flatten_module(model)
+    task = TrainInstruction(
+        server_round=1,
+        num_rounds=3,
+        mask_seed=1,
+        keep=flat.numel(),
+        mask_scope="round",
+        local_epochs=1,
+        batch_size=32,
+        lr=0.5,
+        momentum=0.0,
+        base_version=-1,
+        model_version=0,
+        model=encode_update(flat, dense_size=flat.numel(), round=1),
+    )
+    grid = InProcessGrid(client_app, num_nodes=1, run_config=run_config, node_config=node_config)
+    (reply,) = grid.send_and_receive([train_message(task, node=1001)])
+    return reply
+
+
+def test_a_deployed_node_refuses_an_unlisted_engine_and_checks_a_listed_one_before_charging(
+    plugin: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reply = _ask(DEPLOYED, plugin)
+    assert reply.has_error() and "plugin-engines" in reply.error.reason
+    assert PACKAGE not in sys.modules  # refused before anything was imported
+    charged = []
+    authorized = train_message_module._authorized
+    monkeypatch.setattr(
+        train_message_module,
+        "_authorized",
+        lambda *args: charged.append(1) or authorized(*args),
+    )
+    broken = f"{PACKAGE}.engines:no_conv"  # listed, but it cannot train the model
+    assert _ask({**DEPLOYED, "plugin-engines": broken}, broken).has_error()
+    assert charged == []  # refused before the node's budget was touched
+    reply = _ask({**DEPLOYED, "plugin-engines": plugin}, plugin)
+    assert not reply.has_error(), reply.error.reason
+    assert charged == [1] and sys.modules[f"{PACKAGE}.engines"].BATCHES

@@ -123,6 +123,11 @@ def test_a_plugins_version_is_its_code(tmp_path: Path, monkeypatch: pytest.Monke
     config = {"method": "my_method_v:M", "model": "digits-cnn"}
     inputs = RunInputs.of_run(clients=2, backend="flower", data="x", run_config=config)
     assert list(inputs.plugins) == ["method"]
+    engine = RunInputs.of_run(  # a user's DP engine is code too: an edited one is a new run
+        clients=2, backend="flower", data="x", run_config={**config, "engine": "my_method_v:M"}
+    )
+    assert list(engine.plugins) == ["engine", "method"]
+    assert engine.plugins["engine"] == f"my_method_v:M @ {plugin_version('my_method_v:M')}"
     assert sys.modules.get("my_method_v") is None  # found, never imported
 
 

@@ -13,7 +13,7 @@ only in how the per-sample gradients' masked norms and clipped sum are computed:
 
 The last two equal Opacus to float32 rounding (their tests pin it after an epoch).
 
-``"auto"`` takes ``"func"`` on CUDA (``AUTO_FUNC_DEVICES``; not yet measured on a GPU) and
+``"auto"`` takes ``"func"`` on CUDA (``AUTO_ENGINES``; not yet measured on a GPU) and
 ``"factored"`` elsewhere, each where the model is supported, else ``"opacus"``. What only the
 forward pass shows (a layer run twice or not at all, an in-place activation on a layer's
 output) is refused at the first batch with an error naming the layer, not fallen back from:
@@ -34,10 +34,13 @@ trains. A user's engine is named in the run config as ``package.module:attribute
 
     engine=my_lab.engines:counting
 
-A deployed node imports it only if its owner lists it (node policy ``plugin-engines``): the
-engine computes the clipped sum the node's ε is charged for. Its class must keep the mechanism
-(``dp``'s ``SparseDPOptimizer``: sparsify -> clip -> sum -> masked noise); the population
-backend does not run it (``client/population.py``: such a round runs ``client_round``).
+An engine is code that runs on the node with the node's data and noise: it computes the
+clipped, noised sum the node's ε is charged for, and nothing here can verify that it does so
+honestly (``make_private`` only refuses a ``make`` that builds no ``SparseDPEngine``, which
+catches mistakes, not a subclass that drops the noise or seeds it). A deployed node therefore
+imports one only if its owner lists it (node policy ``plugin-engines``), as it would trust
+installed code; ``engine=auto`` never picks one. The population backend does not run it
+(``client/population.py``: such a round runs ``client_round``).
 """
 
 from __future__ import annotations
@@ -80,7 +83,8 @@ class EngineSpec:
     """A DP engine: how the per-sample gradients of the mechanism are computed.
 
     Attributes:
-        name: what the run records call it (a built-in's ``engine`` value).
+        name: its name in messages (a built-in's ``engine`` value; the run records name a
+            user's engine by its reference).
         make: builds the engine from ``accountant=``, ``secure_mode=`` and ``mechanism=``
             (a ``SparseDPEngine`` subclass is such a callable).
         support_error: why the engine cannot train a module (naming the layer), or None.
@@ -148,6 +152,8 @@ def engine_spec(name: str) -> EngineSpec:
     """
     if name in ENGINE_SPECS:
         return ENGINE_SPECS[name]
+    if name == "auto":
+        raise ValueError("engine='auto': a choice among the engines (select_engine), not one")
     if not is_user_engine(name):
         raise ValueError(unknown_engine(name))
     spec = plugins.load(name, field="engine")
