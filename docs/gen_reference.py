@@ -67,7 +67,7 @@ MEANINGS: dict[str, str] = {
     "CUDA where it supports the model, else `opacus` (bit for bit Opacus's own step); or a "
     "user's `EngineSpec` as `package.module:attribute` (a deployed node imports it only if "
     "its policy's `plugin-engines` lists it; docs/explanation/architecture.md, \"Where to "
-    "add\").",
+    'add").',
     "device": "Where clients train: `auto` is CUDA if the client has one; `cuda` without one "
     "is a client error naming the key.",
     "mechanism": "`dpsgd` (clip + noise); `clipped` and `noisy` are the RS paper's "

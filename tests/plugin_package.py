@@ -10,7 +10,9 @@ folder outside the repository and put on the import path (fedsparse is not touch
 - ``not_a_factory``, ``returns_a_tensor``, ``returns_one_split``: what a loader must refuse;
 - ``<name>.engines:counting``: a DP engine (``EngineSpec``): the func engine, counting the
   batches it computes per-sample gradients of (``BATCHES``); ``builds_something_else``,
-  ``no_conv`` and ``not_a_spec``: what ``engine=`` must refuse.
+  ``no_conv`` and ``not_a_spec``: what ``engine=`` must refuse;
+- ``<name>.backends:counting``: a backend (``BackendSpec``): ``InProcessGrid`` counting the
+  messages of each send (``SENT``); ``on_a_cluster``: what ``backend=`` must refuse.
 """
 
 from __future__ import annotations
@@ -23,7 +25,16 @@ from pathlib import Path
 
 import pytest
 
-__all__ = ["ENGINE", "LAB", "METHOD", "PACKAGE", "forget", "user_package", "write_user_package"]
+__all__ = [
+    "BACKEND",
+    "ENGINE",
+    "LAB",
+    "METHOD",
+    "PACKAGE",
+    "forget",
+    "user_package",
+    "write_user_package",
+]
 
 #: The package's default name.
 PACKAGE = "fedsparse_example_plugin"
@@ -115,6 +126,27 @@ no_conv = EngineSpec(name="no-conv", make=CountingEngine, support_error=_no_conv
 not_a_spec = 3
 '''
 
+#: ``<name>/backends.py``: the backend.
+BACKEND = '''
+"""A user's backend: the in-process grid, each send's messages counted."""
+
+from fedsparse.lab.launch.backends import BackendSpec, BackendTraits
+from fedsparse.lab.simulation.inprocess import InProcessGrid
+
+SENT = []
+
+
+class CountingGrid(InProcessGrid):
+    def push_messages(self, messages):
+        messages = list(messages)
+        SENT.append(len(messages))
+        return super().push_messages(messages)
+
+
+counting = BackendSpec(name="counting", grid=CountingGrid)
+on_a_cluster = BackendSpec(name="cluster", grid=CountingGrid, traits=BackendTraits(cluster=True))
+'''
+
 #: ``<name>/__init__.py``: the model and the data.
 LAB = '''
 """A lab's own model and data, installed beside fedsparse (not part of it)."""
@@ -170,13 +202,14 @@ def returns_one_split(*, data_dir, seed):
 
 def write_user_package(root: Path, name: str = PACKAGE) -> Path:
     """Writes package ``name`` (``__init__.py``: ``LAB``; ``even.py``: ``METHOD``;
-    ``engines.py``: ``ENGINE``) under ``root``; returns ``root`` (the folder to put on the
-    import path)."""
+    ``engines.py``: ``ENGINE``; ``backends.py``: ``BACKEND``) under ``root``; returns
+    ``root`` (the folder to put on the import path)."""
     package = root / name
     package.mkdir(parents=True, exist_ok=True)
     (package / "__init__.py").write_text(textwrap.dedent(LAB))
     (package / "even.py").write_text(textwrap.dedent(METHOD))
     (package / "engines.py").write_text(textwrap.dedent(ENGINE))
+    (package / "backends.py").write_text(textwrap.dedent(BACKEND))
     return root
 
 

@@ -53,7 +53,9 @@ def simulate(
     overwrite: Annotated[
         bool, Opt(help="replace the run OUT holds (its files are removed first)")
     ] = False,
-    backend: Annotated[str, Opt(help=BACKEND_HELP)] = "flower",
+    backend: Annotated[
+        str, Opt(help=f"{BACKEND_HELP} | package.module:spec (a BackendSpec, in process)")
+    ] = "flower",
     rounds: Annotated[int | None, Opt(help="rounds: --set num-rounds=N in short")] = None,
     seed: Annotated[int | None, Opt(help="base seed: --set seed=S in short")] = None,
     log: Annotated[
@@ -119,7 +121,7 @@ def simulate(
                 timeout=timeout,
                 console=console,
                 resume=resume,
-                backend=choice("backend", backend, BACKENDS, aliases=BACKEND_ALIASES),
+                backend=choice("backend", backend, BACKENDS, aliases=BACKEND_ALIASES, plugin=True),
                 command=command_line(sys.argv),
                 ray_address=ray_address,
                 overwrite=overwrite,

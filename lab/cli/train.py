@@ -86,8 +86,8 @@ def train(
     engine: Annotated[
         str,
         Opt(
-            help="DP engine: auto (func on CUDA, else factored) | opacus | func | factored | "
-            "package.module:spec (an EngineSpec)"
+            help="DP engine (or a user's EngineSpec as package.module:spec): auto (func on "
+            "CUDA, else factored) | opacus | func | factored"
         ),
     ] = "auto",
     device: Annotated[str, Opt(help="auto (CUDA if available) | cpu | cuda")] = "auto",

@@ -16,12 +16,26 @@ choice, not a backend: a run folder that holds a finished run keeps the backend 
 (its numbers, and so its reuse, belong to that backend), and a new run goes to
 ``auto_backend``: ``population``, or ``ray-population`` where the settings ask for a Ray
 cluster or GPUs.
+
+A user's backend is named as ``package.module:attribute`` of a ``BackendSpec``
+(``common/plugins.py``), with nothing to register here: a grid the server's round loop drives
+in this process (``in_process`` traits; ``fedsparse simulate`` and the Python API run it),
+for instance ``InProcessGrid`` with its own scheduling. Its results are its own family (a run
+resumes only on it) and a run's recorded inputs carry its code's version::
+
+    # my_lab/backends.py
+    mine = BackendSpec(name="mine", grid=MyGrid)  # MyGrid(client_app, num_nodes=..., ...)
+
+    fedsparse simulate --backend my_lab.backends:mine
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Final, Literal
+from collections.abc import Callable
+from typing import Any, Final, Literal
+
+from fedsparse.common import plugins
 
 __all__ = [
     "AUTO",
@@ -33,11 +47,15 @@ __all__ = [
     "BACKEND_TRAITS",
     "DEFAULT_BACKEND",
     "Backend",
+    "BackendSpec",
     "BackendTraits",
     "auto_backend",
     "backend_args",
     "backend_name",
+    "backend_spec",
+    "check_backend",
     "is_auto",
+    "is_user_backend",
     "traits",
 ]
 
@@ -114,16 +132,83 @@ BACKEND_TRAITS: dict[Backend, BackendTraits] = {
 DEFAULT_BACKEND: Backend = "flower"
 
 
+@dataclasses.dataclass(frozen=True)
+class BackendSpec:
+    """A user's backend: a grid the ServerApp's loop drives in this process.
+
+    Attributes:
+        name: its name in messages (the run records name it by its reference).
+        grid: builds the grid, called as ``InProcessGrid`` is: ``grid(client_app, num_nodes=,
+            run_config=, node_config=)``; the result is a Flower ``Grid`` whose train messages
+            reach ``client_app`` (fedsparse's ClientApp, as every runner's do).
+        traits: what it runs; ``in_process`` only (the clients live in this process).
+    """
+
+    name: str
+    grid: Callable[..., Any]
+    traits: BackendTraits = BackendTraits(in_process=True)
+
+
+def is_user_backend(name: str) -> bool:
+    """Whether ``name`` names a user's backend (``package.module:attribute``; nothing is
+    imported)."""
+    return backend_name(name) not in BACKENDS and plugins.is_reference(name)
+
+
+def _unknown(name: str) -> str:
+    return (
+        f"backend={name!r}: expected one of {', '.join(BACKENDS)}, or "
+        f"{plugins.REFERENCE_FORMAT} (a BackendSpec)"
+    )
+
+
+def backend_spec(name: str) -> BackendSpec:
+    """The user's backend ``name`` names, imported and checked.
+
+    Raises:
+        ValueError: not a reference, not a ``BackendSpec``, or traits other than in process.
+    """
+    if not is_user_backend(name):
+        raise ValueError(_unknown(name))
+    spec = plugins.load(name, field="backend")
+    if not isinstance(spec, BackendSpec):
+        raise ValueError(
+            f"backend={name!r}: expected a fedsparse.lab.launch.backends.BackendSpec, got "
+            f"{type(spec).__name__}"
+        )
+    if spec.traits != BackendTraits(in_process=True):
+        raise ValueError(
+            f"backend={name!r}: traits {spec.traits}: a user's backend runs in process only "
+            "(BackendTraits(in_process=True))"
+        )
+    return spec
+
+
+def check_backend(name: str) -> str:
+    """``name`` as a backend: its ``BACKENDS`` name (an older spelling replaced) or a user's
+    reference (imported and checked: ``backend_spec``).
+
+    Raises:
+        ValueError: neither, naming it and the known ones.
+    """
+    if backend_name(name) in BACKENDS:
+        return backend_name(name)
+    backend_spec(name)
+    return name
+
+
 def traits(name: str) -> BackendTraits:
-    """The traits of the backend ``name`` (an older spelling accepted).
+    """The traits of the backend ``name`` (an older spelling accepted; a user's imported).
 
     Raises:
         ValueError: an unknown backend, naming it and the known ones.
     """
+    if is_user_backend(name):
+        return backend_spec(name).traits
     try:
         return BACKEND_TRAITS[backend_name(name)]  # type: ignore[index]
     except KeyError:
-        raise ValueError(f"backend={name!r}: expected one of {', '.join(BACKENDS)}") from None
+        raise ValueError(_unknown(name)) from None
 
 
 def backend_args(name: str) -> list[str]:

@@ -218,14 +218,19 @@ class RunInputs:
         results give the same numbers only when every client trains every round: under
         ``clients-per-round`` below the client count the backend's own name is recorded
         (Flower gives its simulated nodes random ids, and sampling goes by id)."""
+        named = {**run_config, "backend": backend}
         versions = {
             key: f"{value} @ {plugin_version(str(value))}"
-            for key, value in sorted(run_config.items())
-            if key in ("method", "model", "dataset", "engine") and plugins.is_reference(str(value))
+            for key, value in sorted(named.items())
+            if key in _VERSIONED and plugins.is_reference(str(value))
         }
         every = int(run_config.get("clients-per-round", 0) or 0) in (0, clients)
         results = RESULT_FAMILIES.get(backend, backend) if every else backend
         return cls(clients=clients, results=results, data=data, plugins=versions, engine=engine)
+
+
+#: The inputs that may name a user's code, whose version a run's inputs record.
+_VERSIONED: Final = ("backend", "dataset", "engine", "method", "model")
 
 
 def plugin_version(reference: str) -> str:

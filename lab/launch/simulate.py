@@ -35,7 +35,13 @@ from rich.text import Text
 
 from fedsparse.common.training.configs import planned_engine
 from fedsparse.common.wire.run_log import RoundLog, RunSummary, read_rounds, record_command
-from fedsparse.lab.launch.backends import BACKENDS, Backend, traits
+from fedsparse.lab.launch.backends import (
+    Backend,
+    backend_spec,
+    check_backend,
+    is_user_backend,
+    traits,
+)
 from fedsparse.lab.launch.base import (
     PreparedRun,
     connect,
@@ -212,8 +218,7 @@ def _simulate(
 ) -> RunSummary:
     """``run_simulation`` without the command line."""
     console = console or _console()
-    if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r}: expected one of {', '.join(BACKENDS)}")
+    check_backend(backend)  # a built-in, or a user's BackendSpec (imported, checked)
     if clients < 1:
         raise ValueError(f"clients={clients}: expected >= 1")
     if not (math.isfinite(gpus_per_client) and gpus_per_client >= 0):
@@ -442,7 +447,9 @@ def _run_in_process(
     from fedsparse.server.loop import run_federated
 
     node_config = {**SIMULATION_NODE_POLICY, "state-dir": str(state_dir)}
-    grid_class = PopulationGrid if traits(backend).vectorised else InProcessGrid
+    grid_class: Any = PopulationGrid if traits(backend).vectorised else InProcessGrid
+    if is_user_backend(backend):
+        grid_class = backend_spec(backend).grid
     with flower_logs_in_this_process():
         grid = grid_class(
             client_app,

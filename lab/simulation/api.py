@@ -22,9 +22,9 @@ import os
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
-from fedsparse.lab.launch.backends import BACKEND_ALIASES, BACKENDS, Backend
+from fedsparse.lab.launch.backends import Backend, check_backend
 
 if TYPE_CHECKING:
     from fedsparse.common.config import FederatedConfig
@@ -58,7 +58,8 @@ def simulate(
             as text). Keys left out keep their defaults (``docs/reference/run-config.md``).
         clients: the number of nodes (``--clients``).
         backend: ``inprocess``, ``population``, ``ray``, ``ray-population``, ``flower`` or
-            ``deploy`` (``fedsparse simulate --backend``).
+            ``deploy`` (``fedsparse simulate --backend``), or a user's ``BackendSpec`` as
+            ``package.module:attribute``.
         out: the run's folder; default the config's ``out-dir``, else ``runs/simulate``.
         progress: show the live round table (on stdout); False runs silently.
         timeout: seconds before the run is stopped (``--timeout``; not ``inprocess``).
@@ -123,11 +124,9 @@ def simulate(
 
 
 def _backend(name: str) -> Backend:
-    """``name`` as a ``BACKENDS`` name (an older spelling accepted)."""
-    for backend in BACKENDS:
-        if backend == BACKEND_ALIASES.get(name, name):
-            return backend
-    raise ValueError(f"backend={name!r}: expected one of {', '.join(BACKENDS)}")
+    """``name`` as a ``BACKENDS`` name (an older spelling accepted), or a user's
+    ``BackendSpec`` reference (``lab/launch/backends.py``), checked."""
+    return cast(Backend, check_backend(name))
 
 
 def _changed(config: FederatedConfig) -> dict[str, Any]:
