@@ -19,9 +19,12 @@ from __future__ import annotations
 
 import importlib
 import re
-from typing import Any, Final
+from collections.abc import Iterable
+from typing import Any, Final, TypeVar
 
-__all__ = ["REFERENCE_FORMAT", "is_reference", "load"]
+__all__ = ["REFERENCE_FORMAT", "is_reference", "load", "load_instance", "unknown_name"]
+
+T = TypeVar("T")
 
 REFERENCE_FORMAT: Final = "package.module:attribute"
 
@@ -72,3 +75,25 @@ def load(reference: str, *, field: str) -> Any:
                 f"{field}={reference!r}: module {module_name!r} has no attribute {attribute!r}"
             ) from None
     return target
+
+
+def load_instance(reference: str, *, field: str, kind: type[T]) -> T:
+    """``load(reference)``, which must be an instance of ``kind`` (an ``EngineSpec``, a
+    ``BackendSpec``: a registration a user writes in their own module).
+
+    Raises:
+        ValueError: as ``load``, or the object is not a ``kind`` (naming both).
+    """
+    target = load(reference, field=field)
+    if not isinstance(target, kind):
+        raise ValueError(
+            f"{field}={reference!r}: expected a {kind.__module__}.{kind.__qualname__}, got "
+            f"{type(target).__name__}"
+        )
+    return target
+
+
+def unknown_name(field: str, value: str, names: Iterable[str], what: str) -> str:
+    """The error for a ``field`` value that is neither a built-in name nor a reference to
+    ``what`` (``"an EngineSpec"``)."""
+    return f"{field}={value!r}: expected one of {', '.join(names)}, or {REFERENCE_FORMAT} ({what})"

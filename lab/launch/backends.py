@@ -156,10 +156,7 @@ def is_user_backend(name: str) -> bool:
 
 
 def _unknown(name: str) -> str:
-    return (
-        f"backend={name!r}: expected one of {', '.join(BACKENDS)}, or "
-        f"{plugins.REFERENCE_FORMAT} (a BackendSpec)"
-    )
+    return plugins.unknown_name("backend", name, BACKENDS, "a BackendSpec")
 
 
 def backend_spec(name: str) -> BackendSpec:
@@ -170,12 +167,7 @@ def backend_spec(name: str) -> BackendSpec:
     """
     if not is_user_backend(name):
         raise ValueError(_unknown(name))
-    spec = plugins.load(name, field="backend")
-    if not isinstance(spec, BackendSpec):
-        raise ValueError(
-            f"backend={name!r}: expected a fedsparse.lab.launch.backends.BackendSpec, got "
-            f"{type(spec).__name__}"
-        )
+    spec = plugins.load_instance(name, field="backend", kind=BackendSpec)
     if spec.traits != BackendTraits(in_process=True):
         raise ValueError(
             f"backend={name!r}: traits {spec.traits}: a user's backend runs in process only "

@@ -24,15 +24,13 @@ from fedsparse.client.app import app as client_app
 from fedsparse.client.node_policy import SIMULATION_NODE_POLICY, NodePolicy, PrivacyRefusal
 from fedsparse.common.config import FederatedConfig
 from fedsparse.common.dp.engines import engine_spec, select_engine
-from fedsparse.common.layout import ParamLayout
 from fedsparse.common.models.classifiers import build_model
 from fedsparse.common.training.configs import TrainConfig, planned_engine
-from fedsparse.common.wire.payload import encode_update
-from fedsparse.common.wire.protocol import TrainInstruction
 from fedsparse.lab.simulation.inprocess import InProcessGrid
 from fedsparse.lab.simulation.population import PopulationGrid
 from fedsparse.server.app import run_federated
 from fedsparse.server.messages import train_message
+from tests.client.round_helpers import first_task, weights
 from tests.plugin_package import PACKAGE, user_package
 
 SPEC = f"{PACKAGE}.engines:counting"
@@ -144,26 +142,12 @@ DEPLOYED = {"ledger-dir": "", "dataset": "digits", "nominal-size": 1437}
 
 def _ask(node_config: dict[str, object], engine: str) -> Message:
     """A round-1 train instruction of a run on ``engine`` to a node (in process); its reply."""
-    cfg = FederatedConfig(num_rounds=3, target_epsilon=0.0, noise_multiplier=1.0)
-    run_config = {**cfg.to_run_config(), "engine": engine}  # as a server sends it: not imported
-    model = build_model(cfg.model_name, seed=cfg.seed)
-    flat = ParamLayout.from_module(model).flatten_module(model)
-    task = TrainInstruction(
-        server_round=1,
-        num_rounds=3,
-        mask_seed=1,
-        keep=flat.numel(),
-        mask_scope="round",
-        local_epochs=1,
-        batch_size=32,
-        lr=0.5,
-        momentum=0.0,
-        base_version=-1,
-        model_version=0,
-        model=encode_update(flat, dense_size=flat.numel(), round=1),
+    cfg = FederatedConfig(
+        num_rounds=3, target_epsilon=0.0, noise_multiplier=1.0, schedule="constant", final_rate=0
     )
+    run_config = {**cfg.to_run_config(), "engine": engine}  # as a server sends it: not imported
     grid = InProcessGrid(client_app, num_nodes=1, run_config=run_config, node_config=node_config)
-    (reply,) = grid.send_and_receive([train_message(task, node=1001)])
+    (reply,) = grid.send_and_receive([train_message(first_task(cfg, weights(cfg)), node=1001)])
     return reply
 
 

@@ -137,10 +137,7 @@ def is_user_engine(name: str) -> bool:
 
 def unknown_engine(name: str) -> str:
     """The error for an ``engine`` value that names no engine."""
-    return (
-        f"engine={name!r}: expected one of {', '.join(ENGINES)}, or "
-        f"{plugins.REFERENCE_FORMAT} (an EngineSpec)"
-    )
+    return plugins.unknown_name("engine", name, ENGINES, "an EngineSpec")
 
 
 def engine_spec(name: str) -> EngineSpec:
@@ -156,13 +153,7 @@ def engine_spec(name: str) -> EngineSpec:
         raise ValueError("engine='auto': a choice among the engines (select_engine), not one")
     if not is_user_engine(name):
         raise ValueError(unknown_engine(name))
-    spec = plugins.load(name, field="engine")
-    if not isinstance(spec, EngineSpec):
-        raise ValueError(
-            f"engine={name!r}: expected a fedsparse.common.dp.engines.EngineSpec, got "
-            f"{type(spec).__name__}"
-        )
-    return spec
+    return plugins.load_instance(name, field="engine", kind=EngineSpec)
 
 
 def select_engine(name: EngineName | str, *, module: nn.Module, device: torch.device) -> str:
