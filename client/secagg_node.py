@@ -124,11 +124,13 @@ class SecAggRound:
                 f"secure aggregation, stage 'setup': field 'round_id' is {setup['round_id']}, "
                 f"the train instruction's round {task.server_round}"
             )
-        # The run config's public parameters, not the server's word for them.
-        for name, value in (
-            ("clip", cfg.central_clip),
-            ("sigma", cfg.central_noise_multiplier),
-        ):
+        # The run config's public parameters, not the server's word for them. Under
+        # central-target-epsilon sigma is the server's calibration: the node's guarantee is its
+        # worst case, checked against its own policy (SecAggClient) and charged to its ledger.
+        pinned = [("clip", cfg.central_clip)]
+        if not cfg.central_target_epsilon:
+            pinned.append(("sigma", cfg.central_noise_multiplier))
+        for name, value in pinned:
             if setup[name] != value:
                 raise SecAggError(
                     f"secure aggregation, stage 'setup': field {name!r} is {setup[name]!r}, "

@@ -120,8 +120,8 @@ class FederatedConfig:
     central_noise_multiplier: float = 1.0
     # dp-level=user: the user-level epsilon the server calibrates the central sigma for (at
     # delta over num-rounds rounds, checked each round at its users' rate q =
-    # clients-per-round / N; central-noise-multiplier is then not used); 0: off. Not with
-    # secure-aggregation=true.
+    # clients-per-round / N; central-noise-multiplier is then not used); 0: off. With
+    # secure-aggregation=true, for the fewest survivors a round decodes (server/secagg_round.py)
     central_target_epsilon: float = 0.0
     central_clip: float = 1.0
     central_noise: CentralNoise = "fresh"  # "seeded": reproducible, the noise is not secret

@@ -277,14 +277,6 @@ def _check_dp_level(v: Mapping[str, Any], fail: Fail) -> None:
         fail("central_target_epsilon", "a finite value >= 0 (0: off)")
     if target > 0 and v["dp_level"] != "user":
         fail("central_target_epsilon", "0 (off), or with it dp-level='user'")
-    if target > 0 and v["secure_aggregation"]:
-        # each node adds its share of the noise and checks sigma against the run config
-        # itself (client/secagg_node.py), so the run config must name it
-        fail(
-            "central_target_epsilon",
-            "0 with secure-aggregation=true (each node checks the central sigma against "
-            "the run config: give it as central-noise-multiplier)",
-        )
     if v["secagg_colluders"] < 0:
         fail("secagg_colluders", ">= 0")
     if v["secure_aggregation"]:

@@ -8,6 +8,13 @@ the round and Poisson-samples its users as under ``dp-level=user``; then:
    threshold ``t`` the smallest with ``2t - n > c`` (``secagg-colluders``), ``k`` the round's
    kept count, ``C = central-clip``, ``σ = central-noise-multiplier``. Each node trains, and
    replies its public keys and its train metrics, never its update (``client/secagg_node.py``).
+   Under ``central-target-epsilon`` the strategy calibrates the central multiplier ``σ_c`` for
+   the round from the public sampling plan and the rounds so far, each at the multiplier its
+   survivors gave, and the ring's ``σ`` is the one whose fewest decodable survivors (``t``)
+   still carry ``σ_c`` (``ring_for_central``): the run's user ε stays at most the target
+   whoever drops out, and the surplus of a round with more survivors is spent by the rounds
+   after it (only the last round's stays unspent). Each node checks the ring's worst case (its
+   share alone) against its own policy and charges its ledger that, whatever ``σ`` is.
 2. **share_keys**, **collect_masked_vectors**, **unmask**: ``query.secagg`` messages, relayed by
    :class:`~fedsparse.server.secagg.SecAggServer`. A reply the state machine refuses
    (``SecAggError`` naming the node) is dropped as a dropout and the stage is received
@@ -27,6 +34,7 @@ a round ran reveals whether ``n < 2``. The server can never release noise itself
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 from collections.abc import Callable, Collection, Mapping
@@ -42,6 +50,7 @@ from fedsparse.common.aggregation.secure import (
     RingParams,
     central_noise_multiplier,
     choose_ring,
+    ring_for_central,
     smallest_threshold,
 )
 from fedsparse.common.dp.accounting import compute_epsilon_of_history
@@ -116,14 +125,19 @@ def _run(
     """The four stages; (the decoded noisy sum, the ring, the survivors)."""
     cfg = strategy.cfg
     nodes = [int(m.metadata.dst_node_id) for m in messages]
-    params = choose_ring(
+    ring = functools.partial(
+        ring_for_central if cfg.central_target_epsilon else choose_ring,
         clip=cfg.central_clip,
-        sigma=cfg.central_noise_multiplier,
         clients=len(nodes),
         threshold=smallest_threshold(len(nodes), cfg.secagg_colluders),
         kept=stats.keep,
         colluders=cfg.secagg_colluders,
     )
+    if cfg.central_target_epsilon:  # the target's sigma for the fewest survivors, t
+        assert strategy.central_sigma is not None  # calibrated by _sample
+        params = ring(strategy.central_sigma)
+    else:
+        params = ring(sigma=cfg.central_noise_multiplier)
     server = SecAggServer(params, nodes, round_id=stats.server_round)
     setup = server.setup_messages()
     for message in messages:

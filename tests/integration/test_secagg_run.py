@@ -31,6 +31,7 @@ from fedsparse.common.aggregation.secure import (
 )
 from fedsparse.common.config import FederatedConfig
 from fedsparse.common.dp.accounting import compute_epsilon_of_history
+from fedsparse.common.dp.central import calibrate_central_noise
 from fedsparse.common.wire.secagg import COLLECT, STAGE, STAGES, UNMASK
 from fedsparse.lab.simulation.inprocess import InProcessGrid
 from fedsparse.server.round_stats import FederationFailed
@@ -281,3 +282,102 @@ def test_a_second_collect_on_a_copy_of_the_state_is_refused(
     _run(tmp_path / "run", num_rounds=1, node_config={"ledger-dir": str(tmp_path / "l")})
     assert outcomes == ["round=1: this node already released its masked input for round 1 of run 1"]
     assert recorder.decoded[1][2] == list(range(1001, 1001 + NODES))
+
+
+def _planned(rec: Recorder, target: float, rounds: int) -> list[tuple[float, float]]:
+    """Per round: the multiplier its ring gives its fewest decodable survivors, and the one
+    ``calibrate_central_noise`` solves for after the rounds before it (q = 1)."""
+    history: list[tuple[float, float, int]] = []
+    out = []
+    for r in sorted(rec.decoded):
+        _, params, survivors = rec.decoded[r]
+        solved = calibrate_central_noise(
+            target_epsilon=target,
+            sample_rate=1.0,
+            rounds=rounds - len(history),
+            delta=1e-5,
+            history=history,
+        )
+        out.append((central_noise_multiplier(params, params.threshold), solved))
+        history.append((central_noise_multiplier(params, len(survivors)), 1.0, 1))
+    return out
+
+
+@pytest.mark.slow
+def test_a_central_target_is_met_for_the_fewest_survivors_and_hit_at_the_threshold(
+    tmp_path: Path, recorder: Recorder
+) -> None:
+    """central-target-epsilon under secure aggregation: each round's ring gives its threshold
+    of survivors the sigma solved for the round; with c = 4 of 6 the threshold is every node,
+    so the run's user epsilon is the target to the calibration's tolerance."""
+    target = 8.0
+    rounds = _run(tmp_path / "run", num_rounds=3, central_target_epsilon=target, secagg_colluders=4)
+    assert [r["num_accepted"] for r in rounds] == [NODES] * 3
+    for fewest, solved in _planned(recorder, target, 3):
+        assert solved <= fewest <= solved * (1 + 1e-12)
+    for r in rounds:
+        _, params, survivors = recorder.decoded[r["round"]]
+        assert params.threshold == NODES and len(survivors) == NODES
+        assert r["central_noise_multiplier"] == central_noise_multiplier(params, NODES)
+    assert target * (1 - 1e-3) <= rounds[-1]["user_epsilon"] <= target * (1 + 1e-9)
+    # each node's own worst case, beside it: its share alone, at sample level
+    worst = [worst_case_noise_multiplier(recorder.decoded[r][1]) / 2 for r in (1, 2, 3)]
+    node = compute_epsilon_of_history([(w, 1.0, 1) for w in worst], delta=1e-5, accountant="rdp")
+    assert rounds[-1]["epsilon_max"] == pytest.approx(node, rel=1e-9)
+
+
+@pytest.mark.slow
+def test_a_central_target_spends_the_surplus_of_more_survivors_than_the_threshold(
+    tmp_path: Path, recorder: Recorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With t = 4 of 6 a round's six survivors carry sqrt(6/4) times the sigma solved for
+    it; the next round is solved afresh from that history, so it needs less. A node lost
+    at the collect stage in round 2 leaves five, still at least the target's sigma."""
+    monkeypatch.setattr(client_module, "answer", _failing_in_round(1002, COLLECT, 2))
+    target = 8.0
+    rounds = _run(tmp_path / "run", num_rounds=3, central_target_epsilon=target)
+    planned = _planned(recorder, target, 3)
+    for fewest, solved in planned:
+        assert solved <= fewest <= solved * (1 + 1e-12)
+    assert planned[2][0] < planned[1][0] < planned[0][0]  # the surplus spent
+    assert [len(recorder.decoded[r][2]) for r in (1, 2, 3)] == [NODES, NODES - 1, NODES]
+    history = [(r["central_noise_multiplier"], 1.0, 1) for r in rounds]
+    for (fewest, _), (realized, _, _), r in zip(planned, history, rounds, strict=True):
+        survivors = len(recorder.decoded[r["round"]][2])
+        assert realized == pytest.approx(fewest * math.sqrt(survivors / 4), rel=1e-12)
+    spent = compute_epsilon_of_history(history, delta=1e-5, accountant="rdp")
+    assert rounds[-1]["user_epsilon"] == pytest.approx(spent, rel=1e-12)
+    assert target * 0.9 < spent <= target  # only the last round's surplus is left
+
+
+@pytest.mark.slow
+def test_under_a_central_target_a_node_still_refuses_a_worst_case_below_its_floor(
+    tmp_path: Path, recorder: Recorder
+) -> None:
+    """The server's calibrated sigma is its word; a node's floor on its own share holds."""
+    with pytest.raises(FederationFailed):
+        _run(
+            tmp_path / "run",
+            num_rounds=1,
+            max_failed_rounds=0,
+            central_target_epsilon=8.0,
+            node_config={"min-noise-multiplier": 5.0},
+        )
+    lines = (tmp_path / "run" / "rounds.jsonl").read_text().splitlines()
+    first = json.loads(lines[0])
+    assert first["failed"] and first["num_accepted"] == 0
+    assert all("noise multiplier" in reason for reason in first["rejected"]), first["rejected"]
+    assert 1 not in recorder.decoded
+
+
+def _failing_in_round(node: int, stage: str, server_round: int) -> Any:
+    answer = client_module.answer
+
+    def failing(msg: Message, context: Context) -> Message:
+        payload = msg.content.config_records["fedsparse.secagg"]
+        lost = context.node_id == node and payload.get(STAGE) == stage
+        if lost and payload.get("round_id") == server_round:
+            raise RuntimeError(f"node {node} lost at {stage} in round {server_round}")
+        return answer(msg, context)
+
+    return failing

@@ -29,6 +29,7 @@ from fedsparse.common.aggregation.secure import (
     pack_ring,
     quantize,
     remove_masks,
+    ring_for_central,
     ring_sum,
     stochastic_round,
     sum_divergence_tau,
@@ -308,6 +309,35 @@ def test_the_noise_accounting_central_and_worst_case() -> None:
     assert std == pytest.approx(central_noise_multiplier(p, m), rel=0.05)
     assert sum_divergence_tau(p.share_std, 10) == 0.0  # exp underflows: no correction
     assert 0 < sum_divergence_tau(0.5, 10) < 10
+
+
+@pytest.mark.parametrize(
+    ("central", "clients", "threshold", "colluders", "kept"),
+    [(1.0, 10, 6, 0, 5000), (0.37, 10, 7, 2, 300), (4.0, 3, 2, 0, 1), (2.5, 100, 51, 0, 3437)],
+)
+def test_a_ring_for_a_central_multiplier_gives_it_to_the_fewest_survivors(
+    central: float, clients: int, threshold: int, colluders: int, kept: int
+) -> None:
+    p = ring_for_central(
+        central, clip=0.5, clients=clients, threshold=threshold, kept=kept, colluders=colluders
+    )
+    assert (p.clients, p.threshold, p.colluders, p.kept) == (clients, threshold, colluders, kept)
+    assert p == choose_ring(
+        clip=0.5,
+        sigma=p.sigma,
+        clients=clients,
+        threshold=threshold,
+        kept=kept,
+        colluders=colluders,
+    )
+    # at least central at t survivors, and no more than float64 rounding above it
+    fewest = central_noise_multiplier(p, threshold)
+    assert central <= fewest <= central * (1 + 1e-12)
+    for m in range(threshold, clients + 1):  # more survivors carry more, by sqrt((m-c)/(t-c))
+        ratio = math.sqrt((m - colluders) / (threshold - colluders))
+        assert central_noise_multiplier(p, m) == pytest.approx(central * ratio, rel=1e-12)
+    with pytest.raises(ValueError, match="central must be positive"):
+        ring_for_central(0.0, clip=0.5, clients=clients, threshold=threshold, kept=kept)
 
 
 # -- the masks --------------------------------------------------------------------------------

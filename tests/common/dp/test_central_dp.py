@@ -150,10 +150,6 @@ def test_user_level_epsilon_is_the_accountants() -> None:
         (dict(clients_per_round=0), "clients-per-round >= 1"),
         (dict(central_target_epsilon=-1.0), "central-target-epsilon=-1.0"),
         (dict(central_target_epsilon=math.nan), "central-target-epsilon=nan"),
-        (
-            dict(central_target_epsilon=2.0, secure_aggregation=True),
-            "central-target-epsilon=2.0: expected 0 with secure-aggregation=true",
-        ),
     ],
 )
 def test_user_level_config_errors(kwargs: dict, match: str) -> None:
@@ -164,6 +160,13 @@ def test_user_level_config_errors(kwargs: dict, match: str) -> None:
 def test_a_target_needs_user_level_dp() -> None:
     with pytest.raises(ValueError, match="central-target-epsilon=2.0: expected 0 .off.*dp-level"):
         FederatedConfig(central_target_epsilon=2.0)
+
+
+def test_a_target_is_taken_under_secure_aggregation() -> None:
+    cfg = FederatedConfig(
+        central_target_epsilon=2.0, dp_level="user", secure_aggregation=True, clients_per_round=5
+    )
+    assert cfg.central_target_epsilon == 2.0 and cfg.secure_aggregation
 
 
 @pytest.mark.parametrize(
