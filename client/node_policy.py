@@ -67,6 +67,15 @@ key                        default        meaning
 ``secagg-colluders``       0              the most clients this node assumes collude with
                                           the server: it refuses a threshold ``t`` unless
                                           ``2t - n`` exceeds it
+``secagg-identity``        ""             path of this node's Ed25519 private key (PEM): it
+                                          signs its keys each round
+                                          (``client/secagg_identity.py``); "" signs nothing
+``secagg-roster``          ""             path of the identities this node's owner trusts
+                                          not to collude with the server, one hex public
+                                          key a line
+``secagg-min-trusted``     0              the fewest other ring members signed by roster
+                                          identities: a ring with fewer (a server's made-up
+                                          members) is refused before anything is shared
 =========================  =============  ====================================================
 
 The node's data is declared next to its policy, in the same node config
@@ -191,6 +200,9 @@ class NodePolicy:
     plugin_engines: tuple[str, ...] = ()
     secure_aggregation: SecureAggregation = "allow"
     secagg_colluders: int = 0
+    secagg_identity: str = ""
+    secagg_roster: str = ""
+    secagg_min_trusted: int = 0
 
     def __post_init__(self) -> None:
         def fail(key: str, value: Any, expected: str) -> None:
@@ -226,6 +238,10 @@ class NodePolicy:
             fail("secure-aggregation", self.secure_aggregation, "allow, require or refuse")
         if self.secagg_colluders < 0:
             fail("secagg-colluders", self.secagg_colluders, ">= 0")
+        if not 0 <= self.secagg_min_trusted < 2**32:
+            fail("secagg-min-trusted", self.secagg_min_trusted, ">= 0")
+        if self.secagg_min_trusted and not self.secagg_roster:
+            fail("secagg-roster", self.secagg_roster, "a roster file with secagg-min-trusted > 0")
         if self.state_dir and self.noise != "seeded":
             # Restoring run state follows the server's resume point: only an experimenter's
             # own simulated nodes may take it; a deployed node's ledger is its history.

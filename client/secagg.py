@@ -26,6 +26,9 @@ decides its own privacy:
   ``nonce``; every later message must carry both, and the client releases one masked input
   per ``round_id`` (:attr:`SecAggClient.released_rounds`, to persist with the node's state):
   a server that restarts the round cannot collect the same values twice with fresh noise.
+* **Members.** With an identity (``client/secagg_identity.py``) its setup reply is signed;
+  every relayed signature must verify, and at least ``min_trusted_peers`` of the other members
+  must be signed by identities on the owner's roster, before it shares or masks anything.
 * **Payloads.** Its own keys come back unaltered, every peer key parses and agrees, the
   threshold is met at every stage, no node is both alive and dead, and it answers the unmask
   stage once per round.
@@ -33,8 +36,6 @@ decides its own privacy:
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import math
 import os
 from collections.abc import Iterable, Mapping
@@ -60,6 +61,8 @@ from flwr.supercore.primitives.asymmetric import (
     public_key_to_bytes,
 )
 
+from fedsparse.client.secagg_identity import Identity, check_members
+from fedsparse.client.secagg_streams import fresh_generators, pair_seed, seeded_generators
 from fedsparse.common.aggregation.secure import (
     SEED_BYTES,
     RingParams,
@@ -99,34 +102,6 @@ class SecAggInputError(ValueError):
     """
 
 
-def pair_seed(private_pem: bytes, public_pem: bytes) -> bytes:
-    """The 32-byte seed two nodes share: ECDH of their ``sk1``/``pk1``, through HKDF-SHA256."""
-    key = generate_shared_key(bytes_to_private_key(private_pem), bytes_to_public_key(public_pem))
-    seed = base64.urlsafe_b64decode(key)
-    assert len(seed) == SEED_BYTES
-    return seed
-
-
-def _seeded(material: bytes) -> torch.Generator:
-    return torch.Generator().manual_seed(int.from_bytes(material[:8], "little") >> 1)
-
-
-def fresh_generators() -> tuple[torch.Generator, torch.Generator]:
-    """The rounding and noise streams of one masked input, each seeded by ``os.urandom``."""
-    return _seeded(os.urandom(8)), _seeded(os.urandom(8))
-
-
-def seeded_generators(seed: int, round_id: int) -> tuple[torch.Generator, torch.Generator]:
-    """Simulation only (``noise="seeded"``): the rounding and noise streams of ``seed`` in
-    ``round_id``. Anyone who knows both can strip the noise share from the sum."""
-
-    def stream(label: str) -> torch.Generator:
-        material = f"fedsparse/secagg/{label}/{seed}/{round_id}".encode()
-        return _seeded(hashlib.sha256(material).digest())
-
-    return stream("rounding"), stream("noise")
-
-
 class SecAggClient:
     """One node's secure aggregation; ``handle`` runs whichever stage a payload names.
 
@@ -147,6 +122,9 @@ class SecAggClient:
         wrap_probability: float = 1e-9,
         rounding_slack: float = 0.01,
         released_rounds: Iterable[int] = (),
+        identity: Identity | None = None,
+        roster: Iterable[bytes] = (),
+        min_trusted_peers: int = 0,
     ) -> None:
         if type(node_id) is not int or not 0 <= node_id < 1 << 64:
             raise SecAggError(
@@ -169,6 +147,8 @@ class SecAggClient:
             )
         self.noise: NoiseSource = noise
         self._noise_seed = noise_seed
+        self._identity = identity  # signs the setup reply only; never saved
+        self._roster, self._min_trusted = frozenset(roster), min_trusted_peers
         self._policy: dict[str, Any] = {
             "min_noise_multiplier": min_noise_multiplier,
             "colluders": colluders,
@@ -263,7 +243,13 @@ class SecAggClient:
         self._sk2, self._pk2 = private_key_to_bytes(sk2), public_key_to_bytes(pk2)
         self._round = (round_id, nonce)
         self._done = SETUP
-        return {"pk1": self._pk1, "pk2": self._pk2, "seeded_noise": int(self.noise == "seeded")}
+        reply = {"pk1": self._pk1, "pk2": self._pk2, "seeded_noise": int(self.noise == "seeded")}
+        if self._identity is not None:
+            reply["identity"] = self._identity.public
+            reply["signature"] = self._identity.sign(
+                round_id, nonce, self.node_id, self._pk1, self._pk2
+            )
+        return reply
 
     def share_keys(self, payload: dict[str, Any]) -> dict[str, Any]:
         """Shamir-share the self-mask seed and ``sk1``; one encrypted share per other node."""
@@ -287,6 +273,8 @@ class SecAggClient:
         keys = fields["pk1"] + fields["pk2"]
         if len(set(keys)) != len(keys):
             raise SecAggError(f"{where}: field 'pk1'/'pk2' repeats a public key")
+        assert self._round is not None
+        check_members(fields, self.node_id, self._round, self._roster, self._min_trusted, where)
         sk2 = bytes_to_private_key(self._sk2)
         pair_seeds: dict[int, bytes] = {}
         share_keys: dict[int, bytes] = {}
@@ -423,6 +411,8 @@ class SecAggClient:
             "noise": self.noise,
             "noise_seed": -1 if self._noise_seed is None else self._noise_seed,
             "released": sorted(self._released),
+            "policy.roster": sorted(self._roster),
+            "policy.min_trusted_peers": self._min_trusted,
             "round_id": -1 if self._round is None else self._round[0],
             "nonce": b"" if self._round is None else self._round[1],
             "done": self._done,
@@ -460,6 +450,8 @@ class SecAggClient:
                 colluders=int(state["policy.colluders"]),
                 wrap_probability=float(state["policy.wrap_probability"]),
                 rounding_slack=float(state["policy.rounding_slack"]),
+                roster=[bytes(key) for key in state.get("policy.roster", [])],
+                min_trusted_peers=int(state.get("policy.min_trusted_peers", 0)),
             )
             round_id = int(state["round_id"])
             client._round = None if round_id < 0 else (round_id, bytes(state["nonce"]))

@@ -34,6 +34,7 @@ from fedsparse.client.ledger import PrivacyLedger
 from fedsparse.client.node_data import NodeData
 from fedsparse.client.node_policy import NodePolicy, PrivacyRefusal
 from fedsparse.client.secagg import SecAggClient, SecAggInputError
+from fedsparse.client.secagg_identity import Identity, load_roster
 from fedsparse.common.aggregation.secure import (
     RingParams,
     worst_case_noise_multiplier,
@@ -140,6 +141,8 @@ class SecAggRound:
             params = RingParams(**{name: setup[name] for name in RING_FIELDS})
         except ValueError as exc:
             raise SecAggError(f"secure aggregation, stage 'setup': ring refused: {exc}") from None
+        identity = Identity.load(policy.secagg_identity) if policy.secagg_identity else None
+        roster = load_roster(policy.secagg_roster) if policy.secagg_roster else frozenset()
         seeded = policy.noise == "seeded" and not cfg.secure_mode
         released = _saved(context).released_rounds if STATE_CLIENT in context.state else ()
         client = SecAggClient(
@@ -155,6 +158,9 @@ class SecAggRound:
             if seeded
             else None,
             released_rounds=released,
+            identity=identity,
+            roster=roster,
+            min_trusted_peers=policy.secagg_min_trusted,
         )
         return cls(client, payload)
 

@@ -107,6 +107,7 @@ class SecAggServer:
         self.bytes: dict[str, dict[str, int]] = {s: {"down": 0, "up": 0} for s in STAGES}
         """Stage -> ``{"down": bytes sent, "up": bytes received}``."""
         self._pk: dict[int, tuple[bytes, bytes]] = {}
+        self._signed: dict[int, tuple[bytes, bytes]] = {}  # node -> (identity, signature)
         self._u1: list[int] = []
         self._u2: list[int] = []
         self._forward: dict[int, dict[int, bytes]] = {}
@@ -174,6 +175,9 @@ class SecAggServer:
                     node=nid,
                 )
         self._pk = {nid: (r["pk1"], r["pk2"]) for nid, r in checked.items()}
+        self._signed = {
+            nid: (r["identity"], r["signature"]) for nid, r in checked.items() if "identity" in r
+        }
         self.seeded_noise = {nid: bool(r["seeded_noise"]) for nid, r in checked.items()}
         self._accept(SETUP, replies, SHARE_KEYS)
 
@@ -186,6 +190,10 @@ class SecAggServer:
             "pk1": [self._pk[nid][0] for nid in u0],
             "pk2": [self._pk[nid][1] for nid in u0],
         }
+        if self._signed:  # relayed for the nodes' own checks (client/secagg_identity.py)
+            unsigned = (b"", b"")
+            body["identities"] = [self._signed.get(nid, unsigned)[0] for nid in u0]
+            body["signatures"] = [self._signed.get(nid, unsigned)[1] for nid in u0]
         return self._send(SHARE_KEYS, {nid: dict(body) for nid in u0})
 
     def receive_share_keys(self, replies: Mapping[int, Any]) -> None:

@@ -7,13 +7,18 @@ Four stages, each a request from the server and a reply from every client that i
 stage                      server -> client                      client -> server
 =========================  ====================================  ===========================
 ``setup``                  the ring's public parameters          ``pk1``, ``pk2`` (PEM keys),
-                                                                 ``seeded_noise`` (0 or 1)
-``share_keys``             ``nids``, ``pk1``, ``pk2`` (lists)    ``dsts``, ``ctxts``,
-                                                                 ``seed_commit``
+                                                                 ``seeded_noise`` (0 or 1),
+                                                                 [``identity``, ``signature``]
+``share_keys``             ``nids``, ``pk1``, ``pk2`` (lists),   ``dsts``, ``ctxts``,
+                           [``identities``, ``signatures``]      ``seed_commit``
 ``collect_masked_vectors`` ``srcs``, ``ctxts`` (shares for it)   ``masked_params`` (bytes),
                                                                  ``round_id``, ``nonce``
 ``unmask``                 ``active_nids``, ``dead_nids``        ``nids``, ``shares``
 =========================  ====================================  ===========================
+
+Fields in brackets travel together or not at all: a node with an identity signs its keys
+(``client/secagg_identity.py``) and the server relays every member's identity and signature
+(``b""`` for a member without one) beside the keys.
 
 Every message from the server also carries the round's ``round_id`` and ``nonce`` (the
 server's random bytes): a client binds the round to them at setup and releases one masked
@@ -95,7 +100,13 @@ UP: Final[dict[str, dict[str, Any]]] = {
     COLLECT: {"masked_params": bytes, **BINDING},
     UNMASK: {"nids": (list, int), "shares": (list, bytes)},
 }
-#: Lists that pair up element by element.
+#: Fields a payload carries together or not at all (a node's signed advertisement at setup,
+#: relayed with every member's keys: ``client/secagg_identity.py``), checked when present.
+OPTIONAL: Final[dict[tuple[str, str], dict[str, Any]]] = {
+    (SETUP, "up"): {"identity": bytes, "signature": bytes},
+    (SHARE_KEYS, "down"): {"identities": (list, bytes), "signatures": (list, bytes)},
+}
+#: Lists that pair up element by element (with the optional lists, when present).
 PARALLEL: Final[dict[tuple[str, str], tuple[str, ...]]] = {
     (SHARE_KEYS, "down"): ("nids", "pk1", "pk2"),
     (SHARE_KEYS, "up"): ("dsts", "ctxts"),
@@ -140,8 +151,13 @@ def check_payload(payload: Any, stage: str, direction: str) -> dict[str, Any]:
         raise SecAggError(f"{where}: field {STAGE!r} must be {stage!r}, got {payload.get(STAGE)!r}")
     if direction == "up" and STAGE in payload:
         raise SecAggError(f"{where}: unexpected field {STAGE!r} in a reply")
+    optional = OPTIONAL.get((stage, direction), {})
+    present = [field for field in optional if field in payload]
+    if present and len(present) != len(optional):
+        missing = next(field for field in optional if field not in payload)
+        raise SecAggError(f"{where}: field {missing!r} is missing (it comes with {present[0]!r})")
     out: dict[str, Any] = {}
-    for field, spec in schema.items():
+    for field, spec in {**schema, **{f: optional[f] for f in present}}.items():
         if field not in payload:
             raise SecAggError(f"{where}: field {field!r} is missing")
         value = payload[field]
@@ -153,10 +169,12 @@ def check_payload(payload: Any, stage: str, direction: str) -> dict[str, Any]:
         if problem:
             raise SecAggError(f"{where}: field {field!r} {problem}")
         out[field] = float(value) if spec is float else value
-    extra = sorted(set(payload) - set(schema) - {STAGE})
+    extra = sorted(set(payload) - set(schema) - set(optional) - {STAGE})
     if extra:
         raise SecAggError(f"{where}: unexpected field {extra[0]!r}")
     lists = PARALLEL.get((stage, direction), ())
+    if lists and present:
+        lists = (*lists, *present)
     lengths = {field: len(out[field]) for field in lists}
     if len(set(lengths.values())) > 1:
         sizes = ", ".join(f"{f}={n}" for f, n in lengths.items())

@@ -381,3 +381,32 @@ def _failing_in_round(node: int, stage: str, server_round: int) -> Any:
         return answer(msg, context)
 
     return failing
+
+
+@pytest.mark.slow
+def test_a_node_policys_identity_and_roster_sign_and_check_the_ring(
+    tmp_path: Path, recorder: Recorder
+) -> None:
+    """Through the ClientApp: every simulated node signs with the policy's one identity, so
+    its five peers carry one distinct roster identity; a node requiring one takes the ring
+    (the signatures travel and are counted), a node requiring two refuses it."""
+    from fedsparse.client.secagg_identity import write_identity
+
+    key, roster = tmp_path / "identity.pem", tmp_path / "roster.txt"
+    roster.write_text(write_identity(key) + "\n")
+    policy = {"secagg-identity": str(key), "secagg-roster": str(roster)}
+    signed = _run(tmp_path / "one", num_rounds=1, node_config={**policy, "secagg-min-trusted": 1})
+    plain = _run(tmp_path / "plain", num_rounds=1)
+    assert signed[0]["num_accepted"] == NODES and not signed[0]["failed"]
+    extra = signed[0]["secagg_bytes"]["setup"]["up"] - plain[0]["secagg_bytes"]["setup"]["up"]
+    assert extra == NODES * (len("identity") + 32 + len("signature") + 64)
+    with pytest.raises(FederationFailed):
+        _run(
+            tmp_path / "two",
+            num_rounds=1,
+            max_failed_rounds=0,
+            node_config={**policy, "secagg-min-trusted": 2},
+        )
+    first = json.loads((tmp_path / "two" / "rounds.jsonl").read_text().splitlines()[0])
+    assert first["failed"] and first["num_accepted"] == 0
+    assert sum("it requires 2 (secagg-min-trusted)" in r for r in first["rejected"]) == NODES

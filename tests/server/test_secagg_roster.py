@@ -1,0 +1,217 @@
+"""Signed key advertisements and the owner's roster (``client/secagg_identity.py``): a ring of
+roster members sums as before; a member the server made up, a key altered under a real
+signature, another round's advertisement and one identity under two nodes are refused before
+a node shares anything; the signatures' bytes are counted; the policy's files are checked."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from flwr.supercore.primitives.asymmetric import generate_key_pairs, public_key_to_bytes
+
+from fedsparse.client.node_policy import NodePolicy
+from fedsparse.client.secagg import SecAggClient
+from fedsparse.client.secagg_identity import Identity, load_roster, write_identity
+from fedsparse.common.aggregation.secure import RingParams, choose_ring
+from fedsparse.common.wire.secagg import SecAggError, payload_bytes
+from fedsparse.server.secagg import SecAggServer
+
+REAL = [101, 202, 303]
+FAKE = 909  # a member the server makes up: its keys are the server's
+K = 40
+
+
+def ring(clients: int) -> RingParams:
+    return choose_ring(clip=1.0, sigma=0.01, clients=clients, threshold=clients // 2 + 1, kept=K)
+
+
+def identity() -> Identity:
+    return Identity(Ed25519PrivateKey.generate())
+
+
+def values(nid: int) -> torch.Tensor:
+    v = torch.randn(K, generator=torch.Generator().manual_seed(nid), dtype=torch.float64)
+    return v * (0.5 / float(v.norm()))
+
+
+class Ring:
+    """A server over ``members``; ``signed`` maps a node to its identity; each real node's
+    roster holds every real node's identity and it requires ``min_trusted`` of them."""
+
+    def __init__(
+        self,
+        members: list[int],
+        signed: Mapping[int, Identity],
+        *,
+        min_trusted: int,
+        round_id: int = 4,
+        nonce: bytes | None = None,
+    ) -> None:
+        p = ring(len(members))
+        roster = [signed[n].public for n in REAL if n in signed]
+        self.server = SecAggServer(p, members, round_id=round_id, nonce=nonce)
+        self.clients = {
+            n: SecAggClient(
+                n,
+                p,
+                min_noise_multiplier=0.0,
+                identity=signed.get(n),
+                roster=roster if n in REAL else (),
+                min_trusted_peers=min_trusted if n in REAL else 0,
+            )
+            for n in members
+        }
+
+    def setup(self) -> dict[int, dict[str, Any]]:
+        s = self.server
+        s.receive_setup({n: self.clients[n].handle(m) for n, m in s.setup_messages().items()})
+        return s.share_keys_messages()
+
+    def share(self, messages: dict[int, dict[str, Any]]) -> dict[int, str]:
+        """Each node's share-keys reply, or its refusal's text."""
+        out: dict[int, str] = {}
+        replies = {}
+        for n, m in messages.items():
+            try:
+                replies[n] = self.clients[n].handle(m)
+            except SecAggError as err:
+                out[n] = str(err)
+        if not out:
+            self.server.receive_share_keys(replies)
+        return out
+
+
+def test_a_ring_of_roster_members_sums_as_before_and_counts_the_signatures() -> None:
+    signed = {n: identity() for n in REAL}
+    r = Ring(REAL, signed, min_trusted=2)
+    messages = r.setup()
+    # each setup reply carries 32 + 64 bytes of identity and signature beside its keys
+    for n in REAL:
+        assert len(messages[n]["identities"]) == len(REAL)
+    assert r.share(messages) == {}
+    collect = r.server.collect_messages()
+    r.server.receive_collect({n: r.clients[n].handle(m, values(n)) for n, m in collect.items()})
+    unmask = r.server.unmask_messages()
+    total = r.server.receive_unmask({n: r.clients[n].handle(m) for n, m in unmask.items()})
+    decoded = r.server.decode(total)
+    expected = sum(values(n) for n in REAL)
+    assert isinstance(expected, torch.Tensor)
+    assert float((decoded - expected).abs().max()) < 0.2  # noise 0.01 sqrt(3/2), rounding
+    # the bytes: the same ring without identities, plus the signed fields, up and down
+    plain = Ring(REAL, {}, min_trusted=0)
+    plain_messages = plain.setup()
+    extra_up = len(REAL) * (len("identity") + 32 + len("signature") + 64)
+    assert r.server.bytes["setup"]["up"] - plain.server.bytes["setup"]["up"] == extra_up
+    relayed = sum(payload_bytes(m) for m in messages.values())
+    assert relayed - sum(payload_bytes(m) for m in plain_messages.values()) == len(REAL) * (
+        len("identities") + len("signatures") + len(REAL) * (32 + 64)
+    )
+
+
+@pytest.mark.parametrize("fake_signs", [False, True])
+def test_a_member_the_server_made_up_is_refused_by_every_real_node(fake_signs: bool) -> None:
+    """Signed or not (by a key on nobody's roster), the made-up member leaves two of the
+    three other members on each real node's roster: a node requiring three refuses."""
+    signed = {n: identity() for n in REAL}
+    if fake_signs:
+        signed[FAKE] = identity()
+    r = Ring([*REAL, FAKE], signed, min_trusted=3)
+    refusals = r.share(r.setup())
+    assert sorted(refusals) == REAL  # the fake member, the server's own, shares as it likes
+    for n in REAL:
+        assert (
+            "2 of the ring's 3 other members are on this node's roster, it requires 3"
+            in (refusals[n])
+        )
+    # a node that allows one unknown member takes the same ring
+    allowing = Ring([*REAL, FAKE], signed, min_trusted=2)
+    assert allowing.share(allowing.setup()) == {}
+
+
+def test_a_restored_node_still_refuses_a_made_up_member() -> None:
+    signed = {n: identity() for n in REAL}
+    r = Ring([*REAL, FAKE], signed, min_trusted=3)
+    messages = r.setup()
+    restored = SecAggClient.from_state(r.clients[101].to_state())
+    with pytest.raises(SecAggError, match="it requires 3"):
+        restored.handle(messages[101])
+
+
+def test_a_key_altered_under_a_real_signature_is_refused_naming_its_node() -> None:
+    signed = {n: identity() for n in REAL}
+    r = Ring(REAL, signed, min_trusted=0)  # even a node that requires nobody checks them
+    messages = r.setup()
+    _, server_public = generate_key_pairs()  # the server's own key takes node 202's place
+    for n in (101, 303):
+        payload = dict(messages[n])
+        payload["pk1"] = list(payload["pk1"])
+        payload["pk1"][payload["nids"].index(202)] = public_key_to_bytes(server_public)
+        with pytest.raises(SecAggError, match="node 202's advertisement does not verify"):
+            r.clients[n].handle(payload)
+
+
+def test_another_rounds_advertisement_is_refused() -> None:
+    signed = {n: identity() for n in REAL}
+    old = Ring(REAL, signed, min_trusted=2, round_id=3)
+    replayed = old.setup()[202]  # round 3's keys and signatures
+    new = Ring(REAL, signed, min_trusted=2, round_id=4)
+    messages = new.setup()
+    payload = dict(messages[101])
+    at = payload["nids"].index(202)
+    for field in ("pk1", "pk2", "identities", "signatures"):
+        payload[field] = list(payload[field])
+        payload[field][at] = replayed[field][at]
+    with pytest.raises(SecAggError, match="node 202's advertisement does not verify"):
+        new.clients[101].handle(payload)
+
+
+def test_one_identity_under_two_nodes_counts_once() -> None:
+    shared = identity()
+    signed = {101: identity(), 202: shared, 303: shared}
+    r = Ring(REAL, signed, min_trusted=2)
+    refusals = r.share(r.setup())
+    assert (
+        "1 of the ring's 2 other members are on this node's roster, it requires 2"
+        in (refusals[101])
+    )
+
+
+# -- the node policy's files ------------------------------------------------------------------
+
+
+def test_an_identity_written_loads_and_a_roster_lists_it(tmp_path: Path) -> None:
+    key = tmp_path / "identity.pem"
+    public = write_identity(key)
+    assert key.stat().st_mode & 0o777 == 0o600
+    assert Identity.load(key).public.hex() == public
+    with pytest.raises(FileExistsError):
+        write_identity(key)  # never overwritten
+    roster = tmp_path / "roster.txt"
+    roster.write_text(f"# owners we trust\n{public}  alice\n\n{'ab' * 32}\n")
+    assert load_roster(roster) == {bytes.fromhex(public), bytes.fromhex("ab" * 32)}
+
+
+def test_bad_identity_and_roster_files_are_named(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.pem"
+    bad.write_text("not a key")
+    with pytest.raises(ValueError, match="secagg-identity=.*bad.pem"):
+        Identity.load(bad)
+    roster = tmp_path / "roster.txt"
+    roster.write_text("00" * 32 + "\nzz\n")
+    with pytest.raises(ValueError, match="line 2: 'zz' is not a hex Ed25519 public key"):
+        load_roster(roster)
+    with pytest.raises(ValueError, match="secagg-roster=.*missing"):
+        load_roster(tmp_path / "missing")
+    with pytest.raises(ValueError, match="secagg-roster='': expected a roster file"):
+        NodePolicy(secagg_min_trusted=2)
+    with pytest.raises(ValueError, match="secagg-min-trusted=-1: expected >= 0"):
+        NodePolicy(secagg_min_trusted=-1, secagg_roster="r")
+    policy = NodePolicy.from_sources(
+        {"secagg-identity": str(bad), "secagg-roster": str(roster), "secagg-min-trusted": "2"}
+    )
+    assert (policy.secagg_min_trusted, policy.secagg_roster) == (2, str(roster))
