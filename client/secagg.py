@@ -61,7 +61,13 @@ from flwr.supercore.primitives.asymmetric import (
     public_key_to_bytes,
 )
 
-from fedsparse.client.secagg_identity import Identity, check_members
+from fedsparse.client import secagg_state
+from fedsparse.client.secagg_identity import (
+    Identity,
+    check_masked_with,
+    check_members,
+    check_survivors,
+)
 from fedsparse.client.secagg_streams import fresh_generators, pair_seed, seeded_generators
 from fedsparse.common.aggregation.secure import (
     SEED_BYTES,
@@ -73,6 +79,7 @@ from fedsparse.common.aggregation.secure import (
 )
 from fedsparse.common.wire.secagg import (
     COLLECT,
+    CONSISTENCY,
     NONCE_BYTES,
     RING_FIELDS,
     SETUP,
@@ -147,7 +154,8 @@ class SecAggClient:
             )
         self.noise: NoiseSource = noise
         self._noise_seed = noise_seed
-        self._identity = identity  # signs the setup reply only; never saved
+        #: signs the setup reply and the survivor set; never saved (the node's policy names it)
+        self.identity = identity
         self._roster, self._min_trusted = frozenset(roster), min_trusted_peers
         self._policy: dict[str, Any] = {
             "min_noise_multiplier": min_noise_multiplier,
@@ -183,15 +191,16 @@ class SecAggClient:
         self._seed_shares: dict[int, bytes] = {}
         self._sk1_shares: dict[int, bytes] = {}
         self._masked_with: set[int] = set()
+        self._identity_of: dict[int, bytes] = {}  # the members whose advertisements verified
+        self._consistent: list[int] = []  # the survivor set this node signed
 
     def _where(self, stage: str) -> str:
         return f"secure aggregation, node {self.node_id}, stage {stage!r}"
 
     def _enter(self, stage: str) -> None:
-        order = (SETUP, SHARE_KEYS, COLLECT, UNMASK)
-        expected = order[(order.index(self._done) + 1) % len(order)]
-        if stage != SETUP and stage != expected:
-            raise SecAggError(f"{self._where(stage)}: expected stage {expected!r} next")
+        expected = _NEXT[self._done]
+        if stage != SETUP and stage not in expected:
+            raise SecAggError(f"{self._where(stage)}: expected stage {expected[0]!r} next")
 
     def _bind(self, fields: dict[str, Any], stage: str) -> tuple[int, bytes]:
         """The round this message is for: the one the setup bound, or a refusal."""
@@ -214,6 +223,8 @@ class SecAggClient:
             if values is None:
                 raise SecAggError(f"{self._where(COLLECT)}: needs the kept values")
             return self.collect(payload, values)
+        if stage == CONSISTENCY:
+            return self.consistency(payload)
         if stage == UNMASK:
             return self.unmask(payload)
         raise SecAggError(f"secure aggregation, node {self.node_id}: unknown stage {stage!r}")
@@ -244,9 +255,9 @@ class SecAggClient:
         self._round = (round_id, nonce)
         self._done = SETUP
         reply = {"pk1": self._pk1, "pk2": self._pk2, "seeded_noise": int(self.noise == "seeded")}
-        if self._identity is not None:
-            reply["identity"] = self._identity.public
-            reply["signature"] = self._identity.sign(
+        if self.identity is not None:
+            reply["identity"] = self.identity.public
+            reply["signature"] = self.identity.sign(
                 round_id, nonce, self.node_id, self._pk1, self._pk2
             )
         return reply
@@ -274,7 +285,10 @@ class SecAggClient:
         if len(set(keys)) != len(keys):
             raise SecAggError(f"{where}: field 'pk1'/'pk2' repeats a public key")
         assert self._round is not None
-        check_members(fields, self.node_id, self._round, self._roster, self._min_trusted, where)
+        bound, roster, colluders = self._round, self._roster, self._policy["colluders"]
+        verified = check_members(
+            fields, self.node_id, bound, roster, self._min_trusted, colluders, where
+        )
         sk2 = bytes_to_private_key(self._sk2)
         pair_seeds: dict[int, bytes] = {}
         share_keys: dict[int, bytes] = {}
@@ -302,6 +316,7 @@ class SecAggClient:
             dsts.append(nid)
             ctxts.append(encrypt(share_keys[nid], plaintext))
         self._pair_seed_of, self._share_key_of = pair_seeds, share_keys
+        self._identity_of = verified
         self._done = SHARE_KEYS
         return {"dsts": dsts, "ctxts": ctxts, "seed_commit": seed_commitment(self._self_seed)}
 
@@ -328,6 +343,7 @@ class SecAggClient:
                 f"{where}: {len(srcs) + 1} nodes remain, fewer than the threshold "
                 f"{self.params.threshold}"
             )
+        check_masked_with(srcs, self._identity_of, self._roster, self._min_trusted, where)
         received: dict[int, tuple[bytes, bytes]] = {}
         for src, ciphertext in zip(srcs, fields["ctxts"], strict=True):
             try:
@@ -371,14 +387,43 @@ class SecAggClient:
             raise SecAggInputError(f"{self._where(COLLECT)}: the kept values are not finite")
         return values
 
+    def consistency(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """Sign the survivor set the server names (empty without an identity); the unmask
+        stage then answers for that set only, once its signers check out."""
+        self._enter(CONSISTENCY)
+        fields = check_payload(payload, CONSISTENCY, "down")
+        round_id, nonce = self._bind(fields, CONSISTENCY)
+        active = self._active(fields["active_nids"], [], self._where(CONSISTENCY))
+        self._consistent, self._done = sorted(active), CONSISTENCY
+        if self.identity is None:
+            return {"signature": b""}
+        return {"signature": self.identity.sign_survivors(round_id, nonce, self.node_id, active)}
+
     def unmask(self, payload: dict[str, Any]) -> dict[str, Any]:
         """The self-mask seed share of each live node, the ``sk1`` share of each dead one."""
         self._enter(UNMASK)
         fields = check_payload(payload, UNMASK, "down")
-        self._bind(fields, UNMASK)
+        bound = self._bind(fields, UNMASK)
         where = self._where(UNMASK)
-        active: list[int] = fields["active_nids"]
+        if self._done == CONSISTENCY:
+            identities, roster = self._identity_of, self._roster
+            signed, trusted = self._consistent, self._min_trusted
+            check_survivors(fields, self.node_id, bound, signed, identities, roster, trusted, where)
+        elif self._min_trusted:
+            raise SecAggError(
+                f"{where}: no consistency stage came, which this node requires (its "
+                "secagg-min-trusted)"
+            )
+        active = self._active(fields["active_nids"], fields["dead_nids"], where)
         dead: list[int] = fields["dead_nids"]
+        self._done = UNMASK
+        shares = [self._seed_shares[nid] for nid in active]
+        shares += [self._sk1_shares[nid] for nid in dead]
+        self._self_seed = b""
+        return {"nids": active + dead, "shares": shares}
+
+    def _active(self, active: list[int], dead: list[int], where: str) -> list[int]:
+        """The survivor set ``active`` (and the dropped ``dead``), checked against this round."""
         if len(set(active)) != len(active) or len(set(dead)) != len(dead):
             raise SecAggError(f"{where}: field 'active_nids'/'dead_nids' repeats a node")
         both = sorted(set(active) & set(dead))
@@ -394,40 +439,14 @@ class SecAggClient:
         stranger = sorted((set(active) | set(dead)) - self._masked_with - {self.node_id})
         if stranger:
             raise SecAggError(f"{where}: node {stranger[0]} was not in this node's sum")
-        self._done = UNMASK
-        shares = [self._seed_shares[nid] for nid in active]
-        shares += [self._sk1_shares[nid] for nid in dead]
-        self._self_seed = b""
-        return {"nids": active + dead, "shares": shares}
+        return active
 
     def to_state(self) -> dict[str, Any]:
         """Everything this node holds of its secure aggregation, as a ``ConfigRecord``'s
         values (ints, floats, strings, bytes and lists of them): its private keys and shares
-        too, so it is kept only in the node's own ``Context.state``, never sent."""
-        state: dict[str, Any] = {
-            "node_id": self.node_id,
-            **{f"ring.{name}": getattr(self.params, name) for name in RING_FIELDS},
-            **{f"policy.{name}": value for name, value in self._policy.items()},
-            "noise": self.noise,
-            "noise_seed": -1 if self._noise_seed is None else self._noise_seed,
-            "released": sorted(self._released),
-            "policy.roster": sorted(self._roster),
-            "policy.min_trusted_peers": self._min_trusted,
-            "round_id": -1 if self._round is None else self._round[0],
-            "nonce": b"" if self._round is None else self._round[1],
-            "done": self._done,
-            "sk1": self._sk1,
-            "sk2": self._sk2,
-            "pk1": self._pk1,
-            "pk2": self._pk2,
-            "self_seed": self._self_seed,
-            "masked_with": sorted(self._masked_with),
-        }
-        for name in _STATE_MAPS:
-            mapping: dict[int, bytes] = getattr(self, f"_{name}")
-            state[f"{name}.nids"] = list(mapping)
-            state[f"{name}.values"] = list(mapping.values())
-        return state
+        too, so it is kept only in the node's own ``Context.state``, never sent
+        (``client/secagg_state.py``)."""
+        return secagg_state.to_state(self)
 
     @classmethod
     def from_state(cls, state: Mapping[str, Any]) -> SecAggClient:
@@ -437,40 +456,14 @@ class SecAggClient:
         Raises:
             SecAggError: a state that is not one ``to_state`` wrote.
         """
-        try:
-            params = RingParams(**{name: state[f"ring.{name}"] for name in RING_FIELDS})
-            seed = int(state["noise_seed"])
-            client = cls(
-                int(state["node_id"]),
-                params,
-                noise=state["noise"],
-                noise_seed=None if seed < 0 else seed,
-                released_rounds=[int(r) for r in state["released"]],
-                min_noise_multiplier=float(state["policy.min_noise_multiplier"]),
-                colluders=int(state["policy.colluders"]),
-                wrap_probability=float(state["policy.wrap_probability"]),
-                rounding_slack=float(state["policy.rounding_slack"]),
-                roster=[bytes(key) for key in state.get("policy.roster", [])],
-                min_trusted_peers=int(state.get("policy.min_trusted_peers", 0)),
-            )
-            round_id = int(state["round_id"])
-            client._round = None if round_id < 0 else (round_id, bytes(state["nonce"]))
-            client._done = str(state["done"])
-            for name in ("sk1", "sk2", "pk1", "pk2", "self_seed"):
-                setattr(client, f"_{name}", bytes(state[name]))
-            client._masked_with = {int(n) for n in state["masked_with"]}
-            for name in _STATE_MAPS:
-                nids, values = state[f"{name}.nids"], state[f"{name}.values"]
-                pairs = zip(nids, values, strict=True)  # ValueError on different lengths
-                setattr(client, f"_{name}", {int(n): bytes(v) for n, v in pairs})
-        except (KeyError, TypeError, ValueError) as exc:
-            raise SecAggError(
-                f"secure aggregation: the node's saved state is unusable: {exc}"
-            ) from None
-        if client._done not in (SETUP, SHARE_KEYS, COLLECT, UNMASK):
-            raise SecAggError(f"secure aggregation: saved stage {client._done!r} is unknown")
-        return client
+        return secagg_state.from_state(cls, state)
 
 
-#: The node-id -> bytes maps ``SecAggClient.to_state`` saves as two parallel lists.
-_STATE_MAPS: Final = ("pair_seed_of", "share_key_of", "seed_shares", "sk1_shares")
+#: The stages that may follow each (the consistency stage runs when the nodes sign).
+_NEXT: Final = {
+    SETUP: (SHARE_KEYS,),
+    SHARE_KEYS: (COLLECT,),
+    COLLECT: (UNMASK, CONSISTENCY),
+    CONSISTENCY: (UNMASK,),
+    UNMASK: (SETUP,),
+}

@@ -11,7 +11,7 @@ noise share alone (its worst case, ``docs/explanation/secure-aggregation.md``). 
 * **Roster** (``secagg-roster``, a file of the identities the owner trusts not to collude with
   the server, one hex key a line): at the key-sharing stage the server relays every member's
   identity and signature beside its keys. The node verifies each signature present
-  (:func:`trusted_peers`): a signature that does not verify refuses the ring (the server
+  (:func:`verified_members`): a signature that does not verify refuses the ring (the server
   altered a key, replayed another round's advertisement or relabelled a node); it counts the
   distinct roster identities among its peers and refuses, before it shares or masks anything,
   a ring with fewer than ``secagg-min-trusted`` of them.
@@ -39,29 +39,22 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (
     Ed25519PublicKey,
 )
 
-from fedsparse.common.wire.secagg import SecAggError
+from fedsparse.common.wire.secagg import SecAggError, advertisement, survivors_message
 
 __all__ = [
     "IDENTITY_BYTES",
     "SIGNATURE_BYTES",
     "Identity",
-    "advertisement",
     "check_members",
+    "check_survivors",
     "load_roster",
-    "trusted_peers",
+    "verified_members",
     "write_identity",
 ]
 
 IDENTITY_BYTES: Final = 32
 """An Ed25519 public key, raw."""
 SIGNATURE_BYTES: Final = 64
-_LABEL: Final = b"fedsparse/secagg/advertisement/v1\x00"
-
-
-def advertisement(round_id: int, nonce: bytes, node_id: int, pk1: bytes, pk2: bytes) -> bytes:
-    """The bytes a node signs for one round: each part length-prefixed, under a label."""
-    parts = (round_id.to_bytes(8, "big"), node_id.to_bytes(8, "big"), nonce, pk1, pk2)
-    return _LABEL + b"".join(len(p).to_bytes(4, "big") + p for p in parts)
 
 
 class Identity:
@@ -87,6 +80,11 @@ class Identity:
 
     def sign(self, round_id: int, nonce: bytes, node_id: int, pk1: bytes, pk2: bytes) -> bytes:
         return self._key.sign(advertisement(round_id, nonce, node_id, pk1, pk2))
+
+    def sign_survivors(
+        self, round_id: int, nonce: bytes, node_id: int, active: Sequence[int]
+    ) -> bytes:
+        return self._key.sign(survivors_message(round_id, nonce, node_id, active))
 
 
 def write_identity(path: str | Path) -> str:
@@ -118,16 +116,31 @@ def load_roster(path: str | Path) -> frozenset[bytes]:
             continue
         try:
             key = bytes.fromhex(words[0])
-            Ed25519PublicKey.from_public_bytes(key)
+            public = Ed25519PublicKey.from_public_bytes(key)
         except ValueError:
             raise ValueError(
                 f"{where}: line {number}: {words[0]!r} is not a hex Ed25519 public key"
             ) from None
+        if _small_order(public, key):
+            raise ValueError(
+                f"{where}: line {number}: {words[0]!r} is a small-order point, under which "
+                "anyone forges a signature"
+            )
         keys.add(key)
     return frozenset(keys)
 
 
-def trusted_peers(
+def _small_order(public: Ed25519PublicKey, key: bytes) -> bool:
+    """Whether ``key`` is a point of small order: (R, S) = (key, 0) then verifies any
+    message, so its 'signatures' prove nothing."""
+    try:
+        public.verify(key + bytes(32), b"fedsparse/secagg/small-order-probe")
+    except InvalidSignature:
+        return False
+    return True
+
+
+def verified_members(
     *,
     own: int,
     round_id: int,
@@ -137,14 +150,13 @@ def trusted_peers(
     pk2: Sequence[bytes],
     identities: Sequence[bytes],
     signatures: Sequence[bytes],
-    roster: frozenset[bytes],
-) -> int:
-    """How many distinct roster identities signed the advertisements of ``own``'s peers.
+) -> dict[int, bytes]:
+    """``own``'s peers whose advertisements verify, with the identities they name.
 
-    An empty identity is an unsigned member (not counted). Raises ``ValueError`` naming the
+    An empty identity is an unsigned member (left out). Raises ``ValueError`` naming the
     node whose identity is malformed or whose signature does not verify.
     """
-    trusted = set()
+    verified = {}
     for nid, key1, key2, identity, signature in zip(
         nids, pk1, pk2, identities, signatures, strict=True
     ):
@@ -157,9 +169,8 @@ def trusted_peers(
             raise ValueError(
                 f"node {nid}'s advertisement does not verify under the identity it names"
             ) from None
-        if identity in roster:
-            trusted.add(identity)
-    return len(trusted)
+        verified[nid] = identity
+    return verified
 
 
 def check_members(
@@ -168,11 +179,16 @@ def check_members(
     bound: tuple[int, bytes],
     roster: frozenset[bytes],
     min_trusted: int,
+    colluders: int,
     where: str,
-) -> None:
+) -> dict[int, bytes]:
     """The key-sharing stage's check (``fields``, checked by ``check_payload``) for node
     ``own`` in the round ``bound`` (round id, nonce): every relayed signature verifies, and
-    at least ``min_trusted`` distinct roster identities signed the other members' keys.
+    at least ``min_trusted`` distinct roster identities signed the other members' keys; and,
+    where the node requires any, no more members are off its roster than the ``colluders``
+    it tolerates (a made-up member is the server's own: ``2t - n > c`` then keeps the
+    members off the roster below the threshold). The members whose advertisements
+    verified, with their identities.
 
     Raises:
         SecAggError: naming the field, and the node whose signature fails.
@@ -180,7 +196,7 @@ def check_members(
     count = len(fields["nids"])
     empty = [b""] * count
     try:
-        trusted = trusted_peers(
+        verified = verified_members(
             own=own,
             round_id=bound[0],
             nonce=bound[1],
@@ -189,14 +205,86 @@ def check_members(
             pk2=fields["pk2"],
             identities=fields.get("identities", empty),
             signatures=fields.get("signatures", empty),
-            roster=roster,
         )
     except ValueError as exc:
         raise SecAggError(f"{where}: field 'signatures': {exc}") from None
+    trusted = len({identity for identity in verified.values() if identity in roster})
+    outside = count - 1 - sum(identity in roster for identity in verified.values())
+    if min_trusted and outside > colluders:  # off the roster: as good as the server's own
+        raise SecAggError(
+            f"{where}: field 'identities': {outside} of the ring's {count - 1} other members "
+            f"are off this node's roster, more than the {colluders} colluders it tolerates "
+            "(secagg-colluders)"
+        )
     if trusted < min_trusted:
         raise SecAggError(
             f"{where}: field 'identities': {trusted} of the ring's {count - 1} other members "
             f"are on this node's roster, it requires {min_trusted} (secagg-min-trusted)"
+        )
+    return verified
+
+
+def check_masked_with(
+    srcs: Sequence[int],
+    identity_of: Mapping[int, bytes],
+    roster: frozenset[bytes],
+    min_trusted: int,
+    where: str,
+) -> None:
+    """The collect stage's check: at least ``min_trusted`` distinct roster identities among
+    the peers this node masks with (``srcs``: the server may claim the others dropped)."""
+    trusted = {identity_of[n] for n in srcs if identity_of.get(n, b"") in roster}
+    if len(trusted) < min_trusted:
+        raise SecAggError(
+            f"{where}: field 'srcs': {len(trusted)} roster identities among the peers this "
+            f"node would mask with, it requires {min_trusted} (secagg-min-trusted)"
+        )
+
+
+def check_survivors(
+    fields: Mapping[str, Any],
+    own: int,
+    bound: tuple[int, bytes],
+    signed: Sequence[int],
+    identity_of: Mapping[int, bytes],
+    roster: frozenset[bytes],
+    min_trusted: int,
+    where: str,
+) -> None:
+    """The unmask stage's check for node ``own``, which signed the survivor set ``signed`` at
+    the consistency stage: the server names that same set, every relayed signature is a
+    member's of it and verifies under the identity that member advertised, and at least
+    ``min_trusted`` distinct roster identities (not ``own``'s own) are among the signers.
+
+    Raises:
+        SecAggError: naming the field, and the node whose signature fails.
+    """
+    if sorted(fields["active_nids"]) != sorted(signed):
+        raise SecAggError(f"{where}: field 'active_nids' is not the set this node signed")
+    signers, signatures = fields.get("signers", []), fields.get("consistency_sigs", [])
+    if len(set(signers)) != len(signers):
+        raise SecAggError(f"{where}: field 'signers' repeats a node")
+    trusted = set()
+    for signer, signature in zip(signers, signatures, strict=True):
+        if signer == own:  # its own: it knows what it signed
+            continue
+        identity = identity_of.get(signer, b"")
+        if signer not in signed or not identity:
+            raise SecAggError(f"{where}: field 'signers' names node {signer}, no signed member")
+        try:
+            public = Ed25519PublicKey.from_public_bytes(identity)
+            public.verify(signature, survivors_message(bound[0], bound[1], signer, signed))
+        except (ValueError, InvalidSignature):
+            raise SecAggError(
+                f"{where}: field 'consistency_sigs': node {signer}'s signature of the survivor "
+                "set does not verify"
+            ) from None
+        if identity in roster:
+            trusted.add(identity)
+    if len(trusted) < min_trusted:
+        raise SecAggError(
+            f"{where}: field 'signers': {len(trusted)} roster identities signed this survivor "
+            f"set, this node requires {min_trusted} (secagg-min-trusted)"
         )
 
 

@@ -30,6 +30,7 @@ from typing import Any, Final
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
+from fedsparse.client.guard import node_policy
 from fedsparse.client.ledger import PrivacyLedger
 from fedsparse.client.node_data import NodeData
 from fedsparse.client.node_policy import NodePolicy, PrivacyRefusal
@@ -45,6 +46,7 @@ from fedsparse.common.wire.payload import decode_update
 from fedsparse.common.wire.protocol import TrainInstruction
 from fedsparse.common.wire.secagg import (
     COLLECT,
+    CONSISTENCY,
     RING_FIELDS,
     SECAGG_RECORD,
     SETUP,
@@ -212,6 +214,9 @@ def answer(msg: Message, context: Context) -> Message:
     if payload.get(STAGE) == SETUP:
         raise SecAggError("secure aggregation: the setup stage comes with the train message")
     client = _saved(context)
+    if payload.get(STAGE) == CONSISTENCY:  # the node's identity signs the survivor set
+        path = node_policy(context).secagg_identity
+        client.identity = Identity.load(path) if path else None
     values = None
     if payload.get(STAGE) == COLLECT:
         stored = context.state.array_records.get(STATE_VALUES)

@@ -225,13 +225,7 @@ def calibrated_sigma(
 ) -> float:
     """``central-target-epsilon``'s sigma for the round about to run at ``user_rate`` after
     ``history``: ``sigma`` while the run still fits the target at this rate, else the one that
-    makes it fit (``calibrate_central_noise``), logged with what it was calibrated from.
-
-    Under secure aggregation it is solved afresh every round: a round's history holds the
-    multiplier its survivors gave, at least the sigma planned for it, and the rounds after it
-    spend the surplus (``server/secagg_round.py``)."""
-    if cfg.secure_aggregation:
-        sigma = None
+    makes it fit (``calibrate_central_noise``), logged with what it was calibrated from."""
     done = sum(rounds for _, _, rounds in history)
     chosen = calibrate_central_noise(
         target_epsilon=cfg.central_target_epsilon,

@@ -33,6 +33,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from flwr.common.secure_aggregation.crypto.shamir import combine_shares
 from flwr.common.secure_aggregation.crypto.symmetric_encryption import generate_shared_key
 from flwr.supercore.primitives.asymmetric import (
@@ -53,6 +55,7 @@ from fedsparse.common.aggregation.secure import (
 from fedsparse.common.wire.secagg import (
     COLLECT,
     COMMIT_BYTES,
+    CONSISTENCY,
     NONCE_BYTES,
     RING_FIELDS,
     SETUP,
@@ -61,12 +64,27 @@ from fedsparse.common.wire.secagg import (
     STAGES,
     UNMASK,
     SecAggError,
+    advertisement,
     check_payload,
     payload_bytes,
     seed_commitment,
+    survivors_message,
 )
 
 __all__ = ["SecAggDropoutError", "SecAggServer"]
+
+
+def _verifies(identity: bytes, signature: bytes, message: bytes) -> bool:
+    try:
+        Ed25519PublicKey.from_public_bytes(identity).verify(signature, message)
+    except (ValueError, InvalidSignature):
+        return False
+    return True
+
+
+def _advertised(round_id: int, nonce: bytes, nid: int, reply: Mapping[str, Any]) -> bool:
+    message = advertisement(round_id, nonce, nid, reply["pk1"], reply["pk2"])
+    return _verifies(reply["identity"], reply["signature"], message)
 
 
 class SecAggDropoutError(SecAggError):
@@ -108,6 +126,8 @@ class SecAggServer:
         """Stage -> ``{"down": bytes sent, "up": bytes received}``."""
         self._pk: dict[int, tuple[bytes, bytes]] = {}
         self._signed: dict[int, tuple[bytes, bytes]] = {}  # node -> (identity, signature)
+        self._u3: list[int] | None = None  # who answered the consistency stage (if it ran)
+        self._survivor_sigs: dict[int, bytes] = {}
         self._u1: list[int] = []
         self._u2: list[int] = []
         self._forward: dict[int, dict[int, bytes]] = {}
@@ -172,6 +192,13 @@ class SecAggServer:
                 raise SecAggError(
                     f"secure aggregation, stage {SETUP!r}: field 'seeded_noise' of node {nid} "
                     "must be 0 or 1",
+                    node=nid,
+                )
+        for nid, reply in checked.items():  # a forged advertisement is its sender's: dropped
+            if "identity" in reply and not _advertised(self.round_id, self.nonce, nid, reply):
+                raise SecAggError(
+                    f"secure aggregation, stage {SETUP!r}: field 'signature' of node {nid} "
+                    "does not verify under the identity it names",
                     node=nid,
                 )
         self._pk = {nid: (r["pk1"], r["pk2"]) for nid, r in checked.items()}
@@ -254,18 +281,56 @@ class SecAggServer:
         self._masked_total = ring_sum(vectors, self.params.bits)
         self._u2 = sorted(checked)
         self._forward = {}
-        self._accept(COLLECT, replies, UNMASK)
+        self._accept(COLLECT, replies, CONSISTENCY if self.checks_consistency else UNMASK)
+
+    @property
+    def checks_consistency(self) -> bool:
+        """Whether the consistency stage runs: some node signed its keys at setup."""
+        return bool(self._signed)
+
+    def consistency_messages(self) -> dict[int, dict[str, Any]]:
+        """The survivor set ``U2``, for each survivor to sign."""
+        self._stage(CONSISTENCY)
+        self.bytes.setdefault(CONSISTENCY, {"down": 0, "up": 0})
+        body = {STAGE: CONSISTENCY, "active_nids": list(self._u2)}
+        return self._send(CONSISTENCY, {nid: dict(body) for nid in self._u2})
+
+    def receive_consistency(self, replies: Mapping[int, Any]) -> None:
+        """Keeps the survivors' signatures (each checked under the identity its node
+        advertised); those who answered (``U3``) are asked to unmask."""
+        self._stage(CONSISTENCY)
+        checked = self._replies(CONSISTENCY, replies, self._u2)
+        signatures = {}
+        for nid, reply in checked.items():
+            if not reply["signature"]:
+                continue
+            identity = self._signed.get(nid, (b"", b""))[0]
+            message = survivors_message(self.round_id, self.nonce, nid, self._u2)
+            if not _verifies(identity, reply["signature"], message):
+                raise SecAggError(
+                    f"secure aggregation, stage {CONSISTENCY!r}: field 'signature' of node "
+                    f"{nid} does not verify",
+                    node=nid,
+                )
+            signatures[nid] = reply["signature"]
+        self._u3, self._survivor_sigs = sorted(checked), signatures
+        self._accept(CONSISTENCY, replies, UNMASK)
 
     def unmask_messages(self) -> dict[int, dict[str, Any]]:
         self._stage(UNMASK)
         dead = [nid for nid in self._u1 if nid not in self._u2]
-        body = {STAGE: UNMASK, "active_nids": list(self._u2), "dead_nids": dead}
-        return self._send(UNMASK, {nid: dict(body) for nid in self._u2})
+        body: dict[str, Any] = {STAGE: UNMASK, "active_nids": list(self._u2), "dead_nids": dead}
+        if self._u3 is not None:  # the consistency stage ran: its signatures, relayed
+            signers = sorted(self._survivor_sigs)
+            body["signers"] = signers
+            body["consistency_sigs"] = [self._survivor_sigs[n] for n in signers]
+        asked = self._u2 if self._u3 is None else self._u3
+        return self._send(UNMASK, {nid: dict(body) for nid in asked})
 
     def receive_unmask(self, replies: Mapping[int, Any]) -> torch.Tensor:
         """The ring sum of the survivors' inputs (``U2``), masks removed."""
         self._stage(UNMASK)
-        checked = self._replies(UNMASK, replies, self._u2)
+        checked = self._replies(UNMASK, replies, self._u2 if self._u3 is None else self._u3)
         dead = [nid for nid in self._u1 if nid not in self._u2]
         expected = sorted(self._u2 + dead)
         shares: dict[int, list[tuple[int, bytes]]] = {nid: [] for nid in expected}

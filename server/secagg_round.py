@@ -8,22 +8,23 @@ the round and Poisson-samples its users as under ``dp-level=user``; then:
    threshold ``t`` the smallest with ``2t - n > c`` (``secagg-colluders``), ``k`` the round's
    kept count, ``C = central-clip``, ``σ = central-noise-multiplier``. Each node trains, and
    replies its public keys and its train metrics, never its update (``client/secagg_node.py``).
-   Under ``central-target-epsilon`` the strategy calibrates the central multiplier ``σ_c`` for
-   the round from the public sampling plan and the rounds so far, each at the multiplier its
-   survivors gave, and the ring's ``σ`` is the one whose fewest decodable survivors (``t``)
-   still carry ``σ_c`` (``ring_for_central``): the run's user ε stays at most the target
-   whoever drops out, and the surplus of a round with more survivors is spent by the rounds
-   after it (only the last round's stays unspent). Each node checks the ring's worst case (its
-   share alone) against its own policy and charges its ledger that, whatever ``σ`` is.
+   Under ``central-target-epsilon`` the strategy calibrates the central multiplier ``σ_c``
+   from the public sampling plan as with a trusted server, and the ring's ``σ`` is the one
+   whose fewest decodable survivors (``t``) still carry ``σ_c`` (``ring_for_central``); the
+   round is accounted at ``σ_c``, a floor whoever drops out (more survivors carry more,
+   which the figure leaves out: how many survived never chooses a later σ). Each node checks
+   the ring's worst case (its share alone) against its own policy and charges its ledger
+   that, whatever ``σ`` is.
 2. **share_keys**, **collect_masked_vectors**, **unmask**: ``query.secagg`` messages, relayed by
    :class:`~fedsparse.server.secagg.SecAggServer`. A reply the state machine refuses
    (``SecAggError`` naming the node) is dropped as a dropout and the stage is received
    again; a client's error reply or silence is a dropout. Below ``t`` at any stage the round
    fails (``SecAggDropoutError``): nothing is decoded and the model is unchanged.
 3. The decoded noisy sum of the ``m`` survivors moves the model as DP-FedAvg's does,
-   ``w + sum / (q N)`` on the round's public support, and the round is accounted at the
-   central multiplier the ``m`` survivors' shares give (``central_noise_multiplier``: the
-   shares of ``c`` colluders left out, the rounding's inflation counted): in the run's
+   ``w + sum / (q N)`` on the round's public support, and the round is accounted (without a
+   target) at the central multiplier the ``m`` survivors' shares give
+   (``central_noise_multiplier``: the shares of ``c`` colluders left out, the rounding's
+   inflation counted): in the run's
    user-level history at the sampling rate ``q`` (``user_epsilon``, what the released models
    reveal), and at rate 1 (``central_epsilon``: the server knows whom it sampled).
 
@@ -88,7 +89,11 @@ def secure_round(
     new_weights = weights
     try:
         noisy_sum, params, survivors = _run(strategy, grid, stats, messages, timeout)
-        _account(strategy, stats, central_noise_multiplier(params, len(survivors)))
+        accounted = central_noise_multiplier(params, len(survivors))
+        if strategy.cfg.central_target_epsilon:  # the plan's: the fewest survivors' floor
+            assert strategy.central_sigma is not None
+            accounted = strategy.central_sigma
+        _account(strategy, stats, accounted)
         support = round_support(stats, strategy.d)
         step = noisy_sum.to(torch.float32) / strategy._user_expected
         new_weights = weights.clone()
@@ -152,6 +157,9 @@ def _run(
     _receive(stats, server.receive_share_keys, keys)
     masked = _stage(grid, stats, server.collect_messages(), timeout)
     _receive(stats, server.receive_collect, masked)
+    if server.checks_consistency:  # the nodes sign: each survivor signs the survivor set
+        signed = _stage(grid, stats, server.consistency_messages(), timeout)
+        _receive(stats, server.receive_consistency, signed)
     unmask = _stage(grid, stats, server.unmask_messages(), timeout)
     ring_total = _receive(stats, server.receive_unmask, unmask)
     stats.secagg_bytes = {stage: dict(counts) for stage, counts in server.bytes.items()}

@@ -56,7 +56,7 @@ from typing import Any, Final
 import numpy as np
 from opacus.accountants import RDPAccountant, create_accountant
 from opacus.accountants.analysis import rdp as rdp_analysis
-from opacus.accountants.analysis.gdp import compute_mu_poisson, delta_eps_mu
+from opacus.accountants.analysis.gdp import compute_mu_poisson, delta_eps_mu, eps_from_mu
 
 from fedsparse.common.names import ACCOUNTANTS, AccountantName
 
@@ -161,17 +161,47 @@ def compute_epsilon_of_history(
     """``ε`` at ``delta`` of a composed history of ``(σ, q, steps)`` entries (0 if empty).
 
     The node ledger's sum over rounds and runs. RDP and PRV compose heterogeneous entries;
-    a history of one entry equals ``compute_epsilon`` of it.
+    a history of one entry equals ``compute_epsilon`` of it. GDP (whose Opacus accountant
+    reads the last entry alone) composes entries of one ``(σ, q)`` as one, and of several by
+    the central limit theorem's ``μ² = Σ q² T (e^{1/σ²} - 1)`` ("Deep Learning with Gaussian
+    Differential Privacy", arXiv:1911.11607).
     """
     entries = [(float(s), float(q), int(n)) for s, q, n in history if int(n) > 0]
     if not entries:
         return 0.0
+    if accountant == "gdp":
+        merged: dict[tuple[float, float], int] = {}
+        for sigma, q, n in entries:
+            merged[(sigma, q)] = merged.get((sigma, q), 0) + n
+        entries = [(sigma, q, n) for (sigma, q), n in merged.items()]
+        if len(entries) > 1:
+            mu = math.sqrt(
+                sum(
+                    compute_mu_poisson(steps=n, noise_multiplier=sigma, sample_rate=q) ** 2
+                    for sigma, q, n in entries
+                )
+            )
+            return _gdp_epsilon(mu, delta)
     if len(entries) == 1:
         sigma, q, steps = entries[0]
         return compute_epsilon(
             noise_multiplier=sigma, sample_rate=q, steps=steps, delta=delta, accountant=accountant
         )
     return accountant_epsilon(entries, delta=delta, accountant=accountant)
+
+
+def _gdp_epsilon(mu: float, delta: float) -> float:
+    """``ε`` at ``delta`` of ``μ``-GDP, as ``compute_epsilon``'s GDP branch finds it."""
+    if mu == 0:
+        return 0.0
+    if not math.isfinite(mu):
+        return math.inf
+    low, high = _GDP_EPS_RANGE
+    if delta_eps_mu(eps=low, mu=mu) <= delta:
+        return 0.0
+    if not delta_eps_mu(eps=high, mu=mu) <= delta:
+        return math.inf
+    return float(eps_from_mu(mu=mu, delta=delta))
 
 
 def accountant_epsilon(

@@ -13,12 +13,16 @@ stage                      server -> client                      client -> serve
                            [``identities``, ``signatures``]      ``seed_commit``
 ``collect_masked_vectors`` ``srcs``, ``ctxts`` (shares for it)   ``masked_params`` (bytes),
                                                                  ``round_id``, ``nonce``
-``unmask``                 ``active_nids``, ``dead_nids``        ``nids``, ``shares``
+[``consistency``]          ``active_nids``                       ``signature``
+``unmask``                 ``active_nids``, ``dead_nids``,       ``nids``, ``shares``
+                           [``signers``, ``consistency_sigs``]
 =========================  ====================================  ===========================
 
 Fields in brackets travel together or not at all: a node with an identity signs its keys
 (``client/secagg_identity.py``) and the server relays every member's identity and signature
-(``b""`` for a member without one) beside the keys.
+(``b""`` for a member without one) beside the keys. Then the ``consistency`` stage runs
+between collect and unmask: each survivor signs the set of nodes whose inputs the sum holds
+(``b""``: a node without an identity), and the unmask stage relays the signatures.
 
 Every message from the server also carries the round's ``round_id`` and ``nonce`` (the
 server's random bytes): a client binds the round to them at setup and releases one masked
@@ -37,7 +41,7 @@ string, the keys' lengths), so the wiring can record every stage's bytes, up and
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 from fedsparse.common.wire.protocol import ProtocolError
@@ -46,12 +50,16 @@ __all__ = [
     "DOWN",
     "SECAGG_ACTION",
     "SECAGG_RECORD",
+    "ALL_STAGES",
+    "CONSISTENCY",
     "STAGES",
     "UP",
     "SecAggError",
+    "advertisement",
     "check_payload",
     "payload_bytes",
     "seed_commitment",
+    "survivors_message",
 ]
 
 #: The ``ConfigRecord`` of a Flower message that carries a stage, both ways: the setup rides
@@ -64,6 +72,10 @@ SHARE_KEYS: Final = "share_keys"
 COLLECT: Final = "collect_masked_vectors"
 UNMASK: Final = "unmask"
 STAGES: Final = (SETUP, SHARE_KEYS, COLLECT, UNMASK)
+#: Between collect and unmask when the nodes sign (``client/secagg_identity.py``): each
+#: survivor signs the set of nodes whose inputs the sum holds; the unmask stage relays them.
+CONSISTENCY: Final = "consistency"
+ALL_STAGES: Final = (SETUP, SHARE_KEYS, COLLECT, CONSISTENCY, UNMASK)
 
 #: The setup's ring parameters, by name and type (``RingParams``'s fields).
 RING_FIELDS: Final[dict[str, type]] = {
@@ -85,19 +97,21 @@ COMMIT_BYTES: Final = 32
 MAX_FIELD_BYTES: Final = 4096
 """The most bytes a key, share, nonce or ciphertext may have (theirs are a few hundred)."""
 #: Fields whose ints are node ids (Flower's are unsigned 64-bit).
-NODE_ID_FIELDS: Final = frozenset({"nids", "dsts", "srcs", "active_nids", "dead_nids"})
+NODE_ID_FIELDS: Final = frozenset({"nids", "dsts", "srcs", "active_nids", "dead_nids", "signers"})
 
 #: Field -> type: ``int``, ``float``, ``bytes``, or ``(list, element type)``.
 DOWN: Final[dict[str, dict[str, Any]]] = {
     SETUP: {**RING_FIELDS, **BINDING},
     SHARE_KEYS: {"nids": (list, int), "pk1": (list, bytes), "pk2": (list, bytes), **BINDING},
     COLLECT: {"srcs": (list, int), "ctxts": (list, bytes), **BINDING},
+    CONSISTENCY: {"active_nids": (list, int), **BINDING},
     UNMASK: {"active_nids": (list, int), "dead_nids": (list, int), **BINDING},
 }
 UP: Final[dict[str, dict[str, Any]]] = {
     SETUP: {"pk1": bytes, "pk2": bytes, "seeded_noise": int},
     SHARE_KEYS: {"dsts": (list, int), "ctxts": (list, bytes), "seed_commit": bytes},
     COLLECT: {"masked_params": bytes, **BINDING},
+    CONSISTENCY: {"signature": bytes},
     UNMASK: {"nids": (list, int), "shares": (list, bytes)},
 }
 #: Fields a payload carries together or not at all (a node's signed advertisement at setup,
@@ -105,6 +119,7 @@ UP: Final[dict[str, dict[str, Any]]] = {
 OPTIONAL: Final[dict[tuple[str, str], dict[str, Any]]] = {
     (SETUP, "up"): {"identity": bytes, "signature": bytes},
     (SHARE_KEYS, "down"): {"identities": (list, bytes), "signatures": (list, bytes)},
+    (UNMASK, "down"): {"signers": (list, int), "consistency_sigs": (list, bytes)},
 }
 #: Lists that pair up element by element (with the optional lists, when present).
 PARALLEL: Final[dict[tuple[str, str], tuple[str, ...]]] = {
@@ -113,6 +128,24 @@ PARALLEL: Final[dict[tuple[str, str], tuple[str, ...]]] = {
     (COLLECT, "down"): ("srcs", "ctxts"),
     (UNMASK, "up"): ("nids", "shares"),
 }
+
+
+#: The domain labels of what a node's identity signs (``client/secagg_identity.py``).
+_ADVERTISEMENT: Final = b"fedsparse/secagg/advertisement/v1\x00"
+_SURVIVORS: Final = b"fedsparse/secagg/survivors/v1\x00"
+
+
+def advertisement(round_id: int, nonce: bytes, node_id: int, pk1: bytes, pk2: bytes) -> bytes:
+    """The bytes a node signs for one round: each part length-prefixed, under a label."""
+    parts = (round_id.to_bytes(8, "big"), node_id.to_bytes(8, "big"), nonce, pk1, pk2)
+    return _ADVERTISEMENT + b"".join(len(p).to_bytes(4, "big") + p for p in parts)
+
+
+def survivors_message(round_id: int, nonce: bytes, node_id: int, active: Sequence[int]) -> bytes:
+    """The bytes a survivor signs at the consistency stage: the sorted survivor set."""
+    head = round_id.to_bytes(8, "big") + node_id.to_bytes(8, "big")
+    body = b"".join(n.to_bytes(8, "big") for n in sorted(active))
+    return _SURVIVORS + head + len(nonce).to_bytes(4, "big") + nonce + body
 
 
 class SecAggError(ProtocolError):
@@ -141,7 +174,7 @@ def _fits(value: Any, spec: Any) -> bool:
 
 def check_payload(payload: Any, stage: str, direction: str) -> dict[str, Any]:
     """``payload``'s fields for ``stage`` (``direction`` "down" or "up"), checked; a copy."""
-    if stage not in STAGES:
+    if stage not in ALL_STAGES:
         raise SecAggError(f"secure aggregation: unknown stage {stage!r}")
     schema = {"down": DOWN, "up": UP}[direction][stage]
     where = f"secure aggregation, stage {stage!r} ({direction})"
@@ -173,8 +206,7 @@ def check_payload(payload: Any, stage: str, direction: str) -> dict[str, Any]:
     if extra:
         raise SecAggError(f"{where}: unexpected field {extra[0]!r}")
     lists = PARALLEL.get((stage, direction), ())
-    if lists and present:
-        lists = (*lists, *present)
+    lists = (*lists, *[field for field in present if isinstance(optional[field], tuple)])
     lengths = {field: len(out[field]) for field in lists}
     if len(set(lengths.values())) > 1:
         sizes = ", ".join(f"{f}={n}" for f, n in lengths.items())

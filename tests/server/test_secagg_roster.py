@@ -1,7 +1,10 @@
-"""Signed key advertisements and the owner's roster (``client/secagg_identity.py``): a ring of
-roster members sums as before; a member the server made up, a key altered under a real
-signature, another round's advertisement and one identity under two nodes are refused before
-a node shares anything; the signatures' bytes are counted; the policy's files are checked."""
+"""Signed key advertisements, the owner's roster and the consistency stage
+(``client/secagg_identity.py``): a ring of roster members sums as before, each survivor
+signing the survivor set; a member the server made up, a key altered under a real signature,
+another round's advertisement and one identity under two nodes are refused before a node
+shares anything; peers trimmed to made-up members at the collect stage, a survivor set other
+than the one signed, forged or missing survivor signatures are refused before a node masks or
+unmasks; the signatures' bytes are counted; the policy's files are checked."""
 
 from __future__ import annotations
 
@@ -26,8 +29,11 @@ FAKE = 909  # a member the server makes up: its keys are the server's
 K = 40
 
 
-def ring(clients: int) -> RingParams:
-    return choose_ring(clip=1.0, sigma=0.01, clients=clients, threshold=clients // 2 + 1, kept=K)
+def ring(clients: int, colluders: int = 0) -> RingParams:
+    threshold = (clients + colluders) // 2 + 1
+    return choose_ring(
+        clip=1.0, sigma=0.01, clients=clients, threshold=threshold, kept=K, colluders=colluders
+    )
 
 
 def identity() -> Identity:
@@ -51,8 +57,9 @@ class Ring:
         min_trusted: int,
         round_id: int = 4,
         nonce: bytes | None = None,
+        colluders: int = 0,
     ) -> None:
-        p = ring(len(members))
+        p = ring(len(members), colluders)
         roster = [signed[n].public for n in REAL if n in signed]
         self.server = SecAggServer(p, members, round_id=round_id, nonce=nonce)
         self.clients = {
@@ -63,6 +70,7 @@ class Ring:
                 identity=signed.get(n),
                 roster=roster if n in REAL else (),
                 min_trusted_peers=min_trusted if n in REAL else 0,
+                colluders=colluders,
             )
             for n in members
         }
@@ -85,6 +93,19 @@ class Ring:
             self.server.receive_share_keys(replies)
         return out
 
+    def sum(self) -> torch.Tensor:
+        """Collect, consistency (the server asks: some node signed), unmask; the sum."""
+        s, clients = self.server, self.clients
+        s.receive_collect(
+            {n: clients[n].handle(m, values(n)) for n, m in s.collect_messages().items()}
+        )
+        assert s.checks_consistency
+        s.receive_consistency(
+            {n: clients[n].handle(m) for n, m in s.consistency_messages().items()}
+        )
+        total = s.receive_unmask({n: clients[n].handle(m) for n, m in s.unmask_messages().items()})
+        return s.decode(total)
+
 
 def test_a_ring_of_roster_members_sums_as_before_and_counts_the_signatures() -> None:
     signed = {n: identity() for n in REAL}
@@ -94,11 +115,7 @@ def test_a_ring_of_roster_members_sums_as_before_and_counts_the_signatures() -> 
     for n in REAL:
         assert len(messages[n]["identities"]) == len(REAL)
     assert r.share(messages) == {}
-    collect = r.server.collect_messages()
-    r.server.receive_collect({n: r.clients[n].handle(m, values(n)) for n, m in collect.items()})
-    unmask = r.server.unmask_messages()
-    total = r.server.receive_unmask({n: r.clients[n].handle(m) for n, m in unmask.items()})
-    decoded = r.server.decode(total)
+    decoded = r.sum()
     expected = sum(values(n) for n in REAL)
     assert isinstance(expected, torch.Tensor)
     assert float((decoded - expected).abs().max()) < 0.2  # noise 0.01 sqrt(3/2), rounding
@@ -111,16 +128,25 @@ def test_a_ring_of_roster_members_sums_as_before_and_counts_the_signatures() -> 
     assert relayed - sum(payload_bytes(m) for m in plain_messages.values()) == len(REAL) * (
         len("identities") + len("signatures") + len(REAL) * (32 + 64)
     )
+    # the consistency stage: its own bytes, a 64-byte signature from each survivor up
+    assert set(r.server.bytes) == {*plain.server.bytes, "consistency"}
+    assert r.server.bytes["consistency"]["up"] == len(REAL) * (len("signature") + 64)
 
 
 @pytest.mark.parametrize("fake_signs", [False, True])
 def test_a_member_the_server_made_up_is_refused_by_every_real_node(fake_signs: bool) -> None:
     """Signed or not (by a key on nobody's roster), the made-up member leaves two of the
-    three other members on each real node's roster: a node requiring three refuses."""
+    three other members on each real node's roster: a node requiring three refuses, and so
+    does one that requires two but tolerates no colluder (the member off its roster)."""
     signed = {n: identity() for n in REAL}
     if fake_signs:
         signed[FAKE] = identity()
-    r = Ring([*REAL, FAKE], signed, min_trusted=3)
+    strict = Ring([*REAL, FAKE], signed, min_trusted=2, colluders=0)
+    for n, refusal in strict.share(strict.setup()).items():
+        assert n in REAL and "1 of the ring's 3 other members are off this node's roster" in (
+            refusal
+        )
+    r = Ring([*REAL, FAKE], signed, min_trusted=3, colluders=1)
     refusals = r.share(r.setup())
     assert sorted(refusals) == REAL  # the fake member, the server's own, shares as it likes
     for n in REAL:
@@ -129,13 +155,13 @@ def test_a_member_the_server_made_up_is_refused_by_every_real_node(fake_signs: b
             in (refusals[n])
         )
     # a node that allows one unknown member takes the same ring
-    allowing = Ring([*REAL, FAKE], signed, min_trusted=2)
+    allowing = Ring([*REAL, FAKE], signed, min_trusted=2, colluders=1)
     assert allowing.share(allowing.setup()) == {}
 
 
 def test_a_restored_node_still_refuses_a_made_up_member() -> None:
     signed = {n: identity() for n in REAL}
-    r = Ring([*REAL, FAKE], signed, min_trusted=3)
+    r = Ring([*REAL, FAKE], signed, min_trusted=3, colluders=1)
     messages = r.setup()
     restored = SecAggClient.from_state(r.clients[101].to_state())
     with pytest.raises(SecAggError, match="it requires 3"):
@@ -215,3 +241,125 @@ def test_bad_identity_and_roster_files_are_named(tmp_path: Path) -> None:
         {"secagg-identity": str(bad), "secagg-roster": str(roster), "secagg-min-trusted": "2"}
     )
     assert (policy.secagg_min_trusted, policy.secagg_roster) == (2, str(roster))
+
+
+# -- after key sharing: the peers a node masks with, the survivor set it signs ----------------
+
+
+def _collect(r: Ring, node: int, srcs: list[int]) -> dict[str, Any]:
+    forward = r.server._forward[node]
+    return {
+        "stage": "collect_masked_vectors",
+        "srcs": srcs,
+        "ctxts": [forward[n] for n in srcs],
+        "round_id": r.server.round_id,
+        "nonce": r.server.nonce,
+    }
+
+
+def test_peers_trimmed_to_made_up_members_at_collect_are_refused() -> None:
+    """A reviewer's attack: key sharing passes with both roster members present, then the
+    server forwards node 101 the shares of one of them and of its made-up member only, as if
+    303 dropped; 101 refuses before it masks anything."""
+    signed = {n: identity() for n in REAL}
+    r = Ring([*REAL, FAKE], signed, min_trusted=2, colluders=1)
+    assert r.share(r.setup()) == {}
+    with pytest.raises(SecAggError, match="1 roster identities among the peers .* requires 2"):
+        r.clients[101].handle(_collect(r, 101, [202, FAKE]), values(101))
+    assert r.clients[101].released_rounds == frozenset()  # nothing masked, nothing spent
+
+
+def test_more_members_off_the_roster_than_the_colluders_tolerated_are_refused() -> None:
+    """Made-up members are the server's own: a node that requires roster members counts
+    every other member as a colluder, so that 2t - n > c keeps them below the threshold."""
+    signed = {n: identity() for n in REAL}
+    r = Ring([*REAL, 901, 902], signed, min_trusted=2, colluders=1)
+    refusals = r.share(r.setup())
+    assert sorted(refusals) == REAL
+    assert (
+        "2 of the ring's 4 other members are off this node's roster, more than the 1"
+        in (refusals[101])
+    )
+
+
+def _through_collect(r: Ring) -> None:
+    s = r.server
+    s.receive_collect(
+        {n: r.clients[n].handle(m, values(n)) for n, m in s.collect_messages().items()}
+    )
+
+
+def test_a_survivor_set_other_than_the_one_signed_is_refused_at_unmask() -> None:
+    signed = {n: identity() for n in [*REAL, 404]}
+    members = [*REAL, 404]
+    r = Ring(members, signed, min_trusted=2, colluders=1)
+    assert r.share(r.setup()) == {}
+    _through_collect(r)
+    s = r.server
+    answers = {n: r.clients[n].handle(m) for n, m in s.consistency_messages().items()}
+    s.receive_consistency(answers)
+    unmask = s.unmask_messages()
+    # a split view: node 101 is told 404 dropped, though it signed a set holding 404
+    split = {**unmask[101], "active_nids": [101, 202, 303], "dead_nids": [404]}
+    with pytest.raises(SecAggError, match="'active_nids' is not the set this node signed"):
+        r.clients[101].handle(split)
+
+
+def test_survivor_signatures_are_verified_and_counted_against_the_roster() -> None:
+    signed = {n: identity() for n in REAL}
+    r = Ring([*REAL, 901], signed, min_trusted=2, colluders=1)
+    assert r.share(r.setup()) == {}
+    _through_collect(r)
+    s = r.server
+    s.receive_consistency({n: r.clients[n].handle(m) for n, m in s.consistency_messages().items()})
+    unmask = s.unmask_messages()
+    assert unmask[101]["signers"] == REAL  # the made-up member 901 signs nothing
+    # 202's signature dropped: one roster identity left for 101
+    at = unmask[101]["signers"].index(202)
+    dropped = dict(unmask[101])
+    dropped["signers"] = [n for n in dropped["signers"] if n != 202]
+    dropped["consistency_sigs"] = [x for i, x in enumerate(dropped["consistency_sigs"]) if i != at]
+    with pytest.raises(SecAggError, match="1 roster identities signed this survivor set"):
+        r.clients[101].handle(dropped)
+    # 202's signature on another set, relayed as if on this one
+    forged = dict(unmask[303])
+    forged["consistency_sigs"] = list(forged["consistency_sigs"])
+    forged["consistency_sigs"][at] = signed[202].sign_survivors(4, s.nonce, 202, [202, 303])
+    with pytest.raises(SecAggError, match="node 202's signature of the survivor set"):
+        r.clients[303].handle(forged)
+    # without the consistency stage, a node that requires roster members does not unmask
+    plain = {k: v for k, v in unmask[202].items() if k not in ("signers", "consistency_sigs")}
+    fresh = Ring([*REAL, 901], signed, min_trusted=2, colluders=1)
+    assert fresh.share(fresh.setup()) == {}
+    _through_collect(fresh)
+    plain = {**plain, "nonce": fresh.server.nonce}
+    with pytest.raises(SecAggError, match="no consistency stage came"):
+        fresh.clients[202].handle(plain)
+
+
+def test_the_server_drops_a_node_whose_setup_signature_fails() -> None:
+    signed = {n: identity() for n in REAL}
+    r = Ring(REAL, signed, min_trusted=0)
+    s = r.server
+    replies = {n: r.clients[n].handle(m) for n, m in s.setup_messages().items()}
+    replies[202] = {**replies[202], "signature": bytes(64)}
+    with pytest.raises(SecAggError, match="node 202 does not verify") as err:
+        s.receive_setup(replies)
+    assert err.value.node == 202
+
+
+def test_a_small_order_key_on_a_roster_is_refused(tmp_path: Path) -> None:
+    roster = tmp_path / "roster.txt"
+    roster.write_text("01" + "00" * 31 + "\n")  # the identity point: (R, S) = (key, 0) verifies
+    with pytest.raises(ValueError, match="line 1: .* small-order point"):
+        load_roster(roster)
+
+
+def test_a_saved_state_without_its_roster_is_refused() -> None:
+    signed = {n: identity() for n in REAL}
+    r = Ring(REAL, signed, min_trusted=2)
+    state = r.clients[101].to_state()
+    for key in ("policy.roster", "policy.min_trusted_peers", "consistent"):
+        partial = {k: v for k, v in state.items() if k != key}
+        with pytest.raises(SecAggError, match="saved state is unusable"):
+            SecAggClient.from_state(partial)

@@ -18,6 +18,7 @@ from fedsparse.common.dp.accounting import (
     HISTORY_KEYS,
     calibrate_noise_multiplier,
     compute_epsilon,
+    compute_epsilon_of_history,
     history_from_record,
     history_to_record,
     sample_rate,
@@ -399,3 +400,28 @@ def test_history_from_record_rejects_malformed_records(record: dict, match: str)
 def test_history_to_record_rejects_malformed_history(history: list, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         history_to_record(history)
+
+
+def test_gdp_composes_a_history_of_several_sigmas_and_rates() -> None:
+    """Opacus's GaussianAccountant reads its last entry alone; the history's epsilon is
+    the mu-GDP of mu^2 = sum q^2 T (e^{1/sigma^2} - 1), and one (sigma, q) split in two
+    entries is the same as one entry."""
+    import warnings
+
+    from opacus.accountants.analysis.gdp import compute_mu_poisson, eps_from_mu
+
+    warnings.simplefilter("ignore")
+    history = [(1.0, 0.05, 5), (2.0, 0.1, 7), (1.0, 0.05, 3)]
+    mu = math.sqrt(
+        compute_mu_poisson(steps=8, noise_multiplier=1.0, sample_rate=0.05) ** 2
+        + compute_mu_poisson(steps=7, noise_multiplier=2.0, sample_rate=0.1) ** 2
+    )
+    got = compute_epsilon_of_history(history, delta=1e-5, accountant="gdp")
+    assert got == pytest.approx(eps_from_mu(mu=mu, delta=1e-5), rel=1e-9)
+    last_only = compute_epsilon_of_history([history[-1]], delta=1e-5, accountant="gdp")
+    assert got > last_only
+    split = compute_epsilon_of_history(
+        [(1.0, 0.05, 4), (1.0, 0.05, 6)], delta=1e-5, accountant="gdp"
+    )
+    whole = compute_epsilon_of_history([(1.0, 0.05, 10)], delta=1e-5, accountant="gdp")
+    assert split == whole
