@@ -196,6 +196,25 @@ class PrivacyLedger:
                 )
             write_atomically(path, json.dumps([*done, [run_id, round_id]]), mode=PRIVATE)
 
+    def answer_once(self, run_id: int, round_id: int, stage: str, value: str = "") -> None:
+        """Secure aggregation's later answers of a round, held as ``release_once`` holds its
+        masked input (``<ledger>.answered.json``): one survivor set signed per round (the same
+        set again is the same signature's content) and one unmask answer.
+
+        Raises:
+            PrivacyRefusal: this run's round already answered ``stage`` (with another value).
+        """
+        path = self.path.with_suffix(".answered.json")
+        key = f"{run_id}/{round_id}/{stage}"
+        with self._locked():
+            done = json.loads(path.read_text()) if path.exists() else {}
+            if key in done and (not value or done[key] != value):
+                raise PrivacyRefusal(
+                    f"round={round_id}: this node already answered stage {stage!r} of round "
+                    f"{round_id} of run {run_id}"
+                )
+            write_atomically(path, json.dumps({**done, key: value}), mode=PRIVATE)
+
     def _write(self, entries: list[LedgerEntry]) -> None:
         payload = {"format": _FORMAT, "entries": [asdict(e) for e in entries]}
         write_atomically(self.path, json.dumps(payload, indent=1), mode=PRIVATE)

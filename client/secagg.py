@@ -179,6 +179,11 @@ class SecAggClient:
         return None if self._round is None else self._round[0]
 
     @property
+    def signed_set(self) -> list[int]:
+        """The survivor set this node signed this round (empty: none)."""
+        return list(self._consistent)
+
+    @property
     def released_rounds(self) -> frozenset[int]:
         """The round ids this node released a masked input for: never another for these."""
         return frozenset(self._released)

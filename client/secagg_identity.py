@@ -16,9 +16,15 @@ noise share alone (its worst case, ``docs/explanation/secure-aggregation.md``). 
   distinct roster identities among its peers and refuses, before it shares or masks anything,
   a ring with fewer than ``secagg-min-trusted`` of them.
 
-What remains (the threat model): a roster member that colludes with the server counts as
-trusted; and without a consistency round a server may still show different members different
-survivor sets at the unmasking stage, which the threshold ``2t - n > c`` bounds as before.
+At the collect stage the node masks only with peers among which ``secagg-min-trusted`` roster
+identities remain (:func:`check_masked_with`), and when the nodes sign, a consistency stage
+comes before the unmasking: each survivor signs the survivor set it is shown, and a node
+unmasks only the set it signed, signed by that many roster identities (:func:`check_survivors`).
+
+What remains (the threat model, ``docs/explanation/secure-aggregation.md``): a roster member
+that colludes with the server counts as trusted, and a roster peer that enforces nothing of
+its own still answers an unmask that declares the node's other peers dropped; against a
+malicious server only the node's worst-case ε is claimed.
 
 ``python -m fedsparse.client.secagg_identity KEY_PATH`` writes a new identity (mode 0600) and
 prints its public key, the line the other owners add to their rosters.

@@ -51,6 +51,7 @@ from fedsparse.common.wire.secagg import (
     SECAGG_RECORD,
     SETUP,
     STAGE,
+    UNMASK,
     SecAggError,
     check_payload,
 )
@@ -186,6 +187,20 @@ class SecAggRound:
         return reply
 
 
+def _answer_once(context: Context, client: SecAggClient, stage: str, reply: dict) -> None:
+    """Two copies of a consistency or unmask message handled at once read the same state: the
+    ledger's file, under its lock, lets one survivor set be signed and one unmask answered."""
+    record = context.state.config_records.get(STATE_LEDGER)
+    saved = str(record.get(_LEDGER_KEY, "")) if record is not None else ""
+    if not saved:
+        if client.noise == "fresh":
+            raise SecAggError("secure aggregation: this node kept no ledger for the round")
+        return  # a simulation's seeded node
+    assert client.round_id is not None
+    signed = ",".join(map(str, client.signed_set)) if stage == CONSISTENCY else ""
+    PrivacyLedger(Path(saved)).answer_once(context.run_id, client.round_id, stage, signed)
+
+
 def _saved(context: Context) -> SecAggClient:
     return SecAggClient.from_state(dict(context.state.config_records[STATE_CLIENT]))
 
@@ -230,6 +245,8 @@ def answer(msg: Message, context: Context) -> Message:
         if saved and client.round_id is not None:  # once per round, whatever the state says
             PrivacyLedger(Path(saved)).release_once(context.run_id, client.round_id)
     reply = client.handle(payload, values)
+    if payload.get(STAGE) in (CONSISTENCY, UNMASK):  # once a round, whatever the state says
+        _answer_once(context, client, str(payload[STAGE]), reply)
     _save(context, client, None)
     if values is not None:  # released once: nothing of it stays beside the client
         del context.state.array_records[STATE_VALUES]

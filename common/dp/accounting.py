@@ -175,6 +175,8 @@ def compute_epsilon_of_history(
             merged[(sigma, q)] = merged.get((sigma, q), 0) + n
         entries = [(sigma, q, n) for (sigma, q), n in merged.items()]
         if len(entries) > 1:
+            if any(sigma == 0 for sigma, _, _ in entries):
+                return math.inf
             mu = math.sqrt(
                 sum(
                     compute_mu_poisson(steps=n, noise_multiplier=sigma, sample_rate=q) ** 2

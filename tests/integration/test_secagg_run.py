@@ -219,11 +219,13 @@ def test_too_few_survivors_fail_the_round_and_leave_the_model(
 def test_each_node_ledger_charges_its_worst_case(tmp_path: Path, recorder: Recorder) -> None:
     ledgers = tmp_path / "ledgers"
     _run(tmp_path / "run", num_rounds=2, node_config={"ledger-dir": str(ledgers)})
-    files = sorted(p for p in ledgers.glob("data-*.json") if ".released" not in p.name)
+    files = sorted(p for p in ledgers.glob("data-*.json") if p.name.count(".") == 1)
     assert len(files) == NODES  # one per node's data
     for path in files:  # and the rounds it released a masked input for, under its lock
         released = json.loads(path.with_suffix(".released.json").read_text())
         assert released == [[1, 1], [1, 2]]
+        answered = json.loads(path.with_suffix(".answered.json").read_text())
+        assert answered == {"1/1/unmask": "", "1/2/unmask": ""}  # no identity: no consistency
     _, params, _ = recorder.decoded[2]
     worst = worst_case_noise_multiplier(params)
     for path in files:
@@ -397,3 +399,48 @@ def test_a_node_policys_identity_and_roster_sign_and_check_the_ring(
     first = json.loads((tmp_path / "two" / "rounds.jsonl").read_text().splitlines()[0])
     assert first["failed"] and first["num_accepted"] == 0
     assert sum("it requires 2 (secagg-min-trusted)" in r for r in first["rejected"]) == NODES
+
+
+@pytest.mark.slow
+def test_a_second_survivor_set_or_unmask_on_a_copy_of_the_state_is_refused(
+    tmp_path: Path, recorder: Recorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reviewer's race: two copies of a consistency message (another survivor set on the
+    second) or of an unmask message, handled at once, read the same Context.state; the
+    ledger's file, under its lock, lets the node sign one set and unmask once."""
+    import copy
+
+    from fedsparse.client.node_policy import PrivacyRefusal
+    from fedsparse.client.secagg_identity import write_identity
+
+    answer = client_module.answer
+    outcomes: dict[str, str] = {}
+
+    def twice(msg: Message, context: Context) -> Message:
+        payload = dict(msg.content.config_records["fedsparse.secagg"])
+        stage = payload.get(STAGE)
+        if context.node_id != 1001 or stage not in ("consistency", UNMASK):
+            return answer(msg, context)
+        snapshot = copy.deepcopy(context)
+        reply = answer(msg, context)
+        second = copy.deepcopy(msg)
+        if stage == "consistency":  # the set without node 1006: still above the threshold
+            record = second.content.config_records["fedsparse.secagg"]
+            record["active_nids"] = [n for n in payload["active_nids"] if n != 1006]
+        try:
+            answer(second, snapshot)
+            outcomes[str(stage)] = "answered twice"
+        except PrivacyRefusal as err:
+            outcomes[str(stage)] = str(err)
+        return reply
+
+    monkeypatch.setattr(client_module, "answer", twice)
+    key, roster = tmp_path / "identity.pem", tmp_path / "roster.txt"
+    roster.write_text(write_identity(key) + "\n")
+    policy = {"ledger-dir": str(tmp_path / "l"), "secagg-identity": str(key)}
+    _run(tmp_path / "run", num_rounds=1, node_config=policy)
+    assert outcomes == {
+        stage: f"round=1: this node already answered stage {stage!r} of round 1 of run 1"
+        for stage in ("consistency", UNMASK)
+    }
+    assert recorder.decoded[1][2] == list(range(1001, 1001 + NODES))
