@@ -175,12 +175,15 @@ def train_chunk(clients: list[_Client], model: nn.Module, layout: ParamLayout) -
                 velocity.copy_(step_grad)
             else:
                 velocity.index_copy_(0, index, step_grad)
+        # w - lr g; without momentum the product in place (the gradient is not kept, and
+        # -(lr g) + w is the same float32 sum): no second (clients, d) tensor a step
+        lr_step = step_grad.mul_(pick(lr_all)) if velocity is None else pick(lr_all) * step_grad
         if weights is None and index is None:  # the first step from the shared model
-            weights = flat.unsqueeze(0) - lr_all * step_grad
+            weights = lr_step.neg_().add_(flat)
         elif index is None:
-            stacked().sub_(lr_all * step_grad)
+            stacked().sub_(lr_step)
         else:
-            stacked().index_add_(0, index, pick(lr_all) * step_grad, alpha=-1)
+            stacked().index_add_(0, index, lr_step, alpha=-1)
         real = (yb != DUMMY_LABEL).sum(dim=1).tolist()
         loss_sums = losses.sum(dim=1).tolist()
         for k, c in enumerate(active):

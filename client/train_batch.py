@@ -3,11 +3,13 @@
 For a runner that holds many simulated nodes in one process (``lab/simulation/population.py``,
 the ``population`` backend): each message is prepared and finished exactly as the ClientApp
 prepares and finishes it (``client/train_message.py``), and the rounds in between run together
-(``client/population.py: population_round``).
+(``client/population.py: population_round``). ``runners`` counts what trained each message
+that got a reply with content: ``vectorised`` or ``client-round`` (``RoundLog.runners``).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 
 import torch
@@ -15,13 +17,15 @@ from flwr.app import Context, Error, Message
 from flwr.common.constant import ErrorCode
 
 from fedsparse.client.guard import released_error
-from fedsparse.client.population import population_round_settled
+from fedsparse.client.population import population_error, population_round_settled
 from fedsparse.client.train_message import PreparedTrain, finish_train, prepare_train, run_alone
 
 __all__ = ["error_reply", "train_population"]
 
 
-def train_population(batch: Sequence[tuple[Message, Context]]) -> list[Message]:
+def train_population(
+    batch: Sequence[tuple[Message, Context]], *, runners: Counter[str] | None = None
+) -> list[Message]:
     """``train``'s replies to a batch of train messages, the nodes' rounds run together by
     ``population_round`` (the vectorised step where it applies, ``client_round`` where not).
 
@@ -39,13 +43,15 @@ def train_population(batch: Sequence[tuple[Message, Context]]) -> list[Message]:
     for i, (_, context) in enumerate(batch):
         (later if id(context) in seen else first).append(i)
         seen.add(id(context))
-    replies = dict(zip(first, _train_once([batch[i] for i in first]), strict=True))
+    counts: Counter[str] = Counter() if runners is None else runners
+    replies = dict(zip(first, _train_once([batch[i] for i in first], counts), strict=True))
     if later:
-        replies |= dict(zip(later, train_population([batch[i] for i in later]), strict=True))
+        again = train_population([batch[i] for i in later], runners=counts)
+        replies |= dict(zip(later, again, strict=True))
     return [replies[i] for i in range(len(batch))]
 
 
-def _train_once(batch: Sequence[tuple[Message, Context]]) -> list[Message]:
+def _train_once(batch: Sequence[tuple[Message, Context]], runners: Counter[str]) -> list[Message]:
     """``train_population`` for messages to distinct nodes."""
     threads = torch.get_num_threads()  # the vectorised step's; preparing and finishing take one
     replies: list[Message | None] = [None] * len(batch)
@@ -57,7 +63,9 @@ def _train_once(batch: Sequence[tuple[Message, Context]]) -> list[Message]:
             replies[i] = error_reply(msg, err)
             continue
         if ready.secagg is not None:
-            replies[i] = _finish_alone(ready)
+            reply = replies[i] = _finish_alone(ready)
+            if not reply.has_error():
+                runners["client-round"] += 1
         else:
             prepared[i] = ready
     models = {id(ready.reusable): ready.reusable for ready in prepared.values()}
@@ -77,6 +85,9 @@ def _train_once(batch: Sequence[tuple[Message, Context]]) -> list[Message]:
                 replies[i] = finish_train(ready, result)
             except Exception as err:
                 replies[i] = error_reply(ready.msg, err)
+                continue
+            vectorised = population_error(ready.call, reusable.model) is None
+            runners["vectorised" if vectorised else "client-round"] += 1
     torch.set_num_threads(threads)
     assert all(r is not None for r in replies)
     return replies  # type: ignore[return-value]

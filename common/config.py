@@ -14,6 +14,7 @@ parse time, not half a minute later inside Flower. The names each key accepts ar
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -250,6 +251,10 @@ class FederatedConfig:
 
     def method_config(self) -> MethodConfig:
         """The method and its parameters (``common/methods/``)."""
+        return self._method_config
+
+    @functools.cached_property
+    def _method_config(self) -> MethodConfig:  # a frozen config's, once (a round asks often)
         return MethodConfig(
             name=self.method,
             freeze_layers=self.freeze_layers,
@@ -416,6 +421,10 @@ class FederatedConfig:
         ``dp-level=user``: the clients add no noise and do not clip per sample (Opacus's
         ``noisy`` ablation at sigma 0, i.e. plain SGD on the round's support); their own
         accountant reports inf and the run's privacy is the server's user-level epsilon."""
+        return self._privacy
+
+    @functools.cached_property
+    def _privacy(self) -> PrivacyConfig:
         if self.dp_level == "user":
             return PrivacyConfig(
                 mechanism="noisy",

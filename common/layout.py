@@ -8,6 +8,7 @@ position, so frozen parameters, optimizers over subsets and wrappers (Opacus's
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -55,11 +56,11 @@ class ParamLayout:
         named = [(unwrap_name(n), p) for n, p in module.named_parameters() if p.requires_grad]
         return cls(names=tuple(n for n, _ in named), shapes=tuple(tuple(p.shape) for _, p in named))
 
-    @property
+    @functools.cached_property
     def numels(self) -> tuple[int, ...]:
         return tuple(math.prod(s) for s in self.shapes)
 
-    @property
+    @functools.cached_property
     def numel(self) -> int:
         """Total number of trainable coordinates ``d``."""
         return sum(self.numels)

@@ -50,7 +50,7 @@ from fedsparse.server.run_records import RunRecorder
 from fedsparse.server.secagg_round import secure_round
 from fedsparse.server.strategy import SparseFedAvg, flat_array, flat_tensor
 
-__all__ = ["expected_nodes", "run_federated", "wait_for_nodes"]
+__all__ = ["expected_nodes", "run_federated", "take_runners", "wait_for_nodes"]
 
 
 def wait_for_nodes(grid: Grid, minimum: int, timeout: float, *, expected: int = 0) -> list[int]:
@@ -178,7 +178,9 @@ def run_federated(grid: Grid, cfg: FederatedConfig, *, expected_nodes: int = 0) 
         weights = flat_tensor(arrays)
         layout.load_flat_(model, weights)
         test_loss, test_acc = evaluate(model, test.x, test.y)
-        entry = _round_log(stats, d=d, test_accuracy=test_acc, test_loss=test_loss)
+        entry = _round_log(
+            stats, d=d, test_accuracy=test_acc, test_loss=test_loss, runners=take_runners(grid)
+        )
         recorder.round_done(entry, weights)
         log(
             INFO,
@@ -202,6 +204,14 @@ def run_federated(grid: Grid, cfg: FederatedConfig, *, expected_nodes: int = 0) 
     if cause is not None:  # the records are written; the run did not succeed
         raise _failed(out, cause)
     return summary
+
+
+def take_runners(grid: Grid) -> dict[str, int] | None:
+    """What trained the round's answered train messages, ``{runner: count}``, from a grid
+    that counts them (this project's in-process, population and Ray grids:
+    ``LocalGrid.take_runners``); None from one that does not (Flower's own)."""
+    take = getattr(grid, "take_runners", None)
+    return take() if callable(take) else None
 
 
 def drained(replies: Iterable[Message]) -> Iterator[Message]:
@@ -268,7 +278,14 @@ def _resume(
     return checkpoint
 
 
-def _round_log(stats: RoundStats, *, d: int, test_accuracy: float, test_loss: float) -> RoundLog:
+def _round_log(
+    stats: RoundStats,
+    *,
+    d: int,
+    test_accuracy: float,
+    test_loss: float,
+    runners: dict[str, int] | None,
+) -> RoundLog:
     """The round's ``rounds.jsonl`` line."""
     return RoundLog(
         round=stats.server_round,
@@ -305,4 +322,5 @@ def _round_log(stats: RoundStats, *, d: int, test_accuracy: float, test_loss: fl
         central_epsilon=stats.central_epsilon,
         central_noise_multiplier=stats.central_noise_multiplier,
         secagg_bytes=stats.secagg_bytes,
+        runners=runners,
     )

@@ -58,6 +58,8 @@ __all__ = [
     "LINKS",
     "NOISE_ORIGINS",
     "NoiseOrigin",
+    "RUNNERS",
+    "Runner",
     "RoundLog",
     "RunSummary",
     "RunKind",
@@ -94,6 +96,14 @@ from seeded streams (anyone knowing the run config can rebuild it: simulation), 
 entropy, both, no accepted update, or not recorded (a line older than the field)."""
 
 NOISE_ORIGINS: tuple[NoiseOrigin, ...] = ("seeded", "fresh", "mixed", "none", "unknown")
+
+#: What trained a client's round (``RoundLog.runners``): ``vectorised``, the population
+#: step across clients (``client/population.py``); ``client-round``, one client's
+#: ``client_round`` inside a population batch (a method or setting the step does not take:
+#: ``population_error``); ``client-app``, a ClientApp answering the message alone (fedsparse's
+#: runs ``client_round``; a node's override runs its own code).
+Runner = Literal["vectorised", "client-round", "client-app"]
+RUNNERS: tuple[Runner, ...] = ("vectorised", "client-round", "client-app")
 
 #: ``RunSummary.noise`` of a run in which any accepted update had seeded noise.
 SEEDED_RUN = "seeded: not private against the server"
@@ -187,6 +197,10 @@ class RoundLog:
     #: under secure aggregation the one the survivors' shares give). None, ``null``: a
     #: sample-level run, a secure round that released nothing, or a line older than the field
     central_noise_multiplier: float | None = None
+    #: how many of the round's answered train messages each runner trained (``RUNNERS``),
+    #: ``{runner: count}``, as the grid counted them; None, ``null``: a grid that does not say
+    #: (a deployment's SuperLink, Flower's simulation engine) or a line older than the field
+    runners: dict[str, int] | None = None
 
     def __post_init__(self) -> None:
         for link in LINKS:
@@ -196,6 +210,9 @@ class RoundLog:
             object.__setattr__(self, "num_accepted", self.num_replies - self.num_rejected)
         if self.noise not in NOISE_ORIGINS:
             raise ValueError(f"noise={self.noise!r}: expected one of {', '.join(NOISE_ORIGINS)}")
+        unknown = sorted(set(self.runners or ()) - set(RUNNERS))
+        if unknown:
+            raise ValueError(f"runners={self.runners!r}: expected keys among {', '.join(RUNNERS)}")
 
     def to_json(self) -> str:
         """One ``rounds.jsonl`` line (no newline)."""

@@ -20,7 +20,7 @@ from flwr.clientapp import ClientApp
 from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
 
 from fedsparse.client.node_policy import SIMULATION_NODE_POLICY
-from fedsparse.lab.simulation.local_grid import LocalGrid, default_node_ids
+from fedsparse.lab.simulation.local_grid import LocalGrid, default_node_ids, trained
 
 __all__ = ["InProcessGrid"]
 
@@ -121,6 +121,8 @@ class InProcessGrid(LocalGrid):
                     ),
                     reply_to=msg,
                 )
+            if trained(msg, reply):
+                self._runners["client-app"] += 1
             replies.append(reply)
         return replies
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import importlib
 import os
+from collections import Counter
 from collections.abc import Container, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -41,7 +42,11 @@ def batched(message: Message, overrides: Container[int]) -> bool:
 
 
 def train_together(
-    messages: Sequence[Message], contexts: Mapping[int, Context], *, threads: int | None = None
+    messages: Sequence[Message],
+    contexts: Mapping[int, Context],
+    *,
+    threads: int | None = None,
+    runners: Counter[str] | None = None,
 ) -> list[Message]:
     """``train_population``'s replies to train messages to nodes of ``contexts`` (a node's
     second message waits for its first); a failure of the batch itself is every message's
@@ -50,16 +55,23 @@ def train_together(
     Args:
         threads: torch's threads for the vectorised step (None: as the process has them;
             a Ray worker's are its CPUs).
+        runners: counts, when given, what trained each message answered with content
+            (``train_population``).
     """
     before = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
+    counts: Counter[str] = Counter()  # kept only if the batch did not fail as a whole
     try:
-        return train_population([(m, contexts[m.metadata.dst_node_id]) for m in messages])
+        batch = [(m, contexts[m.metadata.dst_node_id]) for m in messages]
+        replies = train_population(batch, runners=counts)
     except Exception as err:
         return [error_reply(m, err) for m in messages]
     finally:
         torch.set_num_threads(before)
+    if runners is not None:
+        runners.update(counts)
+    return replies
 
 
 class PopulationGrid(InProcessGrid):
@@ -85,7 +97,9 @@ class PopulationGrid(InProcessGrid):
         batch = [i for i in ids if batched(self._pending[i], self._overrides)]
         messages = [self._pending.pop(message_id) for message_id in batch]
         threads = self._threads or len(os.sched_getaffinity(0))
-        answers = train_together(messages, self._contexts, threads=threads)
+        counts: Counter[str] = Counter()
+        answers = train_together(messages, self._contexts, threads=threads, runners=counts)
+        self.count_runners(counts)
         answered = dict(zip(batch, answers, strict=True))
         rest = iter(self._deliver([i for i in ids if i not in answered]))  # a round under way
         return [answered[i] if i in answered else next(rest) for i in ids]

@@ -163,7 +163,7 @@ class RayGrid(LocalGrid):
         for worker, messages_of in batches.items():
             for start in range(0, len(messages_of), self._chunk):
                 batch = messages_of[start : start + self._chunk]
-                ref = self._workers.actors[worker].handle.remote(batch)
+                ref = self._workers.actors[worker].handle_counted.remote(batch)
                 self._tasks[ref] = _Task(worker, batch)
                 for msg in batch:
                     self._task_of[msg.metadata.message_id] = ref
@@ -240,7 +240,8 @@ class RayGrid(LocalGrid):
         for msg in task.messages:
             self._task_of.pop(msg.metadata.message_id, None)
         try:
-            replies = ray.get(ref)
+            replies, runners = ray.get(ref)
+            self.count_runners(runners)
         except ray.exceptions.RayActorError as err:  # the worker died: its clients are gone
             lost = [n for n, w in self._home.items() if w == task.worker]
             self._nodes = [n for n in self._nodes if n not in set(lost)]

@@ -24,6 +24,7 @@ import socket
 import threading
 import time
 import warnings
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +35,7 @@ from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 
 from fedsparse.common.data import dataset_files
+from fedsparse.lab.simulation.local_grid import trained
 
 __all__ = [
     "RAY_ADDRESS_ENV",
@@ -156,14 +158,20 @@ class VirtualClients:
 
     def handle(self, batch: Sequence[Message]) -> list[Message]:
         """Each message's reply, in order: the ClientApp with its node's ``Context``."""
+        return self.handle_counted(batch)[0]
+
+    def handle_counted(self, batch: Sequence[Message]) -> tuple[list[Message], dict[str, int]]:
+        """``handle``'s replies and what trained them (``{runner: count}``, as
+        ``LocalGrid.take_runners``): what ``RayGrid`` calls."""
         self._calls += 1
         self._messages += len(batch)
         together: dict[int, Message] = {}
+        runners: Counter[str] = Counter()
         if self._vectorised:
             from fedsparse.lab.simulation.population import batched, train_together
 
             chosen = [k for k, msg in enumerate(batch) if batched(msg, self._overrides)]
-            answers = train_together([batch[k] for k in chosen], self._contexts)
+            answers = train_together([batch[k] for k in chosen], self._contexts, runners=runners)
             together = dict(zip(chosen, answers, strict=True))
             self._together += len(chosen)
         replies = []
@@ -177,8 +185,10 @@ class VirtualClients:
                 reply = handler(msg, self._contexts[node])
             except Exception as err:  # the real runtimes turn exceptions into error replies
                 reply = error_reply(msg, err)
+            if trained(msg, reply):
+                runners["client-app"] += 1
             replies.append(reply)
-        return replies
+        return replies, dict(runners)
 
     def stats(self) -> WorkerStats:
         """What this worker holds (sizes measured by pickling) and its memory."""

@@ -99,8 +99,9 @@ def test_a_vectorised_ray_worker_answers_as_the_population_grid_does() -> None:
     task = first_task(run, weights(run))
     messages = [train_message(task, node=node) for node in NODES]
     del messages[1].content.config_records[CONFIG_RECORD]["batch-size"]
-    replies = worker.handle(messages)
+    replies, runners = worker.handle_counted(messages)
     assert calls == [NODES[2]]  # the override alone; the others in the batch
+    assert runners == {"vectorised": 1, "client-app": 1}  # the error reply trained nothing
     assert replies[1].has_error() and "batch-size" in replies[1].error.reason
     for i in (0, 2):
         (ours, dense), (theirs, reference) = parse(replies[i]), parse(alone[i])
@@ -137,3 +138,42 @@ def test_a_deadline_passing_while_a_round_trains_keeps_the_round(
     assert len(replies) == len(NODES) and not any(r.has_error() for r in replies)
     with pytest.raises(TimeoutError, match="deadline passed"):
         grid.send_and_receive([train_message(task, node=NODES[0])])
+
+
+def test_the_grids_count_what_trained_each_answered_message() -> None:
+    """``take_runners``: the population grid's batch by its runner (the vectorised step, or
+    ``client_round`` for a method it does not vectorise), an override as a ClientApp, an error
+    reply not at all; each call starts a fresh count."""
+    run = cfg(target_epsilon=0.0, noise_multiplier=1.0, seed=3, schedule="constant")
+    grids = {
+        "rs": PopulationGrid(
+            client_app,
+            num_nodes=len(NODES),
+            run_config=run.to_run_config(),
+            node_ids=NODES,
+            overrides={NODES[2]: client_app},
+        ),
+        "random-k": PopulationGrid(
+            client_app,
+            num_nodes=len(NODES),
+            run_config=dataclasses.replace(run, method="random-k").to_run_config(),
+            node_ids=NODES,
+        ),
+        "in-process": InProcessGrid(
+            client_app, num_nodes=len(NODES), run_config=run.to_run_config(), node_ids=NODES
+        ),
+    }
+    task = first_task(run, weights(run))
+    counts = {}
+    for name, grid in grids.items():
+        messages = [train_message(task, node=node) for node in NODES]
+        del messages[1].content.config_records[CONFIG_RECORD]["batch-size"]
+        replies = list(grid.send_and_receive(messages))
+        assert [r.has_error() for r in replies] == [False, True, False], name
+        counts[name] = grid.take_runners()
+        assert grid.take_runners() == {}
+    assert counts == {
+        "rs": {"client-app": 1, "vectorised": 1},
+        "random-k": {"client-round": 2},
+        "in-process": {"client-app": 2},
+    }

@@ -213,3 +213,14 @@ def test_downlink_bits_sit_beside_uplink_and_old_records_derive_them() -> None:
     assert data["downlink_bits_per_param"] == pytest.approx(32 * (D // 2 + 8 * D) / (16 * D))
     del data["downlink_bits_per_param"]
     assert RunSummary.from_json(data).downlink_bits_per_param == pytest.approx(17.0)
+
+
+def test_a_round_names_its_runners_from_the_vocabulary_and_older_lines_have_none() -> None:
+    line = json.loads(_round(1, up=D, answering=3).to_json())
+    assert line["runners"] is None  # a grid that does not say
+    line["runners"] = {"vectorised": 2, "client-round": 1}
+    assert RoundLog.from_json(line).runners == {"vectorised": 2, "client-round": 1}
+    del line["runners"]
+    assert RoundLog.from_json(line).runners is None
+    with pytest.raises(ValueError, match="runners=.*'fast'.*vectorised, client-round"):
+        dataclasses.replace(_round(1, up=D, answering=1), runners={"fast": 1})
