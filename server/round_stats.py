@@ -1,5 +1,7 @@
 """``RoundStats``: what one round of training did (plan, bytes, replies, privacy), and
-``FederationFailed``, raised when too many rounds in a row changed nothing.
+``FederationFailed``, raised when too many rounds in a row changed nothing; ``UserLevel``,
+``dp-level=user``'s plan across rounds (the users' rate, DP-FedAvg's denominator, the rounds
+accounted), which the round in the clear and the secure round both read and extend.
 
 ``SparseFedAvg`` (``server/strategy.py``) fills a ``RoundStats`` from ``configure_train`` to
 ``aggregate_train``; its numeric part is the ``MetricRecord`` Flower's ``Strategy`` returns, and
@@ -16,11 +18,26 @@ from flwr.app import MetricRecord
 
 from fedsparse.common.wire.run_log import NoiseOrigin
 
-__all__ = ["FederationFailed", "RoundStats"]
+__all__ = ["FederationFailed", "RoundStats", "UserLevel"]
 
 
 class FederationFailed(RuntimeError):
     """``max-failed-rounds`` rounds in a row accepted no update: the run cannot go on."""
+
+
+@dataclass
+class UserLevel:
+    """``dp-level=user`` across the run (``common/dp/central.py``).
+
+    Attributes:
+        expected: DP-FedAvg's fixed denominator, ``clients-per-round``.
+        rate: the users' sampling rate of the round under way.
+        history: the rounds accounted, the accountant's ``(sigma, rate, rounds)`` entries.
+    """
+
+    expected: float
+    rate: float = 1.0
+    history: list[tuple[float, float, int]] = field(default_factory=list)
 
 
 @dataclass

@@ -83,7 +83,7 @@ def secure_round(
     Raises:
         FederationFailed: the ``max-failed-rounds``-th failed round in a row.
     """
-    stats, weights = strategy.last_round, strategy._weights
+    stats, weights = strategy.last_round, strategy.round_model
     if stats is None or weights is None or stats.server_round != server_round:
         raise RuntimeError(f"secure_round({server_round}) without configure_train")
     new_weights = weights
@@ -95,7 +95,7 @@ def secure_round(
             accounted = strategy.central_sigma
         _account(strategy, stats, accounted)
         support = round_support(stats, strategy.d)
-        step = noisy_sum.to(torch.float32) / strategy._user_expected
+        step = noisy_sum.to(torch.float32) / strategy.users.expected
         new_weights = weights.clone()
         if support is None:
             new_weights += step
@@ -116,7 +116,7 @@ def secure_round(
     seeded = not (stats.failed or stats.frozen or stats.explicit is not None)
     mask = (stats.mask_seed, stats.keep) if seeded and stats.keep < strategy.d else None
     strategy.downlink.record_version(server_round, touched, seeded=mask)
-    strategy._count_failures(stats)
+    strategy.count_failures(stats)
     return flat_array(new_weights)
 
 
@@ -222,13 +222,13 @@ def _answers(
             metrics = reply.content.metric_records.get(METRICS_RECORD, {})
             epsilon = float(metrics.get("epsilon", -1.0))
             epsilon = math.inf if epsilon == -1.0 else epsilon
-            train._epsilons[node] = epsilon
+            train.epsilons[node] = epsilon
             loss = float(metrics.get("train-loss", math.nan))
             if math.isfinite(loss):
                 losses.append(loss)
     if train is not None:
         stats.missing = len(stats.selected) - stats.num_replies
-        known = list(train._epsilons.values())
+        known = list(train.epsilons.values())
         if known:
             stats.epsilon_max = max(known)
             stats.epsilon_median = statistics.median(known)
@@ -259,7 +259,7 @@ def _account(strategy: SparseFedAvg, stats: RoundStats, sigma: float | None) -> 
     released); the central figure takes the same rounds at rate 1 (the server knows whom it
     sampled). Both stay None until a round released something."""
     cfg = strategy.cfg
-    history, rate = strategy._user_history, strategy._user_rate
+    history, rate = strategy.users.history, strategy.users.rate
     if sigma is not None and history and history[-1][:2] == (sigma, rate):
         history[-1] = (sigma, rate, history[-1][2] + 1)
     elif sigma is not None:

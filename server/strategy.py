@@ -59,7 +59,7 @@ from fedsparse.common.wire.protocol import TrainInstruction, round_seed
 from fedsparse.server.downlink import DownlinkCache
 from fedsparse.server.messages import train_messages
 from fedsparse.server.norm_bound import bound_norms, derived_bound, train_split_size
-from fedsparse.server.round_stats import FederationFailed, RoundStats
+from fedsparse.server.round_stats import FederationFailed, RoundStats, UserLevel
 from fedsparse.server.round_updates import (
     Candidate,
     aggregate,
@@ -133,16 +133,14 @@ class SparseFedAvg(Strategy):
         self.downlink = DownlinkCache.for_run(cfg)
         self._rng = np.random.default_rng(stream_seed(cfg.seed, Stream.CLIENT_SELECTION))
         self.norm_bound = cfg.norm_bound()
-        self._epsilons: dict[int, float] = {}
-        self._weights: torch.Tensor | None = None
+        self.epsilons: dict[int, float] = {}  # node -> the epsilon it last reported
+        self.round_model: torch.Tensor | None = None  # the model configure_train sent
         self._failed_in_a_row: list[int] = []  # rounds
         self.last_round: RoundStats | None = None
         self.resumed_from = 0  # the checkpoint round a resumed run continues (0: not resumed)
         # dp-level=user (common/dp/central.py): users' rate this round, history, sigma, noise
         self.user_level = cfg.dp_level == "user"
-        self._user_rate = 1.0
-        self._user_expected = float(cfg.clients_per_round)  # DP-FedAvg's fixed denominator
-        self._user_history: list[tuple[float, float, int]] = []
+        self.users = UserLevel(expected=float(cfg.clients_per_round))
         self.central_sigma: float | None = (
             None if cfg.central_target_epsilon else cfg.central_noise_multiplier
         )
@@ -165,13 +163,13 @@ class SparseFedAvg(Strategy):
         """
         state: dict[str, Any] = {
             "sampling-rng": self._rng.bit_generator.state,
-            "epsilons": dict(self._epsilons),
+            "epsilons": dict(self.epsilons),
             "failed-in-a-row": list(self._failed_in_a_row),
         }
         # ranked: what the next round ranks; dpssgd: the selection (freeze keeps it)
         state.update(self.method.state_dict())
         if self.user_level:  # dp-level=user: the rounds accounted (the noise stays secret)
-            state["user-history"] = [list(entry) for entry in self._user_history]
+            state["user-history"] = [list(entry) for entry in self.users.history]
             state["central-sigma"] = self.central_sigma  # calibrated once, kept on resume
             if self.cfg.central_noise == "seeded":  # a resumed run continues the streams
                 state["central-noise-state"] = self._central_gen.get_state()
@@ -201,10 +199,10 @@ class SparseFedAvg(Strategy):
         except (TypeError, ValueError, AttributeError) as err:
             raise ValueError(f"strategy state: {type(err).__name__}: {err}") from None
         self._rng = rng
-        self._epsilons = epsilons
+        self.epsilons = epsilons
         self._failed_in_a_row = failed
         self.method.load_state_dict(state)
-        self._user_history = user_history
+        self.users.history = user_history
         self.central_sigma = sigma
         if central_state is not None:
             self._central_gen.set_state(central_state)
@@ -218,7 +216,7 @@ class SparseFedAvg(Strategy):
         A restarted simulation names its nodes anew: a stale id would count twice.
         """
         connected = set(nodes)
-        self._epsilons = {n: eps for n, eps in self._epsilons.items() if n in connected}
+        self.epsilons = {n: eps for n, eps in self.epsilons.items() if n in connected}
 
     def honest_bound(self) -> HonestClientBound | None:
         """``dp-norm-bound``'s public caps for this run (None: off, or it does not apply).
@@ -305,11 +303,11 @@ class SparseFedAvg(Strategy):
     def _sample(self, grid: Grid) -> list[int]:
         nodes = sorted(grid.get_node_ids())
         if self.user_level:  # Poisson sampling of users: the accountant's subsampling
-            self._user_rate = user_sample_rate(self.cfg.clients_per_round, len(nodes))
+            self.users.rate = user_sample_rate(self.cfg.clients_per_round, len(nodes))
             if self.cfg.central_target_epsilon:  # the target holds at this round's rate
-                history, sigma = self._user_history, self.central_sigma
-                self.central_sigma = calibrated_sigma(self.cfg, self._user_rate, history, sigma)
-            return poisson_sample(nodes, self._user_rate, self._user_rng)
+                history, sigma = self.users.history, self.central_sigma
+                self.central_sigma = calibrated_sigma(self.cfg, self.users.rate, history, sigma)
+            return poisson_sample(nodes, self.users.rate, self._user_rng)
         count = min(self.cfg.clients_per_round or len(nodes), len(nodes))
         # Sample positions, not ids: numpy would turn 64-bit node ids into floats.
         return sorted(
@@ -327,7 +325,7 @@ class SparseFedAvg(Strategy):
             raise ValueError(
                 f"arrays[{ARRAY_KEY!r}] has {weights.numel()} values: expected {self.d}"
             )
-        self._weights = weights
+        self.round_model = weights
         plan = self.method.plan_round(
             server_round=server_round,
             weights=weights,
@@ -393,11 +391,11 @@ class SparseFedAvg(Strategy):
             FederationFailed: this is the ``max-failed-rounds``-th failed round in a row
                 (``last_round`` holds the round's numbers; the model is unchanged).
         """
-        stats, weights = self.last_round, self._weights
+        stats, weights = self.last_round, self.round_model
         if stats is None or weights is None or stats.server_round != server_round:
             raise RuntimeError(f"aggregate_train({server_round}) without configure_train")
         accepted = validate_replies(
-            stats, replies, cfg=self.cfg, d=self.d, downlink=self.downlink, epsilons=self._epsilons
+            stats, replies, cfg=self.cfg, d=self.d, downlink=self.downlink, epsilons=self.epsilons
         )
         if not self.user_level:  # dp-level=user: the central clip bounds every update
             accepted = self._bound_norms(stats, accepted)
@@ -405,7 +403,7 @@ class SparseFedAvg(Strategy):
         # (by content) makes the float sums, and so the model, independent of both.
         accepted.sort(key=canonical)
         private = is_private(self.cfg.privacy().mechanism)  # else sigma is no privacy figure
-        round_numbers(stats, accepted, self._epsilons.values(), private=private)
+        round_numbers(stats, accepted, self.epsilons.values(), private=private)
         if self.user_level:
             new_weights, touched = self._aggregate_central(stats, weights, accepted)
         else:
@@ -431,7 +429,7 @@ class SparseFedAvg(Strategy):
         if not stats.failed:  # ranked: the aggregate the next round ranks
             self.method.after_round(before=weights, after=new_weights, touched=touched)
         self.downlink.record_version(server_round, touched, seeded=mask)
-        self._count_failures(stats)
+        self.count_failures(stats)
         return flat_array(new_weights), stats.metrics()
 
     def _bound_norms(self, stats: RoundStats, candidates: list[Candidate]) -> list[Candidate]:
@@ -461,14 +459,14 @@ class SparseFedAvg(Strategy):
             accepted,
             cfg=self.cfg,
             d=self.d,
-            history=self._user_history,
-            user_rate=self._user_rate,
-            expected_users=self._user_expected,
+            history=self.users.history,
+            user_rate=self.users.rate,
+            expected_users=self.users.expected,
             generator=self._central_gen,
             noise_multiplier=self.central_sigma,  # type: ignore[arg-type]  # set by _sample
         )
 
-    def _count_failures(self, stats: RoundStats) -> None:
+    def count_failures(self, stats: RoundStats) -> None:
         """Counts failed rounds in a row; raises ``FederationFailed`` at ``max-failed-rounds``."""
         if not stats.failed:
             self._failed_in_a_row = []

@@ -77,7 +77,7 @@ def recorder(monkeypatch: pytest.MonkeyPatch) -> Iterator[Recorder]:
         return out
 
     def round_(strategy: Any, grid: Any, server_round: int, messages: Any, **kw: Any) -> Any:
-        before = strategy._weights.clone()
+        before = strategy.round_model.clone()
         arrays = secure_round(strategy, grid, server_round, messages, **kw)
         after = torch.from_numpy(arrays["flat"].numpy().copy())
         rec.models[server_round] = (before, after, round_support(strategy.last_round, strategy.d))

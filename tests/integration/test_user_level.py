@@ -90,7 +90,7 @@ def _round(strategy: SparseFedAvg, nodes: int) -> None:
 
 
 def _spent(strategy: SparseFedAvg) -> float:
-    return compute_epsilon_of_history(strategy._user_history, delta=1e-5, accountant="rdp")
+    return compute_epsilon_of_history(strategy.users.history, delta=1e-5, accountant="rdp")
 
 
 def test_nodes_that_leave_after_round_1_cannot_push_the_run_past_its_target() -> None:
@@ -99,7 +99,7 @@ def test_nodes_that_leave_after_round_1_cannot_push_the_run_past_its_target() ->
     strategy = _strategy(central_target_epsilon=1.0, num_rounds=20, central_noise="seeded")
     _round(strategy, 1000)
     first = strategy.central_sigma
-    assert first is not None and strategy._user_history == [(first, 2 / 1000, 1)]
+    assert first is not None and strategy.users.history == [(first, 2 / 1000, 1)]
     for _ in range(19):
         _round(strategy, 10)
     assert strategy.central_sigma is not None and strategy.central_sigma > first
@@ -126,7 +126,7 @@ def test_a_calibrated_central_sigma_is_kept_on_resume_and_checked() -> None:
     _round(a, 40)
     b = _strategy(central_target_epsilon=2.0, central_noise="seeded", num_rounds=4)
     b.load_state_dict(a.state_dict(), resumed_from=1)
-    assert b.central_sigma == a.central_sigma and b._user_history == a._user_history
+    assert b.central_sigma == a.central_sigma and b.users.history == a.users.history
     _round(b, 40)  # the same nodes: not recalibrated
     assert b.central_sigma == a.central_sigma
     for bad in ("0.3", True, math.nan, -1.0, 0.0):
@@ -173,7 +173,7 @@ def test_a_round_without_updates_still_releases_the_noise() -> None:
         assert bool(touched.all()) and torch.count_nonzero(new) == 50
         assert (stats.failure != "") == bool(selected)  # a sampled user who never answered
         assert stats.user_epsilon > 0
-    assert strategy._user_history == [(1.0, 1.0, 2)]
+    assert strategy.users.history == [(1.0, 1.0, 2)]
 
 
 def test_seeded_central_noise_and_sampling_resume_exactly() -> None:
