@@ -196,22 +196,41 @@ class PrivacyLedger:
                 )
             write_atomically(path, json.dumps([*done, [run_id, round_id]]), mode=PRIVATE)
 
-    def answer_once(self, run_id: int, round_id: int, stage: str, value: str = "") -> None:
+    def answer_once(
+        self,
+        run_id: int,
+        round_id: int,
+        stage: str,
+        value: str = "",
+        *,
+        binds: str = "",
+        again: bool = True,
+    ) -> None:
         """Secure aggregation's later answers of a round, held as ``release_once`` holds its
         masked input (``<ledger>.answered.json``): one survivor set signed per round (the same
-        set again is the same signature's content) and one unmask answer.
+        set again is the same signature's content: ``again``) and one unmask answer (``again``
+        False: not even the same one twice). ``binds``: a stage
+        of the same round whose answer, if given, must have had this ``value`` (the unmask
+        answers only for the survivor set the node signed, and the other way round, however
+        the two messages reached copies of the node's state).
 
         Raises:
-            PrivacyRefusal: this run's round already answered ``stage`` (with another value).
+            PrivacyRefusal: this run's round already answered ``stage`` (with another value),
+                or ``binds`` with another value.
         """
         path = self.path.with_suffix(".answered.json")
-        key = f"{run_id}/{round_id}/{stage}"
+        key, bound = f"{run_id}/{round_id}/{stage}", f"{run_id}/{round_id}/{binds}"
         with self._locked():
             done = json.loads(path.read_text()) if path.exists() else {}
-            if key in done and (not value or done[key] != value):
+            if key in done and (not again or not value or done[key] != value):
                 raise PrivacyRefusal(
                     f"round={round_id}: this node already answered stage {stage!r} of round "
                     f"{round_id} of run {run_id}"
+                )
+            if binds and bound in done and done[bound] != value:
+                raise PrivacyRefusal(
+                    f"round={round_id}: stage {stage!r} names another survivor set than the "
+                    f"node's answer to stage {binds!r} of round {round_id} of run {run_id}"
                 )
             write_atomically(path, json.dumps({**done, key: value}), mode=PRIVATE)
 

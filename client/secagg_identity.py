@@ -22,9 +22,12 @@ comes before the unmasking: each survivor signs the survivor set it is shown, an
 unmasks only the set it signed, signed by that many roster identities (:func:`check_survivors`).
 
 What remains (the threat model, ``docs/explanation/secure-aggregation.md``): a roster member
-that colludes with the server counts as trusted, and a roster peer that enforces nothing of
-its own still answers an unmask that declares the node's other peers dropped; against a
-malicious server only the node's worst-case ε is claimed.
+that colludes with the server counts as trusted; the ring and its ``(n, t)`` are not signed
+and a survivor set needs ``secagg-min-trusted`` roster signatures, not ``t``, so a server
+that shows each node its own ring can still isolate a node's input (a reviewer's attacks:
+with peers that enforce nothing, and with every node at ``secagg-min-trusted=1``); against a
+malicious server only the node's worst-case ε is claimed. One roster identity is one party:
+the members it names beyond the first count as off the roster.
 
 ``python -m fedsparse.client.secagg_identity KEY_PATH`` writes a new identity (mode 0600) and
 prints its public key, the line the other owners add to their rosters.
@@ -214,8 +217,10 @@ def check_members(
         )
     except ValueError as exc:
         raise SecAggError(f"{where}: field 'signatures': {exc}") from None
+    # one roster identity is one party, however many members name it: the others it names
+    # count as off the roster (a reviewer's catch: counting members let it shrink 'outside')
     trusted = len({identity for identity in verified.values() if identity in roster})
-    outside = count - 1 - sum(identity in roster for identity in verified.values())
+    outside = count - 1 - trusted
     if min_trusted and outside > colluders:  # off the roster: as good as the server's own
         raise SecAggError(
             f"{where}: field 'identities': {outside} of the ring's {count - 1} other members "

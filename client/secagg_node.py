@@ -187,9 +187,11 @@ class SecAggRound:
         return reply
 
 
-def _answer_once(context: Context, client: SecAggClient, stage: str, reply: dict) -> None:
+def _answer_once(context: Context, client: SecAggClient, stage: str, active: list[int]) -> None:
     """Two copies of a consistency or unmask message handled at once read the same state: the
-    ledger's file, under its lock, lets one survivor set be signed and one unmask answered."""
+    ledger's file, under its lock, lets one survivor set be signed and one unmask answered,
+    for that same set (``active``, the stage's survivor set): a signature binds the unmask
+    even of a copy of the state that never saw the consistency stage."""
     record = context.state.config_records.get(STATE_LEDGER)
     saved = str(record.get(_LEDGER_KEY, "")) if record is not None else ""
     if not saved:
@@ -197,8 +199,11 @@ def _answer_once(context: Context, client: SecAggClient, stage: str, reply: dict
             raise SecAggError("secure aggregation: this node kept no ledger for the round")
         return  # a simulation's seeded node
     assert client.round_id is not None
-    signed = ",".join(map(str, client.signed_set)) if stage == CONSISTENCY else ""
-    PrivacyLedger(Path(saved)).answer_once(context.run_id, client.round_id, stage, signed)
+    survivors = ",".join(map(str, sorted(active)))
+    other = UNMASK if stage == CONSISTENCY else CONSISTENCY
+    ledger = PrivacyLedger(Path(saved))
+    again = stage == CONSISTENCY  # the same set signed twice is one signature's content
+    ledger.answer_once(context.run_id, client.round_id, stage, survivors, binds=other, again=again)
 
 
 def _saved(context: Context) -> SecAggClient:
@@ -246,7 +251,9 @@ def answer(msg: Message, context: Context) -> Message:
             PrivacyLedger(Path(saved)).release_once(context.run_id, client.round_id)
     reply = client.handle(payload, values)
     if payload.get(STAGE) in (CONSISTENCY, UNMASK):  # once a round, whatever the state says
-        _answer_once(context, client, str(payload[STAGE]), reply)
+        active = payload["active_nids"]  # checked by the stage (check_payload): ints
+        survivors = [int(n) for n in active] if isinstance(active, list) else []
+        _answer_once(context, client, str(payload[STAGE]), survivors)
     _save(context, client, None)
     if values is not None:  # released once: nothing of it stays beside the client
         del context.state.array_records[STATE_VALUES]

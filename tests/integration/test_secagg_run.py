@@ -225,7 +225,8 @@ def test_each_node_ledger_charges_its_worst_case(tmp_path: Path, recorder: Recor
         released = json.loads(path.with_suffix(".released.json").read_text())
         assert released == [[1, 1], [1, 2]]
         answered = json.loads(path.with_suffix(".answered.json").read_text())
-        assert answered == {"1/1/unmask": "", "1/2/unmask": ""}  # no identity: no consistency
+        every = ",".join(str(1001 + i) for i in range(NODES))  # the survivor set it unmasked
+        assert answered == {"1/1/unmask": every, "1/2/unmask": every}  # no consistency stage
     _, params, _ = recorder.decoded[2]
     worst = worst_case_noise_multiplier(params)
     for path in files:
@@ -377,14 +378,15 @@ def test_a_node_policys_identity_and_roster_sign_and_check_the_ring(
     tmp_path: Path, recorder: Recorder
 ) -> None:
     """Through the ClientApp: every simulated node signs with the policy's one identity, so
-    its five peers carry one distinct roster identity; a node requiring one takes the ring
-    (the signatures travel and are counted), a node requiring two refuses it."""
+    its five peers carry one roster identity, one party: a node requiring none takes the ring
+    (the signatures travel), a node requiring one counts the four other names of that party
+    off its roster, more than the colluders it tolerates, and refuses it."""
     from fedsparse.client.secagg_identity import write_identity
 
     key, roster = tmp_path / "identity.pem", tmp_path / "roster.txt"
     roster.write_text(write_identity(key) + "\n")
     policy = {"secagg-identity": str(key), "secagg-roster": str(roster)}
-    signed = _run(tmp_path / "one", num_rounds=1, node_config={**policy, "secagg-min-trusted": 1})
+    signed = _run(tmp_path / "one", num_rounds=1, node_config={**policy, "secagg-min-trusted": 0})
     plain = _run(tmp_path / "plain", num_rounds=1)
     assert signed[0]["num_accepted"] == NODES and not signed[0]["failed"]
     extra = signed[0]["secagg_bytes"]["setup"]["up"] - plain[0]["secagg_bytes"]["setup"]["up"]
@@ -394,11 +396,12 @@ def test_a_node_policys_identity_and_roster_sign_and_check_the_ring(
             tmp_path / "two",
             num_rounds=1,
             max_failed_rounds=0,
-            node_config={**policy, "secagg-min-trusted": 2},
+            node_config={**policy, "secagg-min-trusted": 1},
         )
     first = json.loads((tmp_path / "two" / "rounds.jsonl").read_text().splitlines()[0])
     assert first["failed"] and first["num_accepted"] == 0
-    assert sum("it requires 2 (secagg-min-trusted)" in r for r in first["rejected"]) == NODES
+    outside = "4 of the ring's 5 other members are off this node's roster, more than the 0"
+    assert sum(outside in r for r in first["rejected"]) == NODES
 
 
 @pytest.mark.slow
@@ -444,3 +447,63 @@ def test_a_second_survivor_set_or_unmask_on_a_copy_of_the_state_is_refused(
         for stage in ("consistency", UNMASK)
     }
     assert recorder.decoded[1][2] == list(range(1001, 1001 + NODES))
+
+
+@pytest.mark.slow
+def test_an_unmask_on_a_copy_from_before_the_signature_must_name_the_signed_set(
+    tmp_path: Path, recorder: Recorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reviewer's race: a node that requires no roster members (secagg-min-trusted 0) signs
+    the survivor set; an unmask that declares one of those survivors dropped, handled on a
+    copy of its state from before the signature (which checks no set), is refused by the
+    ledger: the signature binds the node's unmask, as the nodes that count it rely on."""
+    import copy
+
+    from fedsparse.client.node_policy import PrivacyRefusal
+    from fedsparse.client.secagg_identity import write_identity
+
+    answer = client_module.answer
+    refused: list[str] = []
+
+    def split(msg: Message, context: Context) -> Message:
+        payload = dict(msg.content.config_records["fedsparse.secagg"])
+        if context.node_id != 1001 or payload.get(STAGE) != "consistency":
+            return answer(msg, context)
+        before = copy.deepcopy(context)  # after collect, before any survivor set
+        reply = answer(msg, context)
+        other = copy.deepcopy(msg)
+        record = other.content.config_records["fedsparse.secagg"]
+        record[STAGE] = UNMASK
+        record["active_nids"] = [n for n in payload["active_nids"] if n != 1006]
+        record["dead_nids"] = [1006]
+        with pytest.raises(PrivacyRefusal) as err:
+            answer(other, before)
+        refused.append(str(err.value))
+        return reply
+
+    monkeypatch.setattr(client_module, "answer", split)
+    key = tmp_path / "identity.pem"
+    write_identity(key)
+    policy = {"ledger-dir": str(tmp_path / "l"), "secagg-identity": str(key)}
+    _run(tmp_path / "run", num_rounds=1, node_config=policy)
+    assert refused == [
+        "round=1: stage 'unmask' names another survivor set than the node's answer to stage "
+        "'consistency' of round 1 of run 1"
+    ]
+    assert recorder.decoded[1][2] == list(range(1001, 1001 + NODES))  # the round went on
+
+
+def test_the_ledger_binds_a_signed_survivor_set_and_the_unmask_either_way(
+    tmp_path: Path,
+) -> None:
+    from fedsparse.client.node_policy import PrivacyRefusal
+
+    for first, second in (("consistency", UNMASK), (UNMASK, "consistency")):
+        ledger = PrivacyLedger(tmp_path / f"{first}.json")
+        ledger.answer_once(1, 7, first, "1,2,3", binds=second)
+        with pytest.raises(PrivacyRefusal, match="names another survivor set"):
+            ledger.answer_once(1, 7, second, "1,2", binds=first)
+        ledger.answer_once(1, 8, second, "1,2", binds=first)  # another round: its own
+        ledger.answer_once(1, 7, second, "1,2,3", binds=first, again=False)
+        with pytest.raises(PrivacyRefusal, match="already answered"):
+            ledger.answer_once(1, 7, second, "1,2,3", binds=first, again=False)

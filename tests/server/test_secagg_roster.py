@@ -199,11 +199,23 @@ def test_another_rounds_advertisement_is_refused() -> None:
 def test_one_identity_under_two_nodes_counts_once() -> None:
     shared = identity()
     signed = {101: identity(), 202: shared, 303: shared}
-    r = Ring(REAL, signed, min_trusted=2)
+    r = Ring(REAL, signed, min_trusted=2, colluders=1)  # the second name: the one tolerated
     refusals = r.share(r.setup())
     assert (
         "1 of the ring's 2 other members are on this node's roster, it requires 2"
         in (refusals[101])
+    )
+
+
+def test_one_identity_under_two_nodes_leaves_the_second_off_the_roster() -> None:
+    """A reviewer's catch: the members a roster identity names beyond its first count as off
+    the roster (one party), so that they cannot shrink the count the colluders bound."""
+    shared = identity()
+    r = Ring(REAL, {101: identity(), 202: shared, 303: shared}, min_trusted=1)
+    refusals = r.share(r.setup())
+    assert (
+        "1 of the ring's 2 other members are off this node's roster, more than the 0"
+        in refusals[101]
     )
 
 
