@@ -203,6 +203,7 @@ class PrivacyLedger:
         stage: str,
         value: str = "",
         *,
+        nonce: bytes = b"",
         binds: str = "",
         again: bool = True,
     ) -> None:
@@ -212,14 +213,18 @@ class PrivacyLedger:
         False: not even the same one twice). ``binds``: a stage
         of the same round whose answer, if given, must have had this ``value`` (the unmask
         answers only for the survivor set the node signed, and the other way round, however
-        the two messages reached copies of the node's state).
+        the two messages reached copies of the node's state). With ``nonce`` (the server's
+        for the round) the answers are held by ``(round_id, nonce)`` across every run: what a
+        node signs names the round and the nonce, not the run, so a server that reuses both in
+        another run must not get a second set signed (a reviewer's replay).
 
         Raises:
             PrivacyRefusal: this run's round already answered ``stage`` (with another value),
                 or ``binds`` with another value.
         """
         path = self.path.with_suffix(".answered.json")
-        key, bound = f"{run_id}/{round_id}/{stage}", f"{run_id}/{round_id}/{binds}"
+        scope = f"{round_id}/{nonce.hex()}" if nonce else f"{run_id}/{round_id}"
+        key, bound = f"{scope}/{stage}", f"{scope}/{binds}"
         with self._locked():
             done = json.loads(path.read_text()) if path.exists() else {}
             if key in done and (not again or not value or done[key] != value):

@@ -179,6 +179,11 @@ class SecAggClient:
         return None if self._round is None else self._round[0]
 
     @property
+    def nonce(self) -> bytes | None:
+        """The server's nonce the last setup bound (None: none yet)."""
+        return None if self._round is None else self._round[1]
+
+    @property
     def signed_set(self) -> list[int]:
         """The survivor set this node signed this round (empty: none)."""
         return list(self._consistent)

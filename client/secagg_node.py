@@ -203,7 +203,11 @@ def _answer_once(context: Context, client: SecAggClient, stage: str, active: lis
     other = UNMASK if stage == CONSISTENCY else CONSISTENCY
     ledger = PrivacyLedger(Path(saved))
     again = stage == CONSISTENCY  # the same set signed twice is one signature's content
-    ledger.answer_once(context.run_id, client.round_id, stage, survivors, binds=other, again=again)
+    nonce = client.nonce
+    assert nonce is not None
+    ledger.answer_once(
+        context.run_id, client.round_id, stage, survivors, nonce=nonce, binds=other, again=again
+    )
 
 
 def _saved(context: Context) -> SecAggClient:

@@ -226,7 +226,11 @@ def test_each_node_ledger_charges_its_worst_case(tmp_path: Path, recorder: Recor
         assert released == [[1, 1], [1, 2]]
         answered = json.loads(path.with_suffix(".answered.json").read_text())
         every = ",".join(str(1001 + i) for i in range(NODES))  # the survivor set it unmasked
-        assert answered == {"1/1/unmask": every, "1/2/unmask": every}  # no consistency stage
+        # by round and the server's nonce, across runs; no consistency stage (no identity)
+        assert sorted(answered.values()) == [every, every]
+        scopes = [key.split("/") for key in sorted(answered)]
+        assert [(r, stage) for r, _, stage in scopes] == [("1", UNMASK), ("2", UNMASK)]
+        assert all(len(bytes.fromhex(nonce)) >= 16 for _, nonce, _ in scopes)
     _, params, _ = recorder.decoded[2]
     worst = worst_case_noise_multiplier(params)
     for path in files:
@@ -507,3 +511,19 @@ def test_the_ledger_binds_a_signed_survivor_set_and_the_unmask_either_way(
         ledger.answer_once(1, 7, second, "1,2,3", binds=first, again=False)
         with pytest.raises(PrivacyRefusal, match="already answered"):
             ledger.answer_once(1, 7, second, "1,2,3", binds=first, again=False)
+
+
+def test_a_round_and_nonce_reused_in_another_run_get_no_second_survivor_set(
+    tmp_path: Path,
+) -> None:
+    """A reviewer's replay: what a node signs names the round and the server's nonce, not the
+    run, so a server reusing both in a second run must not get another set signed there."""
+    from fedsparse.client.node_policy import PrivacyRefusal
+
+    ledger, nonce = PrivacyLedger(tmp_path / "data.json"), bytes(range(16))
+    ledger.answer_once(1, 4, "consistency", "1,2,3,4", nonce=nonce, binds=UNMASK)
+    with pytest.raises(PrivacyRefusal, match="already answered stage 'consistency'"):
+        ledger.answer_once(2, 4, "consistency", "1,2,3", nonce=nonce, binds=UNMASK)
+    with pytest.raises(PrivacyRefusal, match="names another survivor set"):
+        ledger.answer_once(2, 4, UNMASK, "1,2,3", nonce=nonce, binds="consistency", again=False)
+    ledger.answer_once(2, 4, "consistency", "1,2,3", nonce=bytes(16), binds=UNMASK)  # fresh
