@@ -109,6 +109,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--config", choices=["no-dp", "rs-0.9"], default="no-dp")
     parser.add_argument("--engines", nargs="+", default=["population"])
+    parser.add_argument(
+        "--max-norm-ratio",
+        type=float,
+        help="fedsparse's max-norm-ratio (default: the run config's, 3; pfl bounds no norm: 0 "
+        "matches it, and the server then sums each update as it arrives)",
+    )
     parser.add_argument("--pfl-python", default=str(HERE.parent / ".venv-pfl" / "bin" / "python"))
     args = parser.parse_args()
     side = argparse.Namespace(
@@ -118,10 +124,13 @@ def main() -> None:
         dataset="digits",
         clients_per_round=0,
         examples_per_client=0,
+        max_norm_ratio=args.max_norm_ratio,
     )
     print(
         f"digits-cnn FedAvg, every client every round, 1 local epoch, batch 32, lr 0.25, "
-        f"{args.rounds} rounds; fedsparse --config {args.config}; pfl: no DP"
+        f"{args.rounds} rounds; fedsparse --config {args.config}"
+        + ("" if args.max_norm_ratio is None else f", max-norm-ratio {args.max_norm_ratio:g}")
+        + "; pfl: no DP"
     )
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="peer-pfl-") as tmp:

@@ -194,6 +194,8 @@ def child(args: argparse.Namespace) -> None:
     started = time.time()
     overrides = {**CONFIGS[args.config], "num-rounds": str(args.rounds)}
     overrides["clients-per-round"] = str(args.clients_per_round)
+    if args.max_norm_ratio is not None:
+        overrides["max-norm-ratio"] = str(args.max_norm_ratio)
     if args.dataset == "synthetic":
         overrides |= {"dataset": "population_data:load", "model": "digits-cnn"}
     else:
@@ -219,6 +221,8 @@ def measure(engine: str, clients: int, args: argparse.Namespace) -> dict[str, An
     cmd += ["--rounds", str(args.rounds), "--config", args.config]
     cmd += ["--cpus-per-client", str(args.cpus_per_client), "--dataset", args.dataset]
     cmd += ["--clients-per-round", str(args.clients_per_round)]
+    if args.max_norm_ratio is not None:
+        cmd += ["--max-norm-ratio", str(args.max_norm_ratio)]
     env = dict(os.environ)
     if args.dataset == "synthetic":
         here = str(Path(__file__).resolve().parent)
@@ -281,6 +285,12 @@ def main() -> None:
     parser.add_argument("--dataset", choices=["digits", "synthetic"], default="digits")
     parser.add_argument("--examples-per-client", type=int, default=2)
     parser.add_argument("--clients-per-round", type=int, default=0)
+    parser.add_argument(
+        "--max-norm-ratio",
+        type=float,
+        help="the run's max-norm-ratio (default: the run config's, 3; 0: no rule over the "
+        "round's median norm, so the server sums each update as it arrives)",
+    )
     parser.add_argument("--json", type=Path, help="also write every result here")
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--engine", choices=ENGINES, help=argparse.SUPPRESS)
@@ -301,8 +311,9 @@ def main() -> None:
         if args.clients_per_round
         else ("every client every round")
     )
+    bound = "" if args.max_norm_ratio is None else f", max-norm-ratio {args.max_norm_ratio:g}"
     print(
-        f"{data}, config {args.config}, {args.rounds} rounds, {sampled}, "
+        f"{data}, config {args.config}{bound}, {args.rounds} rounds, {sampled}, "
         f"{os.cpu_count()} CPUs, {args.cpus_per_client:g} CPU per client trained"
     )
     results = []

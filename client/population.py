@@ -60,7 +60,7 @@ import dataclasses
 import math
 import secrets
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 from opacus.accountants import IAccountant, create_accountant
@@ -94,6 +94,7 @@ __all__ = [
     "population_error",
     "population_round",
     "population_round_settled",
+    "population_rounds",
 ]
 
 #: Bytes of per-sample gradients a chunk of clients may hold in one step (``chunk_bytes``).
@@ -172,8 +173,8 @@ def population_round(
     Raises:
         Exception: the first call's failure.
     """
-    results = _population(calls, model=model, chunk_bytes=chunk_bytes, settle=False)
-    return [r for r in results if isinstance(r, RoundResult)]
+    results = dict(_population(calls, model=model, chunk_bytes=chunk_bytes, settle=False))
+    return [results[i] for i in range(len(calls))]  # type: ignore[misc]  # no exception
 
 
 def population_round_settled(
@@ -182,22 +183,45 @@ def population_round_settled(
     """``population_round``, with each failing call's exception in its place (a failing
     chunk: each of its calls) and the other calls' results: one client never fails the
     others."""
+    results = dict(population_rounds(calls, model=model, chunk_bytes=chunk_bytes))
+    return [results[i] for i in range(len(calls))]
+
+
+def population_rounds(
+    calls: Sequence[ClientCall], *, model: nn.Module, chunk_bytes: int | None = None
+) -> Iterator[tuple[int, RoundResult | Exception]]:
+    """``population_round_settled``'s results as each is ready, ``(index in calls, result)``:
+    the per-client calls first, then chunk by chunk; a chunk's clients are set up (data,
+    streams, mask) when it trains, so a round holds one chunk's, not every client's."""
     return _population(calls, model=model, chunk_bytes=chunk_bytes, settle=True)
 
 
 def _population(
     calls: Sequence[ClientCall], *, model: nn.Module, chunk_bytes: int | None, settle: bool
-) -> list[RoundResult | Exception]:
-    return_exceptions = settle
-    results: list[RoundResult | Exception | None] = [None] * len(calls)
-    clients: list[_Client] = []
+) -> Iterator[tuple[int, RoundResult | Exception]]:
+    # the vectorised step's threads, as the caller has them now (not when it reads on, after
+    # finishing a reply on one thread); a client's reply takes one
+    threads = torch.get_num_threads()
+    return _rounds(calls, model=model, chunk_bytes=chunk_bytes, settle=settle, threads=threads)
+
+
+def _rounds(
+    calls: Sequence[ClientCall],
+    *,
+    model: nn.Module,
+    chunk_bytes: int | None,
+    settle: bool,
+    threads: int,
+) -> Iterator[tuple[int, RoundResult | Exception]]:
+    vectorised: list[int] = []
     layout = ParamLayout.from_module(model)
     for i, call in enumerate(calls):
         try:
             if population_error(call, model) is None:
-                clients.append(_Client.start(i, call, layout))
+                vectorised.append(i)
                 continue
-            results[i] = client_round(
+            torch.set_num_threads(threads)  # as the caller had them (not the finishing one)
+            result: RoundResult | Exception = client_round(
                 call.global_flat,
                 call.examples,
                 call.public,
@@ -208,39 +232,51 @@ def _population(
                 residual=call.residual,
             )
         except Exception as err:
-            if not return_exceptions:
+            if not settle:
                 raise
-            results[i] = err
-    pending = _chunks(clients, layout.numel, chunk_bytes)
-    threads = torch.get_num_threads()  # the vectorised step's; a client's reply takes one
-    try:
-        while pending:
-            chunk = pending.pop(0)
-            torch.set_num_threads(threads)
+            result = err
+        yield i, result
+    pending = _chunks([(i, calls[i]) for i in vectorised], layout.numel, chunk_bytes)
+    while pending:
+        indices = pending.pop(0)
+        chunk, failed = [], []
+        for i in indices:  # make_private's setup, client by client (one's error is its own)
             try:
-                trained = train_chunk(chunk, model, layout)
+                chunk.append(_Client.start(i, calls[i], layout))
             except Exception as err:
-                if not return_exceptions:
+                if not settle:
                     raise
-                if len(chunk) == 1:
-                    results[chunk[0].index] = err
-                else:  # one client's failure is its own: each again alone, from fresh streams
-                    pending[:0] = [[_Client.start(c.index, calls[c.index], layout)] for c in chunk]
-                continue
-            # a client's reply is elementwise work on one model's values: one thread, as the
-            # ClientApp takes (threads waiting on a busy core cost more than they share)
-            torch.set_num_threads(1)
+                failed.append((i, err))
+        yield from failed
+        if not chunk:
+            continue
+        torch.set_num_threads(threads)
+        try:
+            trained = train_chunk(chunk, model, layout)
+        except Exception as err:
+            if not settle:
+                raise
+            if len(chunk) == 1:
+                yield chunk[0].index, err
+            else:  # one client's failure is its own: each again alone, from fresh streams
+                pending[:0] = [[c.index] for c in chunk]
+            continue
+        finally:
+            torch.set_num_threads(threads)
+        # a client's reply is elementwise work on one model's values: one thread, as the
+        # ClientApp takes (threads waiting on a busy core cost more than they share)
+        torch.set_num_threads(1)
+        try:
             for client, weights in zip(chunk, trained, strict=True):
                 try:
-                    results[client.index] = client.result(calls[client.index], weights)
+                    result = client.result(calls[client.index], weights)
                 except Exception as err:
-                    if not return_exceptions:
+                    if not settle:
                         raise
-                    results[client.index] = err
-    finally:
-        torch.set_num_threads(threads)
-    assert all(r is not None for r in results)
-    return results  # type: ignore[return-value]
+                    result = err
+                yield client.index, result
+        finally:
+            torch.set_num_threads(threads)
 
 
 @dataclasses.dataclass(eq=False)
@@ -375,29 +411,45 @@ class _Client:
         return RoundResult(reply, local.history, call.privacy.index_spent, residual)
 
 
-def _chunks(clients: list[_Client], numel: int, chunk_bytes: int | None) -> list[list[_Client]]:
-    """The clients in chunks whose per-sample gradients fit ``chunk_bytes`` at about twice
-    their expected batch (Poisson batches vary), a chunk's inputs of one shape and dtype."""
-    chunks: list[list[_Client]] = []
-    current: list[_Client] = []
+def _chunks(
+    calls: list[tuple[int, ClientCall]], numel: int, chunk_bytes: int | None
+) -> list[list[int]]:
+    """The clients' indices in chunks whose per-sample gradients fit ``chunk_bytes`` at about
+    twice their expected batch (Poisson batches vary), a chunk's inputs of one shape and dtype
+    on one device."""
+    chunks: list[list[int]] = []
+    current: list[int] = []
     used = 0
-
-    def kind(client: _Client) -> tuple[object, ...]:
-        return (tuple(client.x.shape[1:]), client.x.dtype, client.y.dtype, str(client.device))
-
-    for client in sorted(clients, key=lambda c: str(kind(c))):  # stable: the calls' order
-        if current and kind(current[0]) != kind(client):
+    planned = [(_kind(call), _expected_batch(call), i) for i, call in calls]
+    current_kind: tuple[object, ...] | None = None
+    for kind, expected, i in sorted(planned, key=lambda p: str(p[0])):  # stable: calls' order
+        if current and kind != current_kind:
             chunks.append(current)
             current, used = [], 0
-        cost = 2 * max(1, client.expected_batch) * numel * 4
+        current_kind = kind
+        cost = 2 * max(1, expected) * numel * 4
         limit = chunk_bytes
         if limit is None:
-            limit = CUDA_CHUNK_BYTES if client.device.type == "cuda" else CHUNK_BYTES
+            limit = CUDA_CHUNK_BYTES if str(kind[3]).startswith("cuda") else CHUNK_BYTES
         if current and used + cost > limit:
             chunks.append(current)
             current, used = [], 0
-        current.append(client)
+        current.append(i)
         used += cost
     if current:
         chunks.append(current)
     return chunks
+
+
+def _kind(call: ClientCall) -> tuple[object, ...]:
+    """What a chunk's clients share: input shape and dtype, label dtype, device."""
+    x, y = call.examples.x, call.examples.y
+    device = resolve_device(call.public.cfg.device)
+    return (tuple(x.shape[1:]), x.dtype, y.dtype, str(device))
+
+
+def _expected_batch(call: ClientCall) -> int:
+    """``_Client.start``'s expected batch, from the call alone (nothing set up)."""
+    size = call.privacy.nominal_size or len(call.examples)
+    batches = math.ceil(size / max(1, min(call.public.task.batch_size, size)))
+    return int(size * (1 / int(1 / (1 / batches))))  # start's: int(size * accounted)

@@ -3,31 +3,44 @@
 For a runner that holds many simulated nodes in one process (``lab/simulation/population.py``,
 the ``population`` backend): each message is prepared and finished exactly as the ClientApp
 prepares and finishes it (``client/train_message.py``), and the rounds in between run together
-(``client/population.py: population_round``). ``runners`` counts what trained each message
+(``client/population.py: population_rounds``), each reply handed on as it is finished
+(``train_population_each``). ``runners`` counts what trained each message
 that got a reply with content: ``vectorised`` or ``client-round`` (``RoundLog.runners``).
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 from flwr.app import Context, Error, Message
 from flwr.common.constant import ErrorCode
+from torch import nn
 
 from fedsparse.client.guard import released_error
-from fedsparse.client.population import population_error, population_round_settled
+from fedsparse.client.local_round import RoundResult
+from fedsparse.client.population import population_error, population_rounds
 from fedsparse.client.train_message import PreparedTrain, finish_train, prepare_train, run_alone
 
-__all__ = ["error_reply", "train_population"]
+__all__ = ["error_reply", "train_population", "train_population_each"]
 
 
 def train_population(
     batch: Sequence[tuple[Message, Context]], *, runners: Counter[str] | None = None
 ) -> list[Message]:
-    """``train``'s replies to a batch of train messages, the nodes' rounds run together by
-    ``population_round`` (the vectorised step where it applies, ``client_round`` where not).
+    """``train``'s replies to a batch of train messages, in the batch's order
+    (``train_population_each``, gathered)."""
+    replies = dict(train_population_each(batch, runners=runners))
+    return [replies[i] for i in range(len(batch))]
+
+
+def train_population_each(
+    batch: Sequence[tuple[Message, Context]], *, runners: Counter[str] | None = None
+) -> Iterator[tuple[int, Message]]:
+    """``train``'s reply to each of a batch of train messages as it is ready, ``(index in
+    batch, reply)``, the nodes' rounds run together by ``population_rounds`` (the vectorised
+    step where it applies, ``client_round`` where not): a round's replies are not all held.
 
     Each message is prepared and finished as ``train`` does (the same checks, calibration,
     ledger charge and state); a message whose preparation or finishing raises gets the error
@@ -44,53 +57,60 @@ def train_population(
         (later if id(context) in seen else first).append(i)
         seen.add(id(context))
     counts: Counter[str] = Counter() if runners is None else runners
-    replies = dict(zip(first, _train_once([batch[i] for i in first], counts), strict=True))
+    for j, reply in _train_once([batch[i] for i in first], counts):
+        yield first[j], reply
     if later:
-        again = train_population([batch[i] for i in later], runners=counts)
-        replies |= dict(zip(later, again, strict=True))
-    return [replies[i] for i in range(len(batch))]
+        for j, reply in train_population_each([batch[i] for i in later], runners=counts):
+            yield later[j], reply
 
 
-def _train_once(batch: Sequence[tuple[Message, Context]], runners: Counter[str]) -> list[Message]:
-    """``train_population`` for messages to distinct nodes."""
+def _train_once(
+    batch: Sequence[tuple[Message, Context]], runners: Counter[str]
+) -> Iterator[tuple[int, Message]]:
+    """``train_population_each`` for messages to distinct nodes."""
     threads = torch.get_num_threads()  # the vectorised step's; preparing and finishing take one
-    replies: list[Message | None] = [None] * len(batch)
     prepared: dict[int, PreparedTrain] = {}
     for i, (msg, context) in enumerate(batch):
         try:
             ready = prepare_train(msg, context)
         except Exception as err:
-            replies[i] = error_reply(msg, err)
+            yield i, error_reply(msg, err)
             continue
         if ready.secagg is not None:
-            reply = replies[i] = _finish_alone(ready)
+            reply = _finish_alone(ready)
             if not reply.has_error():
                 runners["client-round"] += 1
+            yield i, reply
         else:
             prepared[i] = ready
     models = {id(ready.reusable): ready.reusable for ready in prepared.values()}
-    for key, reusable in models.items():  # one run: one process model
-        group = {i: ready for i, ready in prepared.items() if id(ready.reusable) == key}
-        with reusable.lock:
-            torch.set_num_threads(threads)
-            results = population_round_settled(
-                [ready.call for ready in group.values()], model=reusable.model
-            )
-        torch.set_num_threads(1)  # finishing a message: one thread, as the ClientApp's
-        for (i, ready), result in zip(group.items(), results, strict=True):
-            if isinstance(result, Exception):  # as train: one fixed error, named nothing
-                replies[i] = error_reply(ready.msg, released_error(result, data_read=True))
-                continue
-            try:
-                replies[i] = finish_train(ready, result)
-            except Exception as err:
-                replies[i] = error_reply(ready.msg, err)
-                continue
-            vectorised = population_error(ready.call, reusable.model) is None
-            runners["vectorised" if vectorised else "client-round"] += 1
-    torch.set_num_threads(threads)
-    assert all(r is not None for r in replies)
-    return replies  # type: ignore[return-value]
+    try:
+        for key, reusable in models.items():  # one run: one process model
+            group = [(i, ready) for i, ready in prepared.items() if id(ready.reusable) == key]
+            with reusable.lock:
+                torch.set_num_threads(threads)
+                results = population_rounds([r.call for _, r in group], model=reusable.model)
+                for j, result in results:
+                    i, ready = group[j]
+                    torch.set_num_threads(1)  # finishing a message: one thread, as the app's
+                    yield i, _finished(ready, result, reusable.model, runners)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _finished(
+    ready: PreparedTrain, result: RoundResult | Exception, model: nn.Module, runners: Counter[str]
+) -> Message:
+    """The reply to a prepared message from its round's result (or the error reply)."""
+    if isinstance(result, Exception):  # as train: one fixed error, named nothing
+        return error_reply(ready.msg, released_error(result, data_read=True))
+    try:
+        reply = finish_train(ready, result)
+    except Exception as err:
+        return error_reply(ready.msg, err)
+    vectorised = population_error(ready.call, model) is None
+    runners["vectorised" if vectorised else "client-round"] += 1
+    return reply
 
 
 def _finish_alone(ready: PreparedTrain) -> Message:

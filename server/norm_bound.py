@@ -6,22 +6,22 @@ updates to.
 ``derived_bound`` is a round's bound from an honest client's public DP parameters
 (``common/aggregation/norm_bounds.py: HonestClientBound``); ``bound_norms`` holds the round's
 valid updates to the smallest of it, ``max-update-norm`` and ``max-norm-ratio`` x the median
-norm, rejecting or clipping each update above it (``norm-action``).
+norm, rejecting or clipping each update above it (``norm-action``); ``fixed_bound`` is the
+round's bound when it is set before the round (no ``max-norm-ratio``), which
+``round_updates.aggregate_bounded`` holds a stream of updates to.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import replace
 
 from fedsparse.common.aggregation.norm_bounds import HonestClientBound, NormAction, NormBound
-from fedsparse.common.aggregation.robust import clip_to_norm
 from fedsparse.common.config import FederatedConfig
 from fedsparse.common.data.datasets import load_eval_splits
 from fedsparse.server.round_stats import RoundStats
-from fedsparse.server.round_updates import Candidate
+from fedsparse.server.round_updates import Candidate, bound_each
 
-__all__ = ["bound_norms", "derived_bound", "train_split_size"]
+__all__ = ["bound_norms", "derived_bound", "fixed_bound", "train_split_size"]
 
 
 def derived_bound(
@@ -58,20 +58,18 @@ def bound_norms(
     (``derived_bound``); ``norm_action`` says what happens to an update above it.
     """
     bound, how = norm_bound.bound([c.norm for c in candidates], honest=derived)
-    stats.norm_bound, stats.norm_bound_how = bound, how
-    kept = []
-    for candidate in candidates:
-        if candidate.norm <= bound:
-            kept.append(candidate)
-            continue
-        reason = f"node {candidate.node}: update norm={candidate.norm:.4g}: expected <= "
-        reason += f"{bound:.4g} ({how})"
-        if norm_action == "reject":
-            stats.rejected.append(reason)
-            continue
-        stats.clipped.append(reason)
-        kept.append(replace(candidate, values=clip_to_norm(candidate.values, bound=bound)))
-    return kept
+    return list(bound_each(stats, candidates, bound=bound, how=how, norm_action=norm_action))
+
+
+def fixed_bound(
+    norm_bound: NormBound, derived: tuple[float, str] | None
+) -> tuple[float, str] | None:
+    """The round's bound and its description when no rule reads the round's own norms
+    (``max-norm-ratio=0``); None when one does (the round's updates are then held until
+    their median is known)."""
+    if norm_bound.max_norm_ratio > 0:
+        return None
+    return norm_bound.bound([], honest=derived)
 
 
 @functools.lru_cache(maxsize=8)

@@ -7,16 +7,16 @@ dropped with their reason; selected nodes without a reply are counted missing);
 averages the accepted updates (``SparseAggregator``, or a coordinate-wise trimmed mean or
 median) into the new global model and refuses one with a non-finite value;
 ``aggregate_central`` is ``dp-level=user``'s round instead (DP-FedAvg's noisy clipped sum,
-accounted whether or not anyone answered). ``canonical`` orders updates by content, so the
-model does not depend on arrival order or node ids. The norm bound between validation and
+accounted whether or not anyone answered). The sums are exact (``common/aggregation/``), so the
+model does not depend on arrival order or node ids, and ``validated`` and ``aggregate`` read a
+stream of replies without holding their updates. The norm bound between validation and
 aggregation is ``server/norm_bound.py``'s.
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from logging import INFO
 
@@ -25,7 +25,8 @@ from flwr.app import Message
 from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.common.logger import log
 
-from fedsparse.common.aggregation.robust import l2_norm
+from fedsparse.common.aggregation.norm_bounds import NormAction
+from fedsparse.common.aggregation.robust import clip_to_norm, l2_norm
 from fedsparse.common.aggregation.sparse import make_aggregator
 from fedsparse.common.config import FederatedConfig
 from fedsparse.common.dp.accounting import compute_epsilon_of_history
@@ -41,13 +42,16 @@ from fedsparse.server.validation import RejectedReply, ValidUpdate, check_reply
 __all__ = [
     "Candidate",
     "aggregate",
+    "aggregate_bounded",
+    "bound_each",
     "aggregate_central",
     "calibrated_sigma",
-    "canonical",
     "checked_sigma",
     "round_numbers",
     "round_support",
     "validate_replies",
+    "validated",
+    "without_values",
 ]
 
 
@@ -61,9 +65,13 @@ class Candidate:
     norm: float  # L2 norm of the values as received
 
 
-def canonical(candidate: Candidate) -> bytes:
-    """A key that orders updates by content alone (not by node id or arrival)."""
-    return hashlib.sha256(candidate.values.contiguous().numpy().data).digest()
+_NO_VALUES = torch.zeros(0)
+
+
+def without_values(candidate: Candidate) -> Candidate:
+    """``candidate`` without its values (its numbers, weight and support kept)."""
+    valid = replace(candidate.valid, values=_NO_VALUES)
+    return replace(candidate, valid=valid, values=_NO_VALUES)
 
 
 def validate_replies(
@@ -75,7 +83,21 @@ def validate_replies(
     downlink: DownlinkCache,
     epsilons: dict[int, float],
 ) -> list[Candidate]:
-    """The replies that pass ``check_reply``; counts replies, errors and missing nodes.
+    """The replies that pass ``check_reply`` (``validated``, all of them)."""
+    return list(validated(stats, replies, cfg=cfg, d=d, downlink=downlink, epsilons=epsilons))
+
+
+def validated(
+    stats: RoundStats,
+    replies: Iterable[Message],
+    *,
+    cfg: FederatedConfig,
+    d: int,
+    downlink: DownlinkCache,
+    epsilons: dict[int, float],
+) -> Iterator[Candidate]:
+    """Each reply that passes ``check_reply``, as it is read; counts replies, errors and
+    (once the replies are read to the end) missing nodes.
 
     Tells ``downlink`` which nodes applied the round's model (or are in an unknown state) and
     records each valid reply's epsilon in ``epsilons`` (node -> epsilon).
@@ -83,7 +105,6 @@ def validate_replies(
     keep = stats.keep
     version = stats.server_round - 1
     selected, seen = set(stats.selected), set()
-    candidates = []
     round_support = None  # the round's shared mask (mask-scope=round), sampled once
     for reply in replies:
         node = int(reply.metadata.src_node_id)
@@ -148,9 +169,8 @@ def validate_replies(
         # The values are decoded: the payload's bytes go with the reply's message (a round of
         # 10,000 dense updates would otherwise hold them twice until it is summed).
         valid = replace(valid, reply=replace(valid.reply, update=b""))
-        candidates.append(Candidate(node, valid, valid.values, l2_norm(valid.values)))
+        yield Candidate(node, valid, valid.values, l2_norm(valid.values))
     stats.missing = len(selected - seen)
-    return candidates
 
 
 def round_numbers(
@@ -163,8 +183,8 @@ def round_numbers(
     """Train loss, noise origin and sigma range of the accepted updates; epsilons of the valid
     replies. ``private``: the clients run dpsgd (else their sigma is no privacy figure)."""
     weighted = [(c.valid.reply.train_loss, c.valid.weight) for c in accepted]
-    total = sum(w for _, w in weighted)
-    stats.train_loss = sum(loss * w for loss, w in weighted) / total if total else math.nan
+    total = math.fsum(w for _, w in weighted)  # exactly rounded: the same in any order
+    stats.train_loss = math.fsum(loss * w for loss, w in weighted) / total if total else math.nan
     stats.epsilon_max, stats.epsilon_median = epsilon_stats(list(epsilons))
     stats.noise = round_noise([c.valid.reply.seeded_noise for c in accepted])
     stats.noise_multiplier_min, stats.noise_multiplier_max = noise_range(
@@ -175,12 +195,19 @@ def round_numbers(
 def aggregate(
     stats: RoundStats,
     weights: torch.Tensor,
-    accepted: list[Candidate],
+    accepted: Iterable[Candidate],
     *,
     cfg: FederatedConfig,
     d: int,
+    added: list[Candidate] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the new global model, the coordinates that changed); the old one if it failed."""
+    """(the new global model, the coordinates that changed); the old one if it failed.
+
+    ``accepted`` is read once, each update added as it comes (the mean's sums are exact, so
+    their order does not matter: ``common/aggregation/sparse.py``); ``added``, when given,
+    receives each added candidate without its values (what ``round_numbers`` reads), so a
+    stream of updates is summed without holding them.
+    """
     unchanged = torch.zeros(d, dtype=torch.bool)
     aggregator = make_aggregator(cfg.aggregator, d, trim_fraction=cfg.trim_fraction)
     for candidate in accepted:
@@ -190,6 +217,9 @@ def aggregate(
             )
         except ValueError as err:  # checked already: only a bug lands here
             stats.rejected.append(f"node {candidate.node}: {err}")
+            continue
+        if added is not None:
+            added.append(without_values(candidate))
     stats.accepted = aggregator.num_updates
     if not stats.accepted:
         stats.failure = (
@@ -203,6 +233,54 @@ def aggregate(
     if bad:
         stats.failure = f"aggregate: {bad} non-finite model values (update refused)"
         return weights, unchanged
+    return new_weights, touched
+
+
+def bound_each(
+    stats: RoundStats,
+    candidates: Iterable[Candidate],
+    *,
+    bound: float,
+    how: str,
+    norm_action: NormAction,
+) -> Iterator[Candidate]:
+    """Each candidate within ``bound`` (described by ``how``), as it comes; the others
+    rejected or clipped (``norm_action``). A bound fixed before the round's updates
+    (``norm_bound.fixed_bound``) holds a stream of them without gathering it."""
+    for candidate in candidates:
+        stats.norm_bound, stats.norm_bound_how = bound, how  # a round with an update
+        if candidate.norm <= bound:
+            yield candidate
+            continue
+        reason = f"node {candidate.node}: update norm={candidate.norm:.4g}: expected <= "
+        reason += f"{bound:.4g} ({how})"
+        if norm_action == "reject":
+            stats.rejected.append(reason)
+            continue
+        stats.clipped.append(reason)
+        yield replace(candidate, values=clip_to_norm(candidate.values, bound=bound))
+
+
+def aggregate_bounded(
+    stats: RoundStats,
+    weights: torch.Tensor,
+    candidates: Iterable[Candidate],
+    *,
+    bound: tuple[float, str],
+    cfg: FederatedConfig,
+    d: int,
+    epsilons: Iterable[float],
+    private: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``bound_each`` then ``aggregate`` then ``round_numbers``, one update at a time: a
+    stream of candidates is held to ``bound`` (the round's and its description, set before
+    it) and summed without holding their values."""
+    accepted: list[Candidate] = []
+    bounded = bound_each(
+        stats, candidates, bound=bound[0], how=bound[1], norm_action=cfg.norm_action
+    )
+    new_weights, touched = aggregate(stats, weights, bounded, cfg=cfg, d=d, added=accepted)
+    round_numbers(stats, accepted, epsilons, private=private)
     return new_weights, touched
 
 

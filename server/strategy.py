@@ -11,7 +11,7 @@ the same two methods from its loop (``server/loop.py``) to add evaluation, recor
   shared by the nodes that need it). The global model travels as an ``ArrayRecord`` with
   one flat float32 array ``"flat"`` between the strategy and its caller.
 * ``aggregate_train`` survives its clients, in this order: (1) every reply is validated
-  (``server/round_updates.py``, ``server/validation.py``); (2) the round's norm bound
+  (``server/round_updates.py``, ``server/validation.py``) as it is read; (2) the round's norm bound
   (``server/norm_bound.py``: the smallest of ``max-norm-ratio`` x the median norm,
   ``max-update-norm`` and ``dp-norm-bound``, which needs no honest majority) rejects or clips
   each update above it (``norm-action``); (3) the rest are aggregated (weight 1 each, or
@@ -19,6 +19,9 @@ the same two methods from its loop (``server/loop.py``) to add evaluation, recor
   trimmed mean / median (``aggregator``), or under ``dp-level=user`` by DP-FedAvg's noisy
   clipped sum (``common/dp/central.py``); (4) a new model with a non-finite value is refused;
   (5) a lossy ``downlink-dtype`` moves it by the decoded change (``server/downlink.py``).
+  The mean's sums are exact, so the model is the same in any order of arrival; without a
+  rule over the round's own norms (``max-norm-ratio=0``) or ``dp-level=user``, each update
+  is bounded and added as it is read, and the round holds none.
   A round that changes nothing is failed (``RoundStats.failure``) and ``max-failed-rounds``
   of them in a row raise ``FederationFailed``. It returns the new model and the round's
   numbers as a ``MetricRecord``; ``last_round`` keeps them typed, with the reasons.
@@ -58,18 +61,24 @@ from fedsparse.common.wire.payload.indices import indices_to_bytes
 from fedsparse.common.wire.protocol import TrainInstruction, round_seed
 from fedsparse.server.downlink import DownlinkCache
 from fedsparse.server.messages import train_messages
-from fedsparse.server.norm_bound import bound_norms, derived_bound, train_split_size
+from fedsparse.server.norm_bound import (
+    bound_norms,
+    derived_bound,
+    fixed_bound,
+    train_split_size,
+)
 from fedsparse.server.round_stats import FederationFailed, RoundStats, UserLevel
 from fedsparse.server.round_updates import (
     Candidate,
     aggregate,
+    aggregate_bounded,
     aggregate_central,
     calibrated_sigma,
-    canonical,
     checked_sigma,
     round_numbers,
-    validate_replies,
+    validated,
 )
+from fedsparse.server.strategy_log import log_configuration
 
 __all__ = [
     "ARRAY_KEY",
@@ -255,46 +264,9 @@ class SparseFedAvg(Strategy):
         )
 
     def summary(self) -> None:
-        """Logs the strategy's configuration."""
-        cfg = self.cfg
-        log(
-            INFO,
-            "SparseFedAvg: d=%d, schedule=%s to r*=%.3f over %d rounds, mask-scope=%s, codec=%s",
-            self.d,
-            cfg.schedule,
-            cfg.final_rate,
-            cfg.num_rounds,
-            cfg.mask_scope,
-            cfg.codec,
-        )
-        log(
-            INFO,
-            "SparseFedAvg: weighting=%s, aggregator=%s (trim-fraction %g), %s (%s), "
-            "max-failed-rounds=%d",
-            cfg.weighting,
-            cfg.aggregator,
-            cfg.trim_fraction,
-            self.norm_bound,
-            cfg.norm_action,
-            cfg.max_failed_rounds,
-        )
+        """Logs the strategy's configuration (``log_configuration``)."""
         caps = None if self.user_level else self.honest_bound()
-        if caps is not None:
-            log(
-                INFO,
-                "SparseFedAvg: dp-norm-bound=auto: lr %g, momentum %g, max-grad-norm %g, "
-                "sigma <= %.4g, <= %d steps a round (batch-size %d, <= %d examples a client), "
-                "value-dtype %s: %.4g at keep=d",
-                caps.lr,
-                caps.momentum,
-                caps.max_grad_norm,
-                caps.noise_multiplier,
-                caps.max_steps,
-                caps.batch_size,
-                caps.max_examples,
-                caps.value_dtype,
-                caps.bound(self.d),
-            )
+        log_configuration(self.cfg, d=self.d, norm_bound=self.norm_bound, caps=caps)
 
     def frozen_at(self, server_round: int) -> int:
         """The frozen coordinate prefix of ``server_round`` (lf; else 0)."""
@@ -394,20 +366,26 @@ class SparseFedAvg(Strategy):
         stats, weights = self.last_round, self.round_model
         if stats is None or weights is None or stats.server_round != server_round:
             raise RuntimeError(f"aggregate_train({server_round}) without configure_train")
-        accepted = validate_replies(
+        # The sums are exact, so neither arrival order nor node ids move the model; with a
+        # norm bound fixed before the round, each update is added as it is read, none held.
+        candidates = validated(
             stats, replies, cfg=self.cfg, d=self.d, downlink=self.downlink, epsilons=self.epsilons
         )
-        if not self.user_level:  # dp-level=user: the central clip bounds every update
-            accepted = self._bound_norms(stats, accepted)
-        # Replies arrive in any order and node ids differ between runs: a canonical order
-        # (by content) makes the float sums, and so the model, independent of both.
-        accepted.sort(key=canonical)
         private = is_private(self.cfg.privacy().mechanism)  # else sigma is no privacy figure
-        round_numbers(stats, accepted, self.epsilons.values(), private=private)
-        if self.user_level:
-            new_weights, touched = self._aggregate_central(stats, weights, accepted)
-        else:
-            new_weights, touched = aggregate(stats, weights, accepted, cfg=self.cfg, d=self.d)
+        fixed = None if self.user_level else fixed_bound(self.norm_bound, self._derived(stats))
+        if fixed is not None:
+            new_weights, touched = aggregate_bounded(
+                stats,
+                weights,
+                candidates,
+                bound=fixed,
+                cfg=self.cfg,
+                d=self.d,
+                epsilons=self.epsilons.values(),
+                private=private,
+            )
+        else:  # the round's median norm, or dp-level=user's sum: hold the round's updates
+            new_weights, touched = self._held_round(stats, weights, list(candidates), private)
         for reason in stats.rejected:
             log(WARNING, "round %d: dropped %s", server_round, reason)
         for reason in stats.clipped:
@@ -432,21 +410,28 @@ class SparseFedAvg(Strategy):
         self.count_failures(stats)
         return flat_array(new_weights), stats.metrics()
 
-    def _bound_norms(self, stats: RoundStats, candidates: list[Candidate]) -> list[Candidate]:
-        """The candidates within the round's norm bound; the others rejected or clipped."""
-        if not candidates:
-            return []
+    def _held_round(
+        self, stats: RoundStats, weights: torch.Tensor, accepted: list[Candidate], private: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The round from all its valid updates at once: bounded by the round's median norm
+        (``bound_norms``), or summed by DP-FedAvg (``dp-level=user``)."""
+        if not self.user_level and accepted:  # dp-level=user: the central clip bounds each
+            derived, action = self._derived(stats), self.cfg.norm_action
+            accepted = bound_norms(
+                stats, accepted, norm_bound=self.norm_bound, derived=derived, norm_action=action
+            )
+        round_numbers(stats, accepted, self.epsilons.values(), private=private)
+        if self.user_level:
+            return self._aggregate_central(stats, weights, accepted)
+        return aggregate(stats, weights, accepted, cfg=self.cfg, d=self.d)
+
+    def _derived(self, stats: RoundStats) -> tuple[float, str] | None:
+        """``_derived_bound``, logged when it changes."""
         derived = self._derived_bound(stats)
         if derived is not None and derived[1] != self._honest_how:
             log(INFO, "round %d: %s", stats.server_round, derived[1])
             self._honest_how = derived[1]
-        return bound_norms(
-            stats,
-            candidates,
-            norm_bound=self.norm_bound,
-            derived=derived,
-            norm_action=self.cfg.norm_action,
-        )
+        return derived
 
     def _aggregate_central(
         self, stats: RoundStats, weights: torch.Tensor, accepted: list[Candidate]

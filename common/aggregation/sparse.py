@@ -10,12 +10,15 @@ touched coordinates:
 With one shared mask (``mask-scope=round``) every touched coordinate has every client, and
 this is exactly FedAvg of the sparse updates; with ``final-rate=0`` it is dense FedAvg.
 Aggregation is post-processing of each client's differentially private output and costs no
-privacy. Sums run in float64 so the order in which replies arrive does not matter to within
-float32 rounding; weights are accumulated relative to the first one, so the mean is invariant
-to scaling every weight and huge finite weights cannot overflow the sums. Consecutive updates
-on the same support (the round's mask: one tensor for every reply of a round) are summed on
-that support and scattered into the model once, not once per update: the same float64 sums,
-in the same order, at every coordinate that no earlier update of another support covered.
+privacy. The sums are exact (``common/aggregation/exact_sum.py``: the float64 nearest the
+exact sum of ``n_c v_c``, and of ``n_c``), so the mean is the same number, bit for bit, in
+whatever order the updates arrive: a server adds each update as it comes and holds none.
+Weights enter scaled by the first one's power of two (``ldexp(n_c, -scale)``, exact), so huge
+finite weights cannot overflow the sums and the products round as ``v_c x n_c`` does; a
+weight more than ``2**500`` from the first is refused. Consecutive updates on the same
+support (the round's mask: one tensor for every reply of a round) are summed on that support
+and added into the model-sized sums once, not once per update (exactly, so the grouping
+changes nothing).
 
 The weight ``n_c`` is whatever the server passes: with ``weighting="uniform"`` (the default)
 it is 1 for every accepted update, so a client cannot buy influence by claiming examples;
@@ -34,6 +37,7 @@ import math
 
 import torch
 
+from fedsparse.common.aggregation.exact_sum import ExactSum, exact_partials
 from fedsparse.common.aggregation.robust import coordinate_median, trimmed_mean
 from fedsparse.common.finite import all_finite
 from fedsparse.common.names import AGGREGATORS, WEIGHTINGS, AggregatorName, Weighting
@@ -49,6 +53,12 @@ __all__ = [
 ]
 
 
+#: The range of a weight relative to the first one's power of two, ``ldexp(w, -scale)``:
+#: within it a product ``values x relative`` rounds as ``values x weight`` does, in any order
+#: (outside, subnormal products or an overflowing sum would not: within it, none can).
+_RELATIVE = (2.0**-500, 2.0**500)
+
+
 class SparseAggregator:
     """Accumulates weighted sparse updates over a ``dense_size``-dimensional model."""
 
@@ -56,18 +66,23 @@ class SparseAggregator:
         if dense_size < 0:
             raise ValueError(f"dense_size={dense_size}: expected >= 0")
         self.dense_size = dense_size
-        self._sums = torch.zeros(dense_size, dtype=torch.float64)
-        self._weights = torch.zeros(dense_size, dtype=torch.float64)
+        self._sums = ExactSum(dense_size)
+        self._weights = ExactSum(dense_size)
         self.num_updates = 0
-        self.total_weight = 0.0
-        self._unit = 0.0  # the first weight: sums hold weight / unit, which stays near 1
-        # Updates on one support not yet scattered: (support, summed values, summed weight).
-        self._pending: tuple[torch.Tensor, torch.Tensor, float] | None = None
+        self._added: list[float] = []  # every weight, for total_weight (math.fsum)
+        self._scale: int | None = None  # weights enter as ldexp(weight, -scale): exact
+        # Updates on one support not yet scattered: (support, their values' sums, weights).
+        self._pending: tuple[torch.Tensor, ExactSum, list[float]] | None = None
         self._checked: torch.Tensor | None = None  # the last support that passed its checks
-        # Dense updates' summed weight not yet in ``_weights``, kept as a number only while
-        # every update so far was dense (every coordinate then has this weight): the same
-        # float64 additions in the same order, without a model-sized add per update.
-        self._dense_weight: float | None = 0.0
+        # Dense updates' weights not yet in ``_weights``, kept as numbers only while every
+        # update so far was dense (every coordinate then has their sum): no model-sized
+        # addition per update.
+        self._dense_weights: list[float] | None = []
+
+    @property
+    def total_weight(self) -> float:
+        """The accepted updates' summed weight (exactly rounded)."""
+        return math.fsum(self._added)
 
     def add(self, values: torch.Tensor, *, support: torch.Tensor | None, weight: float) -> None:
         """Adds one client's values on ``support`` (int64 indices; ``None`` = dense).
@@ -80,61 +95,65 @@ class SparseAggregator:
         """
         _check_weight(weight)
         _check_update(values, support, self.dense_size, checked=support is self._checked)
-        unit = self._unit or weight
-        relative = weight / unit
-        v = values.to(torch.float64, copy=True)  # ours: a pending sum adds into it
-        if relative != 1.0:  # (x 1.0 is exact: no second model-sized tensor)
-            v = v * relative
-        if not (math.isfinite(relative) and all_finite(v)):
-            raise ValueError(f"weight={weight}: overflows relative to the first weight {unit}")
-        self._unit = unit
-        weight = relative
+        # 1 <= the first weight's relative < 2 (a weight of 1 is 1): a power of two, exact
+        scale = self._scale if self._scale is not None else math.frexp(weight)[1] - 1
+        relative = math.ldexp(weight, -scale)
+        if not _RELATIVE[0] <= relative <= _RELATIVE[1]:
+            raise ValueError(f"weight={weight}: out of range beside the first weight")
+        v = values.to(torch.float64, copy=True)
+        if relative != 1.0:  # (x 1.0 is exact, and finite values stay finite)
+            v.mul_(relative)  # = fl(values x weight) x 2**-scale: the same in any order
+            if not all_finite(v):
+                raise ValueError(f"weight={weight}: out of range beside the first weight")
+        self._scale = scale
         if support is None:
             self._flush()
-            self._sums += v
-            if self._dense_weight is not None:
-                self._dense_weight += weight
+            self._sums.add_(v)
+            if self._dense_weights is not None:
+                self._dense_weights.append(relative)
             else:
-                self._weights += weight
+                self._weights.add_(torch.full_like(v, relative))
         else:
             self._materialize()
             self._checked = support
             pending = self._pending
-            if pending is not None and pending[0] is support:
-                pending[1].add_(v)
-                self._pending = (support, pending[1], pending[2] + weight)
-            else:
+            if pending is None or pending[0] is not support:
                 self._flush()
-                self._pending = (support, v, weight)
+                pending = self._pending = (support, ExactSum(support.numel()), [])
+            pending[1].add_(v)
+            pending[2].append(relative)
         self.num_updates += 1
-        self.total_weight += weight * self._unit
+        self._added.append(weight)
 
     def _flush(self) -> None:
-        """Scatters the pending updates' sums into the model-sized sums."""
+        """Adds the pending updates' sums into the model-sized sums (exactly)."""
         if self._pending is not None:
-            support, values, weight = self._pending
-            self._sums.index_add_(0, support, values)
-            self._weights.index_add_(0, support, torch.full_like(values, weight))
+            support, sums, weights = self._pending
             self._pending = None
+            sums.merge_into(self._sums, support)
+            for part in exact_partials(weights):  # the weights' exact sum (one part, mostly)
+                self._weights.add_(
+                    torch.full((support.numel(),), part, dtype=torch.float64), support
+                )
 
     def _materialize(self) -> None:
         """Writes the dense updates' summed weight into ``_weights`` (still all zero)."""
-        if self._dense_weight is not None:
-            if self._dense_weight:
-                self._weights.fill_(self._dense_weight)
-            self._dense_weight = None
+        if self._dense_weights is not None:
+            for part in exact_partials(self._dense_weights):
+                self._weights.add_(torch.full((self.dense_size,), part, dtype=torch.float64))
+            self._dense_weights = None
 
     def touched(self) -> torch.Tensor:
         """Boolean mask of coordinates at least one update covered."""
         self._materialize()
         self._flush()
-        return self._weights > 0
+        return self._weights.value() > 0
 
     def mean_update(self) -> torch.Tensor:
         """Per-coordinate weighted mean over the covering updates (0 where none), float32."""
         out = torch.zeros(self.dense_size, dtype=torch.float64)
         touched = self.touched()  # flushes
-        out[touched] = self._sums[touched] / self._weights[touched]
+        out[touched] = self._sums.value()[touched] / self._weights.value()[touched]
         return out.to(torch.float32)
 
     def apply_(self, weights: torch.Tensor) -> torch.Tensor:

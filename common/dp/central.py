@@ -55,6 +55,7 @@ import numpy as np
 import torch
 from opacus.optimizers.optimizer import _generate_noise
 
+from fedsparse.common.aggregation.exact_sum import ExactSum
 from fedsparse.common.aggregation.robust import clip_to_norm
 from fedsparse.common.dp.accounting import AccountantName, compute_epsilon_of_history
 from fedsparse.common.names import CENTRAL_NOISE_SOURCES, DP_LEVELS, CentralNoise, DPLevel
@@ -152,17 +153,17 @@ def central_aggregate(
     if support is not None:
         allowed = torch.zeros(d, dtype=torch.bool)
         allowed[support] = True
-    total = torch.zeros(d, dtype=torch.float64)
+    summed = ExactSum(d)  # exact: the same sum in whatever order the updates arrive
     for values, where in updates:
         clipped = clip_to_norm(values, bound=clip).to(torch.float64)
         if where is None:
             if support is not None:
                 raise ValueError("a dense update in a round with a sparse public support")
-            total += clipped
+            summed.add_(clipped)
         else:
             if not bool(allowed[where].all()):
                 raise ValueError("an update touches coordinates off the round's public support")
-            total.index_add_(0, where, clipped)
+            summed.add_(clipped, where)
     if secure:
         noise = _generate_noise(
             std=noise_multiplier * clip,
@@ -172,6 +173,7 @@ def central_aggregate(
         )
     else:
         noise = torch.normal(0.0, noise_multiplier * clip, size=(d,), generator=generator)
+    total = summed.value()
     total += noise.to(torch.float64) * allowed
     new = (weights.to(torch.float64) + total / expected_users).to(torch.float32)
     return new, allowed

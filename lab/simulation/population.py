@@ -10,6 +10,10 @@ does every message when the grid was given another ClientApp than fedsparse's. R
 answer their share of a round the same way when made with ``vectorised=True``
 (``rayworkers.VirtualClients``: ``batched``, ``train_together``).
 
+A pull's replies stream: each is handed on as it is finished, chunk by chunk, and the server
+adds its update as it reads it (``server/round_updates.py``: exact sums, so their order does
+not matter), so a round holds a chunk of clients' state and updates, not every node's.
+
 The rounds equal ``inprocess``'s to float32 rounding, not bit for bit (the vectorised step
 sums in other orders: ``client/population.py``), so a run started on one resumes only on the
 same backend family (``lab/launch/run_dir.py``). The vectorised step runs on every CPU this
@@ -21,17 +25,17 @@ from __future__ import annotations
 import importlib
 import os
 from collections import Counter
-from collections.abc import Container, Iterable, Mapping, Sequence
+from collections.abc import Container, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from flwr.app import Context, Message, MessageType
 
 from fedsparse.client.app import app as fedsparse_app
-from fedsparse.client.train_batch import error_reply, train_population
+from fedsparse.client.train_batch import error_reply, train_population_each
 from fedsparse.lab.simulation.inprocess import InProcessGrid
 
-__all__ = ["PopulationGrid", "batched", "train_together", "warm_up"]
+__all__ = ["PopulationGrid", "batched", "train_together", "train_together_each", "warm_up"]
 
 
 def batched(message: Message, overrides: Container[int]) -> bool:
@@ -48,30 +52,48 @@ def train_together(
     threads: int | None = None,
     runners: Counter[str] | None = None,
 ) -> list[Message]:
-    """``train_population``'s replies to train messages to nodes of ``contexts`` (a node's
-    second message waits for its first); a failure of the batch itself is every message's
-    error reply (as the runtimes reply when the ClientApp raises), none lost.
+    """``train_together_each``'s replies in the messages' order."""
+    replies = dict(train_together_each(messages, contexts, threads=threads, runners=runners))
+    return [replies[i] for i in range(len(messages))]
+
+
+def train_together_each(
+    messages: Sequence[Message],
+    contexts: Mapping[int, Context],
+    *,
+    threads: int | None = None,
+    runners: Counter[str] | None = None,
+) -> Iterator[tuple[int, Message]]:
+    """``train_population_each``'s replies to train messages to nodes of ``contexts`` as each
+    is ready, ``(index in messages, reply)`` (a node's second message waits for its first);
+    a failure of the batch itself is the error reply of every message not yet answered (as
+    the runtimes reply when the ClientApp raises), none lost.
 
     Args:
         threads: torch's threads for the vectorised step (None: as the process has them;
             a Ray worker's are its CPUs).
         runners: counts, when given, what trained each message answered with content
-            (``train_population``).
+            (``train_population_each``), once the replies are read to the end.
     """
     before = torch.get_num_threads()
-    if threads is not None:
-        torch.set_num_threads(threads)
     counts: Counter[str] = Counter()  # kept only if the batch did not fail as a whole
+    answered: set[int] = set()
     try:
+        if threads is not None:
+            torch.set_num_threads(threads)
         batch = [(m, contexts[m.metadata.dst_node_id]) for m in messages]
-        replies = train_population(batch, runners=counts)
+        for i, reply in train_population_each(batch, runners=counts):
+            answered.add(i)
+            yield i, reply
     except Exception as err:
-        return [error_reply(m, err) for m in messages]
+        for i, message in enumerate(messages):
+            if i not in answered:
+                yield i, error_reply(message, err)
+        return
     finally:
         torch.set_num_threads(before)
     if runners is not None:
         runners.update(counts)
-    return replies
 
 
 class PopulationGrid(InProcessGrid):
@@ -96,13 +118,22 @@ class PopulationGrid(InProcessGrid):
             return self._deliver(ids)
         batch = [i for i in ids if batched(self._pending[i], self._overrides)]
         messages = [self._pending.pop(message_id) for message_id in batch]
+        taken = set(batch)
+        rest = [i for i in ids if i not in taken]
+        return self._stream(messages, rest)
+
+    def _stream(self, messages: list[Message], rest: list[str]) -> Iterator[Message]:
+        """The batch's replies as each is finished (the caller adds each update and lets it
+        go: a round holds a chunk's, not every node's), then the others' (a round under
+        way: evaluation, secure aggregation's stages, overridden nodes) one at a time."""
         threads = self._threads or len(os.sched_getaffinity(0))
         counts: Counter[str] = Counter()
-        answers = train_together(messages, self._contexts, threads=threads, runners=counts)
+        for _, reply in train_together_each(
+            messages, self._contexts, threads=threads, runners=counts
+        ):
+            yield reply
         self.count_runners(counts)
-        answered = dict(zip(batch, answers, strict=True))
-        rest = iter(self._deliver([i for i in ids if i not in answered]))  # a round under way
-        return [answered[i] if i in answered else next(rest) for i in ids]
+        yield from self._deliver(rest)
 
 
 def warm_up() -> None:

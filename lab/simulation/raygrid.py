@@ -27,7 +27,7 @@ pfl-research does (each worker process trains many users per task):
 
 Equivalence: each virtual client sees what a simulated node sees (the ClientApp, a Context
 with ``partition-id``/``num-partitions``, the node policy, its state) and the server
-aggregates in a canonical order (``server/strategy.py``), so with the same seeds the final
+sums exactly, in any order (``server/strategy.py``), so with the same seeds the final
 model is bit-identical to the Flower simulation's (with full participation: Flower draws
 random node ids, and the sampled subset depends on them) and to ``InProcessGrid``'s (same
 node ids, any participation), records included (``tests/integration/test_ray_backend.py``).

@@ -33,14 +33,21 @@ def _ask(
     messages = [train_message(task, node=node) for node in NODES]
     if broken is not None:  # the instruction without its batch size
         del messages[broken].content.config_records[CONFIG_RECORD]["batch-size"]
-    return messages, list(grid.send_and_receive(messages))
+    return messages, in_order(messages, grid.send_and_receive(messages))
+
+
+def in_order(messages: list[Message], replies) -> list[Message]:  # type: ignore[no-untyped-def]
+    """The replies in their messages' order (a grid streams them as they are ready); one
+    each, to a message sent."""
+    by_id = {r.metadata.reply_to_message_id: r for r in replies}
+    assert sorted(by_id) == sorted(m.metadata.message_id for m in messages)
+    return [by_id[m.metadata.message_id] for m in messages]
 
 
 def test_each_node_gets_the_client_apps_reply_and_a_bad_message_only_its_error() -> None:
     _, alone = _ask(InProcessGrid)
     sent, together = _ask(PopulationGrid, broken=1)
-    # one reply per message, in the messages' order
-    assert [m.metadata.reply_to_message_id for m in together] == [
+    assert [m.metadata.reply_to_message_id for m in together] == [  # one a message
         m.metadata.message_id for m in sent
     ]
     assert together[1].has_error() and "batch-size" in together[1].error.reason
@@ -65,11 +72,20 @@ def test_a_second_message_to_a_node_in_one_pull_sees_the_first_finished() -> Non
     task = first_task(run, weights(run))
     messages = [train_message(task, node=NODES[0]) for _ in range(2)]
     messages.append(train_message(task, node=NODES[1]))
-    first, repeat, other = grid.send_and_receive(messages)
+    replies = list(grid.send_and_receive(messages))
+    assert len(replies) == 3
+    first, other = (
+        next(r for r in replies if r is not None and _to(r, m)) for m in (messages[0], messages[2])
+    )
+    repeat = next(r for r in replies if _to(r, messages[1]))
     assert not first.has_error() and not other.has_error()
     assert repeat.has_error() and "already trained round 1" in repeat.error.reason
     reference = _ask(InProcessGrid)[1][0]
     assert parse(first)[0].epsilon == parse(reference)[0].epsilon  # one round's epsilon
+
+
+def _to(reply: Message, message: Message) -> bool:
+    return reply.metadata.reply_to_message_id == message.metadata.message_id
 
 
 def test_a_vectorised_ray_worker_answers_as_the_population_grid_does() -> None:
@@ -126,13 +142,13 @@ def test_a_deadline_passing_while_a_round_trains_keeps_the_round(
         node_ids=NODES,
         stop_at=time.monotonic() + 600,
     )
-    real = population.train_together
+    real = population.train_together_each
 
     def late(*args, **kwargs):  # the deadline passes while the round trains
         grid._stop_at = time.monotonic() - 1.0
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(population, "train_together", late)
+    monkeypatch.setattr(population, "train_together_each", late)
     task = first_task(run, weights(run))
     replies = list(grid.send_and_receive([train_message(task, node=node) for node in NODES]))
     assert len(replies) == len(NODES) and not any(r.has_error() for r in replies)
@@ -168,7 +184,7 @@ def test_the_grids_count_what_trained_each_answered_message() -> None:
     for name, grid in grids.items():
         messages = [train_message(task, node=node) for node in NODES]
         del messages[1].content.config_records[CONFIG_RECORD]["batch-size"]
-        replies = list(grid.send_and_receive(messages))
+        replies = in_order(messages, grid.send_and_receive(messages))
         assert [r.has_error() for r in replies] == [False, True, False], name
         counts[name] = grid.take_runners()
         assert grid.take_runners() == {}
@@ -177,3 +193,36 @@ def test_the_grids_count_what_trained_each_answered_message() -> None:
         "random-k": {"client-round": 2},
         "in-process": {"client-app": 2},
     }
+
+
+def test_a_pulls_replies_stream_chunk_by_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chunk a client: the first reply is handed on when the first chunk has trained,
+    before the others train (the server adds it and lets it go), and the runners are counted
+    once the replies are read to the end."""
+    from fedsparse.client import population as rounds
+
+    monkeypatch.setattr(rounds, "CHUNK_BYTES", 1)
+    trained: list[int] = []
+    real = rounds.train_chunk
+
+    def counting(chunk, *args, **kwargs):  # type: ignore[no-untyped-def]
+        trained.append(len(chunk))
+        return real(chunk, *args, **kwargs)
+
+    monkeypatch.setattr(rounds, "train_chunk", counting)
+    run = cfg(target_epsilon=0.0, noise_multiplier=1.0, seed=3, schedule="constant")
+    grid = PopulationGrid(
+        client_app, num_nodes=len(NODES), run_config=run.to_run_config(), node_ids=NODES
+    )
+    task = first_task(run, weights(run))
+    messages = [train_message(task, node=node) for node in NODES]
+    replies = iter(grid.send_and_receive(messages))
+    first = next(replies)
+    assert trained == [1] and not first.has_error()
+    rest = list(replies)
+    assert trained == [1, 1, 1] and len(rest) == 2
+    assert grid.take_runners() == {"vectorised": 3}
+    _, alone = _ask(InProcessGrid)
+    streamed = in_order(messages, [first, *rest])
+    for ours, theirs in zip(streamed, alone, strict=True):
+        assert parse(ours)[0].epsilon == parse(theirs)[0].epsilon
