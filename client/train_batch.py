@@ -87,13 +87,17 @@ def _train_once(
     try:
         for key, reusable in models.items():  # one run: one process model
             group = [(i, ready) for i, ready in prepared.items() if id(ready.reusable) == key]
-            with reusable.lock:
-                torch.set_num_threads(threads)
-                results = population_rounds([r.call for _, r in group], model=reusable.model)
-                for j, result in results:
-                    i, ready = group[j]
-                    torch.set_num_threads(1)  # finishing a message: one thread, as the app's
-                    yield i, _finished(ready, result, reusable.model, runners)
+            torch.set_num_threads(threads)
+            results = population_rounds([r.call for _, r in group], model=reusable.model)
+            while True:
+                with reusable.lock:  # held while a result is computed, not across a yield
+                    torch.set_num_threads(threads)
+                    item = next(results, None)
+                if item is None:
+                    break
+                i, ready = group[item[0]]
+                torch.set_num_threads(1)  # finishing a message: one thread, as the app's
+                yield i, _finished(ready, item[1], reusable.model, runners)
     finally:
         torch.set_num_threads(threads)
 

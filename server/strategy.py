@@ -21,7 +21,8 @@ the same two methods from its loop (``server/loop.py``) to add evaluation, recor
   (5) a lossy ``downlink-dtype`` moves it by the decoded change (``server/downlink.py``).
   The mean's sums are exact, so the model is the same in any order of arrival; without a
   rule over the round's own norms (``max-norm-ratio=0``) or ``dp-level=user``, each update
-  is bounded and added as it is read, and the round holds none.
+  is bounded and added as it is read, and the round holds none of the values (the robust
+  aggregators keep theirs; each update's numbers and support are kept for the round's).
   A round that changes nothing is failed (``RoundStats.failure``) and ``max-failed-rounds``
   of them in a row raise ``FederationFailed``. It returns the new model and the round's
   numbers as a ``MetricRecord``; ``last_round`` keeps them typed, with the reasons.

@@ -10,10 +10,14 @@ Each addition is Knuth's TwoSum, ``t = fl(s + v)`` and its exact error
 (round-to-nearest, no overflow). The errors are rare and small (an addition rounds only where
 a coordinate's addends span more than 53 bits): they go into a second accumulator the same
 way, that one's errors into a third, and so on (a few levels at most carry anything; memory
-``levels x size``, whatever was added). The exact sum at a coordinate is the sum of its
-levels: ``fl(s + c)`` is its correctly rounded value where only two carry anything (one IEEE
-addition of the two terms whose exact sum it is), ``math.fsum`` (exactly rounded) where more
-do.
+``levels x size`` float64 and three ``size`` buffers for dense additions, whatever was
+added). The exact sum at a coordinate is the sum of its levels: ``fl(s + c)`` is its
+correctly rounded value where only two carry anything (one IEEE addition of the two terms
+whose exact sum it is), ``math.fsum`` (exactly rounded) where more do. Honest updates stay
+within two levels; addends built to round at every level (a client sending values like
+``2**-70`` and ``2**-149`` beside others near 1: tiny norms, so no norm bound stops them)
+reach ``fsum`` at most coordinates, about 1 us each: 35 ms a round for a 38k-parameter
+model, 9 s for 10 million (measured by a reviewer), and a few levels of memory.
 
 Edge cases: nothing added gives zeros; a non-finite addend, or a sum past float64's range,
 breaks the error terms' exactness: it stays in the sums (inf and NaN do) and ``value``
@@ -50,7 +54,7 @@ class ExactSum:
         # levels[0]: the sums; levels[k + 1]: the errors of the additions into levels[k],
         # summed the same way (allocated when an addition first rounds there)
         self._levels: list[np.ndarray] = [np.zeros(size)]
-        self._scratch = (np.empty(size), np.empty(size), np.empty(size))  # dense additions'
+        self._scratch: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # dense adds'
 
     def add_(self, values: torch.Tensor, index: torch.Tensor | None = None) -> None:
         """Adds ``values`` (float64, on the CPU) at every coordinate, or at the distinct int64
@@ -82,6 +86,8 @@ class ExactSum:
 
     def _dense(self, values: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
         """``levels[0] += values``; (coordinates, exact errors) where it rounded."""
+        if self._scratch is None:
+            self._scratch = (np.empty(self.size), np.empty(self.size), np.empty(self.size))
         t, b, e = self._scratch
         s = self._levels[0]
         np.add(s, values, out=t)
@@ -116,8 +122,10 @@ class ExactSum:
         with np.errstate(over="ignore", invalid="ignore"):
             out = levels[0].copy() if len(levels) == 1 else levels[0] + levels[1]
             if len(levels) > 2:  # s + c rounds once, correctly, where nothing more is left
-                deeper = np.flatnonzero(np.any(np.stack(levels[2:]) != 0, axis=0))
-                for i in deeper.tolist():
+                more = levels[2] != 0
+                for level in levels[3:]:
+                    more |= level != 0
+                for i in np.flatnonzero(more).tolist():  # about 1 us each (measured)
                     out[i] = math.fsum(float(level[i]) for level in levels)
             finite = bool(np.isfinite(out).all())
         if not finite:

@@ -163,6 +163,8 @@ def central_aggregate(
         else:
             if not bool(allowed[where].all()):
                 raise ValueError("an update touches coordinates off the round's public support")
+            if where.numel() > 1 and not bool((where[1:] > where[:-1]).all()):
+                raise ValueError("an update's support is not strictly increasing")
             summed.add_(clipped, where)
     if secure:
         noise = _generate_noise(

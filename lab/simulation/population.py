@@ -73,10 +73,11 @@ def train_together_each(
         threads: torch's threads for the vectorised step (None: as the process has them;
             a Ray worker's are its CPUs).
         runners: counts, when given, what trained each message answered with content
-            (``train_population_each``), once the replies are read to the end.
+            (``train_population_each``), once the replies are read to the end (or the
+            stream is closed).
     """
     before = torch.get_num_threads()
-    counts: Counter[str] = Counter()  # kept only if the batch did not fail as a whole
+    counts: Counter[str] = Counter()
     answered: set[int] = set()
     try:
         if threads is not None:
@@ -89,11 +90,10 @@ def train_together_each(
         for i, message in enumerate(messages):
             if i not in answered:
                 yield i, error_reply(message, err)
-        return
     finally:
         torch.set_num_threads(before)
-    if runners is not None:
-        runners.update(counts)
+        if runners is not None:  # what trained the replies handed on before any failure
+            runners.update(counts)
 
 
 class PopulationGrid(InProcessGrid):

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections import Counter
 
 import pytest
 import torch
-from flwr.app import Message
+from flwr.app import Context, Message, RecordDict
 
 from fedsparse.client.app import app as client_app
 from fedsparse.common.wire.protocol import CONFIG_RECORD
@@ -226,3 +227,32 @@ def test_a_pulls_replies_stream_chunk_by_chunk(monkeypatch: pytest.MonkeyPatch) 
     streamed = in_order(messages, [first, *rest])
     for ours, theirs in zip(streamed, alone, strict=True):
         assert parse(ours)[0].epsilon == parse(theirs)[0].epsilon
+
+
+def test_a_batch_failing_midway_answers_the_rest_with_its_error_and_counts_the_answered(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Replies handed on before the failure stay, counted; each other message gets the
+    error, none twice."""
+    from fedsparse.lab.simulation import population
+
+    run = cfg(target_epsilon=0.0, noise_multiplier=1.0, seed=3, schedule="constant")
+    task = first_task(run, weights(run))
+    messages = [train_message(task, node=node) for node in NODES]
+    contexts = {
+        n: Context(run_id=1, node_id=n, node_config={}, state=RecordDict(), run_config={})
+        for n in NODES
+    }
+    sentinel = Message(RecordDict(), reply_to=messages[0])
+
+    def failing(batch, *, runners):  # type: ignore[no-untyped-def]
+        runners["vectorised"] += 1
+        yield 0, sentinel
+        raise RuntimeError("the batch broke")
+
+    monkeypatch.setattr(population, "train_population_each", failing)
+    counts: Counter[str] = Counter()
+    got = list(population.train_together_each(messages, contexts, runners=counts))
+    assert [i for i, _ in got] == [0, 1, 2] and got[0][1] is sentinel
+    assert all(r.has_error() and "the batch broke" in r.error.reason for _, r in got[1:])
+    assert counts == {"vectorised": 1}

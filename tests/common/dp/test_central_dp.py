@@ -117,6 +117,43 @@ def test_updates_off_the_public_support_are_refused() -> None:
         )
 
 
+@pytest.mark.parametrize("where", [[1, 1], [2, 0]], ids=["repeated", "decreasing"])
+def test_a_support_not_strictly_increasing_is_refused(where: list[int]) -> None:
+    """The exact sum adds at distinct indices: a repeated one would count an update once."""
+    with pytest.raises(ValueError, match="not strictly increasing"):
+        central_aggregate(
+            torch.zeros(4),
+            [(torch.ones(2), torch.tensor(where))],
+            support=None,
+            clip=1.0,
+            noise_multiplier=1.0,
+            expected_users=1.0,
+            generator=_gen(),
+        )
+
+
+def test_the_clipped_sum_is_the_same_in_any_order() -> None:
+    """Bit for bit: updates whose float64 sums in arrival order would differ."""
+    updates = [
+        (torch.tensor([2.0**60, 1.0, -3.0], dtype=torch.float32), None),
+        (torch.tensor([1.0, 2.0**-40], dtype=torch.float32), torch.tensor([0, 2])),
+        (torch.tensor([-(2.0**60), -1.0, 5.0], dtype=torch.float32), None),
+    ]
+    results = {
+        central_aggregate(
+            torch.zeros(3),
+            [updates[k] for k in order],
+            support=None,
+            clip=1e30,
+            noise_multiplier=0.0,
+            expected_users=3.0,
+            generator=_gen(),
+        )[0].numpy().tobytes()
+        for order in ([0, 1, 2], [0, 2, 1], [2, 1, 0], [1, 0, 2])
+    }
+    assert len(results) == 1
+
+
 def test_poisson_sampling_rate() -> None:
     """Each node independently with probability q: the count is Binomial(N, q)."""
     rng = np.random.default_rng(0)
