@@ -1,6 +1,6 @@
 """From a round's replies to its new model: validation, the round's numbers, aggregation.
 
-``validate_replies`` turns the replies into ``Candidate`` updates (``check_reply``,
+``validated`` turns the replies into ``Candidate`` updates, one by one (``check_reply``,
 ``server/validation.py``; a bad reply, a reply from a node not selected and a second reply are
 dropped with their reason; selected nodes without a reply are counted missing);
 ``round_numbers`` computes the round's train loss, epsilons and noise origin; ``aggregate``
@@ -49,7 +49,6 @@ __all__ = [
     "checked_sigma",
     "round_numbers",
     "round_support",
-    "validate_replies",
     "validated",
     "without_values",
 ]
@@ -72,19 +71,6 @@ def without_values(candidate: Candidate) -> Candidate:
     """``candidate`` without its values (its numbers, weight and support kept)."""
     valid = replace(candidate.valid, values=_NO_VALUES)
     return replace(candidate, valid=valid, values=_NO_VALUES)
-
-
-def validate_replies(
-    stats: RoundStats,
-    replies: Iterable[Message],
-    *,
-    cfg: FederatedConfig,
-    d: int,
-    downlink: DownlinkCache,
-    epsilons: dict[int, float],
-) -> list[Candidate]:
-    """The replies that pass ``check_reply`` (``validated``, all of them)."""
-    return list(validated(stats, replies, cfg=cfg, d=d, downlink=downlink, epsilons=epsilons))
 
 
 def validated(

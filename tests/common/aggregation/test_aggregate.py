@@ -79,6 +79,15 @@ def aggregate(dense_size: int, clients: list[Update]) -> SparseAggregator:
     return agg
 
 
+def value_at(u: Update, i: int) -> float | None:
+    """``u``'s value at coordinate ``i`` (None: its support does not cover it)."""
+    if u.support is None:
+        return float(u.values[i])
+    if i in u.support:
+        return float(u.values[list(u.support).index(i)])
+    return None
+
+
 def oracle(dense_size: int, clients: list[Update]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(weighted mean, covered mask, per-coordinate error scale), coordinate by coordinate."""
     mean = np.zeros(dense_size, dtype=np.float64)
@@ -87,11 +96,8 @@ def oracle(dense_size: int, clients: list[Update]) -> tuple[np.ndarray, np.ndarr
     for i in range(dense_size):
         num = den = mag = 0.0
         for u in clients:
-            if u.support is None:
-                v = float(u.values[i])
-            elif i in u.support:
-                v = float(u.values[list(u.support).index(i)])
-            else:
+            v = value_at(u, i)
+            if v is None:
                 continue
             num += u.weight * v
             den += u.weight
@@ -139,11 +145,8 @@ def exact_mean(dense_size: int, clients: list[Update]) -> torch.Tensor:
     for i in range(dense_size):
         num, den = Fraction(0), Fraction(0)
         for u in clients:
-            if u.support is None:
-                v = float(u.values[i])
-            elif i in u.support:
-                v = float(u.values[list(u.support).index(i)])
-            else:
+            v = value_at(u, i)
+            if v is None:
                 continue
             num += Fraction(v * u.weight)  # fl(v x w): one float64 rounding
             den += Fraction(u.weight)
