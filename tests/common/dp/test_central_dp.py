@@ -148,7 +148,9 @@ def test_the_clipped_sum_is_the_same_in_any_order() -> None:
             noise_multiplier=0.0,
             expected_users=3.0,
             generator=_gen(),
-        )[0].numpy().tobytes()
+        )[0]
+        .numpy()
+        .tobytes()
         for order in ([0, 1, 2], [0, 2, 1], [2, 1, 0], [1, 0, 2])
     }
     assert len(results) == 1
