@@ -73,9 +73,11 @@ key                        default        meaning
 ``secagg-roster``          ""             path of the identities this node's owner trusts
                                           not to collude with the server, one hex public
                                           key a line
-``secagg-min-trusted``     0              the fewest other ring members signed by roster
-                                          identities: a ring with fewer (a server's made-up
-                                          members) is refused before anything is shared
+``secagg-min-trusted``     0              the fewest trusted peers (on the roster, signed
+                                          as enforcing) in the ring; > 0: this node enforces
+                                          (a ring with fewer, peers that did not sign its
+                                          ring, or a survivor set signed by fewer than ``t``
+                                          trusted identities is refused)
 =========================  =============  ====================================================
 
 The node's data is declared next to its policy, in the same node config

@@ -26,9 +26,9 @@ decides its own privacy:
   ``nonce``; every later message must carry both, and the client releases one masked input
   per ``round_id`` (:attr:`SecAggClient.released_rounds`, to persist with the node's state):
   a server that restarts the round cannot collect the same values twice with fresh noise.
-* **Members.** With an identity (``client/secagg_identity.py``) its setup reply is signed;
-  every relayed signature must verify, and at least ``min_trusted_peers`` of the other members
-  must be signed by identities on the owner's roster, before it shares or masks anything.
+* **Members.** With an identity its keys and the ring it is shown are signed; a node that
+  requires ``min_trusted_peers`` trusted peers checks its ring, the peers it masks with and
+  the survivor set it unmasks (``client/secagg_identity.py``).
 * **Payloads.** Its own keys come back unaltered, every peer key parses and agrees, the
   threshold is met at every stage, no node is both alive and dead, and it answers the unmask
   stage once per round.
@@ -64,6 +64,7 @@ from flwr.supercore.primitives.asymmetric import (
 from fedsparse.client import secagg_state
 from fedsparse.client.secagg_identity import (
     Identity,
+    Trust,
     check_masked_with,
     check_members,
     check_survivors,
@@ -88,6 +89,7 @@ from fedsparse.common.wire.secagg import (
     UNMASK,
     SecAggError,
     check_payload,
+    ring_digest,
     seed_commitment,
 )
 
@@ -202,7 +204,13 @@ class SecAggClient:
         self._sk1_shares: dict[int, bytes] = {}
         self._masked_with: set[int] = set()
         self._identity_of: dict[int, bytes] = {}  # the members whose advertisements verified
+        self._enforcing: set[int] = set()  # those of them signed as enforcing their checks
+        self._ring_digest = b""  # the ring this node was shown (``ring_digest``)
         self._consistent: list[int] = []  # the survivor set this node signed
+
+    @property
+    def _trust(self) -> Trust:
+        return Trust(self._identity_of, frozenset(self._enforcing), self._roster, self._ring_digest)
 
     def _where(self, stage: str) -> str:
         return f"secure aggregation, node {self.node_id}, stage {stage!r}"
@@ -265,11 +273,13 @@ class SecAggClient:
         self._round = (round_id, nonce)
         self._done = SETUP
         reply = {"pk1": self._pk1, "pk2": self._pk2, "seeded_noise": int(self.noise == "seeded")}
-        if self.identity is not None:
+        if self.identity is not None:  # signed: its keys, and whether it enforces its checks
+            enforces = int(self._min_trusted > 0)
             reply["identity"] = self.identity.public
             reply["signature"] = self.identity.sign(
-                round_id, nonce, self.node_id, self._pk1, self._pk2
+                round_id, nonce, self.node_id, self._pk1, self._pk2, enforces
             )
+            reply["enforces"] = enforces
         return reply
 
     def share_keys(self, payload: dict[str, Any]) -> dict[str, Any]:
@@ -296,9 +306,13 @@ class SecAggClient:
             raise SecAggError(f"{where}: field 'pk1'/'pk2' repeats a public key")
         assert self._round is not None
         bound, roster, colluders = self._round, self._roster, self._policy["colluders"]
-        verified = check_members(
+        verified, enforcing = check_members(
             fields, self.node_id, bound, roster, self._min_trusted, colluders, where
         )
+        count = len(nids)  # the ring as this node was shown it: what its peers must sign too
+        ring = {name: getattr(self.params, name) for name in RING_FIELDS}
+        identities = fields.get("identities", [b""] * count)
+        digest = ring_digest(ring, nids, fields["pk1"], fields["pk2"], identities)
         sk2 = bytes_to_private_key(self._sk2)
         pair_seeds: dict[int, bytes] = {}
         share_keys: dict[int, bytes] = {}
@@ -326,9 +340,12 @@ class SecAggClient:
             dsts.append(nid)
             ctxts.append(encrypt(share_keys[nid], plaintext))
         self._pair_seed_of, self._share_key_of = pair_seeds, share_keys
-        self._identity_of = verified
+        self._identity_of, self._enforcing, self._ring_digest = verified, enforcing, digest
         self._done = SHARE_KEYS
-        return {"dsts": dsts, "ctxts": ctxts, "seed_commit": seed_commitment(self._self_seed)}
+        reply = {"dsts": dsts, "ctxts": ctxts, "seed_commit": seed_commitment(self._self_seed)}
+        if self.identity is not None:
+            reply["ring_signature"] = self.identity.sign_ring(*bound, self.node_id, digest)
+        return reply
 
     def collect(self, payload: dict[str, Any], values: torch.Tensor) -> dict[str, Any]:
         """Keep the shares sent to this node; reply its masked ring input on the kept values.
@@ -353,7 +370,8 @@ class SecAggClient:
                 f"{where}: {len(srcs) + 1} nodes remain, fewer than the threshold "
                 f"{self.params.threshold}"
             )
-        check_masked_with(srcs, self._identity_of, self._roster, self._min_trusted, where)
+        trust, bound = self._trust, (round_id, nonce)
+        check_masked_with(srcs, fields.get("ring_sigs"), trust, self._min_trusted, bound, where)
         received: dict[int, tuple[bytes, bytes]] = {}
         for src, ciphertext in zip(srcs, fields["ctxts"], strict=True):
             try:
@@ -407,7 +425,10 @@ class SecAggClient:
         self._consistent, self._done = sorted(active), CONSISTENCY
         if self.identity is None:
             return {"signature": b""}
-        return {"signature": self.identity.sign_survivors(round_id, nonce, self.node_id, active)}
+        signature = self.identity.sign_survivors(
+            round_id, nonce, self.node_id, active, self._ring_digest
+        )
+        return {"signature": signature}
 
     def unmask(self, payload: dict[str, Any]) -> dict[str, Any]:
         """The self-mask seed share of each live node, the ``sk1`` share of each dead one."""
@@ -415,10 +436,10 @@ class SecAggClient:
         fields = check_payload(payload, UNMASK, "down")
         bound = self._bind(fields, UNMASK)
         where = self._where(UNMASK)
-        if self._done == CONSISTENCY:
-            identities, roster = self._identity_of, self._roster
-            signed, trusted = self._consistent, self._min_trusted
-            check_survivors(fields, self.node_id, bound, signed, identities, roster, trusted, where)
+        if self._done == CONSISTENCY:  # enforcing: t trusted signers (one set a ring)
+            needed = max(self.params.threshold, self._min_trusted + 1) if self._min_trusted else 0
+            signed, trust = self._consistent, self._trust
+            check_survivors(fields, self.node_id, bound, signed, trust, needed, where)
         elif self._min_trusted:
             raise SecAggError(
                 f"{where}: no consistency stage came, which this node requires (its "

@@ -5,29 +5,31 @@ every other pairwise mask and recovers the node's masked input, protected by the
 noise share alone (its worst case, ``docs/explanation/secure-aggregation.md``). With it:
 
 * **Identity** (node policy ``secagg-identity``, a PEM Ed25519 private key the owner keeps):
-  the node signs each round's advertisement, ``(round_id, nonce, node_id, pk1, pk2)`` under a
-  domain label (:func:`advertisement`), and replies its 32-byte public identity and the
-  signature with its two public keys at the setup stage.
+  the node signs each round's advertisement, ``(round_id, nonce, node_id, pk1, pk2,
+  enforces)`` under a domain label (:func:`advertisement`; ``enforces``: it requires trusted
+  peers), and replies its 32-byte public identity, the flag and the signature with its keys.
 * **Roster** (``secagg-roster``, a file of the identities the owner trusts not to collude with
-  the server, one hex key a line): at the key-sharing stage the server relays every member's
-  identity and signature beside its keys. The node verifies each signature present
-  (:func:`verified_members`): a signature that does not verify refuses the ring (the server
-  altered a key, replayed another round's advertisement or relabelled a node); it counts the
-  distinct roster identities among its peers and refuses, before it shares or masks anything,
-  a ring with fewer than ``secagg-min-trusted`` of them.
+  the server, one hex key a line): a peer is *trusted* when its identity is on the roster and
+  it signed that it enforces (one that enforces nothing may answer any unmask). At the
+  key-sharing stage the server relays every member's identity, flag and signature beside its
+  keys; the node verifies each (:func:`verified_members`: a signature that does not verify
+  refuses the ring), and one that requires ``secagg-min-trusted`` trusted peers refuses, before
+  it shares or masks anything, a ring with fewer, or with more untrusted members than its
+  ``secagg-colluders`` (:func:`check_members`).
+* **Signed rings.** Each signing node signs the digest of the ring it was shown
+  (:func:`~fedsparse.common.wire.secagg.ring_digest`) in its share-keys reply; at the collect
+  stage a node that enforces masks only if every trusted peer among those the server says
+  remain signed its own ring, and enough remain (:func:`check_masked_with`).
+* **Consistency.** When the nodes sign, each survivor signs the survivor set it is shown,
+  bound to its ring's digest, and a node that enforces unmasks only the set it signed, signed
+  with it by ``t`` distinct trusted identities (:func:`check_survivors`): in one ring two
+  such sets would need ``2t > n`` honest signers.
 
-At the collect stage the node masks only with peers among which ``secagg-min-trusted`` roster
-identities remain (:func:`check_masked_with`), and when the nodes sign, a consistency stage
-comes before the unmasking: each survivor signs the survivor set it is shown, and a node
-unmasks only the set it signed, signed by that many roster identities (:func:`check_survivors`).
-
-What remains (the threat model, ``docs/explanation/secure-aggregation.md``): a roster member
-that colludes with the server counts as trusted; the ring and its ``(n, t)`` are not signed
-and a survivor set needs ``secagg-min-trusted`` roster signatures, not ``t``, so a server
-that shows each node its own ring can still isolate a node's input (a reviewer's attacks:
-with peers that enforce nothing, and with every node at ``secagg-min-trusted=1``); against a
-malicious server only the node's worst-case ε is claimed. One roster identity is one party:
-the members it names beyond the first count as off the roster.
+Why these close the attacks the reviews ran (the counting argument), and what they rest on
+(roster members honest; a node that enforces nothing is not protected), is in
+``docs/explanation/secure-aggregation.md``; against a malicious server the node's ledger
+still charges its worst-case ε. One roster identity is one party: the members it names
+beyond the first count as untrusted.
 
 ``python -m fedsparse.client.secagg_identity KEY_PATH`` writes a new identity (mode 0600) and
 prints its public key, the line the other owners add to their rosters.
@@ -37,7 +39,8 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
@@ -48,15 +51,23 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (
     Ed25519PublicKey,
 )
 
-from fedsparse.common.wire.secagg import SecAggError, advertisement, survivors_message
+from fedsparse.common.wire.secagg import (
+    SecAggError,
+    advertisement,
+    ring_message,
+    survivors_message,
+)
 
 __all__ = [
     "IDENTITY_BYTES",
     "SIGNATURE_BYTES",
     "Identity",
+    "Trust",
+    "check_masked_with",
     "check_members",
     "check_survivors",
     "load_roster",
+    "trusted_identities",
     "verified_members",
     "write_identity",
 ]
@@ -87,13 +98,18 @@ class Identity:
             raise ValueError(f"{where}: expected an Ed25519 private key")
         return cls(key)
 
-    def sign(self, round_id: int, nonce: bytes, node_id: int, pk1: bytes, pk2: bytes) -> bytes:
-        return self._key.sign(advertisement(round_id, nonce, node_id, pk1, pk2))
+    def sign(
+        self, round_id: int, nonce: bytes, node_id: int, pk1: bytes, pk2: bytes, enforces: int
+    ) -> bytes:
+        return self._key.sign(advertisement(round_id, nonce, node_id, pk1, pk2, enforces))
+
+    def sign_ring(self, round_id: int, nonce: bytes, node_id: int, digest: bytes) -> bytes:
+        return self._key.sign(ring_message(round_id, nonce, node_id, digest))
 
     def sign_survivors(
-        self, round_id: int, nonce: bytes, node_id: int, active: Sequence[int]
+        self, round_id: int, nonce: bytes, node_id: int, active: Sequence[int], digest: bytes
     ) -> bytes:
-        return self._key.sign(survivors_message(round_id, nonce, node_id, active))
+        return self._key.sign(survivors_message(round_id, nonce, node_id, active, digest))
 
 
 def write_identity(path: str | Path) -> str:
@@ -159,26 +175,31 @@ def verified_members(
     pk2: Sequence[bytes],
     identities: Sequence[bytes],
     signatures: Sequence[bytes],
-) -> dict[int, bytes]:
-    """``own``'s peers whose advertisements verify, with the identities they name.
+    enforcing: Sequence[int],
+) -> dict[int, tuple[bytes, bool]]:
+    """``own``'s peers whose advertisements verify: the identity each names and whether it
+    signed that it enforces its ring checks.
 
     An empty identity is an unsigned member (left out). Raises ``ValueError`` naming the
-    node whose identity is malformed or whose signature does not verify.
+    node whose identity is malformed, whose flag is not 0 or 1 or whose signature does not
+    verify.
     """
     verified = {}
-    for nid, key1, key2, identity, signature in zip(
-        nids, pk1, pk2, identities, signatures, strict=True
+    for nid, key1, key2, identity, signature, flag in zip(
+        nids, pk1, pk2, identities, signatures, enforcing, strict=True
     ):
         if nid == own or not identity:
             continue
+        if flag not in (0, 1):
+            raise ValueError(f"node {nid}'s 'enforcing' flag is {flag}, expected 0 or 1")
         try:
             public = Ed25519PublicKey.from_public_bytes(identity)
-            public.verify(signature, advertisement(round_id, nonce, nid, key1, key2))
+            public.verify(signature, advertisement(round_id, nonce, nid, key1, key2, flag))
         except (ValueError, InvalidSignature):
             raise ValueError(
                 f"node {nid}'s advertisement does not verify under the identity it names"
             ) from None
-        verified[nid] = identity
+        verified[nid] = (identity, bool(flag))
     return verified
 
 
@@ -190,20 +211,20 @@ def check_members(
     min_trusted: int,
     colluders: int,
     where: str,
-) -> dict[int, bytes]:
+) -> tuple[dict[int, bytes], set[int]]:
     """The key-sharing stage's check (``fields``, checked by ``check_payload``) for node
     ``own`` in the round ``bound`` (round id, nonce): every relayed signature verifies, and
-    at least ``min_trusted`` distinct roster identities signed the other members' keys; and,
-    where the node requires any, no more members are off its roster than the ``colluders``
-    it tolerates (a made-up member is the server's own: ``2t - n > c`` then keeps the
-    members off the roster below the threshold). The members whose advertisements
-    verified, with their identities.
+    at least ``min_trusted`` distinct trusted identities (on the roster *and* signed as
+    enforcing their ring checks) signed the other members' keys; and, where the node
+    requires any, no more members are untrusted than the ``colluders`` it tolerates (a
+    made-up member is the server's own, a member that enforces nothing may answer any
+    unmask: ``2t - n > c`` then keeps the untrusted below the threshold). The members whose
+    advertisements verified, with their identities, and those among them that enforce.
 
     Raises:
         SecAggError: naming the field, and the node whose signature fails.
     """
     count = len(fields["nids"])
-    empty = [b""] * count
     try:
         verified = verified_members(
             own=own,
@@ -212,42 +233,90 @@ def check_members(
             nids=fields["nids"],
             pk1=fields["pk1"],
             pk2=fields["pk2"],
-            identities=fields.get("identities", empty),
-            signatures=fields.get("signatures", empty),
+            identities=fields.get("identities", [b""] * count),
+            signatures=fields.get("signatures", [b""] * count),
+            enforcing=fields.get("enforcing", [0] * count),
         )
     except ValueError as exc:
         raise SecAggError(f"{where}: field 'signatures': {exc}") from None
+    identity_of = {nid: identity for nid, (identity, _) in verified.items()}
+    enforcing = {nid for nid, (_, enforces) in verified.items() if enforces}
     # one roster identity is one party, however many members name it: the others it names
-    # count as off the roster (a reviewer's catch: counting members let it shrink 'outside')
-    trusted = len({identity for identity in verified.values() if identity in roster})
+    # count as untrusted (a reviewer's catch: counting members let it shrink 'outside')
+    trusted = len(trusted_identities(identity_of, enforcing, roster))
     outside = count - 1 - trusted
-    if min_trusted and outside > colluders:  # off the roster: as good as the server's own
+    if min_trusted and outside > colluders:  # untrusted: as good as the server's own
         raise SecAggError(
             f"{where}: field 'identities': {outside} of the ring's {count - 1} other members "
-            f"are off this node's roster, more than the {colluders} colluders it tolerates "
-            "(secagg-colluders)"
+            f"are off this node's roster or enforce nothing, more than the {colluders} "
+            "colluders it tolerates (secagg-colluders)"
         )
     if trusted < min_trusted:
         raise SecAggError(
             f"{where}: field 'identities': {trusted} of the ring's {count - 1} other members "
-            f"are on this node's roster, it requires {min_trusted} (secagg-min-trusted)"
+            f"are on this node's roster and enforce their checks, it requires {min_trusted} "
+            "(secagg-min-trusted)"
         )
-    return verified
+    return identity_of, enforcing
+
+
+@dataclass(frozen=True)
+class Trust:
+    """What a node knows of its ring after the key-sharing stage: the identity each member
+    advertised (verified), those signed as enforcing, the owner's roster and the digest of
+    the ring it was shown."""
+
+    identity_of: Mapping[int, bytes]
+    enforcing: frozenset[int]
+    roster: frozenset[bytes]
+    digest: bytes
+
+
+def trusted_identities(
+    identity_of: Mapping[int, bytes], enforcing: Iterable[int], roster: frozenset[bytes]
+) -> set[bytes]:
+    """The distinct identities of the members that are trusted: on the roster and signed as
+    enforcing their ring checks."""
+    return {identity_of[n] for n in enforcing if identity_of.get(n, b"") in roster}
 
 
 def check_masked_with(
     srcs: Sequence[int],
-    identity_of: Mapping[int, bytes],
-    roster: frozenset[bytes],
+    ring_sigs: Sequence[bytes] | None,
+    trust: Trust,
     min_trusted: int,
+    bound: tuple[int, bytes],
     where: str,
 ) -> None:
-    """The collect stage's check: at least ``min_trusted`` distinct roster identities among
-    the peers this node masks with (``srcs``: the server may claim the others dropped)."""
-    trusted = {identity_of[n] for n in srcs if identity_of.get(n, b"") in roster}
+    """The collect stage's check (where the node requires trusted peers): every trusted peer
+    among those this node masks with (``srcs``: the server may claim the others dropped)
+    signed that it was shown this node's ring (``trust.digest``), and at least ``min_trusted``
+    distinct trusted identities remain. A trusted peer shown another ring would hand its
+    ``sk1`` shares to that ring's members, out of this ring's count."""
+    if not min_trusted:
+        return
+    if ring_sigs is None:
+        raise SecAggError(
+            f"{where}: field 'ring_sigs' is missing: this node masks only with trusted peers "
+            "that signed its ring (secagg-min-trusted)"
+        )
+    trusted = set()
+    for src, signature in zip(srcs, ring_sigs, strict=True):
+        identity = trust.identity_of.get(src, b"")
+        if src not in trust.enforcing or identity not in trust.roster:
+            continue
+        try:
+            public = Ed25519PublicKey.from_public_bytes(identity)
+            public.verify(signature, ring_message(bound[0], bound[1], src, trust.digest))
+        except (ValueError, InvalidSignature):
+            raise SecAggError(
+                f"{where}: field 'ring_sigs': node {src} did not sign this node's ring (it was "
+                "shown another, or the signature was altered)"
+            ) from None
+        trusted.add(identity)
     if len(trusted) < min_trusted:
         raise SecAggError(
-            f"{where}: field 'srcs': {len(trusted)} roster identities among the peers this "
+            f"{where}: field 'srcs': {len(trusted)} trusted identities among the peers this "
             f"node would mask with, it requires {min_trusted} (secagg-min-trusted)"
         )
 
@@ -257,15 +326,17 @@ def check_survivors(
     own: int,
     bound: tuple[int, bytes],
     signed: Sequence[int],
-    identity_of: Mapping[int, bytes],
-    roster: frozenset[bytes],
-    min_trusted: int,
+    trust: Trust,
+    needed: int,
     where: str,
 ) -> None:
-    """The unmask stage's check for node ``own``, which signed the survivor set ``signed`` at
-    the consistency stage: the server names that same set, every relayed signature is a
-    member's of it and verifies under the identity that member advertised, and at least
-    ``min_trusted`` distinct roster identities (not ``own``'s own) are among the signers.
+    """The unmask stage's check for node ``own``, which signed the survivor set ``signed`` in
+    the ring of ``trust.digest`` at the consistency stage: the server names that same set, every
+    relayed signature is a member's of it and verifies (for that set, in that ring) under the
+    identity that member advertised, and with ``own`` the signers hold at least ``needed``
+    distinct trusted identities (the threshold ``t``: two survivor sets signed so in one ring
+    would need ``2t`` trusted members, more than its ``n``, so honest trusted nodes unmask
+    one set a ring and round).
 
     Raises:
         SecAggError: naming the field, and the node whose signature fails.
@@ -279,23 +350,24 @@ def check_survivors(
     for signer, signature in zip(signers, signatures, strict=True):
         if signer == own:  # its own: it knows what it signed
             continue
-        identity = identity_of.get(signer, b"")
+        identity = trust.identity_of.get(signer, b"")
         if signer not in signed or not identity:
             raise SecAggError(f"{where}: field 'signers' names node {signer}, no signed member")
+        message = survivors_message(bound[0], bound[1], signer, signed, trust.digest)
         try:
             public = Ed25519PublicKey.from_public_bytes(identity)
-            public.verify(signature, survivors_message(bound[0], bound[1], signer, signed))
+            public.verify(signature, message)
         except (ValueError, InvalidSignature):
             raise SecAggError(
                 f"{where}: field 'consistency_sigs': node {signer}'s signature of the survivor "
-                "set does not verify"
+                "set does not verify (another set, another ring, or altered)"
             ) from None
-        if identity in roster:
+        if identity in trust.roster and signer in trust.enforcing:
             trusted.add(identity)
-    if len(trusted) < min_trusted:
+    if len(trusted) + 1 < needed:
         raise SecAggError(
-            f"{where}: field 'signers': {len(trusted)} roster identities signed this survivor "
-            f"set, this node requires {min_trusted} (secagg-min-trusted)"
+            f"{where}: field 'signers': this node and {len(trusted)} trusted identities signed "
+            f"this survivor set, it requires the threshold {needed} (secagg-min-trusted)"
         )
 
 

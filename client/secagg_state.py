@@ -39,6 +39,8 @@ def to_state(self: SecAggClient) -> dict[str, Any]:
         "self_seed": self._self_seed,
         "masked_with": sorted(self._masked_with),
         "consistent": list(self._consistent),
+        "enforcing": sorted(self._enforcing),
+        "ring_digest": self._ring_digest,
     }
     for name in _STATE_MAPS:
         mapping: dict[int, bytes] = getattr(self, f"_{name}")
@@ -72,6 +74,8 @@ def from_state(cls: type[SecAggClient], state: Mapping[str, Any]) -> SecAggClien
             setattr(client, f"_{name}", bytes(state[name]))
         client._masked_with = {int(n) for n in state["masked_with"]}
         client._consistent = [int(n) for n in state["consistent"]]
+        client._enforcing = {int(n) for n in state["enforcing"]}
+        client._ring_digest = bytes(state["ring_digest"])
         for name in _STATE_MAPS:
             nids, values = state[f"{name}.nids"], state[f"{name}.values"]
             pairs = zip(nids, values, strict=True)  # ValueError on different lengths

@@ -67,6 +67,8 @@ from fedsparse.common.wire.secagg import (
     advertisement,
     check_payload,
     payload_bytes,
+    ring_digest,
+    ring_message,
     seed_commitment,
     survivors_message,
 )
@@ -83,7 +85,10 @@ def _verifies(identity: bytes, signature: bytes, message: bytes) -> bool:
 
 
 def _advertised(round_id: int, nonce: bytes, nid: int, reply: Mapping[str, Any]) -> bool:
-    message = advertisement(round_id, nonce, nid, reply["pk1"], reply["pk2"])
+    if reply["enforces"] not in (0, 1):
+        return False
+    keys = (reply["pk1"], reply["pk2"], reply["enforces"])
+    message = advertisement(round_id, nonce, nid, *keys)
     return _verifies(reply["identity"], reply["signature"], message)
 
 
@@ -125,7 +130,10 @@ class SecAggServer:
         self.bytes: dict[str, dict[str, int]] = {s: {"down": 0, "up": 0} for s in STAGES}
         """Stage -> ``{"down": bytes sent, "up": bytes received}``."""
         self._pk: dict[int, tuple[bytes, bytes]] = {}
-        self._signed: dict[int, tuple[bytes, bytes]] = {}  # node -> (identity, signature)
+        # node -> (identity, signature, enforces): its signed advertisement
+        self._signed: dict[int, tuple[bytes, bytes, int]] = {}
+        self._digest = b""  # the ring the share-keys stage shows every node (ring_digest)
+        self._ring_sigs: dict[int, bytes] = {}  # node -> its signature of that ring
         self._u3: list[int] | None = None  # who answered the consistency stage (if it ran)
         self._survivor_sigs: dict[int, bytes] = {}
         self._u1: list[int] = []
@@ -203,7 +211,9 @@ class SecAggServer:
                 )
         self._pk = {nid: (r["pk1"], r["pk2"]) for nid, r in checked.items()}
         self._signed = {
-            nid: (r["identity"], r["signature"]) for nid, r in checked.items() if "identity" in r
+            nid: (r["identity"], r["signature"], r["enforces"])
+            for nid, r in checked.items()
+            if "identity" in r
         }
         self.seeded_noise = {nid: bool(r["seeded_noise"]) for nid, r in checked.items()}
         self._accept(SETUP, replies, SHARE_KEYS)
@@ -211,16 +221,16 @@ class SecAggServer:
     def share_keys_messages(self) -> dict[int, dict[str, Any]]:
         self._stage(SHARE_KEYS)
         u0 = sorted(self._pk)
-        body = {
-            STAGE: SHARE_KEYS,
-            "nids": u0,
-            "pk1": [self._pk[nid][0] for nid in u0],
-            "pk2": [self._pk[nid][1] for nid in u0],
-        }
+        pk1, pk2 = [self._pk[nid][0] for nid in u0], [self._pk[nid][1] for nid in u0]
+        body: dict[str, Any] = {STAGE: SHARE_KEYS, "nids": u0, "pk1": pk1, "pk2": pk2}
+        unsigned = (b"", b"", 0)
+        identities = [self._signed.get(nid, unsigned)[0] for nid in u0]
         if self._signed:  # relayed for the nodes' own checks (client/secagg_identity.py)
-            unsigned = (b"", b"")
-            body["identities"] = [self._signed.get(nid, unsigned)[0] for nid in u0]
+            body["identities"] = identities
             body["signatures"] = [self._signed.get(nid, unsigned)[1] for nid in u0]
+            body["enforcing"] = [self._signed.get(nid, unsigned)[2] for nid in u0]
+        ring = {name: getattr(self.params, name) for name in RING_FIELDS}
+        self._digest = ring_digest(ring, u0, pk1, pk2, identities)  # what every node is shown
         return self._send(SHARE_KEYS, {nid: dict(body) for nid in u0})
 
     def receive_share_keys(self, replies: Mapping[int, Any]) -> None:
@@ -242,9 +252,22 @@ class SecAggServer:
                     f"{src} must be {COMMIT_BYTES} bytes",
                     node=src,
                 )
+            signature = reply.get("ring_signature")
+            if signature is not None:  # the ring it signed must be the one it was shown
+                identity = self._signed.get(src, (b"", b"", 0))[0]
+                message = ring_message(self.round_id, self.nonce, src, self._digest)
+                if not _verifies(identity, signature, message):
+                    raise SecAggError(
+                        f"secure aggregation, stage {SHARE_KEYS!r}: field 'ring_signature' of "
+                        f"node {src} does not verify for the ring it was sent",
+                        node=src,
+                    )
             for dst, ciphertext in zip(reply["dsts"], reply["ctxts"], strict=True):
                 if dst in forward:
                     forward[dst][src] = ciphertext
+        self._ring_sigs = {
+            src: r["ring_signature"] for src, r in checked.items() if "ring_signature" in r
+        }
         self._u1, self._forward = u1, forward
         self._commit = {nid: r["seed_commit"] for nid, r in checked.items()}
         self._accept(SHARE_KEYS, replies, COLLECT)
@@ -255,6 +278,8 @@ class SecAggServer:
         for dst, by_src in self._forward.items():
             srcs = sorted(by_src)
             payloads[dst] = {STAGE: COLLECT, "srcs": srcs, "ctxts": [by_src[s] for s in srcs]}
+            if self._signed:  # each source's signature of the ring it was shown
+                payloads[dst]["ring_sigs"] = [self._ring_sigs.get(s, b"") for s in srcs]
         return self._send(COLLECT, payloads)
 
     def receive_collect(self, replies: Mapping[int, Any]) -> None:
@@ -304,8 +329,8 @@ class SecAggServer:
         for nid, reply in checked.items():
             if not reply["signature"]:
                 continue
-            identity = self._signed.get(nid, (b"", b""))[0]
-            message = survivors_message(self.round_id, self.nonce, nid, self._u2)
+            identity = self._signed.get(nid, (b"", b"", 0))[0]
+            message = survivors_message(self.round_id, self.nonce, nid, self._u2, self._digest)
             if not _verifies(identity, reply["signature"], message):
                 raise SecAggError(
                     f"secure aggregation, stage {CONSISTENCY!r}: field 'signature' of node "

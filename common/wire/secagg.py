@@ -8,21 +8,28 @@ stage                      server -> client                      client -> serve
 =========================  ====================================  ===========================
 ``setup``                  the ring's public parameters          ``pk1``, ``pk2`` (PEM keys),
                                                                  ``seeded_noise`` (0 or 1),
-                                                                 [``identity``, ``signature``]
+                                                                 [``identity``, ``signature``,
+                                                                 ``enforces``]
 ``share_keys``             ``nids``, ``pk1``, ``pk2`` (lists),   ``dsts``, ``ctxts``,
-                           [``identities``, ``signatures``]      ``seed_commit``
+                           [``identities``, ``signatures``,      ``seed_commit``,
+                           ``enforcing``]                        [``ring_signature``]
 ``collect_masked_vectors`` ``srcs``, ``ctxts`` (shares for it)   ``masked_params`` (bytes),
-                                                                 ``round_id``, ``nonce``
+                           [``ring_sigs``]                       ``round_id``, ``nonce``
 [``consistency``]          ``active_nids``                       ``signature``
 ``unmask``                 ``active_nids``, ``dead_nids``,       ``nids``, ``shares``
                            [``signers``, ``consistency_sigs``]
 =========================  ====================================  ===========================
 
-Fields in brackets travel together or not at all: a node with an identity signs its keys
-(``client/secagg_identity.py``) and the server relays every member's identity and signature
-(``b""`` for a member without one) beside the keys. Then the ``consistency`` stage runs
-between collect and unmask: each survivor signs the set of nodes whose inputs the sum holds
-(``b""``: a node without an identity), and the unmask stage relays the signatures.
+Fields in brackets travel together or not at all: a node with an identity signs its keys and
+whether it enforces its ring checks (``enforces``: it requires roster peers;
+``client/secagg_identity.py``), and the server relays every member's identity, signature and
+flag (``b""``, ``0`` for a member without one) beside the keys. A signing node also signs the
+digest of the ring it was shown (:func:`ring_digest`: the ring's parameters, every member's
+id, keys and identity) in its share-keys reply, and the collect stage relays each source's
+(``ring_sigs``, ``b""`` for an unsigned one). Then the ``consistency`` stage runs between
+collect and unmask: each survivor signs the set of nodes whose inputs the sum holds, bound to
+its ring's digest (``b""``: a node without an identity), and the unmask stage relays the
+signatures.
 
 Every message from the server also carries the round's ``round_id`` and ``nonce`` (the
 server's random bytes): a client binds the round to them at setup and releases one masked
@@ -56,6 +63,8 @@ __all__ = [
     "UP",
     "SecAggError",
     "advertisement",
+    "ring_digest",
+    "ring_message",
     "check_payload",
     "payload_bytes",
     "seed_commitment",
@@ -117,8 +126,14 @@ UP: Final[dict[str, dict[str, Any]]] = {
 #: Fields a payload carries together or not at all (a node's signed advertisement at setup,
 #: relayed with every member's keys: ``client/secagg_identity.py``), checked when present.
 OPTIONAL: Final[dict[tuple[str, str], dict[str, Any]]] = {
-    (SETUP, "up"): {"identity": bytes, "signature": bytes},
-    (SHARE_KEYS, "down"): {"identities": (list, bytes), "signatures": (list, bytes)},
+    (SETUP, "up"): {"identity": bytes, "signature": bytes, "enforces": int},
+    (SHARE_KEYS, "down"): {
+        "identities": (list, bytes),
+        "signatures": (list, bytes),
+        "enforcing": (list, int),
+    },
+    (SHARE_KEYS, "up"): {"ring_signature": bytes},
+    (COLLECT, "down"): {"ring_sigs": (list, bytes)},
     (UNMASK, "down"): {"signers": (list, int), "consistency_sigs": (list, bytes)},
 }
 #: Lists that pair up element by element (with the optional lists, when present).
@@ -131,21 +146,60 @@ PARALLEL: Final[dict[tuple[str, str], tuple[str, ...]]] = {
 
 
 #: The domain labels of what a node's identity signs (``client/secagg_identity.py``).
-_ADVERTISEMENT: Final = b"fedsparse/secagg/advertisement/v1\x00"
-_SURVIVORS: Final = b"fedsparse/secagg/survivors/v1\x00"
+_ADVERTISEMENT: Final = b"fedsparse/secagg/advertisement/v2\x00"
+_RING_VIEW: Final = b"fedsparse/secagg/ring/v1\x00"
+_RING_DIGEST: Final = b"fedsparse/secagg/ring-digest/v1\x00"
+_SURVIVORS: Final = b"fedsparse/secagg/survivors/v2\x00"
 
 
-def advertisement(round_id: int, nonce: bytes, node_id: int, pk1: bytes, pk2: bytes) -> bytes:
-    """The bytes a node signs for one round: each part length-prefixed, under a label."""
-    parts = (round_id.to_bytes(8, "big"), node_id.to_bytes(8, "big"), nonce, pk1, pk2)
-    return _ADVERTISEMENT + b"".join(len(p).to_bytes(4, "big") + p for p in parts)
+def _framed(*parts: bytes) -> bytes:
+    return b"".join(len(p).to_bytes(4, "big") + p for p in parts)
 
 
-def survivors_message(round_id: int, nonce: bytes, node_id: int, active: Sequence[int]) -> bytes:
-    """The bytes a survivor signs at the consistency stage: the sorted survivor set."""
+def advertisement(
+    round_id: int, nonce: bytes, node_id: int, pk1: bytes, pk2: bytes, enforces: int
+) -> bytes:
+    """The bytes a node signs for one round: its keys and whether it enforces its ring checks
+    (1 or 0), each part length-prefixed, under a label."""
+    flag = bytes([1 if enforces else 0])
+    ids = (round_id.to_bytes(8, "big"), node_id.to_bytes(8, "big"))
+    return _ADVERTISEMENT + _framed(*ids, nonce, pk1, pk2, flag)
+
+
+def ring_digest(
+    ring: Mapping[str, Any],
+    nids: Sequence[int],
+    pk1: Sequence[bytes],
+    pk2: Sequence[bytes],
+    identities: Sequence[bytes],
+) -> bytes:
+    """The SHA-256 of a ring as a node was shown it: its parameters (``RING_FIELDS`` of
+    ``ring``) and each member's id, keys and identity (``b""``: none), by id. Two nodes that
+    were shown the same ring compute the same digest; a server that shows them different
+    rings (members, keys or parameters) cannot give them one."""
+    digest = hashlib.sha256(_RING_DIGEST)
+    for name, kind in RING_FIELDS.items():
+        value = repr(float(ring[name])) if kind is float else str(int(ring[name]))
+        digest.update(_framed(f"{name}={value}".encode()))
+    for nid, key1, key2, identity in sorted(zip(nids, pk1, pk2, identities, strict=True)):
+        digest.update(_framed(nid.to_bytes(8, "big"), key1, key2, identity))
+    return digest.digest()
+
+
+def ring_message(round_id: int, nonce: bytes, node_id: int, digest: bytes) -> bytes:
+    """The bytes a node signs in its share-keys reply: the digest of the ring it was shown."""
+    ids = (round_id.to_bytes(8, "big"), node_id.to_bytes(8, "big"))
+    return _RING_VIEW + _framed(*ids, nonce, digest)
+
+
+def survivors_message(
+    round_id: int, nonce: bytes, node_id: int, active: Sequence[int], digest: bytes
+) -> bytes:
+    """The bytes a survivor signs at the consistency stage: the sorted survivor set, in the
+    ring of ``digest`` (``ring_digest``)."""
     head = round_id.to_bytes(8, "big") + node_id.to_bytes(8, "big")
     body = b"".join(n.to_bytes(8, "big") for n in sorted(active))
-    return _SURVIVORS + head + len(nonce).to_bytes(4, "big") + nonce + body
+    return _SURVIVORS + head + _framed(nonce, digest) + body
 
 
 class SecAggError(ProtocolError):

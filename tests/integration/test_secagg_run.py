@@ -394,7 +394,7 @@ def test_a_node_policys_identity_and_roster_sign_and_check_the_ring(
     plain = _run(tmp_path / "plain", num_rounds=1)
     assert signed[0]["num_accepted"] == NODES and not signed[0]["failed"]
     extra = signed[0]["secagg_bytes"]["setup"]["up"] - plain[0]["secagg_bytes"]["setup"]["up"]
-    assert extra == NODES * (len("identity") + 32 + len("signature") + 64)
+    assert extra == NODES * (len("identity") + 32 + len("signature") + 64 + len("enforces") + 8)
     with pytest.raises(FederationFailed):
         _run(
             tmp_path / "two",
@@ -404,7 +404,8 @@ def test_a_node_policys_identity_and_roster_sign_and_check_the_ring(
         )
     first = json.loads((tmp_path / "two" / "rounds.jsonl").read_text().splitlines()[0])
     assert first["failed"] and first["num_accepted"] == 0
-    outside = "4 of the ring's 5 other members are off this node's roster, more than the 0"
+    outside = "4 of the ring's 5 other members are off this node's roster or enforce nothing, "
+    outside += "more than the 0"
     assert sum(outside in r for r in first["rejected"]) == NODES
 
 

@@ -122,12 +122,22 @@ def test_a_ring_of_roster_members_sums_as_before_and_counts_the_signatures() -> 
     # the bytes: the same ring without identities, plus the signed fields, up and down
     plain = Ring(REAL, {}, min_trusted=0)
     plain_messages = plain.setup()
-    extra_up = len(REAL) * (len("identity") + 32 + len("signature") + 64)
+    extra_up = len(REAL) * (len("identity") + 32 + len("signature") + 64 + len("enforces") + 8)
     assert r.server.bytes["setup"]["up"] - plain.server.bytes["setup"]["up"] == extra_up
     relayed = sum(payload_bytes(m) for m in messages.values())
     assert relayed - sum(payload_bytes(m) for m in plain_messages.values()) == len(REAL) * (
-        len("identities") + len("signatures") + len(REAL) * (32 + 64)
+        len("identities") + len("signatures") + len("enforcing") + len(REAL) * (32 + 64 + 8)
     )
+    # each node signs the ring it was shown (64 bytes up); the collect stage relays its
+    # sources' signatures (64 bytes each, down)
+    ring_up = len(REAL) * (len("ring_signature") + 64)
+    ring_down = len(REAL) * (len("ring_sigs") + (len(REAL) - 1) * 64)
+    plain.share(plain_messages)
+    _through_collect(plain)
+    for stage, direction, extra in (("share_keys", "up", ring_up), ("collect", "down", ring_down)):
+        key = "collect_masked_vectors" if stage == "collect" else stage
+        got = r.server.bytes[key][direction] - plain.server.bytes[key][direction]
+        assert got == extra, (stage, direction)
     # the consistency stage: its own bytes, a 64-byte signature from each survivor up
     assert set(r.server.bytes) == {*plain.server.bytes, "consistency"}
     assert r.server.bytes["consistency"]["up"] == len(REAL) * (len("signature") + 64)
@@ -151,8 +161,8 @@ def test_a_member_the_server_made_up_is_refused_by_every_real_node(fake_signs: b
     assert sorted(refusals) == REAL  # the fake member, the server's own, shares as it likes
     for n in REAL:
         assert (
-            "2 of the ring's 3 other members are on this node's roster, it requires 3"
-            in (refusals[n])
+            "2 of the ring's 3 other members are on this node's roster and enforce their "
+            "checks, it requires 3" in (refusals[n])
         )
     # a node that allows one unknown member takes the same ring
     allowing = Ring([*REAL, FAKE], signed, min_trusted=2, colluders=1)
@@ -202,8 +212,8 @@ def test_one_identity_under_two_nodes_counts_once() -> None:
     r = Ring(REAL, signed, min_trusted=2, colluders=1)  # the second name: the one tolerated
     refusals = r.share(r.setup())
     assert (
-        "1 of the ring's 2 other members are on this node's roster, it requires 2"
-        in (refusals[101])
+        "1 of the ring's 2 other members are on this node's roster and enforce their checks, it "
+        "requires 2" in (refusals[101])
     )
 
 
@@ -214,8 +224,8 @@ def test_one_identity_under_two_nodes_leaves_the_second_off_the_roster() -> None
     r = Ring(REAL, {101: identity(), 202: shared, 303: shared}, min_trusted=1)
     refusals = r.share(r.setup())
     assert (
-        "1 of the ring's 2 other members are off this node's roster, more than the 0"
-        in refusals[101]
+        "1 of the ring's 2 other members are off this node's roster or enforce nothing, more "
+        "than the 0" in refusals[101]
     )
 
 
@@ -259,11 +269,12 @@ def test_bad_identity_and_roster_files_are_named(tmp_path: Path) -> None:
 
 
 def _collect(r: Ring, node: int, srcs: list[int]) -> dict[str, Any]:
-    forward = r.server._forward[node]
+    forward, ring_sigs = r.server._forward[node], r.server._ring_sigs
     return {
         "stage": "collect_masked_vectors",
         "srcs": srcs,
         "ctxts": [forward[n] for n in srcs],
+        "ring_sigs": [ring_sigs.get(n, b"") for n in srcs],
         "round_id": r.server.round_id,
         "nonce": r.server.nonce,
     }
@@ -276,7 +287,7 @@ def test_peers_trimmed_to_made_up_members_at_collect_are_refused() -> None:
     signed = {n: identity() for n in REAL}
     r = Ring([*REAL, FAKE], signed, min_trusted=2, colluders=1)
     assert r.share(r.setup()) == {}
-    with pytest.raises(SecAggError, match="1 roster identities among the peers .* requires 2"):
+    with pytest.raises(SecAggError, match="1 trusted identities among the peers .* requires 2"):
         r.clients[101].handle(_collect(r, 101, [202, FAKE]), values(101))
     assert r.clients[101].released_rounds == frozenset()  # nothing masked, nothing spent
 
@@ -289,8 +300,8 @@ def test_more_members_off_the_roster_than_the_colluders_tolerated_are_refused() 
     refusals = r.share(r.setup())
     assert sorted(refusals) == REAL
     assert (
-        "2 of the ring's 4 other members are off this node's roster, more than the 1"
-        in (refusals[101])
+        "2 of the ring's 4 other members are off this node's roster or enforce nothing, more "
+        "than the 1" in (refusals[101])
     )
 
 
@@ -331,12 +342,13 @@ def test_survivor_signatures_are_verified_and_counted_against_the_roster() -> No
     dropped = dict(unmask[101])
     dropped["signers"] = [n for n in dropped["signers"] if n != 202]
     dropped["consistency_sigs"] = [x for i, x in enumerate(dropped["consistency_sigs"]) if i != at]
-    with pytest.raises(SecAggError, match="1 roster identities signed this survivor set"):
+    with pytest.raises(SecAggError, match="this node and 1 trusted identities signed this"):
         r.clients[101].handle(dropped)
     # 202's signature on another set, relayed as if on this one
     forged = dict(unmask[303])
     forged["consistency_sigs"] = list(forged["consistency_sigs"])
-    forged["consistency_sigs"][at] = signed[202].sign_survivors(4, s.nonce, 202, [202, 303])
+    digest = s._digest
+    forged["consistency_sigs"][at] = signed[202].sign_survivors(4, s.nonce, 202, [202, 303], digest)
     with pytest.raises(SecAggError, match="node 202's signature of the survivor set"):
         r.clients[303].handle(forged)
     # without the consistency stage, a node that requires roster members does not unmask
