@@ -156,15 +156,12 @@ class SecAggClient:
             )
         self.noise: NoiseSource = noise
         self._noise_seed = noise_seed
-        #: signs the setup reply and the survivor set; never saved (the node's policy names it)
+        #: signs its keys, ring and survivor set; never saved (the node's policy names it)
         self.identity = identity
         self._roster, self._min_trusted = frozenset(roster), min_trusted_peers
-        self._policy: dict[str, Any] = {
-            "min_noise_multiplier": min_noise_multiplier,
-            "colluders": colluders,
-            "wrap_probability": wrap_probability,
-            "rounding_slack": rounding_slack,
-        }
+        self._policy: dict[str, Any] = {"min_noise_multiplier": min_noise_multiplier}
+        self._policy |= {"colluders": colluders, "wrap_probability": wrap_probability}
+        self._policy["rounding_slack"] = rounding_slack
         try:
             check_ring(params, **self._policy)
         except ValueError as exc:
@@ -184,6 +181,11 @@ class SecAggClient:
     def nonce(self) -> bytes | None:
         """The server's nonce the last setup bound (None: none yet)."""
         return None if self._round is None else self._round[1]
+
+    @property
+    def ring_digest(self) -> bytes:
+        """The digest of the ring this node was shown this round (empty: none yet)."""
+        return self._ring_digest
 
     @property
     def signed_set(self) -> list[int]:
@@ -233,18 +235,14 @@ class SecAggClient:
     def handle(self, payload: dict[str, Any], values: torch.Tensor | None = None) -> dict[str, Any]:
         """The reply to ``payload``; ``values`` (the kept values) serve the collect stage."""
         stage = payload.get(STAGE) if isinstance(payload, dict) else None
-        if stage == SETUP:
-            return self.setup(payload)
-        if stage == SHARE_KEYS:
-            return self.share_keys(payload)
         if stage == COLLECT:
             if values is None:
                 raise SecAggError(f"{self._where(COLLECT)}: needs the kept values")
             return self.collect(payload, values)
-        if stage == CONSISTENCY:
-            return self.consistency(payload)
-        if stage == UNMASK:
-            return self.unmask(payload)
+        stages = {SETUP: self.setup, SHARE_KEYS: self.share_keys}
+        stages |= {CONSISTENCY: self.consistency, UNMASK: self.unmask}
+        if stage in stages:
+            return stages[stage](payload)
         raise SecAggError(f"secure aggregation, node {self.node_id}: unknown stage {stage!r}")
 
     def setup(self, payload: dict[str, Any]) -> dict[str, Any]:
@@ -436,8 +434,8 @@ class SecAggClient:
         fields = check_payload(payload, UNMASK, "down")
         bound = self._bind(fields, UNMASK)
         where = self._where(UNMASK)
-        if self._done == CONSISTENCY:  # enforcing: t trusted signers (one set a ring)
-            needed = max(self.params.threshold, self._min_trusted + 1) if self._min_trusted else 0
+        if self._done == CONSISTENCY:  # enforcing: t trusted signers, one set a ring
+            needed = self.params.threshold if self._min_trusted else 0
             signed, trust = self._consistent, self._trust
             check_survivors(fields, self.node_id, bound, signed, trust, needed, where)
         elif self._min_trusted:

@@ -367,7 +367,7 @@ def check_survivors(
     if len(trusted) + 1 < needed:
         raise SecAggError(
             f"{where}: field 'signers': this node and {len(trusted)} trusted identities signed "
-            f"this survivor set, it requires the threshold {needed} (secagg-min-trusted)"
+            f"this survivor set, it requires the threshold t = {needed} (secagg-min-trusted)"
         )
 
 

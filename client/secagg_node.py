@@ -50,6 +50,7 @@ from fedsparse.common.wire.secagg import (
     RING_FIELDS,
     SECAGG_RECORD,
     SETUP,
+    SHARE_KEYS,
     STAGE,
     UNMASK,
     SecAggError,
@@ -187,11 +188,16 @@ class SecAggRound:
         return reply
 
 
-def _answer_once(context: Context, client: SecAggClient, stage: str, active: list[int]) -> None:
-    """Two copies of a consistency or unmask message handled at once read the same state: the
-    ledger's file, under its lock, lets one survivor set be signed and one unmask answered,
-    for that same set (``active``, the stage's survivor set): a signature binds the unmask
-    even of a copy of the state that never saw the consistency stage."""
+def _answer_once(
+    context: Context, client: SecAggClient, stage: str, active: list[int], ring: bytes = b""
+) -> None:
+    """Two copies of a stage's message handled at once read the same state: the ledger's
+    file, under its lock, lets one ring share the node's secrets (share keys: the ring's
+    digest, ``ring``; the same ring again is the same shares' content), one survivor set be
+    signed and one unmask answered, for that same set (``active``, the stage's survivor set):
+    a signature binds the unmask even of a copy of the state that never saw the consistency
+    stage (a reviewer's races: two rings shown two copies of one share-keys message got one
+    node's sk1 shared in both)."""
     record = context.state.config_records.get(STATE_LEDGER)
     saved = str(record.get(_LEDGER_KEY, "")) if record is not None else ""
     if not saved:
@@ -199,12 +205,15 @@ def _answer_once(context: Context, client: SecAggClient, stage: str, active: lis
             raise SecAggError("secure aggregation: this node kept no ledger for the round")
         return  # a simulation's seeded node
     assert client.round_id is not None
-    survivors = ",".join(map(str, sorted(active)))
-    other = UNMASK if stage == CONSISTENCY else CONSISTENCY
-    ledger = PrivacyLedger(Path(saved))
-    again = stage == CONSISTENCY  # the same set signed twice is one signature's content
     nonce = client.nonce
     assert nonce is not None
+    ledger = PrivacyLedger(Path(saved))
+    if stage == SHARE_KEYS:
+        ledger.answer_once(context.run_id, client.round_id, stage, ring.hex(), nonce=nonce)
+        return
+    survivors = ",".join(map(str, sorted(active)))
+    other = UNMASK if stage == CONSISTENCY else CONSISTENCY
+    again = stage == CONSISTENCY  # the same set signed twice is one signature's content
     ledger.answer_once(
         context.run_id, client.round_id, stage, survivors, nonce=nonce, binds=other, again=again
     )
@@ -238,7 +247,7 @@ def answer(msg: Message, context: Context) -> Message:
     if payload.get(STAGE) == SETUP:
         raise SecAggError("secure aggregation: the setup stage comes with the train message")
     client = _saved(context)
-    if payload.get(STAGE) == CONSISTENCY:  # the node's identity signs the survivor set
+    if payload.get(STAGE) in (SHARE_KEYS, CONSISTENCY):  # its identity signs ring and set
         path = node_policy(context).secagg_identity
         client.identity = Identity.load(path) if path else None
     values = None
@@ -254,6 +263,8 @@ def answer(msg: Message, context: Context) -> Message:
         if saved and client.round_id is not None:  # once per round, whatever the state says
             PrivacyLedger(Path(saved)).release_once(context.run_id, client.round_id)
     reply = client.handle(payload, values)
+    if payload.get(STAGE) == SHARE_KEYS:  # one ring a round: its sk1 is shared in one ring
+        _answer_once(context, client, SHARE_KEYS, [], ring=client.ring_digest)
     if payload.get(STAGE) in (CONSISTENCY, UNMASK):  # once a round, whatever the state says
         active = payload["active_nids"]  # checked by the stage (check_payload): ints
         survivors = [int(n) for n in active] if isinstance(active, list) else []

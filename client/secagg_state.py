@@ -74,8 +74,9 @@ def from_state(cls: type[SecAggClient], state: Mapping[str, Any]) -> SecAggClien
             setattr(client, f"_{name}", bytes(state[name]))
         client._masked_with = {int(n) for n in state["masked_with"]}
         client._consistent = [int(n) for n in state["consistent"]]
-        client._enforcing = {int(n) for n in state["enforcing"]}
-        client._ring_digest = bytes(state["ring_digest"])
+        # (absent from a state saved before rings were signed: none then)
+        client._enforcing = {int(n) for n in state.get("enforcing", [])}
+        client._ring_digest = bytes(state.get("ring_digest", b""))
         for name in _STATE_MAPS:
             nids, values = state[f"{name}.nids"], state[f"{name}.values"]
             pairs = zip(nids, values, strict=True)  # ValueError on different lengths

@@ -253,13 +253,13 @@ class SecAggServer:
                     node=src,
                 )
             signature = reply.get("ring_signature")
-            if signature is not None:  # the ring it signed must be the one it was shown
-                identity = self._signed.get(src, (b"", b"", 0))[0]
+            if src in self._signed:  # a node that signs signs the ring it was shown
+                identity = self._signed[src][0]
                 message = ring_message(self.round_id, self.nonce, src, self._digest)
-                if not _verifies(identity, signature, message):
+                if signature is None or not _verifies(identity, signature, message):
                     raise SecAggError(
                         f"secure aggregation, stage {SHARE_KEYS!r}: field 'ring_signature' of "
-                        f"node {src} does not verify for the ring it was sent",
+                        f"node {src} is missing or does not verify for the ring it was sent",
                         node=src,
                     )
             for dst, ciphertext in zip(reply["dsts"], reply["ctxts"], strict=True):

@@ -226,11 +226,18 @@ def test_each_node_ledger_charges_its_worst_case(tmp_path: Path, recorder: Recor
         assert released == [[1, 1], [1, 2]]
         answered = json.loads(path.with_suffix(".answered.json").read_text())
         every = ",".join(str(1001 + i) for i in range(NODES))  # the survivor set it unmasked
-        # by round and the server's nonce, across runs; no consistency stage (no identity)
-        assert sorted(answered.values()) == [every, every]
+        # by round and the server's nonce, across runs: the ring it shared its secrets in
+        # (its digest), the set it unmasked; no consistency stage (no identity)
         scopes = [key.split("/") for key in sorted(answered)]
-        assert [(r, stage) for r, _, stage in scopes] == [("1", UNMASK), ("2", UNMASK)]
+        stages = [(r, stage) for r, _, stage in scopes]
+        assert stages == [("1", "share_keys"), ("1", UNMASK), ("2", "share_keys"), ("2", UNMASK)]
         assert all(len(bytes.fromhex(nonce)) >= 16 for _, nonce, _ in scopes)
+        by_stage = {
+            stage: [v for k, v in answered.items() if k.endswith(stage)]
+            for stage in ("share_keys", UNMASK)
+        }
+        assert by_stage[UNMASK] == [every, every]
+        assert [len(bytes.fromhex(v)) for v in by_stage["share_keys"]] == [32, 32]
     _, params, _ = recorder.decoded[2]
     worst = worst_case_noise_multiplier(params)
     for path in files:
@@ -395,6 +402,12 @@ def test_a_node_policys_identity_and_roster_sign_and_check_the_ring(
     assert signed[0]["num_accepted"] == NODES and not signed[0]["failed"]
     extra = signed[0]["secagg_bytes"]["setup"]["up"] - plain[0]["secagg_bytes"]["setup"]["up"]
     assert extra == NODES * (len("identity") + 32 + len("signature") + 64 + len("enforces") + 8)
+    # through the ClientApp each node signs the ring it was shown too (its identity loaded
+    # at the share-keys stage: a reviewer found it was not)
+    up = (
+        signed[0]["secagg_bytes"]["share_keys"]["up"] - plain[0]["secagg_bytes"]["share_keys"]["up"]
+    )
+    assert up == NODES * (len("ring_signature") + 64)
     with pytest.raises(FederationFailed):
         _run(
             tmp_path / "two",
@@ -413,9 +426,10 @@ def test_a_node_policys_identity_and_roster_sign_and_check_the_ring(
 def test_a_second_survivor_set_or_unmask_on_a_copy_of_the_state_is_refused(
     tmp_path: Path, recorder: Recorder, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A reviewer's race: two copies of a consistency message (another survivor set on the
-    second) or of an unmask message, handled at once, read the same Context.state; the
-    ledger's file, under its lock, lets the node sign one set and unmask once."""
+    """Reviewers' races: two copies of a share-keys message (another ring on the second: the
+    node's sk1 would be shared in both), of a consistency message (another survivor set) or
+    of an unmask message, handled at once, read the same Context.state; the ledger's file,
+    under its lock, lets the node share in one ring, sign one set and unmask once."""
     import copy
 
     from fedsparse.client.node_policy import PrivacyRefusal
@@ -427,14 +441,18 @@ def test_a_second_survivor_set_or_unmask_on_a_copy_of_the_state_is_refused(
     def twice(msg: Message, context: Context) -> Message:
         payload = dict(msg.content.config_records["fedsparse.secagg"])
         stage = payload.get(STAGE)
-        if context.node_id != 1001 or stage not in ("consistency", UNMASK):
+        if context.node_id != 1001 or stage not in ("share_keys", "consistency", UNMASK):
             return answer(msg, context)
         snapshot = copy.deepcopy(context)
         reply = answer(msg, context)
         second = copy.deepcopy(msg)
+        record = second.content.config_records["fedsparse.secagg"]
         if stage == "consistency":  # the set without node 1006: still above the threshold
-            record = second.content.config_records["fedsparse.secagg"]
             record["active_nids"] = [n for n in payload["active_nids"] if n != 1006]
+        if stage == "share_keys":  # the ring without node 1006: another ring
+            at = list(payload["nids"]).index(1006)
+            for name in ("nids", "pk1", "pk2", "identities", "signatures", "enforcing"):
+                record[name] = [v for i, v in enumerate(payload[name]) if i != at]
         try:
             answer(second, snapshot)
             outcomes[str(stage)] = "answered twice"
@@ -449,7 +467,7 @@ def test_a_second_survivor_set_or_unmask_on_a_copy_of_the_state_is_refused(
     _run(tmp_path / "run", num_rounds=1, node_config=policy)
     assert outcomes == {
         stage: f"round=1: this node already answered stage {stage!r} of round 1 of run 1"
-        for stage in ("consistency", UNMASK)
+        for stage in ("share_keys", "consistency", UNMASK)
     }
     assert recorder.decoded[1][2] == list(range(1001, 1001 + NODES))
 

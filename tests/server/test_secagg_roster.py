@@ -387,3 +387,21 @@ def test_a_saved_state_without_its_roster_is_refused() -> None:
         partial = {k: v for k, v in state.items() if k != key}
         with pytest.raises(SecAggError, match="saved state is unusable"):
             SecAggClient.from_state(partial)
+
+
+def test_a_signing_nodes_share_keys_reply_must_sign_its_ring() -> None:
+    """Without its ring's signature (or with one of another ring) the reply is the node's
+    fault: the server drops it (``SecAggError.node``), as its peers would refuse it."""
+    signed = {n: identity() for n in REAL}
+    r = Ring(REAL, signed, min_trusted=0)
+    messages = r.setup()
+    replies = {n: r.clients[n].handle(m) for n, m in messages.items()}
+    for bad in (None, signed[202].sign_ring(4, r.server.nonce, 202, b"another ring")):
+        forged = dict(replies)
+        forged[202] = {k: v for k, v in replies[202].items() if k != "ring_signature"}
+        if bad is not None:
+            forged[202]["ring_signature"] = bad
+        with pytest.raises(SecAggError, match="'ring_signature' of node 202 is missing or") as err:
+            r.server.receive_share_keys(forged)
+        assert err.value.node == 202
+    r.server.receive_share_keys(replies)  # the real ones pass
