@@ -77,7 +77,8 @@ key                        default        meaning
                                           as enforcing) in the ring; > 0: this node enforces
                                           (a ring with fewer, peers that did not sign its
                                           ring, or a survivor set signed by fewer than ``t``
-                                          trusted identities is refused)
+                                          trusted identities is refused); needs a
+                                          ``ledger-dir``
 =========================  =============  ====================================================
 
 The node's data is declared next to its policy, in the same node config
@@ -244,6 +245,10 @@ class NodePolicy:
             fail("secagg-min-trusted", self.secagg_min_trusted, ">= 0")
         if self.secagg_min_trusted and not self.secagg_roster:
             fail("secagg-roster", self.secagg_roster, "a roster file with secagg-min-trusted > 0")
+        if self.secagg_min_trusted and not self.ledger_dir:  # it signs that it enforces: its
+            # peers then count on it sharing in one ring, signing one set, unmasking once a
+            # round across copies of its state, which only its ledger holds
+            fail("ledger-dir", self.ledger_dir, "a directory with secagg-min-trusted > 0")
         if self.state_dir and self.noise != "seeded":
             # Restoring run state follows the server's resume point: only an experimenter's
             # own simulated nodes may take it; a deployed node's ledger is its history.

@@ -413,7 +413,7 @@ def test_a_node_policys_identity_and_roster_sign_and_check_the_ring(
             tmp_path / "two",
             num_rounds=1,
             max_failed_rounds=0,
-            node_config={**policy, "secagg-min-trusted": 1},
+            node_config={**policy, "secagg-min-trusted": 1, "ledger-dir": str(tmp_path / "l")},
         )
     first = json.loads((tmp_path / "two" / "rounds.jsonl").read_text().splitlines()[0])
     assert first["failed"] and first["num_accepted"] == 0

@@ -259,6 +259,10 @@ def test_bad_identity_and_roster_files_are_named(tmp_path: Path) -> None:
         NodePolicy(secagg_min_trusted=2)
     with pytest.raises(ValueError, match="secagg-min-trusted=-1: expected >= 0"):
         NodePolicy(secagg_min_trusted=-1, secagg_roster="r")
+    # it signs that it enforces: its answers must be held once a round (a reviewer's break
+    # went through a ledgerless enforcing peer)
+    with pytest.raises(ValueError, match="ledger-dir='': expected a directory with secagg-min"):
+        NodePolicy(secagg_min_trusted=1, secagg_roster="r", ledger_dir="")
     policy = NodePolicy.from_sources(
         {"secagg-identity": str(bad), "secagg-roster": str(roster), "secagg-min-trusted": "2"}
     )
