@@ -136,26 +136,12 @@ def one_ring_split_survivors() -> dict[int, Node]:
     partners, dropped = [2, 3, 4, 5], [6, 7, 8, 9]
     ring = [X, *partners, *dropped]
     plan = {X: Node(ring=ring, n=9, t=5, srcs=partners, S=[X, *partners], signers=partners)}
-    for j in partners:
-        plan[j] = Node(
-            ring=ring,
-            n=9,
-            t=5,
-            srcs=[u for u in ring if u != j],
-            S=[X, j, *dropped],
-            D=[u for u in partners if u != j],
-            signers=dropped,
-        )
-    for d in dropped:
-        plan[d] = Node(
-            ring=ring,
-            n=9,
-            t=5,
-            srcs=[u for u in ring if u != d],
-            S=[X, *dropped],
-            D=partners,
-            signers=[u for u in dropped if u != d],
-        )
+    for v in [*partners, *dropped]:  # a partner: the others dead; a dropped one: all dead
+        alive = [X, v, *dropped] if v in partners else [X, *dropped]
+        signers = dropped if v in partners else [u for u in dropped if u != v]
+        dead = [u for u in partners if u != v]
+        others = [u for u in ring if u != v]
+        plan[v] = Node(ring=ring, n=9, t=5, srcs=others, S=alive, D=dead, signers=signers)
     return plan
 
 
