@@ -78,6 +78,7 @@ class SparseAggregator:
         # update so far was dense (every coordinate then has their sum): no model-sized
         # addition per update.
         self._dense_weights: list[float] | None = []
+        self._scratch: torch.Tensor | None = None  # an addend in float64 (_scratch_for)
 
     @property
     def total_weight(self) -> float:
@@ -94,16 +95,26 @@ class SparseAggregator:
                 twice at that coordinate).
         """
         _check_weight(weight)
-        _check_update(values, support, self.dense_size, checked=support is self._checked)
+        _check_update(
+            values, support, self.dense_size, checked=support is self._checked, finite=False
+        )
         # 1 <= the first weight's relative < 2 (a weight of 1 is 1): a power of two, exact
         scale = self._scale if self._scale is not None else math.frexp(weight)[1] - 1
         relative = math.ldexp(weight, -scale)
         if not _RELATIVE[0] <= relative <= _RELATIVE[1]:
+            if not all_finite(values):  # (the values' error first, as always)
+                raise ValueError("values: non-finite entries")
             raise ValueError(f"weight={weight}: out of range beside the first weight")
-        v = values.to(torch.float64, copy=True)
-        if relative != 1.0:  # (x 1.0 is exact, and finite values stay finite)
+        v = self._scratch_for(values.numel())  # the sums only read it (ExactSum.add_)
+        v.copy_(values)
+        if relative == 1.0:  # (x 1.0 is exact, and finite values stay finite)
+            if not all_finite(values):
+                raise ValueError("values: non-finite entries")
+        else:
             v.mul_(relative)  # = fl(values x weight) x 2**-scale: the same in any order
-            if not all_finite(v):
+            if not all_finite(v):  # a non-finite value stays one; else the product overflowed
+                if not all_finite(values):
+                    raise ValueError("values: non-finite entries")
                 raise ValueError(f"weight={weight}: out of range beside the first weight")
         self._scale = scale
         if support is None:
@@ -124,6 +135,13 @@ class SparseAggregator:
             pending[2].append(relative)
         self.num_updates += 1
         self._added.append(weight)
+
+    def _scratch_for(self, size: int) -> torch.Tensor:
+        """A float64 buffer of ``size`` for one addend (kept: a fresh one a round's update
+        costs its page faults)."""
+        if self._scratch is None or self._scratch.numel() != size:
+            self._scratch = torch.empty(size, dtype=torch.float64)
+        return self._scratch
 
     def _flush(self) -> None:
         """Adds the pending updates' sums into the model-sized sums (exactly)."""
@@ -177,16 +195,21 @@ def _check_weight(weight: float) -> None:
 
 
 def _check_update(
-    values: torch.Tensor, support: torch.Tensor | None, dense_size: int, *, checked: bool = False
+    values: torch.Tensor,
+    support: torch.Tensor | None,
+    dense_size: int,
+    *,
+    checked: bool = False,
+    finite: bool = True,
 ) -> None:
-    """Shape, support and finiteness checks shared by both aggregators (``checked``: this
-    very support tensor passed ``_check_support`` already)."""
+    """Shape, support and (``finite``) finiteness checks shared by both aggregators
+    (``checked``: this very support tensor passed ``_check_support`` already)."""
     expected = dense_size if support is None else support.numel()
     if values.dim() != 1 or values.numel() != expected:
         raise ValueError(f"values has shape {tuple(values.shape)}: expected ({expected},)")
     if support is not None and not checked:
         _check_support(support, dense_size)
-    if not all_finite(values):
+    if finite and not all_finite(values):
         raise ValueError("values: non-finite entries")
 
 

@@ -412,7 +412,11 @@ def test_bad_weight_is_rejected_and_leaves_no_trace(weight: float, match: str) -
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
 @pytest.mark.parametrize("sparse", [False, True])
-def test_non_finite_values_are_rejected_and_leave_no_trace(bad: float, sparse: bool) -> None:
+@pytest.mark.parametrize("weight", [1.0, 2.0, 2.0**600])  # x 1 (no product), x 2, out of range
+def test_non_finite_values_are_rejected_and_leave_no_trace(
+    bad: float, sparse: bool, weight: float
+) -> None:
+    """Named as the values' error whatever the weight (an out-of-range one's error second)."""
     agg = SparseAggregator(4)
     agg.add(torch.ones(4), support=None, weight=1.0)
     values = torch.tensor([0.5, bad])
@@ -420,7 +424,7 @@ def test_non_finite_values_are_rejected_and_leave_no_trace(bad: float, sparse: b
     if not sparse:
         values = torch.tensor([0.5, 0.5, 0.5, bad])
     with pytest.raises(ValueError, match=r"^values: non-finite entries$"):
-        agg.add(values, support=support, weight=2.0)
+        agg.add(values, support=support, weight=weight)
     assert agg.num_updates == 1 and agg.total_weight == 1.0
     assert torch.equal(agg.mean_update(), torch.ones(4))
 
