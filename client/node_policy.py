@@ -69,7 +69,9 @@ key                        default        meaning
                                           ``2t - n`` exceeds it
 ``secagg-identity``        ""             path of this node's Ed25519 private key (PEM): it
                                           signs its keys each round
-                                          (``client/secagg_identity.py``); "" signs nothing
+                                          (``client/secagg_identity.py``); "" signs nothing;
+                                          ``{partition-id}`` in it is the node config's
+                                          (one policy, a key file a node)
 ``secagg-roster``          ""             path of the identities this node's owner trusts
                                           not to collude with the server, one hex public
                                           key a line
@@ -146,6 +148,25 @@ SIMULATION_NODE_POLICY: Final[Mapping[str, Any]] = {
 }
 #: Node config keys that belong to Flower or the node's data, not to the policy.
 _NOT_POLICY: Final = frozenset({"policy-file", *DATA_KEYS})
+
+
+#: In ``secagg-identity``: this node's ``partition-id`` (one policy for many nodes, as a
+#: simulation's ``FEDSPARSE_NODE_POLICY`` or one owner's SuperNodes: a key file each).
+PARTITION_SLOT: Final = "{partition-id}"
+
+
+def _node_identity(template: str, partition: object) -> str:
+    """``secagg-identity`` with ``PARTITION_SLOT`` replaced by the node's ``partition-id``."""
+    try:
+        number = coerce("partition-id", partition, int)
+    except ValueError:
+        number = -1
+    if partition is None or number < 0:
+        raise ValueError(
+            f"node policy: secagg-identity={template!r}: names {PARTITION_SLOT}, and this "
+            f"node's config has partition-id={partition!r}: expected an int >= 0"
+        )
+    return template.replace(PARTITION_SLOT, str(number))
 
 
 class PrivacyRefusal(RuntimeError):
@@ -265,6 +286,7 @@ class NodePolicy:
         """
         known = {f.name.replace("_", "-"): f for f in fields(cls)}
         values: dict[str, Any] = {}
+        partition: object = None  # the node config's partition-id (the identity's template)
         for source in sources:
             entries = dict(source)
             if "policy-file" in entries:
@@ -274,6 +296,8 @@ class NodePolicy:
                 except (OSError, tomllib.TOMLDecodeError) as err:
                     raise ValueError(f"node policy: policy-file={str(path)!r}: {err}") from None
             for key, value in entries.items():
+                if key == "partition-id":
+                    partition = value
                 if key in _NOT_POLICY:
                     continue
                 if key not in known:
@@ -281,6 +305,8 @@ class NodePolicy:
                 values[known[key].name] = coerce(
                     key, value, type(known[key].default), where="node policy"
                 )
+        if PARTITION_SLOT in values.get("secagg_identity", ""):
+            values["secagg_identity"] = _node_identity(values["secagg_identity"], partition)
         return cls(**values)
 
     def check_plugins(self, run_config: Mapping[str, Any]) -> None:

@@ -32,7 +32,9 @@ still charges its worst-case ε. One roster identity is one party: the members i
 beyond the first count as untrusted.
 
 ``python -m fedsparse.client.secagg_identity KEY_PATH`` writes a new identity (mode 0600) and
-prints its public key, the line the other owners add to their rosters.
+prints its public key, the line the other owners add to their rosters; ``... --nodes N FOLDER``
+writes ``N`` (``node-<i>.pem``) and their roster (``roster.txt``), for one policy naming
+``secagg-identity = FOLDER/node-{partition-id}.pem`` (a simulation, or one owner's nodes).
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ __all__ = [
     "load_roster",
     "trusted_identities",
     "verified_members",
+    "write_identities",
     "write_identity",
 ]
 
@@ -124,6 +127,26 @@ def write_identity(path: str | Path) -> str:
     with os.fdopen(fd, "wb") as out:
         out.write(pem)
     return Identity(key).public.hex()
+
+
+def write_identities(folder: str | Path, count: int) -> Path:
+    """``count`` new identities in ``folder``, ``node-<i>.pem`` for ``i < count`` (the node
+    policy's ``secagg-identity = folder/node-{partition-id}.pem``), and ``roster.txt``, their
+    public keys (one owner's nodes, or a simulation's); none overwritten. Returns the roster.
+
+    Raises:
+        ValueError: ``count < 1``. FileExistsError: a key or the roster exists already.
+    """
+    if count < 1:
+        raise ValueError(f"count={count}: expected >= 1")
+    folder = Path(folder).expanduser()
+    folder.mkdir(parents=True, exist_ok=True)
+    roster = folder / "roster.txt"
+    if roster.exists():
+        raise FileExistsError(f"{roster}: exists (an identity is never overwritten)")
+    lines = [f"{write_identity(folder / f'node-{i}.pem')}  # node-{i}" for i in range(count)]
+    roster.write_text("\n".join(lines) + "\n")
+    return roster
 
 
 def load_roster(path: str | Path) -> frozenset[bytes]:
@@ -372,6 +395,12 @@ def check_survivors(
 
 
 if __name__ == "__main__":  # pragma: no cover - a command for owners
-    if len(sys.argv) != 2:
-        sys.exit("usage: python -m fedsparse.client.secagg_identity KEY_PATH")
-    print(write_identity(sys.argv[1]))
+    if len(sys.argv) == 4 and sys.argv[1] == "--nodes" and sys.argv[2].isdigit():
+        print(write_identities(sys.argv[3], int(sys.argv[2])))
+    elif len(sys.argv) == 2:
+        print(write_identity(sys.argv[1]))
+    else:
+        sys.exit(
+            "usage: python -m fedsparse.client.secagg_identity KEY_PATH\n"
+            "       python -m fedsparse.client.secagg_identity --nodes N FOLDER"
+        )

@@ -286,3 +286,32 @@ def test_a_secure_aggregation_round_is_charged_at_half_its_worst_case_multiplier
     assert [e.mechanism for e in ledger.entries()] == ["secagg", "secagg"]
     without = authorize(policy, None, secure[1], history=[(0.45, 1.0, 1)], last_round=1)
     assert without == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize(("partition", "path"), [(3, "/k/node-3.pem"), ("4", "/k/node-4.pem")])
+def test_the_identity_path_takes_the_nodes_partition_id(partition: object, path: str) -> None:
+    """One policy for many nodes (a simulation's environment): a key file each."""
+    template = {"secagg-identity": "/k/node-{partition-id}.pem"}
+    policy = NodePolicy.from_sources(template, {"partition-id": partition})
+    assert policy.secagg_identity == path
+    assert NodePolicy.from_sources({"secagg-identity": "/k/a.pem"}).secagg_identity == "/k/a.pem"
+
+
+@pytest.mark.parametrize("partition", [None, -1, "x", True, 1.5])
+def test_an_identity_template_without_a_partition_id_is_refused(partition: object) -> None:
+    source = {} if partition is None else {"partition-id": partition}
+    with pytest.raises(ValueError, match=r"secagg-identity='/k/\{partition-id\}': names "):
+        NodePolicy.from_sources({"secagg-identity": "/k/{partition-id}"}, source)
+
+
+def test_identities_for_n_nodes_and_their_roster(tmp_path: Path) -> None:
+    from fedsparse.client.secagg_identity import Identity, load_roster, write_identities
+
+    roster = write_identities(tmp_path / "keys", 3)
+    keys = [Identity.load(tmp_path / "keys" / f"node-{i}.pem").public for i in range(3)]
+    assert load_roster(roster) == frozenset(keys) and len(set(keys)) == 3
+    assert all((tmp_path / "keys" / f"node-{i}.pem").stat().st_mode & 0o077 == 0 for i in range(3))
+    with pytest.raises(FileExistsError):
+        write_identities(tmp_path / "keys", 3)  # nothing overwritten
+    with pytest.raises(ValueError, match=r"count=0"):
+        write_identities(tmp_path / "other", 0)

@@ -546,3 +546,62 @@ def test_a_round_and_nonce_reused_in_another_run_get_no_second_survivor_set(
     with pytest.raises(PrivacyRefusal, match="names another survivor set"):
         ledger.answer_once(2, 4, UNMASK, "1,2,3", nonce=nonce, binds="consistency", again=False)
     ledger.answer_once(2, 4, "consistency", "1,2,3", nonce=bytes(16), binds=UNMASK)  # fresh
+
+
+@pytest.mark.slow
+def test_nodes_with_keys_of_their_own_enforce_and_move_the_model_as_unsigned_nodes(
+    tmp_path: Path, recorder: Recorder
+) -> None:
+    """Through the ClientApp, one policy for every node (``node-{partition-id}.pem``: a key
+    each, all on the roster): nodes requiring all five peers trusted take the ring, sign it
+    and the survivor set, unmask, and the model moves bit for bit as the same nodes' without
+    identities (the signatures cost bytes, not one value)."""
+    from fedsparse.client.secagg_identity import write_identities
+
+    roster = write_identities(tmp_path / "keys", NODES)
+    policy = {
+        "secagg-identity": str(tmp_path / "keys" / "node-{partition-id}.pem"),
+        "secagg-roster": str(roster),
+        "secagg-min-trusted": NODES - 1,
+        "ledger-dir": str(tmp_path / "ledgers"),
+    }
+    signed = _run(tmp_path / "signed", node_config=policy)
+    models = {r: after.clone() for r, (_, after, _) in recorder.models.items()}
+    plain = _run(tmp_path / "plain")
+    assert [r["num_accepted"] for r in signed] == [NODES, NODES]
+    assert not any(r["failed"] for r in signed) and not any(r["rejected"] for r in signed)
+    assert sorted(models) == [1, 2]
+    for server_round, (_, after, _) in recorder.models.items():
+        assert torch.equal(models[server_round], after)
+    for s, p in zip(signed, plain, strict=True):
+        assert s["epsilon_max"] == p["epsilon_max"]
+        grown = {
+            stage: s["secagg_bytes"][stage]["up"] - p["secagg_bytes"].get(stage, {"up": 0})["up"]
+            for stage in s["secagg_bytes"]
+        }
+        # a key a node: the advertisement's identity, flag and signature; its ring signed
+        assert grown["setup"] == NODES * (
+            len("identity") + 32 + len("signature") + 64 + len("enforces") + 8
+        )
+        assert grown["share_keys"] == NODES * (len("ring_signature") + 64)
+        assert all(extra >= 0 for extra in grown.values()), grown
+        # each survivor signed the survivor set; the unmask relays those signatures
+        assert "consistency" not in p["secagg_bytes"] and grown["consistency"] > 0
+        assert s["secagg_bytes"]["unmask"]["down"] > p["secagg_bytes"]["unmask"]["down"]
+    # the control: node 0's key off the roster, its five peers each count one untrusted member
+    kept = roster.read_text().splitlines()[1:]
+    (tmp_path / "short.txt").write_text("\n".join(kept) + "\n")
+    with pytest.raises(FederationFailed):
+        _run(
+            tmp_path / "short",
+            num_rounds=1,
+            max_failed_rounds=0,
+            node_config={
+                **policy,
+                "secagg-roster": str(tmp_path / "short.txt"),
+                "ledger-dir": str(tmp_path / "other-ledgers"),  # (a run 1 again)
+            },
+        )
+    first = json.loads((tmp_path / "short" / "rounds.jsonl").read_text().splitlines()[0])
+    outside = "1 of the ring's 5 other members are off this node's roster or enforce nothing"
+    assert first["failed"] and sum(outside in r for r in first["rejected"]) == NODES - 1
