@@ -289,6 +289,8 @@ class NodePolicy:
         partition: object = None  # the node config's partition-id (the identity's template)
         for source in sources:
             entries = dict(source)
+            if "partition-id" in entries:  # the node config's (not a policy file's)
+                partition = entries["partition-id"]
             if "policy-file" in entries:
                 path = Path(str(entries["policy-file"])).expanduser()
                 try:
@@ -296,8 +298,6 @@ class NodePolicy:
                 except (OSError, tomllib.TOMLDecodeError) as err:
                     raise ValueError(f"node policy: policy-file={str(path)!r}: {err}") from None
             for key, value in entries.items():
-                if key == "partition-id":
-                    partition = value
                 if key in _NOT_POLICY:
                     continue
                 if key not in known:

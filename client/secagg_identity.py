@@ -140,12 +140,16 @@ def write_identities(folder: str | Path, count: int) -> Path:
     if count < 1:
         raise ValueError(f"count={count}: expected >= 1")
     folder = Path(folder).expanduser()
-    folder.mkdir(parents=True, exist_ok=True)
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     roster = folder / "roster.txt"
-    if roster.exists():
-        raise FileExistsError(f"{roster}: exists (an identity is never overwritten)")
-    lines = [f"{write_identity(folder / f'node-{i}.pem')}  # node-{i}" for i in range(count)]
-    roster.write_text("\n".join(lines) + "\n")
+    keys = [folder / f"node-{i}.pem" for i in range(count)]
+    for path in (roster, *keys):  # all or nothing (a link, even a dangling one, counts)
+        if path.exists() or path.is_symlink():
+            raise FileExistsError(f"{path}: exists (an identity is never overwritten)")
+    lines = [f"{write_identity(key)}  # {key.stem}" for key in keys]
+    fd = os.open(roster, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    with os.fdopen(fd, "w") as out:
+        out.write("\n".join(lines) + "\n")
     return roster
 
 
@@ -395,7 +399,12 @@ def check_survivors(
 
 
 if __name__ == "__main__":  # pragma: no cover - a command for owners
-    if len(sys.argv) == 4 and sys.argv[1] == "--nodes" and sys.argv[2].isdigit():
+    if (
+        len(sys.argv) == 4
+        and sys.argv[1] == "--nodes"
+        and sys.argv[2].isascii()
+        and sys.argv[2].isdigit()
+    ):
         print(write_identities(sys.argv[3], int(sys.argv[2])))
     elif len(sys.argv) == 2:
         print(write_identity(sys.argv[1]))

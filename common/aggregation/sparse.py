@@ -100,7 +100,10 @@ class SparseAggregator:
         )
         # 1 <= the first weight's relative < 2 (a weight of 1 is 1): a power of two, exact
         scale = self._scale if self._scale is not None else math.frexp(weight)[1] - 1
-        relative = math.ldexp(weight, -scale)
+        try:
+            relative = math.ldexp(weight, -scale)
+        except OverflowError:  # far above the first weight: out of range, as below
+            relative = math.inf
         if not _RELATIVE[0] <= relative <= _RELATIVE[1]:
             if not all_finite(values):  # (the values' error first, as always)
                 raise ValueError("values: non-finite entries")

@@ -117,10 +117,9 @@ def _key(name: str) -> str:
 
 def _read(message: str, record: Mapping[str, Any], key: str, kind: type) -> Any:
     """``record[key]`` checked to be of ``kind`` (ints widen to float; bools are not ints)."""
-    try:  # one lookup (a Flower record's are Python calls)
-        value = record[key]
-    except KeyError:
-        raise ProtocolError(f"{message}: missing key {key!r}") from None
+    if key not in record:
+        raise ProtocolError(f"{message}: missing key {key!r}")
+    value = record[key]
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):

@@ -315,3 +315,33 @@ def test_identities_for_n_nodes_and_their_roster(tmp_path: Path) -> None:
         write_identities(tmp_path / "keys", 3)  # nothing overwritten
     with pytest.raises(ValueError, match=r"count=0"):
         write_identities(tmp_path / "other", 0)
+
+
+def test_the_identity_takes_the_node_configs_partition_id_not_a_policy_files(
+    tmp_path: Path,
+) -> None:
+    """A reviewer's case: a policy file's partition-id (which the node's data never reads)
+    does not choose the key."""
+    policy = tmp_path / "policy.toml"
+    policy.write_text('secagg-identity = "/k/node-{partition-id}.pem"\npartition-id = 5\n')
+    with pytest.raises(ValueError, match=r"partition-id=None"):
+        NodePolicy.from_sources({"policy-file": str(policy)})
+    both = NodePolicy.from_sources({"policy-file": str(policy), "partition-id": 2})
+    assert both.secagg_identity == "/k/node-2.pem"
+
+
+def test_identities_are_written_all_or_nothing_and_never_through_a_link(tmp_path: Path) -> None:
+    from fedsparse.client.secagg_identity import write_identities
+
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    (keys / "node-2.pem").write_text("an owner's key")
+    with pytest.raises(FileExistsError, match=r"node-2.pem"):
+        write_identities(keys, 3)
+    assert sorted(p.name for p in keys.iterdir()) == ["node-2.pem"]  # nothing else written
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "roster.txt").symlink_to(tmp_path / "elsewhere.txt")  # dangling
+    with pytest.raises(FileExistsError, match=r"roster.txt"):
+        write_identities(other, 1)
+    assert not (tmp_path / "elsewhere.txt").exists() and not (other / "node-0.pem").exists()

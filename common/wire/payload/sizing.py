@@ -189,7 +189,7 @@ def choose_encoding(
     return _choice(keep, dense_size, indices, mask_seed, round, value_dtype, value_block)
 
 
-@functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=1024, typed=True)  # True, 1 and 1.0: checked apart
 def _implicit_choice(
     keep: int,
     dense_size: int,

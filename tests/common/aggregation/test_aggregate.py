@@ -664,3 +664,15 @@ def test_the_callers_float64_values_are_never_added_into() -> None:
     agg.add(torch.tensor([10.0, 20.0], dtype=torch.float64), support=support, weight=1.0)
     assert first.tolist() == [1.0, 2.0]
     assert agg.mean_update().tolist() == [0.0, 5.5, 0.0, 11.0]
+
+
+@pytest.mark.parametrize("values", [[1.0, 2.0], [1.0, math.nan]])
+def test_a_weight_whose_relative_overflows_is_out_of_range_not_an_overflow(values) -> None:
+    """A reviewer's case: 2**600 beside a first weight of 2**-600 (its relative overflows
+    ``ldexp``): a ValueError, the values' own error first, and nothing added."""
+    agg = SparseAggregator(2)
+    agg.add(torch.ones(2), support=None, weight=2.0**-600)
+    match = "values: non-finite" if math.isnan(values[1]) else "out of range beside the first"
+    with pytest.raises(ValueError, match=match):
+        agg.add(torch.tensor(values), support=None, weight=2.0**600)
+    assert agg.num_updates == 1 and torch.equal(agg.mean_update(), torch.ones(2))

@@ -173,3 +173,13 @@ def test_auto_picks_the_smallest_explicit_support(rate: float, expected: str) ->
     # With the seed known, values-only wins whenever the support is sparse.
     seeded = choose_encoding(keep=keep, dense_size=d, mask_seed=2**63 + 5)
     assert seeded == ("dense" if keep == d else "seeded")
+
+
+def test_the_memoized_choice_still_refuses_what_the_plain_one_refuses() -> None:
+    """A reviewer's case: True, 1 and 1.0 hash alike; an int's cached answer must not let a
+    bool or a float through."""
+    assert choose_encoding(keep=1, dense_size=100, mask_seed=7) == "seeded"
+    for bad in ({"keep": True}, {"keep": 1.0}, {"dense_size": 100.0}, {"mask_seed": 7.0}):
+        kwargs = {"keep": 1, "dense_size": 100, "mask_seed": 7, **bad}
+        with pytest.raises((TypeError, ValueError)):
+            choose_encoding(**kwargs)
