@@ -69,6 +69,7 @@ from fedsparse.client.secagg_identity import (
     check_members,
     check_survivors,
 )
+from fedsparse.client.secagg_state import RoundProgress
 from fedsparse.client.secagg_streams import fresh_generators, pair_seed, seeded_generators
 from fedsparse.common.aggregation.secure import (
     SEED_BYTES,
@@ -168,69 +169,62 @@ class SecAggClient:
             raise SecAggError(f"{self._where(SETUP)}: ring parameters refused: {exc}") from None
         self.params = params
         self._released: set[int] = set(released_rounds)
-        self._round: tuple[int, bytes] | None = None
-        self._done = UNMASK  # a round starts at setup
-        self._reset()
+        #: the round's keys, shares and checks so far (``secagg_state.RoundProgress``)
+        self.progress = RoundProgress()
 
     @property
     def round_id(self) -> int | None:
         """The round the last setup bound (None: none yet)."""
-        return None if self._round is None else self._round[0]
+        return None if self.progress.round is None else self.progress.round[0]
 
     @property
     def nonce(self) -> bytes | None:
         """The server's nonce the last setup bound (None: none yet)."""
-        return None if self._round is None else self._round[1]
+        return None if self.progress.round is None else self.progress.round[1]
 
     @property
     def ring_digest(self) -> bytes:
         """The digest of the ring this node was shown this round (empty: none yet)."""
-        return self._ring_digest
+        return self.progress.ring_digest
 
     @property
     def signed_set(self) -> list[int]:
         """The survivor set this node signed this round (empty: none)."""
-        return list(self._consistent)
+        return list(self.progress.consistent)
+
+    @property
+    def policy(self) -> dict[str, Any]:
+        """The node policy's numbers it was made with (``secagg_state.to_state`` saves them)."""
+        more = {"roster": sorted(self._roster), "min_trusted_peers": self._min_trusted}
+        return {**self._policy, **more, "noise_seed": self._noise_seed}
 
     @property
     def released_rounds(self) -> frozenset[int]:
         """The round ids this node released a masked input for: never another for these."""
         return frozenset(self._released)
 
-    def _reset(self) -> None:
-        self._sk1 = self._sk2 = self._pk1 = self._pk2 = b""
-        self._self_seed = b""
-        self._pair_seed_of: dict[int, bytes] = {}
-        self._share_key_of: dict[int, bytes] = {}
-        self._seed_shares: dict[int, bytes] = {}
-        self._sk1_shares: dict[int, bytes] = {}
-        self._masked_with: set[int] = set()
-        self._identity_of: dict[int, bytes] = {}  # the members whose advertisements verified
-        self._enforcing: set[int] = set()  # those of them signed as enforcing their checks
-        self._ring_digest = b""  # the ring this node was shown (``ring_digest``)
-        self._consistent: list[int] = []  # the survivor set this node signed
-
     @property
     def _trust(self) -> Trust:
-        return Trust(self._identity_of, frozenset(self._enforcing), self._roster, self._ring_digest)
+        p = self.progress
+        return Trust(p.identity_of, frozenset(p.enforcing), self._roster, p.ring_digest)
 
     def _where(self, stage: str) -> str:
         return f"secure aggregation, node {self.node_id}, stage {stage!r}"
 
     def _enter(self, stage: str) -> None:
-        expected = _NEXT[self._done]
+        expected = _NEXT[self.progress.done]
         if stage != SETUP and stage not in expected:
             raise SecAggError(f"{self._where(stage)}: expected stage {expected[0]!r} next")
 
     def _bind(self, fields: dict[str, Any], stage: str) -> tuple[int, bytes]:
         """The round this message is for: the one the setup bound, or a refusal."""
-        assert self._round is not None  # _enter lets no later stage in before a setup
-        if (fields["round_id"], fields["nonce"]) != self._round:
+        assert self.progress.round is not None  # _enter lets no later stage in before a setup
+        if (fields["round_id"], fields["nonce"]) != self.progress.round:
             raise SecAggError(
                 f"{self._where(stage)}: field 'round_id'/'nonce' is not this round's "
-                f"(round {self._round[0]})"
+                f"(round {self.progress.round[0]})"
             )
-        return self._round
+        return self.progress.round
 
     def handle(self, payload: dict[str, Any], values: torch.Tensor | None = None) -> dict[str, Any]:
         """The reply to ``payload``; ``values`` (the kept values) serve the collect stage."""
@@ -263,19 +257,22 @@ class SecAggClient:
             raise SecAggError(
                 f"{where}: field 'nonce' has {len(nonce)} bytes, fewer than {NONCE_BYTES}"
             )
-        self._reset()
-        sk1, pk1 = generate_key_pairs()
-        sk2, pk2 = generate_key_pairs()
-        self._sk1, self._pk1 = private_key_to_bytes(sk1), public_key_to_bytes(pk1)
-        self._sk2, self._pk2 = private_key_to_bytes(sk2), public_key_to_bytes(pk2)
-        self._round = (round_id, nonce)
-        self._done = SETUP
-        reply = {"pk1": self._pk1, "pk2": self._pk2, "seeded_noise": int(self.noise == "seeded")}
+        (sk1, pk1), (sk2, pk2) = generate_key_pairs(), generate_key_pairs()
+        progress = self.progress = RoundProgress(  # a round's keys: nothing of the last one
+            round=(round_id, nonce),
+            done=SETUP,
+            sk1=private_key_to_bytes(sk1),
+            sk2=private_key_to_bytes(sk2),
+            pk1=public_key_to_bytes(pk1),
+            pk2=public_key_to_bytes(pk2),
+        )
+        reply: dict[str, Any] = {"pk1": progress.pk1, "pk2": progress.pk2}
+        reply["seeded_noise"] = int(self.noise == "seeded")
         if self.identity is not None:  # signed: its keys, and whether it enforces its checks
             enforces = int(self._min_trusted > 0)
             reply["identity"] = self.identity.public
             reply["signature"] = self.identity.sign(
-                round_id, nonce, self.node_id, self._pk1, self._pk2, enforces
+                round_id, nonce, self.node_id, progress.pk1, progress.pk2, enforces
             )
             reply["enforces"] = enforces
         return reply
@@ -285,6 +282,7 @@ class SecAggClient:
         self._enter(SHARE_KEYS)
         fields = check_payload(payload, SHARE_KEYS, "down")
         self._bind(fields, SHARE_KEYS)
+        progress = self.progress
         where = self._where(SHARE_KEYS)
         nids: list[int] = fields["nids"]
         if len(set(nids)) != len(nids):
@@ -297,13 +295,13 @@ class SecAggClient:
         if self.node_id not in nids:
             raise SecAggError(f"{where}: field 'nids' leaves out this node")
         mine = nids.index(self.node_id)
-        if fields["pk1"][mine] != self._pk1 or fields["pk2"][mine] != self._pk2:
+        if fields["pk1"][mine] != self.progress.pk1 or fields["pk2"][mine] != self.progress.pk2:
             raise SecAggError(f"{where}: field 'pk1'/'pk2' alters this node's own keys")
         keys = fields["pk1"] + fields["pk2"]
         if len(set(keys)) != len(keys):
             raise SecAggError(f"{where}: field 'pk1'/'pk2' repeats a public key")
-        assert self._round is not None
-        bound, roster, colluders = self._round, self._roster, self._policy["colluders"]
+        assert self.progress.round is not None
+        bound, roster, colluders = self.progress.round, self._roster, self._policy["colluders"]
         verified, enforcing = check_members(
             fields, self.node_id, bound, roster, self._min_trusted, colluders, where
         )
@@ -311,36 +309,36 @@ class SecAggClient:
         ring = {name: getattr(self.params, name) for name in RING_FIELDS}
         identities = fields.get("identities", [b""] * count)
         digest = ring_digest(ring, nids, fields["pk1"], fields["pk2"], identities)
-        sk2 = bytes_to_private_key(self._sk2)
+        sk2 = bytes_to_private_key(self.progress.sk2)
         pair_seeds: dict[int, bytes] = {}
         share_keys: dict[int, bytes] = {}
         for nid, pk1, pk2 in zip(nids, fields["pk1"], fields["pk2"], strict=True):
             if nid == self.node_id:
                 continue
             try:  # both of a peer's keys must parse and agree with this node's now
-                pair_seeds[nid] = pair_seed(self._sk1, pk1)
+                pair_seeds[nid] = pair_seed(self.progress.sk1, pk1)
                 share_keys[nid] = generate_shared_key(sk2, bytes_to_public_key(pk2))
             except (ValueError, TypeError, AssertionError) as exc:
                 raise SecAggError(
                     f"{where}: field 'pk1'/'pk2' of node {nid} is not a usable key: {exc}"
                 ) from None
-        self._self_seed = os.urandom(SEED_BYTES)
+        self.progress.self_seed = os.urandom(SEED_BYTES)
         threshold, count = self.params.threshold, len(nids)
-        seed_shares = create_shares(self._self_seed, threshold, count)
-        sk1_shares = create_shares(self._sk1, threshold, count)
+        seed_shares = create_shares(self.progress.self_seed, threshold, count)
+        sk1_shares = create_shares(self.progress.sk1, threshold, count)
         dsts: list[int] = []
         ctxts: list[bytes] = []
         for nid, seed_share, sk1_share in zip(nids, seed_shares, sk1_shares, strict=True):
             if nid == self.node_id:
-                self._seed_shares[nid], self._sk1_shares[nid] = seed_share, sk1_share
+                progress.seed_shares[nid], progress.sk1_shares[nid] = seed_share, sk1_share
                 continue
             plaintext = share_keys_plaintext_concat(self.node_id, nid, seed_share, sk1_share)
             dsts.append(nid)
             ctxts.append(encrypt(share_keys[nid], plaintext))
-        self._pair_seed_of, self._share_key_of = pair_seeds, share_keys
-        self._identity_of, self._enforcing, self._ring_digest = verified, enforcing, digest
-        self._done = SHARE_KEYS
-        reply = {"dsts": dsts, "ctxts": ctxts, "seed_commit": seed_commitment(self._self_seed)}
+        progress.pair_seed_of, progress.share_key_of = pair_seeds, share_keys
+        progress.identity_of, progress.enforcing, progress.ring_digest = verified, enforcing, digest
+        progress.done = SHARE_KEYS
+        reply = {"dsts": dsts, "ctxts": ctxts, "seed_commit": seed_commitment(progress.self_seed)}
         if self.identity is not None:
             reply["ring_signature"] = self.identity.sign_ring(*bound, self.node_id, digest)
         return reply
@@ -360,7 +358,7 @@ class SecAggClient:
         srcs: list[int] = fields["srcs"]
         if len(set(srcs)) != len(srcs) or self.node_id in srcs:
             raise SecAggError(f"{where}: field 'srcs' repeats a node or names this one")
-        unknown = sorted(set(srcs) - set(self._share_key_of))
+        unknown = sorted(set(srcs) - set(self.progress.share_key_of))
         if unknown:
             raise SecAggError(f"{where}: field 'srcs' names node {unknown[0]}, not in the round")
         if len(srcs) + 1 < self.params.threshold:
@@ -374,7 +372,7 @@ class SecAggClient:
         for src, ciphertext in zip(srcs, fields["ctxts"], strict=True):
             try:
                 actual_src, dst, seed_share, sk1_share = share_keys_plaintext_separate(
-                    decrypt(self._share_key_of[src], ciphertext)
+                    decrypt(self.progress.share_key_of[src], ciphertext)
                 )
             except (InvalidToken, ValueError, IndexError):
                 raise SecAggError(
@@ -392,13 +390,14 @@ class SecAggClient:
             else seeded_generators(self._noise_seed, round_id)
         )
         ring_input = encode(values, self.params, rounding, noise)
-        pair_seeds = {src: self._pair_seed_of[src] for src in srcs}
-        masked = mask_input(ring_input, self.node_id, pair_seeds, self._self_seed, self.params.bits)
+        pair_seeds = {src: self.progress.pair_seed_of[src] for src in srcs}
+        seed = self.progress.self_seed
+        masked = mask_input(ring_input, self.node_id, pair_seeds, seed, self.params.bits)
         for src, (seed_share, sk1_share) in received.items():
-            self._seed_shares[src], self._sk1_shares[src] = seed_share, sk1_share
+            self.progress.seed_shares[src], self.progress.sk1_shares[src] = seed_share, sk1_share
         self._released.add(round_id)
-        self._masked_with = set(srcs)
-        self._done = COLLECT
+        self.progress.masked_with = set(srcs)
+        self.progress.done = COLLECT
         return {
             "masked_params": pack_ring(masked, self.params.bits),
             "round_id": round_id,
@@ -420,11 +419,11 @@ class SecAggClient:
         fields = check_payload(payload, CONSISTENCY, "down")
         round_id, nonce = self._bind(fields, CONSISTENCY)
         active = self._active(fields["active_nids"], [], self._where(CONSISTENCY))
-        self._consistent, self._done = sorted(active), CONSISTENCY
+        self.progress.consistent, self.progress.done = sorted(active), CONSISTENCY
         if self.identity is None:
             return {"signature": b""}
         signature = self.identity.sign_survivors(
-            round_id, nonce, self.node_id, active, self._ring_digest
+            round_id, nonce, self.node_id, active, self.progress.ring_digest
         )
         return {"signature": signature}
 
@@ -434,9 +433,9 @@ class SecAggClient:
         fields = check_payload(payload, UNMASK, "down")
         bound = self._bind(fields, UNMASK)
         where = self._where(UNMASK)
-        if self._done == CONSISTENCY:  # enforcing: t trusted signers, one set a ring
+        if self.progress.done == CONSISTENCY:  # enforcing: t trusted signers, one set a ring
             needed = self.params.threshold if self._min_trusted else 0
-            signed, trust = self._consistent, self._trust
+            signed, trust = self.progress.consistent, self._trust
             check_survivors(fields, self.node_id, bound, signed, trust, needed, where)
         elif self._min_trusted:
             raise SecAggError(
@@ -445,10 +444,10 @@ class SecAggClient:
             )
         active = self._active(fields["active_nids"], fields["dead_nids"], where)
         dead: list[int] = fields["dead_nids"]
-        self._done = UNMASK
-        shares = [self._seed_shares[nid] for nid in active]
-        shares += [self._sk1_shares[nid] for nid in dead]
-        self._self_seed = b""
+        self.progress.done = UNMASK
+        shares = [self.progress.seed_shares[nid] for nid in active]
+        shares += [self.progress.sk1_shares[nid] for nid in dead]
+        self.progress.self_seed = b""
         return {"nids": active + dead, "shares": shares}
 
     def _active(self, active: list[int], dead: list[int], where: str) -> list[int]:
@@ -465,7 +464,7 @@ class SecAggClient:
                 f"{where}: field 'active_nids' has {len(active)} nodes, fewer than the "
                 f"threshold {self.params.threshold}"
             )
-        stranger = sorted((set(active) | set(dead)) - self._masked_with - {self.node_id})
+        stranger = sorted((set(active) | set(dead)) - self.progress.masked_with - {self.node_id})
         if stranger:
             raise SecAggError(f"{where}: node {stranger[0]} was not in this node's sum")
         return active

@@ -4,49 +4,80 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
 from fedsparse.common.aggregation.secure import RingParams
-from fedsparse.common.wire.secagg import ALL_STAGES, RING_FIELDS, SecAggError
+from fedsparse.common.wire.secagg import ALL_STAGES, RING_FIELDS, UNMASK, SecAggError
 
 if TYPE_CHECKING:
     from fedsparse.client.secagg import SecAggClient
 
-__all__ = ["from_state", "to_state"]
+__all__ = ["RoundProgress", "from_state", "to_state"]
 
 #: The node-id -> bytes maps ``to_state`` saves as two parallel lists.
 _STATE_MAPS: Final = ("pair_seed_of", "share_key_of", "seed_shares", "sk1_shares", "identity_of")
 
 
-def to_state(self: SecAggClient) -> dict[str, Any]:
+@dataclass
+class RoundProgress:
+    """What a node's secure aggregation holds between the stages of its round: the round it
+    bound and the last stage done, its private keys, seeds, shares and the checks' results."""
+
+    round: tuple[int, bytes] | None = None  # (round id, the server's nonce) of the setup
+    done: str = UNMASK  # the last stage answered (a round starts at setup)
+    sk1: bytes = b""
+    sk2: bytes = b""
+    pk1: bytes = b""
+    pk2: bytes = b""
+    self_seed: bytes = b""
+    pair_seed_of: dict[int, bytes] = field(default_factory=dict)
+    share_key_of: dict[int, bytes] = field(default_factory=dict)
+    seed_shares: dict[int, bytes] = field(default_factory=dict)
+    sk1_shares: dict[int, bytes] = field(default_factory=dict)
+    masked_with: set[int] = field(default_factory=set)
+    identity_of: dict[int, bytes] = field(default_factory=dict)  # advertisements verified
+    enforcing: set[int] = field(default_factory=set)  # those of them signed as enforcing
+    ring_digest: bytes = b""  # the ring this node was shown (``ring_digest``)
+    consistent: list[int] = field(default_factory=list)  # the survivor set this node signed
+
+
+def to_state(client: SecAggClient) -> dict[str, Any]:
     """``SecAggClient.to_state``."""
+    policy, progress = client.policy, client.progress
+    seed = policy.pop("noise_seed")
     state: dict[str, Any] = {
-        "node_id": self.node_id,
-        **{f"ring.{name}": getattr(self.params, name) for name in RING_FIELDS},
-        **{f"policy.{name}": value for name, value in self._policy.items()},
-        "noise": self.noise,
-        "noise_seed": -1 if self._noise_seed is None else self._noise_seed,
-        "released": sorted(self._released),
-        "policy.roster": sorted(self._roster),
-        "policy.min_trusted_peers": self._min_trusted,
-        "round_id": -1 if self._round is None else self._round[0],
-        "nonce": b"" if self._round is None else self._round[1],
-        "done": self._done,
-        "sk1": self._sk1,
-        "sk2": self._sk2,
-        "pk1": self._pk1,
-        "pk2": self._pk2,
-        "self_seed": self._self_seed,
-        "masked_with": sorted(self._masked_with),
-        "consistent": list(self._consistent),
-        "enforcing": sorted(self._enforcing),
-        "ring_digest": self._ring_digest,
+        "node_id": client.node_id,
+        **{f"ring.{name}": getattr(client.params, name) for name in RING_FIELDS},
+        **{f"policy.{name}": policy.pop(name) for name in _POLICY_NUMBERS},
+        "noise": client.noise,
+        "noise_seed": -1 if seed is None else seed,
+        "released": sorted(client.released_rounds),
+        "policy.roster": policy.pop("roster"),
+        "policy.min_trusted_peers": policy.pop("min_trusted_peers"),
+        "round_id": -1 if progress.round is None else progress.round[0],
+        "nonce": b"" if progress.round is None else progress.round[1],
+        "done": progress.done,
+        "sk1": progress.sk1,
+        "sk2": progress.sk2,
+        "pk1": progress.pk1,
+        "pk2": progress.pk2,
+        "self_seed": progress.self_seed,
+        "masked_with": sorted(progress.masked_with),
+        "consistent": list(progress.consistent),
+        "enforcing": sorted(progress.enforcing),
+        "ring_digest": progress.ring_digest,
     }
+    assert not policy, policy  # every number of the policy is saved
     for name in _STATE_MAPS:
-        mapping: dict[int, bytes] = getattr(self, f"_{name}")
+        mapping: dict[int, bytes] = getattr(progress, name)
         state[f"{name}.nids"] = list(mapping)
         state[f"{name}.values"] = list(mapping.values())
     return state
+
+
+#: The policy's numbers saved as ``policy.<name>``, in the order earlier states have them.
+_POLICY_NUMBERS: Final = ("min_noise_multiplier", "colluders", "wrap_probability", "rounding_slack")
 
 
 def from_state(cls: type[SecAggClient], state: Mapping[str, Any]) -> SecAggClient:
@@ -68,23 +99,29 @@ def from_state(cls: type[SecAggClient], state: Mapping[str, Any]) -> SecAggClien
             min_trusted_peers=int(state["policy.min_trusted_peers"]),
         )
         round_id = int(state["round_id"])
-        client._round = None if round_id < 0 else (round_id, bytes(state["nonce"]))
-        client._done = str(state["done"])
-        for name in ("sk1", "sk2", "pk1", "pk2", "self_seed"):
-            setattr(client, f"_{name}", bytes(state[name]))
-        client._masked_with = {int(n) for n in state["masked_with"]}
-        client._consistent = [int(n) for n in state["consistent"]]
-        # (absent from a state saved before rings were signed: none then)
-        client._enforcing = {int(n) for n in state.get("enforcing", [])}
-        client._ring_digest = bytes(state.get("ring_digest", b""))
+        progress = RoundProgress(
+            round=None if round_id < 0 else (round_id, bytes(state["nonce"])),
+            done=str(state["done"]),
+            sk1=bytes(state["sk1"]),
+            sk2=bytes(state["sk2"]),
+            pk1=bytes(state["pk1"]),
+            pk2=bytes(state["pk2"]),
+            self_seed=bytes(state["self_seed"]),
+            masked_with={int(n) for n in state["masked_with"]},
+            consistent=[int(n) for n in state["consistent"]],
+            # (absent from a state saved before rings were signed: none then)
+            enforcing={int(n) for n in state.get("enforcing", [])},
+            ring_digest=bytes(state.get("ring_digest", b"")),
+        )
         for name in _STATE_MAPS:
             nids, values = state[f"{name}.nids"], state[f"{name}.values"]
             pairs = zip(nids, values, strict=True)  # ValueError on different lengths
-            setattr(client, f"_{name}", {int(n): bytes(v) for n, v in pairs})
+            setattr(progress, name, {int(n): bytes(v) for n, v in pairs})
     except (KeyError, TypeError, ValueError) as exc:
         raise SecAggError(
             f"secure aggregation: the node's saved state is unusable: {exc}"
         ) from None
-    if client._done not in ALL_STAGES:
-        raise SecAggError(f"secure aggregation: saved stage {client._done!r} is unknown")
+    if progress.done not in ALL_STAGES:
+        raise SecAggError(f"secure aggregation: saved stage {progress.done!r} is unknown")
+    client.progress = progress
     return client

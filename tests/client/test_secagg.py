@@ -249,7 +249,7 @@ def test_keys_and_self_seeds_are_fresh_every_round() -> None:
     clients = {n: client(n) for n in IDS}
     for round_id in (1, 2):
         collected(round_id, clients)
-        seeds.append(clients[1]._self_seed)
+        seeds.append(clients[1].progress.self_seed)
         assert len(seeds[-1]) == 32
         clients[1].unmask(unmask_payload(round_id))
     assert seeds[0] != seeds[1]
@@ -267,9 +267,9 @@ def test_fewer_than_threshold_shares_do_not_rebuild_a_secret() -> None:
     clients = collected()
     t = params().threshold
     for owner in IDS:
-        held = [c._sk1_shares[owner] for c in clients.values()]
-        seeds = [c._seed_shares[owner] for c in clients.values()]
-        sk1, seed = clients[owner]._sk1, clients[owner]._self_seed
+        held = [c.progress.sk1_shares[owner] for c in clients.values()]
+        seeds = [c.progress.seed_shares[owner] for c in clients.values()]
+        sk1, seed = clients[owner].progress.sk1, clients[owner].progress.self_seed
         assert rebuilds(held[:t], sk1) and rebuilds(held[-t:], sk1)
         assert rebuilds(seeds[1 : t + 1], seed)
         for i in range(len(IDS) - t + 2):

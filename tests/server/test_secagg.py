@@ -324,13 +324,13 @@ def test_the_self_mask_hides_a_survivor_whose_pair_keys_are_known() -> None:
     r.keys()
     r.collect()
     y = unpack_ring(r.masked[303]["masked_params"], p.kept, p.bits)
-    for other, seed in r.clients[303]._pair_seed_of.items():
+    for other, seed in r.clients[303].progress.pair_seed_of.items():
         y = (y - pairwise_sign(303, other) * expand_mask(seed, p.kept, p.bits, PAIR_LABEL)) & (
             p.modulus - 1
         )
     chi, ks = _uniform_pvalues(pack_ring(y, p.bits), p)
     assert chi > 1e-6 and ks > 1e-6
-    plain = (y - expand_mask(r.clients[303]._self_seed, p.kept, p.bits, SELF_LABEL)) & (
+    plain = (y - expand_mask(r.clients[303].progress.self_seed, p.kept, p.bits, SELF_LABEL)) & (
         p.modulus - 1
     )
     assert torch.equal(plain, r.ring_inputs[303])
@@ -445,8 +445,8 @@ def _split_view(
     and ``dead`` that it dropped (its sk1 share); the colluder hands over both. Every story
     passes the clients' checks. The victim's seed shares and sk1 shares the server holds."""
     seed, sk1 = (
-        [r.clients[colluder]._seed_shares[victim]],
-        [r.clients[colluder]._sk1_shares[victim]],
+        [r.clients[colluder].progress.seed_shares[victim]],
+        [r.clients[colluder].progress.sk1_shares[victim]],
     )
     bind = {"stage": "unmask", "round_id": ROUND, "nonce": r.server.nonce}
     for nodes, dead_nids, into in [(alive, [], seed), (dead, [victim], sk1)]:
@@ -494,7 +494,9 @@ def test_a_split_view_with_one_colluder_needs_a_collusion_aware_threshold() -> N
             seed, sk1 = _split_view(r, 303, 505, alive=[303, *alive], dead=dead)
             assert len(seed) < 4 or len(sk1) < 4
             victim = r.clients[303]
-            assert not (rebuilds(seed, victim._self_seed) and rebuilds(sk1, victim._sk1))
+            assert not (
+                rebuilds(seed, victim.progress.self_seed) and rebuilds(sk1, victim.progress.sk1)
+            )
 
 
 def _through_proto(client: SecAggClient) -> SecAggClient:
