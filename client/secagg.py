@@ -194,7 +194,8 @@ class SecAggClient:
 
     @property
     def policy(self) -> dict[str, Any]:
-        """The node policy's numbers it was made with (``secagg_state.to_state`` saves them)."""
+        """The node policy's numbers it was made with (``secagg_state.to_state`` saves them;
+        a simulation's noise seed among them: kept on the node, as the state is)."""
         more = {"roster": sorted(self._roster), "min_trusted_peers": self._min_trusted}
         return {**self._policy, **more, "noise_seed": self._noise_seed}
 

@@ -26,15 +26,16 @@ class RoundProgress:
 
     round: tuple[int, bytes] | None = None  # (round id, the server's nonce) of the setup
     done: str = UNMASK  # the last stage answered (a round starts at setup)
-    sk1: bytes = b""
-    sk2: bytes = b""
+    # the secrets: never in a repr (a log line or a traceback's locals)
+    sk1: bytes = field(default=b"", repr=False)
+    sk2: bytes = field(default=b"", repr=False)
     pk1: bytes = b""
     pk2: bytes = b""
-    self_seed: bytes = b""
-    pair_seed_of: dict[int, bytes] = field(default_factory=dict)
-    share_key_of: dict[int, bytes] = field(default_factory=dict)
-    seed_shares: dict[int, bytes] = field(default_factory=dict)
-    sk1_shares: dict[int, bytes] = field(default_factory=dict)
+    self_seed: bytes = field(default=b"", repr=False)
+    pair_seed_of: dict[int, bytes] = field(default_factory=dict, repr=False)
+    share_key_of: dict[int, bytes] = field(default_factory=dict, repr=False)
+    seed_shares: dict[int, bytes] = field(default_factory=dict, repr=False)
+    sk1_shares: dict[int, bytes] = field(default_factory=dict, repr=False)
     masked_with: set[int] = field(default_factory=set)
     identity_of: dict[int, bytes] = field(default_factory=dict)  # advertisements verified
     enforcing: set[int] = field(default_factory=set)  # those of them signed as enforcing

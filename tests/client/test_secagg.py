@@ -294,3 +294,17 @@ def test_collect_refuses_a_forged_share_and_too_few_nodes() -> None:
         c.collect({**good, "round_id": ROUND + 1}, torch.zeros(K))
     reply = c.collect(good, torch.zeros(K))
     assert len(reply["masked_params"]) == K * params().element_bytes
+
+
+def test_a_nodes_round_in_a_repr_shows_no_secret() -> None:
+    """A reviewer's case: ``progress`` is public; a log line or a traceback's repr of it must
+    not carry the private keys, the self-mask seed, the pairwise seeds or the shares."""
+    clients = collected()
+    progress = clients[1].progress
+    secrets = [progress.sk1, progress.sk2, progress.self_seed]
+    secrets += [*progress.pair_seed_of.values(), *progress.share_key_of.values()]
+    secrets += [*progress.seed_shares.values(), *progress.sk1_shares.values()]
+    assert all(secrets) and len(secrets) > 3
+    shown = repr(progress) + str(clients[1].policy)
+    assert not any(repr(secret) in shown or secret.hex() in shown for secret in secrets)
+    assert repr(progress.pk1) in shown  # the public ones are shown
