@@ -69,6 +69,7 @@ from fedsparse.client.secagg_identity import (
     check_members,
     check_survivors,
 )
+from fedsparse.client.secagg_ring import ring_view
 from fedsparse.client.secagg_state import RoundProgress
 from fedsparse.client.secagg_streams import fresh_generators, pair_seed, seeded_generators
 from fedsparse.common.aggregation.secure import (
@@ -90,7 +91,6 @@ from fedsparse.common.wire.secagg import (
     UNMASK,
     SecAggError,
     check_payload,
-    ring_digest,
     seed_commitment,
 )
 
@@ -167,6 +167,12 @@ class SecAggClient:
             check_ring(params, **self._policy)
         except ValueError as exc:
             raise SecAggError(f"{self._where(SETUP)}: ring parameters refused: {exc}") from None
+        if params.neighbours and min_trusted_peers:
+            raise SecAggError(
+                f"{self._where(SETUP)}: a sparse ring (neighbours={params.neighbours}): this "
+                f"node requires {min_trusted_peers} trusted peers (secagg-min-trusted), which it "
+                "checks over the complete graph only (neighbours=0)"
+            )
         self.params = params
         self._released: set[int] = set(released_rounds)
         #: the round's keys, shares and checks so far (``secagg_state.RoundProgress``)
@@ -245,10 +251,11 @@ class SecAggClient:
         self._enter(SETUP)
         fields = check_payload(payload, SETUP, "down")
         where = self._where(SETUP)
-        for name in RING_FIELDS:
-            if fields[name] != getattr(self.params, name):
+        ring = {**{name: fields[name] for name in RING_FIELDS}, "neighbours": 0} | fields
+        for name in (*RING_FIELDS, "neighbours"):
+            if ring[name] != getattr(self.params, name):
                 raise SecAggError(
-                    f"{where}: field {name!r} is {fields[name]!r}, "
+                    f"{where}: field {name!r} is {ring[name]!r}, "
                     f"this node's run config says {getattr(self.params, name)!r}"
                 )
         round_id, nonce = fields["round_id"], fields["nonce"]
@@ -285,31 +292,15 @@ class SecAggClient:
         self._bind(fields, SHARE_KEYS)
         progress = self.progress
         where = self._where(SHARE_KEYS)
-        nids: list[int] = fields["nids"]
-        if len(set(nids)) != len(nids):
-            raise SecAggError(f"{where}: field 'nids' repeats a node")
-        if not self.params.threshold <= len(nids) <= self.params.clients:
-            raise SecAggError(
-                f"{where}: field 'nids' has {len(nids)} nodes, outside "
-                f"[threshold {self.params.threshold}, clients {self.params.clients}]"
-            )
-        if self.node_id not in nids:
-            raise SecAggError(f"{where}: field 'nids' leaves out this node")
-        mine = nids.index(self.node_id)
-        if fields["pk1"][mine] != self.progress.pk1 or fields["pk2"][mine] != self.progress.pk2:
-            raise SecAggError(f"{where}: field 'pk1'/'pk2' alters this node's own keys")
-        keys = fields["pk1"] + fields["pk2"]
-        if len(set(keys)) != len(keys):
-            raise SecAggError(f"{where}: field 'pk1'/'pk2' repeats a public key")
-        assert self.progress.round is not None
-        bound, roster, colluders = self.progress.round, self._roster, self._policy["colluders"]
+        assert progress.round is not None
+        bound, roster, colluders = progress.round, self._roster, self._policy["colluders"]
+        view = ring_view(
+            fields, self.node_id, self.params, bound, (progress.pk1, progress.pk2), where
+        )
         verified, enforcing = check_members(
             fields, self.node_id, bound, roster, self._min_trusted, colluders, where
         )
-        count = len(nids)  # the ring as this node was shown it: what its peers must sign too
-        ring = {name: getattr(self.params, name) for name in RING_FIELDS}
-        identities = fields.get("identities", [b""] * count)
-        digest = ring_digest(ring, nids, fields["pk1"], fields["pk2"], identities)
+        nids, digest = view.holders, view.digest
         sk2 = bytes_to_private_key(self.progress.sk2)
         pair_seeds: dict[int, bytes] = {}
         share_keys: dict[int, bytes] = {}
@@ -323,10 +314,9 @@ class SecAggClient:
                 raise SecAggError(
                     f"{where}: field 'pk1'/'pk2' of node {nid} is not a usable key: {exc}"
                 ) from None
-        self.progress.self_seed = os.urandom(SEED_BYTES)
-        threshold, count = self.params.threshold, len(nids)
-        seed_shares = create_shares(self.progress.self_seed, threshold, count)
-        sk1_shares = create_shares(self.progress.sk1, threshold, count)
+        progress.self_seed = os.urandom(SEED_BYTES)
+        seed_shares = create_shares(progress.self_seed, view.threshold, len(nids))
+        sk1_shares = create_shares(progress.sk1, view.threshold, len(nids))
         dsts: list[int] = []
         ctxts: list[bytes] = []
         for nid, seed_share, sk1_share in zip(nids, seed_shares, sk1_shares, strict=True):
@@ -338,7 +328,7 @@ class SecAggClient:
             ctxts.append(encrypt(share_keys[nid], plaintext))
         progress.pair_seed_of, progress.share_key_of = pair_seeds, share_keys
         progress.identity_of, progress.enforcing, progress.ring_digest = verified, enforcing, digest
-        progress.done = SHARE_KEYS
+        progress.share_threshold, progress.done = view.threshold, SHARE_KEYS
         reply = {"dsts": dsts, "ctxts": ctxts, "seed_commit": seed_commitment(progress.self_seed)}
         if self.identity is not None:
             reply["ring_signature"] = self.identity.sign_ring(*bound, self.node_id, digest)
@@ -362,10 +352,10 @@ class SecAggClient:
         unknown = sorted(set(srcs) - set(self.progress.share_key_of))
         if unknown:
             raise SecAggError(f"{where}: field 'srcs' names node {unknown[0]}, not in the round")
-        if len(srcs) + 1 < self.params.threshold:
+        if len(srcs) + 1 < self.progress.share_threshold:
             raise SecAggError(
                 f"{where}: {len(srcs) + 1} nodes remain, fewer than the threshold "
-                f"{self.params.threshold}"
+                f"{self.progress.share_threshold}"
             )
         trust, bound = self._trust, (round_id, nonce)
         check_masked_with(srcs, fields.get("ring_sigs"), trust, self._min_trusted, bound, where)
@@ -419,6 +409,8 @@ class SecAggClient:
         self._enter(CONSISTENCY)
         fields = check_payload(payload, CONSISTENCY, "down")
         round_id, nonce = self._bind(fields, CONSISTENCY)
+        if self.params.neighbours:  # its survivor set is per neighbourhood: none to sign
+            raise SecAggError(f"{self._where(CONSISTENCY)}: no consistency stage in a sparse ring")
         active = self._active(fields["active_nids"], [], self._where(CONSISTENCY))
         self.progress.consistent, self.progress.done = sorted(active), CONSISTENCY
         if self.identity is None:
@@ -460,10 +452,10 @@ class SecAggClient:
             raise SecAggError(f"{where}: field 'dead_nids' names live node {both[0]}")
         if self.node_id not in active:
             raise SecAggError(f"{where}: field 'active_nids' leaves out this (live) node")
-        if len(active) < self.params.threshold:
+        if len(active) < self.progress.share_threshold:
             raise SecAggError(
                 f"{where}: field 'active_nids' has {len(active)} nodes, fewer than the "
-                f"threshold {self.params.threshold}"
+                f"threshold {self.progress.share_threshold}"
             )
         stranger = sorted((set(active) | set(dead)) - self.progress.masked_with - {self.node_id})
         if stranger:

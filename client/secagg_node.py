@@ -132,9 +132,10 @@ class SecAggRound:
         # The run config's public parameters, not the server's word for them. Under
         # central-target-epsilon sigma is the server's calibration: the node's guarantee is its
         # worst case, checked against its own policy (SecAggClient) and charged to its ledger.
-        pinned = [("clip", cfg.central_clip)]
+        pinned = [("clip", cfg.central_clip), ("neighbours", cfg.secagg_neighbours)]
         if not cfg.central_target_epsilon:
             pinned.append(("sigma", cfg.central_noise_multiplier))
+        setup.setdefault("neighbours", 0)  # absent: the complete graph
         for name, value in pinned:
             if setup[name] != value:
                 raise SecAggError(
@@ -142,7 +143,9 @@ class SecAggRound:
                     f"the run config says {value!r}"
                 )
         try:  # the ring itself is checked against the node's policy by SecAggClient
-            params = RingParams(**{name: setup[name] for name in RING_FIELDS})
+            params = RingParams(
+                **{name: setup[name] for name in RING_FIELDS}, neighbours=setup["neighbours"]
+            )
         except ValueError as exc:
             raise SecAggError(f"secure aggregation, stage 'setup': ring refused: {exc}") from None
         identity = Identity.load(policy.secagg_identity) if policy.secagg_identity else None

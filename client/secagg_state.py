@@ -41,6 +41,7 @@ class RoundProgress:
     enforcing: set[int] = field(default_factory=set)  # those of them signed as enforcing
     ring_digest: bytes = b""  # the ring this node was shown (``ring_digest``)
     consistent: list[int] = field(default_factory=list)  # the survivor set this node signed
+    share_threshold: int = 0  # the shares that rebuild one of its secrets (0: none shared yet)
 
 
 def to_state(client: SecAggClient) -> dict[str, Any]:
@@ -49,7 +50,7 @@ def to_state(client: SecAggClient) -> dict[str, Any]:
     seed = policy.pop("noise_seed")
     state: dict[str, Any] = {
         "node_id": client.node_id,
-        **{f"ring.{name}": getattr(client.params, name) for name in RING_FIELDS},
+        **{f"ring.{name}": getattr(client.params, name) for name in _RING},
         **{f"policy.{name}": policy.pop(name) for name in _POLICY_NUMBERS},
         "noise": client.noise,
         "noise_seed": -1 if seed is None else seed,
@@ -68,6 +69,7 @@ def to_state(client: SecAggClient) -> dict[str, Any]:
         "consistent": list(progress.consistent),
         "enforcing": sorted(progress.enforcing),
         "ring_digest": progress.ring_digest,
+        "share_threshold": progress.share_threshold,
     }
     assert not policy, policy  # every number of the policy is saved
     for name in _STATE_MAPS:
@@ -77,6 +79,8 @@ def to_state(client: SecAggClient) -> dict[str, Any]:
     return state
 
 
+#: The ring's parameters saved as ``ring.<name>``.
+_RING: Final = (*RING_FIELDS, "neighbours")
 #: The policy's numbers saved as ``policy.<name>``, in the order earlier states have them.
 _POLICY_NUMBERS: Final = ("min_noise_multiplier", "colluders", "wrap_probability", "rounding_slack")
 
@@ -84,7 +88,9 @@ _POLICY_NUMBERS: Final = ("min_noise_multiplier", "colluders", "wrap_probability
 def from_state(cls: type[SecAggClient], state: Mapping[str, Any]) -> SecAggClient:
     """``SecAggClient.from_state``."""
     try:
-        params = RingParams(**{name: state[f"ring.{name}"] for name in RING_FIELDS})
+        # (a state saved before sparse rings: the complete graph, its threshold)
+        ring = {"ring.neighbours": 0, **state}
+        params = RingParams(**{name: ring[f"ring.{name}"] for name in _RING})
         seed = int(state["noise_seed"])
         client = cls(
             int(state["node_id"]),
@@ -113,6 +119,7 @@ def from_state(cls: type[SecAggClient], state: Mapping[str, Any]) -> SecAggClien
             # (absent from a state saved before rings were signed: none then)
             enforcing={int(n) for n in state.get("enforcing", [])},
             ring_digest=bytes(state.get("ring_digest", b"")),
+            share_threshold=int(state.get("share_threshold", params.threshold)),
         )
         for name in _STATE_MAPS:
             nids, values = state[f"{name}.nids"], state[f"{name}.values"]

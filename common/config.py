@@ -130,6 +130,9 @@ class FederatedConfig:
     # client adds its share of the central noise (server/secagg_round.py); c colluders tolerated
     secure_aggregation: bool = False
     secagg_colluders: int = 0
+    # each node's neighbours in a sparse ring (SecAgg+: common/aggregation/graph.py); 0: the
+    # complete graph, every node masks with every other
+    secagg_neighbours: int = 0
     # sparsification
     final_rate: float = 0.7
     schedule: ScheduleName = "gradual"

@@ -88,6 +88,8 @@ ADDED_KEYS: Final[dict[str, Any]] = {
     # Every earlier run aggregated in the clear.
     "secure-aggregation": False,
     "secagg-colluders": 0,
+    # Every earlier run masked over the complete graph.
+    "secagg-neighbours": 0,
     # Every simulated node sampled at its real count's rate before it.
     "nominal-size": 0,
     # Every earlier user-level run took central-noise-multiplier as given.

@@ -279,6 +279,13 @@ def _check_dp_level(v: Mapping[str, Any], fail: Fail) -> None:
         fail("central_target_epsilon", "0 (off), or with it dp-level='user'")
     if v["secagg_colluders"] < 0:
         fail("secagg_colluders", ">= 0")
+    neighbours = v["secagg_neighbours"]
+    if neighbours < 0 or neighbours % 2 or neighbours == 1:
+        fail("secagg_neighbours", "0 (the complete graph) or an even number >= 2")
+    if neighbours and not v["secure_aggregation"]:
+        fail("secagg_neighbours", "0, or with it secure-aggregation=true")
+    if neighbours and 0 < v["clients_per_round"] < neighbours + 2:
+        fail("secagg_neighbours", f"at most clients-per-round - 2 = {v['clients_per_round'] - 2}")
     if v["secure_aggregation"]:
         # the server sees no single update: nothing to encode lossily, feed back or save
         needs = _user_level_needs(v)

@@ -90,6 +90,10 @@ MEANINGS: dict[str, str] = {
     "adds its share of the central noise (docs/explanation/secure-aggregation.md).",
     "secagg-colluders": "secure-aggregation: the clients that may collude with the server; the "
     "threshold t is the smallest with 2t - n above it (each node's policy sets its own floor).",
+    "secagg-neighbours": "secure-aggregation: each node's neighbours in a sparse ring "
+    "(SecAgg+: it masks and shares its secrets with these only; an even k, at most "
+    "clients-per-round - 2, fedsparse.common.aggregation.graph.sparse_degree suggests one); "
+    "0: the complete graph.",
     "central-noise": "dp-level=user: where the server's noise comes from: `fresh` from OS "
     "entropy; `seeded` from the run seed, reproducible and not secret (simulations only).",
     "final-rate": "r*: the share of coordinates dropped once the schedule reaches its end "

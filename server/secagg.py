@@ -12,6 +12,10 @@ the sum is theirs), ``U3`` the unmasking (shares). Each set must keep at least `
 the round ends with :class:`SecAggDropoutError`. Unmasking rebuilds, from ``t`` or more
 shares each, the self-mask seed of every node of ``U2`` and the ``sk1`` of every node of
 ``U1 - U2``, whose pairwise masks with ``U2`` it removes; it never asks for both of one node.
+A sparse ring (``params.neighbours``: SecAgg+, ``common/aggregation/graph.py``) does all of
+this per neighbourhood: each node is sent its neighbours' keys, shares with and masks with
+them only, and is asked to unmask for them only; every secret needs its share threshold of
+its holders.
 A rebuilt seed must match the commitment its node sent with its shares, a rebuilt ``sk1`` the
 ``pk1`` its node advertised; when one does not and more than ``t`` shares came, the reply
 whose share is bad is found by leaving each out in turn and named.
@@ -30,7 +34,7 @@ from __future__ import annotations
 import base64
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Final
 
 import torch
 from cryptography.exceptions import InvalidSignature
@@ -43,6 +47,7 @@ from flwr.supercore.primitives.asymmetric import (
     public_key_to_bytes,
 )
 
+from fedsparse.common.aggregation.graph import graph_seed, neighbourhoods
 from fedsparse.common.aggregation.secure import (
     SEED_BYTES,
     RingParams,
@@ -66,6 +71,7 @@ from fedsparse.common.wire.secagg import (
     SecAggError,
     advertisement,
     check_payload,
+    graph_digest,
     payload_bytes,
     ring_digest,
     ring_message,
@@ -74,6 +80,9 @@ from fedsparse.common.wire.secagg import (
 )
 
 __all__ = ["SecAggDropoutError", "SecAggServer"]
+
+
+_UNSIGNED: Final = (b"", b"", 0)  # a member without an identity, as relayed
 
 
 def _verifies(identity: bytes, signature: bytes, message: bytes) -> bool:
@@ -140,6 +149,9 @@ class SecAggServer:
         self._u2: list[int] = []
         self._forward: dict[int, dict[int, bytes]] = {}
         self._masked_total: torch.Tensor | None = None
+        # a sparse ring's neighbourhoods over U0 (node -> its neighbours), its share threshold
+        self._graph: dict[int, list[int]] = {}
+        self._share_threshold = params.threshold
         self._next = SETUP
 
     @property
@@ -190,6 +202,8 @@ class SecAggServer:
     def setup_messages(self) -> dict[int, dict[str, Any]]:
         self._stage(SETUP)
         ring = {name: getattr(self.params, name) for name in RING_FIELDS}
+        if self.params.neighbours:
+            ring["neighbours"] = self.params.neighbours
         return self._send(SETUP, {nid: {STAGE: SETUP, **ring} for nid in self.sampled})
 
     def receive_setup(self, replies: Mapping[int, Any]) -> None:
@@ -221,17 +235,41 @@ class SecAggServer:
     def share_keys_messages(self) -> dict[int, dict[str, Any]]:
         self._stage(SHARE_KEYS)
         u0 = sorted(self._pk)
-        pk1, pk2 = [self._pk[nid][0] for nid in u0], [self._pk[nid][1] for nid in u0]
-        body: dict[str, Any] = {STAGE: SHARE_KEYS, "nids": u0, "pk1": pk1, "pk2": pk2}
-        unsigned = (b"", b"", 0)
-        identities = [self._signed.get(nid, unsigned)[0] for nid in u0]
-        if self._signed:  # relayed for the nodes' own checks (client/secagg_identity.py)
-            body["identities"] = identities
-            body["signatures"] = [self._signed.get(nid, unsigned)[1] for nid in u0]
-            body["enforcing"] = [self._signed.get(nid, unsigned)[2] for nid in u0]
         ring = {name: getattr(self.params, name) for name in RING_FIELDS}
-        self._digest = ring_digest(ring, u0, pk1, pk2, identities)  # what every node is shown
-        return self._send(SHARE_KEYS, {nid: dict(body) for nid in u0})
+        if not self.params.neighbours:  # every node is shown the same ring
+            ids = [self._signed.get(n, _UNSIGNED)[0] for n in u0]
+            self._digest = ring_digest(ring, u0, *self._key_lists(u0), ids)
+            body = self._keys_body(u0)
+            return self._send(SHARE_KEYS, {nid: dict(body) for nid in u0})
+        self._share_threshold = self.params.share_threshold(len(u0))
+        degree = self.params.neighbours
+        seed = graph_seed(self.round_id, self.nonce, degree, u0)
+        self._graph = neighbourhoods(u0, degree, seed)
+        self._digest = graph_digest(ring, degree, u0)
+        payloads = {}
+        for nid in u0:
+            payloads[nid] = self._keys_body(sorted([nid, *self._graph[nid]]))
+            payloads[nid]["members"] = list(u0)
+        return self._send(SHARE_KEYS, payloads)
+
+    def _key_lists(self, nids: list[int]) -> tuple[list[bytes], list[bytes]]:
+        return [self._pk[n][0] for n in nids], [self._pk[n][1] for n in nids]
+
+    def _keys_body(self, nids: list[int]) -> dict[str, Any]:
+        """The share-keys payload's keys of ``nids`` (and their signed advertisements)."""
+        pk1, pk2 = self._key_lists(nids)
+        body: dict[str, Any] = {STAGE: SHARE_KEYS, "nids": nids, "pk1": pk1, "pk2": pk2}
+        if self._signed:  # relayed for the nodes' own checks (client/secagg_identity.py)
+            body["identities"] = [self._signed.get(nid, _UNSIGNED)[0] for nid in nids]
+            body["signatures"] = [self._signed.get(nid, _UNSIGNED)[1] for nid in nids]
+            body["enforcing"] = [self._signed.get(nid, _UNSIGNED)[2] for nid in nids]
+        return body
+
+    def _holders(self, owner: int) -> list[int]:
+        """The nodes ``owner`` sent its shares to, itself included, in Shamir's ``x`` order."""
+        if self._graph:
+            return sorted([owner, *self._graph[owner]])
+        return sorted(self._pk)
 
     def receive_share_keys(self, replies: Mapping[int, Any]) -> None:
         self._stage(SHARE_KEYS)
@@ -240,10 +278,11 @@ class SecAggServer:
         u1 = sorted(checked)
         forward: dict[int, dict[int, bytes]] = {nid: {} for nid in u1}
         for src, reply in checked.items():
-            if sorted(reply["dsts"]) != [nid for nid in u0 if nid != src]:
+            if sorted(reply["dsts"]) != [nid for nid in self._holders(src) if nid != src]:
+                others = "neighbour" if self._graph else "other node of the round"
                 raise SecAggError(
                     f"secure aggregation, stage {SHARE_KEYS!r}: field 'dsts' of node {src} "
-                    "must name every other node of the round once",
+                    f"must name every {others} once",
                     node=src,
                 )
             if len(reply["seed_commit"]) != COMMIT_BYTES:
@@ -310,8 +349,9 @@ class SecAggServer:
 
     @property
     def checks_consistency(self) -> bool:
-        """Whether the consistency stage runs: some node signed its keys at setup."""
-        return bool(self._signed)
+        """Whether the consistency stage runs: some node signed its keys at setup (over the
+        complete graph: a sparse ring's nodes enforce nothing, ``client/secagg.py``)."""
+        return bool(self._signed) and not self.params.neighbours
 
     def consistency_messages(self) -> dict[int, dict[str, Any]]:
         """The survivor set ``U2``, for each survivor to sign."""
@@ -350,7 +390,12 @@ class SecAggServer:
             body["signers"] = signers
             body["consistency_sigs"] = [self._survivor_sigs[n] for n in signers]
         asked = self._u2 if self._u3 is None else self._u3
-        return self._send(UNMASK, {nid: dict(body) for nid in asked})
+        payloads = {nid: dict(body) for nid in asked}
+        for nid in payloads if self._graph else ():  # a node's neighbourhood only
+            held = set(self._holders(nid))
+            payloads[nid]["active_nids"] = [n for n in self._u2 if n in held]
+            payloads[nid]["dead_nids"] = [n for n in dead if n in held]
+        return self._send(UNMASK, payloads)
 
     def receive_unmask(self, replies: Mapping[int, Any]) -> torch.Tensor:
         """The ring sum of the survivors' inputs (``U2``), masks removed."""
@@ -359,15 +404,19 @@ class SecAggServer:
         dead = [nid for nid in self._u1 if nid not in self._u2]
         expected = sorted(self._u2 + dead)
         shares: dict[int, list[tuple[int, bytes]]] = {nid: [] for nid in expected}
+        everyone = {h: x for x, h in enumerate(sorted(self._pk), start=1)}  # Shamir's x
+        x_of = {o: {h: x for x, h in enumerate(self._holders(o), start=1)} for o in self._graph}
         for nid, reply in checked.items():
-            if sorted(reply["nids"]) != expected:
+            named = [n for n in expected if not self._graph or nid in x_of[n]]
+            if sorted(reply["nids"]) != named:
                 raise SecAggError(
                     f"secure aggregation, stage {UNMASK!r}: field 'nids' of node {nid} must "
-                    "name every live and dead node once",
+                    "name every live and dead node "
+                    + ("of its neighbourhood once" if self._graph else "once"),
                     node=nid,
                 )
-            index = sorted(self._pk).index(nid) + 1  # Shamir's x of the shares nid was sent
             for owner, share in zip(reply["nids"], reply["shares"], strict=True):
+                index = x_of[owner][nid] if self._graph else everyone[nid]
                 if int.from_bytes(share[:4], "little") != index:
                     raise SecAggError(
                         f"secure aggregation, stage {UNMASK!r}: field 'shares' of node {nid} "
@@ -375,6 +424,11 @@ class SecAggServer:
                         node=nid,
                     )
                 shares[owner].append((nid, share))
+        for owner in (o for o in expected if len(shares[o]) < self._share_threshold):
+            raise SecAggDropoutError(
+                f"secure aggregation, stage {UNMASK!r}: node {owner}'s secret has "
+                f"{len(shares[owner])} shares, fewer than the threshold {self._share_threshold}"
+            )
         self_seeds = [
             self._secret(shares[nid], nid, "self-mask seed", self._seed_ok) for nid in self._u2
         ]
@@ -382,6 +436,8 @@ class SecAggServer:
         for gone in dead:
             private = bytes_to_private_key(self._secret(shares[gone], gone, "key", self._key_ok))
             for live in self._u2:
+                if self._graph and live not in self._graph[gone]:
+                    continue  # they never masked with each other
                 key = generate_shared_key(private, bytes_to_public_key(self._pk[live][0]))
                 pairs.append((live, gone, base64.urlsafe_b64decode(key)))
         assert self._masked_total is not None
@@ -412,7 +468,7 @@ class SecAggServer:
         if secret is not None:
             return secret
         culprit = None
-        if len(shares) > self.params.threshold:  # leave each reply out: which one breaks it?
+        if len(shares) > self._share_threshold:  # leave each reply out: which one breaks it?
             for sender, _ in shares:
                 rest = [share for nid, share in shares if nid != sender]
                 if self._combine(rest, owner, valid) is not None:

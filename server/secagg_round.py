@@ -35,6 +35,7 @@ a round ran reveals whether ``n < 2``. The server can never release noise itself
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import statistics
@@ -143,6 +144,8 @@ def _run(
         params = ring(strategy.central_sigma)
     else:
         params = ring(sigma=cfg.central_noise_multiplier)
+    if cfg.secagg_neighbours:  # a sparse ring (SecAgg+): ValueError for too few nodes
+        params = dataclasses.replace(params, neighbours=cfg.secagg_neighbours)
     server = SecAggServer(params, nodes, round_id=stats.server_round)
     setup = server.setup_messages()
     for message in messages:

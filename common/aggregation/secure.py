@@ -52,6 +52,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from fedsparse.common.aggregation import graph
 from fedsparse.common.aggregation.secure_masks import (
     PAIR_LABEL,
     SEED_BYTES,
@@ -155,9 +156,18 @@ class RingParams:
     """``b``: the ring is the integers mod ``2^b``."""
     colluders: int = 0
     """``c``: the clients that may collude with the server; the threshold keeps ``2t - n > c``."""
+    neighbours: int = 0
+    """Each client's neighbours in a sparse ring (SecAgg+: ``common/aggregation/graph.py``;
+    even, at most ``n - 2``); 0: every other client (the complete graph)."""
 
     def __post_init__(self) -> None:
         check_threshold(self.clients, self.threshold, self.colluders)
+        sparse_ok = 2 <= self.neighbours <= self.clients - 2 and not self.neighbours % 2
+        if self.neighbours and not sparse_ok:
+            raise ValueError(
+                "neighbours must be 0 (the complete graph) or even in [2, clients - 2 = "
+                f"{self.clients - 2}], got {self.neighbours}"
+            )
         for name in ("clip", "scale"):
             value = getattr(self, name)
             if not (value > 0 and math.isfinite(value)):
@@ -168,6 +178,13 @@ class RingParams:
             raise ValueError(f"kept must be >= 1, got {self.kept}")
         if not 2 <= self.bits <= MAX_BITS:
             raise ValueError(f"bits must be in [2, {MAX_BITS}], got {self.bits}")
+
+    def share_threshold(self, members: int) -> int:
+        """The shares that rebuild a secret of a ring of ``members``: ``threshold`` over the
+        complete graph, :func:`graph.share_threshold` over a sparse one."""
+        if not self.neighbours:
+            return self.threshold
+        return graph.share_threshold(members, self.neighbours, self.colluders)
 
     @property
     def modulus(self) -> int:

@@ -31,6 +31,15 @@ collect and unmask: each survivor signs the set of nodes whose inputs the sum ho
 its ring's digest (``b""``: a node without an identity), and the unmask stage relays the
 signatures.
 
+A sparse ring (SecAgg+, ``common/aggregation/graph.py``) adds two fields: the setup's
+``neighbours`` (``k``), and the share-keys stage's ``members`` (every member's id, from which
+each node computes its own ``k`` neighbours); then ``nids``, ``pk1``, ``pk2`` (and the
+identity lists) are the node's own neighbourhood, the node included, ``dsts`` its
+neighbours, the collect stage's ``srcs`` and the unmask stage's ``active_nids`` and
+``dead_nids`` lie in it, and the ring a signing node signs is :func:`graph_digest` (the
+parameters, ``k`` and the members). The complete graph sends neither field: its payloads
+are byte for byte what they were.
+
 Every message from the server also carries the round's ``round_id`` and ``nonce`` (the
 server's random bytes): a client binds the round to them at setup and releases one masked
 input per ``round_id``, whose reply names the round again.
@@ -63,6 +72,7 @@ __all__ = [
     "UP",
     "SecAggError",
     "advertisement",
+    "graph_digest",
     "ring_digest",
     "ring_message",
     "check_payload",
@@ -106,7 +116,9 @@ COMMIT_BYTES: Final = 32
 MAX_FIELD_BYTES: Final = 4096
 """The most bytes a key, share, nonce or ciphertext may have (theirs are a few hundred)."""
 #: Fields whose ints are node ids (Flower's are unsigned 64-bit).
-NODE_ID_FIELDS: Final = frozenset({"nids", "dsts", "srcs", "active_nids", "dead_nids", "signers"})
+NODE_ID_FIELDS: Final = frozenset(
+    {"nids", "dsts", "srcs", "active_nids", "dead_nids", "signers", "members"}
+)
 
 #: Field -> type: ``int``, ``float``, ``bytes``, or ``(list, element type)``.
 DOWN: Final[dict[str, dict[str, Any]]] = {
@@ -136,6 +148,11 @@ OPTIONAL: Final[dict[tuple[str, str], dict[str, Any]]] = {
     (COLLECT, "down"): {"ring_sigs": (list, bytes)},
     (UNMASK, "down"): {"signers": (list, int), "consistency_sigs": (list, bytes)},
 }
+#: A sparse ring's fields (travelling together, as ``OPTIONAL``'s; absent: the complete graph).
+SPARSE: Final[dict[tuple[str, str], dict[str, Any]]] = {
+    (SETUP, "down"): {"neighbours": int},
+    (SHARE_KEYS, "down"): {"members": (list, int)},
+}
 #: Lists that pair up element by element (with the optional lists, when present).
 PARALLEL: Final[dict[tuple[str, str], tuple[str, ...]]] = {
     (SHARE_KEYS, "down"): ("nids", "pk1", "pk2"),
@@ -150,6 +167,7 @@ _ADVERTISEMENT: Final = b"fedsparse/secagg/advertisement/v2\x00"
 _RING_VIEW: Final = b"fedsparse/secagg/ring/v1\x00"
 _RING_DIGEST: Final = b"fedsparse/secagg/ring-digest/v1\x00"
 _SURVIVORS: Final = b"fedsparse/secagg/survivors/v2\x00"
+_GRAPH_DIGEST: Final = b"fedsparse/secagg/graph-digest/v1\x00"
 
 
 def _framed(*parts: bytes) -> bytes:
@@ -183,6 +201,20 @@ def ring_digest(
         digest.update(_framed(f"{name}={value}".encode()))
     for nid, key1, key2, identity in sorted(zip(nids, pk1, pk2, identities, strict=True)):
         digest.update(_framed(nid.to_bytes(8, "big"), key1, key2, identity))
+    return digest.digest()
+
+
+def graph_digest(ring: Mapping[str, Any], neighbours: int, members: Sequence[int]) -> bytes:
+    """The SHA-256 of a sparse ring as every member is shown it: its parameters
+    (``RING_FIELDS``), ``neighbours`` and the sorted member ids (each member sees only its
+    neighbours' keys, which their own signatures cover)."""
+    digest = hashlib.sha256(_GRAPH_DIGEST)
+    for name, kind in RING_FIELDS.items():
+        value = repr(float(ring[name])) if kind is float else str(int(ring[name]))
+        digest.update(_framed(f"{name}={value}".encode()))
+    digest.update(_framed(f"neighbours={int(neighbours)}".encode()))
+    for nid in sorted(members):
+        digest.update(nid.to_bytes(8, "big"))
     return digest.digest()
 
 
@@ -238,11 +270,18 @@ def check_payload(payload: Any, stage: str, direction: str) -> dict[str, Any]:
         raise SecAggError(f"{where}: field {STAGE!r} must be {stage!r}, got {payload.get(STAGE)!r}")
     if direction == "up" and STAGE in payload:
         raise SecAggError(f"{where}: unexpected field {STAGE!r} in a reply")
-    optional = OPTIONAL.get((stage, direction), {})
-    present = [field for field in optional if field in payload]
-    if present and len(present) != len(optional):
-        missing = next(field for field in optional if field not in payload)
-        raise SecAggError(f"{where}: field {missing!r} is missing (it comes with {present[0]!r})")
+    optional: dict[str, Any] = {}
+    present: list[str] = []
+    paired: list[str] = []  # the optional lists that pair with the stage's (not the members)
+    for group in (OPTIONAL.get((stage, direction), {}), SPARSE.get((stage, direction), {})):
+        here = [field for field in group if field in payload]
+        if here and len(here) != len(group):
+            missing = next(field for field in group if field not in payload)
+            raise SecAggError(f"{where}: field {missing!r} is missing (it comes with {here[0]!r})")
+        if group is OPTIONAL.get((stage, direction)):
+            paired = [field for field in here if isinstance(group[field], tuple)]
+        optional |= group
+        present += here
     out: dict[str, Any] = {}
     for field, spec in {**schema, **{f: optional[f] for f in present}}.items():
         if field not in payload:
@@ -260,7 +299,7 @@ def check_payload(payload: Any, stage: str, direction: str) -> dict[str, Any]:
     if extra:
         raise SecAggError(f"{where}: unexpected field {extra[0]!r}")
     lists = PARALLEL.get((stage, direction), ())
-    lists = (*lists, *[field for field in present if isinstance(optional[field], tuple)])
+    lists = (*lists, *paired)
     lengths = {field: len(out[field]) for field in lists}
     if len(set(lengths.values())) > 1:
         sizes = ", ".join(f"{f}={n}" for f, n in lengths.items())

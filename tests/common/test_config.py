@@ -396,3 +396,30 @@ def test_secure_aggregation_is_distributed_dp_fedavg_in_fp32(
         FederatedConfig(secure_aggregation=True, **overrides)  # type: ignore[arg-type]
     ok = FederatedConfig(secure_aggregation=True, dp_level="user", clients_per_round=4)
     assert ok.to_run_config()["secure-aggregation"] is True
+
+
+@pytest.mark.parametrize(
+    ("neighbours", "clients", "secure", "message"),
+    [
+        (3, 10, True, r"secagg-neighbours=3: expected 0 \(the complete graph\) or an even"),
+        (-2, 10, True, "secagg-neighbours=-2: expected 0"),
+        (4, 10, False, "secagg-neighbours=4: expected 0, or with it secure-aggregation=true"),
+        (10, 10, True, "secagg-neighbours=10: expected at most clients-per-round - 2 = 8"),
+    ],
+)
+def test_a_sparse_ring_is_an_even_degree_below_the_round_under_secure_aggregation(
+    neighbours: int, clients: int, secure: bool, message: str
+) -> None:
+    level = "user" if secure else "sample"
+    with pytest.raises(ValueError, match=message):
+        FederatedConfig(
+            secure_aggregation=secure,
+            dp_level=level,  # type: ignore[arg-type]
+            clients_per_round=clients,
+            secagg_neighbours=neighbours,
+        )
+    ok = FederatedConfig(
+        secure_aggregation=True, dp_level="user", clients_per_round=10, secagg_neighbours=8
+    )
+    assert ok.to_run_config()["secagg-neighbours"] == 8
+    assert FederatedConfig.from_run_config(ok.to_run_config()).secagg_neighbours == 8

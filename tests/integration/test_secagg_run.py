@@ -605,3 +605,37 @@ def test_nodes_with_keys_of_their_own_enforce_and_move_the_model_as_unsigned_nod
     first = json.loads((tmp_path / "short" / "rounds.jsonl").read_text().splitlines()[0])
     outside = "1 of the ring's 5 other members are off this node's roster or enforce nothing"
     assert first["failed"] and sum(outside in r for r in first["rejected"]) == NODES - 1
+
+
+@pytest.mark.slow
+def test_a_sparse_ring_moves_the_model_as_the_complete_graph_for_fewer_key_bytes(
+    tmp_path: Path, recorder: Recorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through the ClientApp with ``secagg-neighbours = 2`` (each of 6 nodes masks with and
+    shares among 2): the same ring inputs, so the model moves bit for bit as over the complete
+    graph, and each key-sharing stage costs less both ways; a node lost before its masked
+    input leaves the survivors' sum exact (its neighbours' shares rebuild its key)."""
+    sparse = _run(tmp_path / "sparse", secagg_neighbours=2)
+    models = {r: after.clone() for r, (_, after, _) in recorder.models.items()}
+    assert all(recorder.decoded[r][1].neighbours == 2 for r in (1, 2))
+    complete = _run(tmp_path / "complete")
+    assert [r["num_accepted"] for r in sparse] == [NODES, NODES]
+    for server_round, (_, after, _) in recorder.models.items():
+        assert torch.equal(models[server_round], after)
+    for s, c in zip(sparse, complete, strict=True):
+        assert s["epsilon_max"] == c["epsilon_max"]
+        assert s["central_epsilon"] == c["central_epsilon"]
+        for direction in ("up", "down"):
+            keys_s, keys_c = s["secagg_bytes"]["share_keys"], c["secagg_bytes"]["share_keys"]
+            assert keys_s[direction] < keys_c[direction]
+        assert (
+            s["secagg_bytes"]["collect_masked_vectors"]["up"]
+            == (c["secagg_bytes"]["collect_masked_vectors"]["up"])
+        )
+    lost = 1003
+    monkeypatch.setattr(client_module, "answer", _failing(lost, COLLECT))
+    rounds = _run(tmp_path / "lost", num_rounds=1, secagg_neighbours=2)
+    noisy_sum, _, survivors = recorder.decoded[1]
+    assert lost not in survivors and len(survivors) == NODES - 1
+    assert torch.equal(noisy_sum, _plaintext(recorder, 1))
+    assert not rounds[0]["failed"]
