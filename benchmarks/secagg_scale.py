@@ -11,8 +11,9 @@ masks come off through their key's shares, the costliest path) and the ring for
 shares (``common/aggregation/graph.py``) unless ``--neighbours`` names one.
 
 Printed per configuration: each stage's bytes per client, down and up (the payloads as a
-Flower ``ConfigRecord`` counts them), the key and share traffic (every stage but the masked
-values) against the masked payload, and the wall time of the clients (all of them, one
+Flower ``ConfigRecord`` counts them, per message a client got and per reply it sent), the
+key and share traffic of a client that stays (every stage but the masked values) against
+its masked payload, and the wall time of the clients (all of them, one
 after another) and of the server per stage, and the round's. The complete graph costs
 ``O(n^2)`` keys and shares in all, so it runs only up to ``--complete-up-to`` clients.
 
@@ -61,6 +62,7 @@ def one_round(
     }
     lost = set(ids[:: max(1, clients // dropouts)][:dropouts]) if dropouts else set()
     times: dict[str, tuple[float, float]] = {}
+    counts: dict[str, tuple[int, int]] = {}  # stage -> (messages sent, replies)
 
     def stage(name: str, messages: Any, receive: Any, skip: frozenset[int] = frozenset()) -> Any:
         start = time.perf_counter()
@@ -75,6 +77,7 @@ def one_round(
         out = receive(replies)
         end = time.perf_counter()
         times[name] = (clients_done - mid, (mid - start) + (end - clients_done))
+        counts[name] = (len(msgs), len(replies))
         return out
 
     stage(SETUP, server.setup_messages, server.receive_setup)
@@ -82,8 +85,9 @@ def one_round(
     stage(COLLECT, server.collect_messages, server.receive_collect, skip=frozenset(lost))
     total = stage(UNMASK, server.unmask_messages, server.receive_unmask)
     assert total.shape == (kept,)
-    per_client = {
-        s: (server.bytes[s]["down"] / clients, server.bytes[s]["up"] / clients) for s in STAGES
+    per_client = {  # per message a client got, per reply it sent
+        s: (server.bytes[s]["down"] / counts[s][0], server.bytes[s]["up"] / counts[s][1])
+        for s in STAGES
     }
     return {
         "params": params,

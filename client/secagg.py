@@ -42,23 +42,13 @@ from collections.abc import Iterable, Mapping
 from typing import Any, Final, Literal
 
 import torch
-from cryptography.fernet import InvalidToken
-from flwr.common.secure_aggregation.crypto.shamir import create_shares
 from flwr.common.secure_aggregation.crypto.symmetric_encryption import (
-    decrypt,
-    encrypt,
     generate_shared_key,
-)
-from flwr.common.secure_aggregation.secaggplus_utils import (
-    share_keys_plaintext_concat,
-    share_keys_plaintext_separate,
 )
 from flwr.supercore.primitives.asymmetric import (
     bytes_to_private_key,
-    bytes_to_public_key,
     generate_key_pairs,
     private_key_to_bytes,
-    public_key_to_bytes,
 )
 
 from fedsparse.client import secagg_state
@@ -69,7 +59,14 @@ from fedsparse.client.secagg_identity import (
     check_members,
     check_survivors,
 )
-from fedsparse.client.secagg_ring import ring_view
+from fedsparse.client.secagg_ring import (
+    decode_public,
+    encode_public,
+    make_shares,
+    ring_view,
+    seal,
+    unseal,
+)
 from fedsparse.client.secagg_state import RoundProgress
 from fedsparse.client.secagg_streams import fresh_generators, pair_seed, seeded_generators
 from fedsparse.common.aggregation.secure import (
@@ -199,6 +196,14 @@ class SecAggClient:
         return list(self.progress.consistent)
 
     @property
+    def share_threshold(self) -> int:
+        """The shares that rebuild one of its secrets this round: the ring's threshold over
+        the complete graph, over a sparse ring the one its member count gives."""
+        if not self.params.neighbours or not self.progress.members:
+            return self.params.threshold
+        return self.params.share_threshold(self.progress.members)
+
+    @property
     def policy(self) -> dict[str, Any]:
         """The node policy's numbers it was made with (``secagg_state.to_state`` saves them;
         a simulation's noise seed among them: kept on the node, as the state is)."""
@@ -271,10 +276,10 @@ class SecAggClient:
             done=SETUP,
             sk1=private_key_to_bytes(sk1),
             sk2=private_key_to_bytes(sk2),
-            pk1=public_key_to_bytes(pk1),
-            pk2=public_key_to_bytes(pk2),
+            pk1=encode_public(bool(self.params.neighbours), pk1),
+            pk2=encode_public(bool(self.params.neighbours), pk2),
         )
-        reply: dict[str, Any] = {"pk1": progress.pk1, "pk2": progress.pk2}
+        reply: dict[str, Any] = {"pk1": progress.pk1, "pk2": progress.pk2}  # (sparse: compact)
         reply["seeded_noise"] = int(self.noise == "seeded")
         if self.identity is not None:  # signed: its keys, and whether it enforces its checks
             enforces = int(self._min_trusted > 0)
@@ -300,7 +305,7 @@ class SecAggClient:
         verified, enforcing = check_members(
             fields, self.node_id, bound, roster, self._min_trusted, colluders, where
         )
-        nids, digest = view.holders, view.digest
+        nids, digest, sparse = view.holders, view.digest, bool(self.params.neighbours)
         sk2 = bytes_to_private_key(self.progress.sk2)
         pair_seeds: dict[int, bytes] = {}
         share_keys: dict[int, bytes] = {}
@@ -308,27 +313,28 @@ class SecAggClient:
             if nid == self.node_id:
                 continue
             try:  # both of a peer's keys must parse and agree with this node's now
-                pair_seeds[nid] = pair_seed(self.progress.sk1, pk1)
-                share_keys[nid] = generate_shared_key(sk2, bytes_to_public_key(pk2))
+                pair_seeds[nid] = pair_seed(self.progress.sk1, decode_public(sparse, pk1))
+                share_keys[nid] = generate_shared_key(sk2, decode_public(sparse, pk2))
             except (ValueError, TypeError, AssertionError) as exc:
                 raise SecAggError(
                     f"{where}: field 'pk1'/'pk2' of node {nid} is not a usable key: {exc}"
                 ) from None
         progress.self_seed = os.urandom(SEED_BYTES)
-        seed_shares = create_shares(progress.self_seed, view.threshold, len(nids))
-        sk1_shares = create_shares(progress.sk1, view.threshold, len(nids))
+        seed_shares, sk1_shares = make_shares(
+            sparse, view.threshold, len(nids), progress.self_seed, progress.sk1
+        )
         dsts: list[int] = []
         ctxts: list[bytes] = []
         for nid, seed_share, sk1_share in zip(nids, seed_shares, sk1_shares, strict=True):
             if nid == self.node_id:
                 progress.seed_shares[nid], progress.sk1_shares[nid] = seed_share, sk1_share
                 continue
-            plaintext = share_keys_plaintext_concat(self.node_id, nid, seed_share, sk1_share)
             dsts.append(nid)
-            ctxts.append(encrypt(share_keys[nid], plaintext))
+            shares = (seed_share, sk1_share)
+            ctxts.append(seal(sparse, share_keys[nid], bound, self.node_id, nid, shares))
         progress.pair_seed_of, progress.share_key_of = pair_seeds, share_keys
         progress.identity_of, progress.enforcing, progress.ring_digest = verified, enforcing, digest
-        progress.share_threshold, progress.done = view.threshold, SHARE_KEYS
+        progress.members, progress.done = view.members, SHARE_KEYS
         reply = {"dsts": dsts, "ctxts": ctxts, "seed_commit": seed_commitment(progress.self_seed)}
         if self.identity is not None:
             reply["ring_signature"] = self.identity.sign_ring(*bound, self.node_id, digest)
@@ -352,28 +358,21 @@ class SecAggClient:
         unknown = sorted(set(srcs) - set(self.progress.share_key_of))
         if unknown:
             raise SecAggError(f"{where}: field 'srcs' names node {unknown[0]}, not in the round")
-        if len(srcs) + 1 < self.progress.share_threshold:
+        if len(srcs) + 1 < self.share_threshold:
             raise SecAggError(
                 f"{where}: {len(srcs) + 1} nodes remain, fewer than the threshold "
-                f"{self.progress.share_threshold}"
+                f"{self.share_threshold}"
             )
         trust, bound = self._trust, (round_id, nonce)
         check_masked_with(srcs, fields.get("ring_sigs"), trust, self._min_trusted, bound, where)
         received: dict[int, tuple[bytes, bytes]] = {}
+        sparse = bool(self.params.neighbours)
         for src, ciphertext in zip(srcs, fields["ctxts"], strict=True):
+            key = self.progress.share_key_of[src]
             try:
-                actual_src, dst, seed_share, sk1_share = share_keys_plaintext_separate(
-                    decrypt(self.progress.share_key_of[src], ciphertext)
-                )
-            except (InvalidToken, ValueError, IndexError):
-                raise SecAggError(
-                    f"{where}: field 'ctxts' from node {src} does not decrypt"
-                ) from None
-            if actual_src != src or dst != self.node_id:
-                raise SecAggError(
-                    f"{where}: field 'ctxts' from node {src} carries {actual_src} -> {dst}"
-                )
-            received[src] = (seed_share, sk1_share)
+                received[src] = unseal(sparse, key, bound, src, self.node_id, ciphertext)
+            except ValueError as exc:
+                raise SecAggError(f"{where}: field 'ctxts' from node {src} {exc}") from None
         values = self._own_values(values)
         rounding, noise = (
             fresh_generators()
@@ -452,10 +451,10 @@ class SecAggClient:
             raise SecAggError(f"{where}: field 'dead_nids' names live node {both[0]}")
         if self.node_id not in active:
             raise SecAggError(f"{where}: field 'active_nids' leaves out this (live) node")
-        if len(active) < self.progress.share_threshold:
+        if len(active) < self.share_threshold:
             raise SecAggError(
                 f"{where}: field 'active_nids' has {len(active)} nodes, fewer than the "
-                f"threshold {self.progress.share_threshold}"
+                f"threshold {self.share_threshold}"
             )
         stranger = sorted((set(active) | set(dead)) - self.progress.masked_with - {self.node_id})
         if stranger:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
 from fedsparse.common.aggregation.secure import RingParams
-from fedsparse.common.wire.secagg import ALL_STAGES, RING_FIELDS, UNMASK, SecAggError
+from fedsparse.common.wire.secagg import ALL_STAGES, RING_FIELDS, SETUP, UNMASK, SecAggError
 
 if TYPE_CHECKING:
     from fedsparse.client.secagg import SecAggClient
@@ -41,7 +41,7 @@ class RoundProgress:
     enforcing: set[int] = field(default_factory=set)  # those of them signed as enforcing
     ring_digest: bytes = b""  # the ring this node was shown (``ring_digest``)
     consistent: list[int] = field(default_factory=list)  # the survivor set this node signed
-    share_threshold: int = 0  # the shares that rebuild one of its secrets (0: none shared yet)
+    members: int = 0  # the ring's member count, from the key sharing (0: none yet)
 
 
 def to_state(client: SecAggClient) -> dict[str, Any]:
@@ -69,7 +69,7 @@ def to_state(client: SecAggClient) -> dict[str, Any]:
         "consistent": list(progress.consistent),
         "enforcing": sorted(progress.enforcing),
         "ring_digest": progress.ring_digest,
-        "share_threshold": progress.share_threshold,
+        "members": progress.members,
     }
     assert not policy, policy  # every number of the policy is saved
     for name in _STATE_MAPS:
@@ -119,7 +119,7 @@ def from_state(cls: type[SecAggClient], state: Mapping[str, Any]) -> SecAggClien
             # (absent from a state saved before rings were signed: none then)
             enforcing={int(n) for n in state.get("enforcing", [])},
             ring_digest=bytes(state.get("ring_digest", b"")),
-            share_threshold=int(state.get("share_threshold", params.threshold)),
+            members=int(state.get("members", 0)),
         )
         for name in _STATE_MAPS:
             nids, values = state[f"{name}.nids"], state[f"{name}.values"]
@@ -131,5 +131,11 @@ def from_state(cls: type[SecAggClient], state: Mapping[str, Any]) -> SecAggClien
         ) from None
     if progress.done not in ALL_STAGES:
         raise SecAggError(f"secure aggregation: saved stage {progress.done!r} is unknown")
+    shared = progress.done not in (SETUP, UNMASK)  # its secrets are shared in a ring
+    if params.neighbours and shared and not params.threshold <= progress.members <= params.clients:
+        raise SecAggError(
+            f"secure aggregation: the saved member count {progress.members} is not a ring's "
+            f"(threshold {params.threshold}, clients {params.clients})"
+        )
     client.progress = progress
     return client

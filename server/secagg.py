@@ -33,13 +33,12 @@ from __future__ import annotations
 
 import base64
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 import torch
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
-from flwr.common.secure_aggregation.crypto.shamir import combine_shares
 from flwr.common.secure_aggregation.crypto.symmetric_encryption import generate_shared_key
 from flwr.supercore.primitives.asymmetric import (
     bytes_to_private_key,
@@ -47,7 +46,7 @@ from flwr.supercore.primitives.asymmetric import (
     public_key_to_bytes,
 )
 
-from fedsparse.common.aggregation.graph import graph_seed, neighbourhoods
+from fedsparse.common.aggregation.graph import graph_seed, neighbourhoods, parts
 from fedsparse.common.aggregation.secure import (
     SEED_BYTES,
     RingParams,
@@ -57,6 +56,7 @@ from fedsparse.common.aggregation.secure import (
     ring_sum,
     unpack_ring,
 )
+from fedsparse.common.aggregation.shamir import SHARE_BYTES
 from fedsparse.common.wire.secagg import (
     COLLECT,
     COMMIT_BYTES,
@@ -78,6 +78,8 @@ from fedsparse.common.wire.secagg import (
     seed_commitment,
     survivors_message,
 )
+from fedsparse.common.wire.secagg_compact import compressed, load_compressed
+from fedsparse.server.secagg_rebuild import Share, rebuild
 
 __all__ = ["SecAggDropoutError", "SecAggServer"]
 
@@ -142,6 +144,7 @@ class SecAggServer:
         # node -> (identity, signature, enforces): its signed advertisement
         self._signed: dict[int, tuple[bytes, bytes, int]] = {}
         self._digest = b""  # the ring the share-keys stage shows every node (ring_digest)
+        self._digests: dict[int, bytes] = {}  # a sparse ring's, node by node (graph_digest)
         self._ring_sigs: dict[int, bytes] = {}  # node -> its signature of that ring
         self._u3: list[int] | None = None  # who answered the consistency stage (if it ran)
         self._survivor_sigs: dict[int, bytes] = {}
@@ -245,11 +248,13 @@ class SecAggServer:
         degree = self.params.neighbours
         seed = graph_seed(self.round_id, self.nonce, degree, u0)
         self._graph = neighbourhoods(u0, degree, seed)
-        self._digest = graph_digest(ring, degree, u0)
         payloads = {}
         for nid in u0:
-            payloads[nid] = self._keys_body(sorted([nid, *self._graph[nid]]))
-            payloads[nid]["members"] = list(u0)
+            body = self._keys_body(sorted([nid, *self._graph[nid]]))
+            ids = body.get("identities", [b""] * len(body["nids"]))
+            view = ring_digest(ring, body["nids"], body["pk1"], body["pk2"], ids)
+            self._digests[nid] = graph_digest(ring, degree, u0, view)  # each node's own
+            payloads[nid] = body | {"members": list(u0)}
         return self._send(SHARE_KEYS, payloads)
 
     def _key_lists(self, nids: list[int]) -> tuple[list[bytes], list[bytes]]:
@@ -294,7 +299,8 @@ class SecAggServer:
             signature = reply.get("ring_signature")
             if src in self._signed:  # a node that signs signs the ring it was shown
                 identity = self._signed[src][0]
-                message = ring_message(self.round_id, self.nonce, src, self._digest)
+                digest = self._digests.get(src, self._digest)
+                message = ring_message(self.round_id, self.nonce, src, digest)
                 if signature is None or not _verifies(identity, signature, message):
                     raise SecAggError(
                         f"secure aggregation, stage {SHARE_KEYS!r}: field 'ring_signature' of "
@@ -342,6 +348,13 @@ class SecAggServer:
                     f"{nid}: {exc}",
                     node=nid,
                 ) from None
+        split = parts(self._graph, checked) if self._graph else []
+        if len(split) > 1:  # each part's sum could be decoded apart: none is
+            raise SecAggDropoutError(
+                f"secure aggregation, stage {COLLECT!r}: the {len(checked)} survivors fall into "
+                f"{len(split)} parts of the sparse ring (the smallest of "
+                f"{min(map(len, split))} nodes): no sum is decoded"
+            )
         self._masked_total = ring_sum(vectors, self.params.bits)
         self._u2 = sorted(checked)
         self._forward = {}
@@ -403,7 +416,7 @@ class SecAggServer:
         checked = self._replies(UNMASK, replies, self._u2 if self._u3 is None else self._u3)
         dead = [nid for nid in self._u1 if nid not in self._u2]
         expected = sorted(self._u2 + dead)
-        shares: dict[int, list[tuple[int, bytes]]] = {nid: [] for nid in expected}
+        shares: dict[int, list[Share]] = {nid: [] for nid in expected}
         everyone = {h: x for x, h in enumerate(sorted(self._pk), start=1)}  # Shamir's x
         x_of = {o: {h: x for x, h in enumerate(self._holders(o), start=1)} for o in self._graph}
         for nid, reply in checked.items():
@@ -417,28 +430,38 @@ class SecAggServer:
                 )
             for owner, share in zip(reply["nids"], reply["shares"], strict=True):
                 index = x_of[owner][nid] if self._graph else everyone[nid]
-                if int.from_bytes(share[:4], "little") != index:
+                # a sparse ring's share is its y alone (x: the holder's place)
+                if (
+                    (len(share) != SHARE_BYTES)
+                    if self._graph
+                    else (int.from_bytes(share[:4], "little") != index)
+                ):
                     raise SecAggError(
                         f"secure aggregation, stage {UNMASK!r}: field 'shares' of node {nid} "
                         f"holds a share of node {owner} that was not sent to it",
                         node=nid,
                     )
-                shares[owner].append((nid, share))
+                shares[owner].append((nid, index, share))
         for owner in (o for o in expected if len(shares[o]) < self._share_threshold):
             raise SecAggDropoutError(
                 f"secure aggregation, stage {UNMASK!r}: node {owner}'s secret has "
                 f"{len(shares[owner])} shares, fewer than the threshold {self._share_threshold}"
             )
+        sparse, t = bool(self._graph), self._share_threshold
         self_seeds = [
-            self._secret(shares[nid], nid, "self-mask seed", self._seed_ok) for nid in self._u2
+            rebuild(shares[nid], nid, "self-mask seed", self._seed_ok, t, sparse)
+            for nid in self._u2
         ]
         pairs = []
         for gone in dead:
-            private = bytes_to_private_key(self._secret(shares[gone], gone, "key", self._key_ok))
+            secret = rebuild(shares[gone], gone, "key", self._key_ok, t, sparse)
+            private = bytes_to_private_key(secret)
             for live in self._u2:
                 if self._graph and live not in self._graph[gone]:
                     continue  # they never masked with each other
-                key = generate_shared_key(private, bytes_to_public_key(self._pk[live][0]))
+                public = self._pk[live][0]
+                peer = load_compressed(public) if sparse else bytes_to_public_key(public)
+                key = generate_shared_key(private, peer)
                 pairs.append((live, gone, base64.urlsafe_b64decode(key)))
         assert self._masked_total is not None
         total = remove_masks(self._masked_total, self_seeds, pairs, self.params.bits)
@@ -454,43 +477,8 @@ class SecAggServer:
             public = bytes_to_private_key(secret).public_key()
         except (ValueError, TypeError):
             return False
-        return public_key_to_bytes(public) == self._pk[owner][0]
-
-    def _secret(
-        self,
-        shares: list[tuple[int, bytes]],
-        owner: int,
-        what: str,
-        valid: Callable[[int, bytes], bool],
-    ) -> bytes:
-        """``owner``'s secret from its shares, checked; a bad share's sender named if found."""
-        secret = self._combine([share for _, share in shares], owner, valid)
-        if secret is not None:
-            return secret
-        culprit = None
-        if len(shares) > self._share_threshold:  # leave each reply out: which one breaks it?
-            for sender, _ in shares:
-                rest = [share for nid, share in shares if nid != sender]
-                if self._combine(rest, owner, valid) is not None:
-                    culprit = sender
-                    break
-        who = f"node {culprit}'s share is bad" if culprit is not None else "no culprit found"
-        raise SecAggError(
-            f"secure aggregation: the shares of node {owner} do not rebuild its {what} ({who})",
-            node=culprit,
-        )
-
-    @staticmethod
-    def _combine(
-        share_list: list[bytes], owner: int, valid: Callable[[int, bytes], bool]
-    ) -> bytes | None:
-        if len({len(s) for s in share_list}) > 1 or any(len(s) < 20 for s in share_list):
-            return None
-        try:
-            secret = combine_shares(share_list)
-        except ValueError:
-            return None
-        return secret if valid(owner, secret) else None
+        encoded = compressed(public) if self._graph else public_key_to_bytes(public)
+        return encoded == self._pk[owner][0]
 
     def decode(self, ring_total: torch.Tensor) -> torch.Tensor:
         """The survivors' sum in value units (the centered lift over the scale)."""

@@ -62,6 +62,7 @@ def test_server_holds_only_serverapp_code() -> None:
         "round_updates",
         "run_records",
         "secagg",
+        "secagg_rebuild",
         "secagg_round",
         "strategy",
         "strategy_log",

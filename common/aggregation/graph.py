@@ -10,7 +10,7 @@ adjacent to the ``k / 2`` positions on either side) over the members placed in a
 order. The order is public and the same for every party: members sorted by
 ``SHA-256(seed || id)``, the seed hashing the round's id, the server's nonce, ``k`` and the
 sorted members (:func:`graph_seed`). Every node computes its own neighbourhood from the
-member list it is shown (``neighbourhood``); the server cannot hand it another.
+member list it is shown (``neighbourhood``) and refuses any other set of ids.
 
 What ``k`` and the share threshold ``t`` must satisfy (``n`` members, ``c`` of which may
 collude with the server, ``N[u]``: ``u`` and its ``k`` neighbours, which hold ``u``'s ``k + 1``
@@ -36,16 +36,17 @@ shares):
   node's own guarantee, its noise share alone, stands; the central one is an arc's).
 
 :func:`sparse_degree` is the smallest ``k`` meeting all three for stated ``c`` and ``d``.
-The order is the server's to grind: it picks the nonce, so it may draw orders until one puts
-``c_k + 1`` colluders by one node, each draw succeeding with probability at most
-``2^-sigma`` (``SECURITY_BITS`` = 40: about ``10^12`` draws of ``n`` hashes each).
+The bounds hold for a server that follows the protocol: one that lies can grind the order
+(it picks the nonce before the round: ``2^40`` draws of ``n`` hashes each, offline, for
+``c_k + 1`` colluders by one node), besides what the unchecked keys and views of a sparse
+ring let it do (docs/explanation/secure-aggregation.md, "Limits").
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Final
 
 __all__ = [
@@ -58,6 +59,7 @@ __all__ = [
     "neighbourhood",
     "neighbourhoods",
     "order",
+    "parts",
     "share_threshold",
     "sparse_degree",
 ]
@@ -121,6 +123,25 @@ def neighbourhood(node: int, members: Sequence[int], degree: int, seed: bytes) -
     if node not in members:
         raise ValueError(f"node {node} is not a member of the ring")
     return neighbourhoods(members, degree, seed)[node]
+
+
+def parts(graph: Mapping[int, Sequence[int]], alive: Collection[int]) -> list[list[int]]:
+    """The connected parts of ``graph`` among the ``alive`` nodes (each sorted, by smallest
+    id): the sums a server that rebuilds every survivor's seed can decode apart."""
+    left, out = set(alive), []
+    for start in sorted(left):
+        if start not in left:
+            continue
+        part, todo = [start], [start]
+        left.discard(start)
+        while todo:
+            for near in graph[todo.pop()]:
+                if near in left:
+                    left.discard(near)
+                    part.append(near)
+                    todo.append(near)
+        out.append(sorted(part))
+    return out
 
 
 def _log_comb(n: int, k: int) -> float:

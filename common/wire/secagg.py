@@ -204,17 +204,22 @@ def ring_digest(
     return digest.digest()
 
 
-def graph_digest(ring: Mapping[str, Any], neighbours: int, members: Sequence[int]) -> bytes:
-    """The SHA-256 of a sparse ring as every member is shown it: its parameters
-    (``RING_FIELDS``), ``neighbours`` and the sorted member ids (each member sees only its
-    neighbours' keys, which their own signatures cover)."""
+def graph_digest(
+    ring: Mapping[str, Any], neighbours: int, members: Sequence[int], view: bytes
+) -> bytes:
+    """The SHA-256 of a sparse ring as one node was shown it: the ring's parameters
+    (``RING_FIELDS``), ``neighbours``, the sorted member ids and ``view``, the
+    :func:`ring_digest` of the neighbourhood's keys it was sent (so two share-keys messages
+    that differ in one key are two rings, for the node's one ring a round)."""
     digest = hashlib.sha256(_GRAPH_DIGEST)
     for name, kind in RING_FIELDS.items():
         value = repr(float(ring[name])) if kind is float else str(int(ring[name]))
         digest.update(_framed(f"{name}={value}".encode()))
     digest.update(_framed(f"neighbours={int(neighbours)}".encode()))
+    digest.update(len(members).to_bytes(4, "big"))
     for nid in sorted(members):
         digest.update(nid.to_bytes(8, "big"))
+    digest.update(_framed(view))
     return digest.digest()
 
 
@@ -312,6 +317,8 @@ def _out_of_range(field: str, value: Any) -> str:
     if field in NODE_ID_FIELDS or field == "round_id":
         bad = [v for v in items if not 0 <= v < 1 << 64]
         return f"holds {bad[0]}, not an unsigned 64-bit id" if bad else ""
+    if field == "neighbours" and value < 2:  # a complete ring sends no such field
+        return f"holds {value}, not a sparse ring's (>= 2)"
     if field != "masked_params":
         long = [len(v) for v in items if isinstance(v, bytes) and len(v) > MAX_FIELD_BYTES]
         return f"holds {long[0]} bytes, more than {MAX_FIELD_BYTES}" if long else ""

@@ -12,18 +12,25 @@ from typing import Any
 
 import pytest
 import torch
-from flwr.common.secure_aggregation.crypto.shamir import combine_shares
+from flwr.supercore.primitives.asymmetric import generate_key_pairs, public_key_to_bytes
 
 from fedsparse.client.secagg import SecAggClient
 from fedsparse.client.secagg_state import RoundProgress
-from fedsparse.common.aggregation.graph import graph_seed, neighbourhoods, share_threshold
+from fedsparse.common.aggregation.graph import (
+    graph_seed,
+    neighbourhoods,
+    order,
+    share_threshold,
+)
 from fedsparse.common.aggregation.secure import (
     RingParams,
     choose_ring,
     ring_sum,
     smallest_threshold,
 )
+from fedsparse.common.aggregation.shamir import PRIME, combine, from_bytes, to_bytes
 from fedsparse.common.wire.secagg import SecAggError, payload_bytes
+from fedsparse.common.wire.secagg_compact import compressed
 from fedsparse.server.secagg import SecAggDropoutError, SecAggServer
 from tests.server.test_secagg import RING_INPUTS, record_ring_inputs  # noqa: F401 (autouse)
 
@@ -113,9 +120,7 @@ def test_the_sparse_ring_sums_exactly_and_each_node_talks_to_its_neighbours_only
     for m in r.server.unmask_messages().values():
         assert len(m["active_nids"]) == DEGREE + 1 and m["dead_nids"] == []
     assert torch.equal(r.unmask(), r.expected(IDS))
-    assert all(
-        c.progress.share_threshold == share_threshold(14, DEGREE, 0) for c in r.clients.values()
-    )
+    assert all(c.share_threshold == share_threshold(14, DEGREE, 0) for c in r.clients.values())
 
 
 def test_dropouts_at_every_stage_leave_the_survivors_sum_exact() -> None:
@@ -153,7 +158,7 @@ def test_too_few_holders_left_for_one_secret_is_a_dropout_naming_the_node() -> N
     r.collect()
     graph = r.graph()
     victim = IDS[3]
-    t = r.clients[victim].progress.share_threshold
+    t = r.clients[victim].share_threshold
     silent = graph[victim][: DEGREE + 2 - t]  # leaves t - 1 of its holders (itself among them)
     with pytest.raises(SecAggDropoutError, match=rf"node {victim}'s secret has {t - 1} shares"):
         r.unmask(drop=silent)
@@ -305,7 +310,7 @@ def test_no_split_of_a_nodes_holders_gives_the_server_both_its_secrets() -> None
     victim = IDS[5]
     near = r.graph()[victim]
     colluder = near[0]
-    t = r.clients[victim].progress.share_threshold
+    t = r.clients[victim].share_threshold
     assert 2 * t - (DEGREE + 1) > 1
     honest = [victim, *near[1:]]
     for size in range(len(honest) + 1):
@@ -313,9 +318,15 @@ def test_no_split_of_a_nodes_holders_gives_the_server_both_its_secrets() -> None
             seed, sk1 = _holders_shares(r, victim, [*alive, colluder])
             sk1.append(r.clients[colluder].progress.sk1_shares[victim])  # both, from it
             assert len(seed) < t or len(sk1) < t
-    # the control: t shares do rebuild the seed
+    # the control: t shares do rebuild the seed, GF(P) elements at the holders' places
     seed, _ = _holders_shares(r, victim, [victim, *near])
-    assert combine_shares(seed[:t]) == r.clients[victim].progress.self_seed
+    holders = sorted([victim, *near])
+    points = [
+        (holders.index(h) + 1, from_bytes(y)) for h, y in zip([victim, *near], seed, strict=True)
+    ]
+    rebuilt = combine(points[:t]).to_bytes(32, "big")
+    assert rebuilt == r.clients[victim].progress.self_seed
+    assert combine(points[: t - 1]).to_bytes(49, "big")[-32:] != rebuilt
 
 
 def test_clients_saved_and_restored_between_stages_keep_the_ring_and_its_threshold() -> None:
@@ -334,7 +345,7 @@ def test_clients_saved_and_restored_between_stages_keep_the_ring_and_its_thresho
     r.clients = {n: through_proto(c) for n, c in r.clients.items()}
     t = share_threshold(len(IDS), DEGREE, 0)
     assert all(c.params.neighbours == DEGREE for c in r.clients.values())
-    assert all(c.progress.share_threshold == t for c in r.clients.values())
+    assert all(c.share_threshold == t for c in r.clients.values())
     r.collect()
     r.clients = {n: through_proto(c) for n, c in r.clients.items()}
     assert torch.equal(r.unmask(), r.expected(IDS))
@@ -343,7 +354,124 @@ def test_clients_saved_and_restored_between_stages_keep_the_ring_and_its_thresho
         IDS[0], dataclasses.replace(params(), neighbours=0), min_noise_multiplier=0.1
     )
     state = old.to_state()
-    del state["ring.neighbours"], state["share_threshold"]
+    del state["ring.neighbours"], state["members"]
     restored = SecAggClient.from_state(state)
     assert restored.params.neighbours == 0
-    assert restored.progress.share_threshold == restored.params.threshold
+    assert restored.share_threshold == restored.params.threshold
+
+
+def test_a_sparse_rings_keys_shares_and_ciphertexts_are_the_compact_ones_to_the_byte() -> None:
+    """Setup: two 49-byte compressed keys; key sharing: one 126-byte AES-GCM ciphertext a
+    neighbour; unmask: one 49-byte GF(P) element a share."""
+    r = Round(params())
+    s = r.server
+    setup = {n: r.clients[n].handle(m) for n, m in s.setup_messages().items()}
+    assert all(len(rep["pk1"]) == len(rep["pk2"]) == 49 for rep in setup.values())
+    s.receive_setup(setup)
+    replies = r.keys()
+    for reply in replies.values():
+        assert [len(c) for c in reply["ctxts"]] == [126] * DEGREE
+        head = len("dsts") + len("ctxts") + len("seed_commit") + 32
+        assert payload_bytes(reply) == head + DEGREE * (8 + 126)
+    r.collect()
+    msgs = s.unmask_messages()
+    answers = {n: r.clients[n].handle(m) for n, m in msgs.items()}
+    assert all(len(share) == 49 for a in answers.values() for share in a["shares"])
+    assert torch.equal(s.receive_unmask(answers), r.expected(IDS))
+
+
+def test_a_bad_share_is_named_and_the_stage_runs_again_without_it() -> None:
+    r = Round(params())
+    r.setup()
+    r.keys()
+    r.collect()
+    msgs = r.server.unmask_messages()
+    answers = {n: r.clients[n].handle(m) for n, m in msgs.items()}
+    liar = IDS[1]
+    bad = dict(answers[liar])
+    bad["shares"] = [to_bytes((from_bytes(y) + 1) % PRIME) for y in bad["shares"]]
+    with pytest.raises(SecAggError, match=f"node {liar}'s share is bad") as err:
+        r.server.receive_unmask({**answers, liar: bad})
+    assert err.value.node == liar
+    with pytest.raises(SecAggError, match="holds a share of node .* not sent to it"):
+        r.server.receive_unmask(
+            {**answers, liar: {**bad, "shares": [b"\x01" * 48] * len(bad["shares"])}}
+        )
+    rest = {n: a for n, a in answers.items() if n != liar}
+    assert torch.equal(r.server.receive_unmask(rest), r.expected(IDS))
+
+
+def test_a_node_of_a_sparse_ring_refuses_a_pem_key_and_a_ciphertext_not_sealed_for_it() -> None:
+    r = Round(params())
+    r.setup()
+    msgs = r.server.share_keys_messages()
+    nid = IDS[0]
+    good = msgs[nid]
+    peer = next(i for i, n in enumerate(good["nids"]) if n != nid)
+    pem = public_key_to_bytes(generate_key_pairs()[1])
+    bad = {**good, "pk2": [pem if i == peer else k for i, k in enumerate(good["pk2"])]}
+    with pytest.raises(
+        SecAggError, match=f"'pk1'/'pk2' of node {good['nids'][peer]} is not a usable key"
+    ):
+        r.clients[nid].handle(bad)
+    replies = {n: r.clients[n].handle(m) for n, m in msgs.items()}
+    r.server.receive_share_keys(replies)
+    collect = r.server.collect_messages()
+    target = collect[nid]
+    swapped = {**target, "ctxts": target["ctxts"][::-1]}  # each under another pair's key
+    with pytest.raises(
+        SecAggError, match=r"field 'ctxts' from node \d+ the share ciphertext does not decrypt"
+    ):
+        r.clients[nid].handle(swapped, values(nid))
+    assert r.clients[nid].progress.done == "share_keys"  # nothing released
+
+
+def test_survivors_split_into_parts_of_the_ring_are_not_decoded() -> None:
+    """k = 2 (a cycle): two survivors' gaps cut it in two, and each part's sum could be
+    decoded apart; the server refuses at the collection, before any share is asked for."""
+    r = Round(params(degree=2))
+    r.setup()
+    r.keys()
+    placed = order(IDS, graph_seed(ROUND, r.server.nonce, 2, IDS))
+    gone = {placed[0], placed[7]}  # two parts of 6 nodes each
+    with pytest.raises(SecAggDropoutError, match="the 12 survivors fall into 2 parts .* of 6"):
+        r.collect(drop=gone)
+    r = Round(params(degree=2))
+    r.setup()
+    r.keys()
+    placed = order(IDS, graph_seed(ROUND, r.server.nonce, 2, IDS))
+    r.collect(drop={placed[0]})  # one gap: a path, one part
+    assert torch.equal(r.unmask(), r.expected(sorted(set(IDS) - {placed[0]})))
+
+
+def test_a_saved_sparse_state_keeps_an_honest_member_count() -> None:
+    r = Round(params())
+    r.setup()
+    r.keys()
+    client = r.clients[IDS[0]]
+    state = client.to_state()
+    assert state["members"] == len(IDS)
+    for bad in (0, 1, len(IDS) + 1, 10**9):
+        with pytest.raises(SecAggError, match=f"saved member count {bad} is not a ring's"):
+            SecAggClient.from_state({**state, "members": bad})
+    with pytest.raises(SecAggError, match="saved member count 0"):
+        SecAggClient.from_state({k: v for k, v in state.items() if k != "members"})
+
+
+def test_a_neighbourhood_key_changed_is_another_ring_and_a_complete_ring_sends_no_degree() -> None:
+    r = Round(params())
+    r.setup()
+    msgs = r.server.share_keys_messages()
+    nid = IDS[0]
+    state = r.clients[nid].to_state()
+    first, second = SecAggClient.from_state(state), SecAggClient.from_state(state)
+    first.handle(msgs[nid])
+    peer = next(i for i, n in enumerate(msgs[nid]["nids"]) if n != nid)
+    other = compressed(generate_key_pairs()[1])
+    pk2 = [other if i == peer else k for i, k in enumerate(msgs[nid]["pk2"])]
+    second.handle({**msgs[nid], "pk2": pk2})
+    assert first.ring_digest != second.ring_digest  # the ledger's one ring a round sees two
+    complete = dataclasses.replace(params(), neighbours=0)
+    setup = SecAggServer(complete, IDS, round_id=ROUND).setup_messages()[nid]
+    with pytest.raises(SecAggError, match="field 'neighbours' holds 0, not a sparse ring's"):
+        SecAggClient(nid, complete, min_noise_multiplier=0.1).handle({**setup, "neighbours": 0})

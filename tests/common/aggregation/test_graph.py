@@ -19,6 +19,7 @@ from fedsparse.common.aggregation.graph import (
     neighbourhood,
     neighbourhoods,
     order,
+    parts,
     share_threshold,
     sparse_degree,
 )
@@ -204,3 +205,16 @@ def test_no_sparse_ring_meets_the_bounds_for_most_members_colluding() -> None:
     only the complete graph, secagg-neighbours = 0)."""
     assert sparse_degree(40, 30, 5) is None
     assert sparse_degree(40, 20, 2) == (24, 23)  # half colluding: 23 of 25 holders
+
+
+def test_the_parts_of_a_ring_are_its_connected_survivors() -> None:
+    members = list(range(12))
+    graph = neighbourhoods(members, 2, seed(members, 2))
+    placed = order(members, seed(members, 2))
+    alive = [n for n in members if n not in (placed[0], placed[5])]
+    split = parts(graph, alive)
+    assert sorted(map(len, split)) == [4, 6]
+    assert sorted(n for part in split for n in part) == sorted(alive)
+    assert all(connected(graph, set(members) - set(part)) for part in split)
+    assert parts(graph, members) == [members]
+    assert parts(graph, []) == []
