@@ -306,14 +306,14 @@ class SecAggClient:
             fields, self.node_id, bound, roster, self._min_trusted, colluders, where
         )
         nids, digest, sparse = view.holders, view.digest, bool(self.params.neighbours)
-        sk2 = bytes_to_private_key(self.progress.sk2)
+        sk1, sk2 = bytes_to_private_key(progress.sk1), bytes_to_private_key(progress.sk2)
         pair_seeds: dict[int, bytes] = {}
         share_keys: dict[int, bytes] = {}
         for nid, pk1, pk2 in zip(nids, fields["pk1"], fields["pk2"], strict=True):
             if nid == self.node_id:
                 continue
             try:  # both of a peer's keys must parse and agree with this node's now
-                pair_seeds[nid] = pair_seed(self.progress.sk1, decode_public(sparse, pk1))
+                pair_seeds[nid] = pair_seed(sk1, decode_public(sparse, pk1))
                 share_keys[nid] = generate_shared_key(sk2, decode_public(sparse, pk2))
             except (ValueError, TypeError, AssertionError) as exc:
                 raise SecAggError(

@@ -119,13 +119,13 @@ def from_state(cls: type[SecAggClient], state: Mapping[str, Any]) -> SecAggClien
             # (absent from a state saved before rings were signed: none then)
             enforcing={int(n) for n in state.get("enforcing", [])},
             ring_digest=bytes(state.get("ring_digest", b"")),
-            members=int(state.get("members", 0)),
+            members=_count(state.get("members", 0)),
         )
         for name in _STATE_MAPS:
             nids, values = state[f"{name}.nids"], state[f"{name}.values"]
             pairs = zip(nids, values, strict=True)  # ValueError on different lengths
             setattr(progress, name, {int(n): bytes(v) for n, v in pairs})
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, OverflowError) as exc:
         raise SecAggError(
             f"secure aggregation: the node's saved state is unusable: {exc}"
         ) from None
@@ -139,3 +139,10 @@ def from_state(cls: type[SecAggClient], state: Mapping[str, Any]) -> SecAggClien
         )
     client.progress = progress
     return client
+
+
+def _count(value: Any) -> int:
+    """A saved count: an ``int`` itself (not a float or a string that reads as one)."""
+    if type(value) is not int:
+        raise ValueError(f"the saved member count {value!r} is not an int")
+    return value

@@ -9,7 +9,10 @@ import hashlib
 import os
 
 import torch
-from cryptography.hazmat.primitives.asymmetric.ec import EllipticCurvePublicKey
+from cryptography.hazmat.primitives.asymmetric.ec import (
+    EllipticCurvePrivateKey,
+    EllipticCurvePublicKey,
+)
 from flwr.common.secure_aggregation.crypto.symmetric_encryption import generate_shared_key
 from flwr.supercore.primitives.asymmetric import bytes_to_private_key, bytes_to_public_key
 
@@ -18,11 +21,14 @@ from fedsparse.common.aggregation.secure import SEED_BYTES
 __all__ = ["fresh_generators", "pair_seed", "seeded_generators"]
 
 
-def pair_seed(private_pem: bytes, public: bytes | EllipticCurvePublicKey) -> bytes:
-    """The 32-byte seed two nodes share: ECDH of their ``sk1``/``pk1`` (a PEM key or a
-    parsed one), through HKDF-SHA256."""
+def pair_seed(
+    private: bytes | EllipticCurvePrivateKey, public: bytes | EllipticCurvePublicKey
+) -> bytes:
+    """The 32-byte seed two nodes share: ECDH of their ``sk1``/``pk1`` (PEM keys or parsed
+    ones: a node parses its own once for all its peers), through HKDF-SHA256."""
     peer = bytes_to_public_key(public) if isinstance(public, bytes) else public
-    key = generate_shared_key(bytes_to_private_key(private_pem), peer)
+    own = bytes_to_private_key(private) if isinstance(private, bytes) else private
+    key = generate_shared_key(own, peer)
     seed = base64.urlsafe_b64decode(key)
     assert len(seed) == SEED_BYTES
     return seed

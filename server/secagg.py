@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import base64
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, Final
 
 import torch
@@ -46,7 +46,7 @@ from flwr.supercore.primitives.asymmetric import (
     public_key_to_bytes,
 )
 
-from fedsparse.common.aggregation.graph import graph_seed, neighbourhoods, parts
+from fedsparse.common.aggregation.graph import graph_seed, neighbourhoods
 from fedsparse.common.aggregation.secure import (
     SEED_BYTES,
     RingParams,
@@ -56,7 +56,6 @@ from fedsparse.common.aggregation.secure import (
     ring_sum,
     unpack_ring,
 )
-from fedsparse.common.aggregation.shamir import SHARE_BYTES
 from fedsparse.common.wire.secagg import (
     COLLECT,
     COMMIT_BYTES,
@@ -80,6 +79,7 @@ from fedsparse.common.wire.secagg import (
 )
 from fedsparse.common.wire.secagg_compact import compressed, load_compressed
 from fedsparse.server.secagg_rebuild import Share, rebuild
+from fedsparse.server.secagg_sparse import check_ciphertexts, check_keys, check_one_part, is_share
 
 __all__ = ["SecAggDropoutError", "SecAggServer"]
 
@@ -226,6 +226,8 @@ class SecAggServer:
                     "does not verify under the identity it names",
                     node=nid,
                 )
+        if self.params.neighbours:  # compact keys: checked here, to name a bad one's node
+            check_keys(SETUP, checked)
         self._pk = {nid: (r["pk1"], r["pk2"]) for nid, r in checked.items()}
         self._signed = {
             nid: (r["identity"], r["signature"], r["enforces"])
@@ -290,6 +292,8 @@ class SecAggServer:
                     f"must name every {others} once",
                     node=src,
                 )
+            if self._graph:
+                check_ciphertexts(SHARE_KEYS, src, reply["ctxts"])
             if len(reply["seed_commit"]) != COMMIT_BYTES:
                 raise SecAggError(
                     f"secure aggregation, stage {SHARE_KEYS!r}: field 'seed_commit' of node "
@@ -310,6 +314,7 @@ class SecAggServer:
             for dst, ciphertext in zip(reply["dsts"], reply["ctxts"], strict=True):
                 if dst in forward:
                     forward[dst][src] = ciphertext
+        self._one_part(SHARE_KEYS, checked, "nodes that shared their keys")  # before any release
         self._ring_sigs = {
             src: r["ring_signature"] for src, r in checked.items() if "ring_signature" in r
         }
@@ -348,17 +353,19 @@ class SecAggServer:
                     f"{nid}: {exc}",
                     node=nid,
                 ) from None
-        split = parts(self._graph, checked) if self._graph else []
-        if len(split) > 1:  # each part's sum could be decoded apart: none is
-            raise SecAggDropoutError(
-                f"secure aggregation, stage {COLLECT!r}: the {len(checked)} survivors fall into "
-                f"{len(split)} parts of the sparse ring (the smallest of "
-                f"{min(map(len, split))} nodes): no sum is decoded"
-            )
+        self._one_part(COLLECT, checked, "survivors")
         self._masked_total = ring_sum(vectors, self.params.bits)
         self._u2 = sorted(checked)
         self._forward = {}
         self._accept(COLLECT, replies, CONSISTENCY if self.checks_consistency else UNMASK)
+
+    def _one_part(self, stage: str, alive: Collection[int], when: str) -> None:
+        """A sparse ring's ``alive`` nodes are one part of it, else ``SecAggDropoutError``."""
+        if self._graph:
+            try:
+                check_one_part(stage, self._graph, alive, when)
+            except ValueError as exc:
+                raise SecAggDropoutError(str(exc)) from None
 
     @property
     def checks_consistency(self) -> bool:
@@ -432,7 +439,7 @@ class SecAggServer:
                 index = x_of[owner][nid] if self._graph else everyone[nid]
                 # a sparse ring's share is its y alone (x: the holder's place)
                 if (
-                    (len(share) != SHARE_BYTES)
+                    not is_share(share)
                     if self._graph
                     else (int.from_bytes(share[:4], "little") != index)
                 ):

@@ -49,7 +49,10 @@ def rebuild(
     sparse: bool,
 ) -> bytes:
     """``owner``'s secret (``what``: "self-mask seed" or "key") from its shares, checked by
-    ``valid``; ``SecAggError`` naming a bad share's sender when leaving one out mends it."""
+    ``valid``; ``SecAggError`` naming a bad share's sender when one is found: over the
+    complete graph (and from ``t + 1`` shares) the one whose leaving out mends it, over a
+    sparse ring from more one off the polynomial most shares lie on (``shamir.outliers``),
+    and only if the rest rebuild."""
 
     def attempt(subset: Sequence[Share]) -> bytes | None:
         secret = _combine(sparse, subset, "key" if what == "key" else "seed")
@@ -59,7 +62,14 @@ def rebuild(
     if secret is not None:
         return secret
     culprit = None
-    if len(shares) > threshold:  # leave each reply out: which one breaks it?
+    if sparse and len(shares) > threshold + 1:  # off the polynomial most lie on, if it rebuilds
+        points = [(x, shamir.from_bytes(share)) for _, x, share in shares]
+        off = shamir.outliers(points, threshold)
+        on = [s for i, s in enumerate(shares) if off is not None and i not in off]
+        if off and attempt(on) is not None:
+            culprit = shares[off[0]][0]
+    elif len(shares) > threshold:  # leave each reply out: which one breaks it? (t + 1
+        # shares of a sparse ring: two colluding holders could put it on an honest one)
         for sender, _, _ in shares:
             if attempt([s for s in shares if s[0] != sender]) is not None:
                 culprit = sender

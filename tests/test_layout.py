@@ -64,6 +64,7 @@ def test_server_holds_only_serverapp_code() -> None:
         "secagg",
         "secagg_rebuild",
         "secagg_round",
+        "secagg_sparse",
         "strategy",
         "strategy_log",
         "tracking",

@@ -17,11 +17,14 @@ and a few big-integer products, not a pure-Python field multiplication per bit.
 
 from __future__ import annotations
 
+import itertools
+import math
+import random
 import secrets
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Final
 
-__all__ = ["PRIME", "SHARE_BYTES", "combine", "split", "from_bytes", "to_bytes"]
+__all__ = ["PRIME", "SHARE_BYTES", "combine", "split", "from_bytes", "outliers", "to_bytes"]
 
 PRIME: Final = 2**384 + 231
 """``P``: the smallest prime above ``2^384`` (tested)."""
@@ -76,3 +79,51 @@ def combine(points: Sequence[tuple[int, int]]) -> int:
                 den = den * (x_j - x_i) % PRIME
         secret = (secret + y_i * num * pow(den, -1, PRIME)) % PRIME
     return secret
+
+
+def _newton(points: Sequence[tuple[int, int]]) -> list[int]:
+    """The Newton coefficients of the polynomial through ``points`` (divided differences)."""
+    xs, coefficients = [x for x, _ in points], [y for _, y in points]
+    for j in range(1, len(points)):
+        for i in range(len(points) - 1, j - 1, -1):
+            step = pow((xs[i] - xs[i - j]) % PRIME, -1, PRIME)
+            coefficients[i] = (coefficients[i] - coefficients[i - 1]) * step % PRIME
+    return coefficients
+
+
+def _at(points: Sequence[tuple[int, int]], coefficients: Sequence[int], x: int) -> int:
+    value = 0
+    for i in range(len(coefficients) - 1, -1, -1):
+        value = (value * (x - points[i][0]) + coefficients[i]) % PRIME
+    return value
+
+
+def outliers(
+    points: Sequence[tuple[int, int]], threshold: int, tries: int = 256, seed: int = 0
+) -> list[int] | None:
+    """The places in ``points`` of the shares off the one polynomial of degree below
+    ``threshold`` that at least ``(m + t) / 2`` of the ``m`` points lie on (two polynomials
+    of that degree share fewer than ``t`` points, so that one is unique: Reed-Solomon's
+    bound), found from ``threshold``-subsets (every one when they are few, else ``tries``
+    drawn at random); None when none is found. Two colluding holders cannot put their bad
+    shares on an honest one this way, as they can with "leave one out" (a linear pair of
+    errors that cancels at 0 without the honest share)."""
+    m = len(points)
+    if m <= threshold or len({x for x, _ in points}) != m:
+        return None
+
+    def subsets() -> Iterator[tuple[int, ...]]:
+        if math.comb(m, threshold) <= tries:
+            yield from itertools.combinations(range(m), threshold)
+            return
+        draw = random.Random(seed)
+        for _ in range(tries):
+            yield tuple(sorted(draw.sample(range(m), threshold)))
+
+    for subset in subsets():
+        base = [points[i] for i in subset]
+        coefficients = _newton(base)
+        off = [i for i, (x, y) in enumerate(points) if _at(base, coefficients, x) != y]
+        if 2 * (m - len(off)) >= m + threshold:
+            return off
+    return None

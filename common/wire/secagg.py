@@ -6,7 +6,8 @@ Four stages, each a request from the server and a reply from every client that i
 =========================  ====================================  ===========================
 stage                      server -> client                      client -> server
 =========================  ====================================  ===========================
-``setup``                  the ring's public parameters          ``pk1``, ``pk2`` (PEM keys),
+``setup``                  the ring's public parameters          ``pk1``, ``pk2`` (PEM keys,
+                                                                 sparse: compressed points),
                                                                  ``seeded_noise`` (0 or 1),
                                                                  [``identity``, ``signature``,
                                                                  ``enforces``]
@@ -37,8 +38,9 @@ each node computes its own ``k`` neighbours); then ``nids``, ``pk1``, ``pk2`` (a
 identity lists) are the node's own neighbourhood, the node included, ``dsts`` its
 neighbours, the collect stage's ``srcs`` and the unmask stage's ``active_nids`` and
 ``dead_nids`` lie in it, and the ring a signing node signs is :func:`graph_digest` (the
-parameters, ``k`` and the members). The complete graph sends neither field: its payloads
-are byte for byte what they were.
+parameters, ``k``, the members and the keys of its neighbourhood). Its keys, shares and
+share ciphertexts are the compact ones of ``common/wire/secagg_compact.py``. The complete
+graph sends neither field: its payloads are byte for byte what they were.
 
 Every message from the server also carries the round's ``round_id`` and ``nonce`` (the
 server's random bytes): a client binds the round to them at setup and releases one masked

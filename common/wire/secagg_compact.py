@@ -105,12 +105,15 @@ def open_shares(
     """``seal_shares``'s two shares (``SHARE_BYTES`` each); ``ValueError`` when the
     ciphertext is not one sealed for ``src -> dst`` in round ``bound`` under ``key``."""
     if len(ciphertext) != CIPHERTEXT_BYTES:
-        raise ValueError(f"a share ciphertext is {CIPHERTEXT_BYTES} bytes")
+        raise ValueError(f"is not {CIPHERTEXT_BYTES} bytes")
     nonce, body = ciphertext[:NONCE_BYTES], ciphertext[NONCE_BYTES:]
     try:
         plaintext = AESGCM(key).decrypt(nonce, body, _aad(*bound, src, dst))
     except InvalidTag:
-        raise ValueError("the share ciphertext does not decrypt") from None
+        raise ValueError("does not decrypt") from None
     seed_share, sk1_share = plaintext[:SHARE_BYTES], plaintext[SHARE_BYTES:]
-    from_bytes(seed_share), from_bytes(sk1_share)  # each an element of the field
+    try:
+        from_bytes(seed_share), from_bytes(sk1_share)  # each an element of the field
+    except ValueError:
+        raise ValueError("holds a share outside the field") from None
     return seed_share, sk1_share

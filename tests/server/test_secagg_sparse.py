@@ -419,9 +419,7 @@ def test_a_node_of_a_sparse_ring_refuses_a_pem_key_and_a_ciphertext_not_sealed_f
     collect = r.server.collect_messages()
     target = collect[nid]
     swapped = {**target, "ctxts": target["ctxts"][::-1]}  # each under another pair's key
-    with pytest.raises(
-        SecAggError, match=r"field 'ctxts' from node \d+ the share ciphertext does not decrypt"
-    ):
+    with pytest.raises(SecAggError, match=r"field 'ctxts' from node \d+ does not decrypt"):
         r.clients[nid].handle(swapped, values(nid))
     assert r.clients[nid].progress.done == "share_keys"  # nothing released
 
@@ -475,3 +473,86 @@ def test_a_neighbourhood_key_changed_is_another_ring_and_a_complete_ring_sends_n
     setup = SecAggServer(complete, IDS, round_id=ROUND).setup_messages()[nid]
     with pytest.raises(SecAggError, match="field 'neighbours' holds 0, not a sparse ring's"):
         SecAggClient(nid, complete, min_noise_multiplier=0.1).handle({**setup, "neighbours": 0})
+
+
+def test_two_colluding_holders_cannot_put_their_bad_shares_on_an_honest_one() -> None:
+    """Two holders of one node shift their shares of its seed by d1, d2 with
+    l1 d1 + l2 d2 = 0 over the holders but an honest H (l: the Lagrange weights at 0): then
+    leaving H out rebuilds the seed, and "leave one out" would name H. The server names one
+    of the two (the shares off the polynomial the other seven lie on)."""
+    r = Round(params(degree=8))
+    r.setup()
+    r.keys()
+    r.collect()
+    msgs = r.server.unmask_messages()
+    answers = {n: r.clients[n].handle(m) for n, m in msgs.items()}
+    owner = IDS[4]
+    holders = sorted([owner, *r.graph()[owner]])
+    assert len(holders) == 9 and r.clients[owner].share_threshold == 5
+    honest, bad1, bad2 = holders[0], holders[1], holders[2]
+    xs = {h: i + 1 for i, h in enumerate(holders)}
+    rest = [xs[h] for h in holders if h != honest]
+
+    def weight(x: int) -> int:  # the Lagrange weight of x at 0 over the rest
+        num = den = 1
+        for other in rest:
+            if other != x:
+                num, den = num * other % PRIME, den * (other - x) % PRIME
+        return num * pow(den, -1, PRIME) % PRIME
+
+    shift = {bad1: 1, bad2: (-weight(xs[bad1]) * pow(weight(xs[bad2]), -1, PRIME)) % PRIME}
+    for bad, d in shift.items():
+        reply = dict(answers[bad])
+        at = reply["nids"].index(owner)
+        shares = list(reply["shares"])
+        shares[at] = to_bytes((from_bytes(shares[at]) + d) % PRIME)
+        answers[bad] = {**reply, "shares": shares}
+    with pytest.raises(SecAggError, match="node .*'s share is bad") as err:
+        r.server.receive_unmask(answers)
+    assert err.value.node in (bad1, bad2)
+
+
+def test_the_server_names_a_node_whose_keys_or_ciphertexts_its_neighbours_could_not_use() -> None:
+    """A key off the curve, a PEM key, pk1 = pk2, another node's key; a ciphertext of the
+    wrong length: each refused with its sender named, before its neighbours fail unnamed."""
+    r = Round(params())
+    s = r.server
+    setup = {n: r.clients[n].handle(m) for n, m in s.setup_messages().items()}
+    liar, other = IDS[3], IDS[6]
+    pem = public_key_to_bytes(generate_key_pairs()[1])
+    cases = [
+        ({"pk1": b"\x02" + (1).to_bytes(48, "big")}, "field 'pk1' of node .* is not a key"),
+        ({"pk2": pem}, "field 'pk2' of node .* is not a key"),
+        ({"pk2": setup[liar]["pk1"]}, "repeats a key"),
+        ({"pk1": setup[other]["pk2"]}, "repeats a key of node"),
+    ]
+    for change, message in cases:
+        with pytest.raises(SecAggError, match=message) as err:
+            s.receive_setup({**setup, liar: {**setup[liar], **change}})
+        assert err.value.node in (liar, other)
+    s.receive_setup(setup)
+    msgs = s.share_keys_messages()
+    replies = {n: r.clients[n].handle(m) for n, m in msgs.items()}
+    short = {**replies[liar], "ctxts": [c[:-1] for c in replies[liar]["ctxts"]]}
+    with pytest.raises(SecAggError, match=f"'ctxts' of node {liar} holds a ciphertext") as err:
+        s.receive_share_keys({**replies, liar: short})
+    assert err.value.node == liar
+
+
+def test_a_ring_split_before_anyone_masks_is_refused_at_the_key_sharing() -> None:
+    r = Round(params(degree=2))
+    r.setup()
+    placed = order(IDS, graph_seed(ROUND, r.server.nonce, 2, IDS))
+    with pytest.raises(SecAggDropoutError, match="12 nodes that shared their keys fall into 2"):
+        r.keys(drop={placed[0], placed[7]})
+    assert all(c.released_rounds == frozenset() for c in r.clients.values())
+
+
+def test_a_saved_member_count_must_be_an_int() -> None:
+    r = Round(params())
+    r.setup()
+    r.keys()
+    state = r.clients[IDS[0]].to_state()
+    for bad in (8.7, "14", float("inf"), True):
+        with pytest.raises(SecAggError, match="saved state is unusable|saved member count"):
+            SecAggClient.from_state({**state, "members": bad})

@@ -16,6 +16,7 @@ from fedsparse.common.aggregation.shamir import (
     SHARE_BYTES,
     combine,
     from_bytes,
+    outliers,
     split,
     to_bytes,
 )
@@ -77,3 +78,19 @@ def test_bad_sharings_and_points_are_refused() -> None:
         combine([(0, shares[0]), (2, shares[1])])
     with pytest.raises(ValueError, match="distinct nonzero"):
         combine([])
+
+
+def test_the_outliers_are_the_shares_off_the_polynomial_most_lie_on() -> None:
+    shares = split(99, 4, 12)
+    points = list(enumerate(shares, start=1))
+    assert outliers(points, 4) == []
+    bad = [(x, (y + 1) % PRIME) if x in (3, 7, 11) else (x, y) for x, y in points]
+    assert outliers(bad, 4) == [2, 6, 10]
+    assert combine([p for i, p in enumerate(bad) if i not in (2, 6, 10)]) == 99
+    # too many bad for the bound (12 + 4) / 2 = 8 on it: none named
+    worse = [(x, (y + x) % PRIME) if x <= 5 else (x, y) for x, y in points]
+    assert outliers(worse, 4) is None
+    assert outliers(points[:4], 4) is None  # exactly t: nothing to tell
+    many = list(enumerate(split(5, 20, 40), start=1))  # C(40, 20) subsets: drawn at random
+    many[0] = (1, (many[0][1] + 3) % PRIME)
+    assert outliers(many, 20) == [0]

@@ -95,7 +95,7 @@ def test_a_sealed_pair_of_shares_opens_only_for_its_round_and_pair() -> None:
     for args in wrong:
         with pytest.raises(ValueError, match="does not decrypt"):
             open_shares(*args)
-    with pytest.raises(ValueError, match="126 bytes"):
+    with pytest.raises(ValueError, match="is not 126 bytes"):
         open_shares(key, BOUND, 11, 22, sealed + b"\x00")
     with pytest.raises(ValueError, match="a share is 49 bytes"):
         seal_shares(key, BOUND, 11, 22, b"\x01", shares[1])
