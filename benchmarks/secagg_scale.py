@@ -17,7 +17,10 @@ its masked payload, and the wall time of the clients (all of them, one
 after another) and of the server per stage, and the round's. The complete graph costs
 ``O(n^2)`` keys and shares in all, so it runs only up to ``--complete-up-to`` clients.
 
+``--ring-bits b`` masks in a small ring of ``b`` bits (``common/aggregation/small_ring.py``).
+
 Usage: python benchmarks/secagg_scale.py [--clients 100 1000] [--complete-up-to 100]
+[--ring-bits 12]
 """
 
 from __future__ import annotations
@@ -32,7 +35,11 @@ import torch
 
 from fedsparse.client.secagg import SecAggClient
 from fedsparse.common.aggregation.graph import sparse_degree
-from fedsparse.common.aggregation.secure import choose_ring, smallest_threshold
+from fedsparse.common.aggregation.secure import (
+    central_noise_multiplier,
+    choose_ring,
+    smallest_threshold,
+)
 from fedsparse.common.wire.secagg import COLLECT, SETUP, SHARE_KEYS, STAGES, UNMASK
 from fedsparse.server.secagg import SecAggServer
 
@@ -40,9 +47,10 @@ ROUND = 1
 
 
 def one_round(
-    clients: int, neighbours: int, kept: int, colluders: int, dropouts: int
+    clients: int, neighbours: int, kept: int, colluders: int, dropouts: int, bits: int = 0
 ) -> dict[str, Any]:
-    """One round's bytes per client per stage and times per stage (clients, server)."""
+    """One round's bytes per client per stage and times per stage (clients, server); ``bits``:
+    a small ring's width (0: the exact ring)."""
     ring = choose_ring(
         clip=1.0,
         sigma=1.0,
@@ -50,6 +58,7 @@ def one_round(
         threshold=smallest_threshold(clients, colluders),
         kept=kept,
         colluders=colluders,
+        bits=bits,
     )
     params = dataclasses.replace(ring, neighbours=neighbours)
     ids = [10_000 + 7 * i for i in range(clients)]
@@ -100,9 +109,12 @@ def one_round(
 def report(clients: int, neighbours: int, result: dict[str, Any]) -> None:
     params = result["params"]
     shape = f"k = {neighbours}" if neighbours else "complete graph"
+    kind = "small" if params.modular else "exact"
+    central = central_noise_multiplier(params, params.threshold)
     print(
-        f"\nn = {clients}, {shape}, {params.bits}-bit ring, threshold {params.threshold}, "
-        f"{result['survivors']} survivors"
+        f"\nn = {clients}, {shape}, {params.bits}-bit {kind} ring, threshold "
+        f"{params.threshold}, {result['survivors']} survivors; sigma = 1 carries a central "
+        f"noise multiplier of {central:.3f} at the threshold"
     )
     print(
         f"{'stage':>24} {'down B/client':>14} {'up B/client':>12} {'clients s':>10} {'server s':>9}"
@@ -130,8 +142,10 @@ def main() -> None:
     parser.add_argument("--dropouts", type=float, default=0.05, help="share of clients")
     parser.add_argument("--neighbours", type=int, default=0, help="0: sparse_degree's k")
     parser.add_argument("--complete-up-to", type=int, default=100)
+    parser.add_argument("--ring-bits", type=int, default=0, help="a small ring's b; 0: exact")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    bits = args.ring_bits
     for n in args.clients:
         colluders, dropouts = int(args.colluders * n), int(args.dropouts * n)
         found = sparse_degree(n, colluders, dropouts)
@@ -141,9 +155,9 @@ def main() -> None:
             f"sparse_degree: {found}"
         )
         if degree:
-            report(n, degree, one_round(n, degree, args.kept, colluders, dropouts))
+            report(n, degree, one_round(n, degree, args.kept, colluders, dropouts, bits))
         if n <= args.complete_up_to:
-            report(n, 0, one_round(n, 0, args.kept, colluders, dropouts))
+            report(n, 0, one_round(n, 0, args.kept, colluders, dropouts, bits))
 
 
 if __name__ == "__main__":

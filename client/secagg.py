@@ -75,8 +75,9 @@ from fedsparse.common.aggregation.secure import (
     check_ring,
     encode,
     mask_input,
-    pack_ring,
+    pack_input,
 )
+from fedsparse.common.aggregation.small_ring import rotation_seed
 from fedsparse.common.wire.secagg import (
     COLLECT,
     CONSISTENCY,
@@ -256,8 +257,9 @@ class SecAggClient:
         self._enter(SETUP)
         fields = check_payload(payload, SETUP, "down")
         where = self._where(SETUP)
-        ring = {**{name: fields[name] for name in RING_FIELDS}, "neighbours": 0} | fields
-        for name in (*RING_FIELDS, "neighbours"):
+        absent = {"neighbours": 0, "modular": 0}  # the complete graph, the exact ring
+        ring = {**{name: fields[name] for name in RING_FIELDS}, **absent} | fields
+        for name in (*RING_FIELDS, *absent):
             if ring[name] != getattr(self.params, name):
                 raise SecAggError(
                     f"{where}: field {name!r} is {ring[name]!r}, "
@@ -379,7 +381,7 @@ class SecAggClient:
             if self._noise_seed is None
             else seeded_generators(self._noise_seed, round_id)
         )
-        ring_input = encode(values, self.params, rounding, noise)
+        ring_input = encode(values, self.params, rounding, noise, rotation_seed(round_id, nonce))
         pair_seeds = {src: self.progress.pair_seed_of[src] for src in srcs}
         seed = self.progress.self_seed
         masked = mask_input(ring_input, self.node_id, pair_seeds, seed, self.params.bits)
@@ -389,7 +391,7 @@ class SecAggClient:
         self.progress.masked_with = set(srcs)
         self.progress.done = COLLECT
         return {
-            "masked_params": pack_ring(masked, self.params.bits),
+            "masked_params": pack_input(masked, self.params),
             "round_id": round_id,
             "nonce": nonce,
         }

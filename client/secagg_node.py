@@ -133,9 +133,13 @@ class SecAggRound:
         # central-target-epsilon sigma is the server's calibration: the node's guarantee is its
         # worst case, checked against its own policy (SecAggClient) and charged to its ledger.
         pinned = [("clip", cfg.central_clip), ("neighbours", cfg.secagg_neighbours)]
+        pinned.append(("modular", int(cfg.secagg_ring_bits > 0)))
+        if cfg.secagg_ring_bits:  # a small ring: its width is the run config's
+            pinned.append(("bits", cfg.secagg_ring_bits))
         if not cfg.central_target_epsilon:
             pinned.append(("sigma", cfg.central_noise_multiplier))
         setup.setdefault("neighbours", 0)  # absent: the complete graph
+        setup.setdefault("modular", 0)  # absent: the exact ring
         for name, value in pinned:
             if setup[name] != value:
                 raise SecAggError(
@@ -144,7 +148,9 @@ class SecAggRound:
                 )
         try:  # the ring itself is checked against the node's policy by SecAggClient
             params = RingParams(
-                **{name: setup[name] for name in RING_FIELDS}, neighbours=setup["neighbours"]
+                **{name: setup[name] for name in RING_FIELDS},
+                neighbours=setup["neighbours"],
+                modular=bool(setup["modular"]),
             )
         except ValueError as exc:
             raise SecAggError(f"secure aggregation, stage 'setup': ring refused: {exc}") from None

@@ -100,6 +100,7 @@ def ring_view(
     if len(set(keys)) != len(keys):
         raise SecAggError(f"{where}: field 'pk1'/'pk2' repeats a public key")
     ring = {name: getattr(params, name) for name in RING_FIELDS}
+    ring |= {"modular": 1} if params.modular else {}
     identities = fields.get("identities", [b""] * len(nids))
     digest = ring_digest(ring, nids, fields["pk1"], fields["pk2"], identities)
     if not params.neighbours:

@@ -80,7 +80,7 @@ def to_state(client: SecAggClient) -> dict[str, Any]:
 
 
 #: The ring's parameters saved as ``ring.<name>``.
-_RING: Final = (*RING_FIELDS, "neighbours")
+_RING: Final = (*RING_FIELDS, "neighbours", "modular")
 #: The policy's numbers saved as ``policy.<name>``, in the order earlier states have them.
 _POLICY_NUMBERS: Final = ("min_noise_multiplier", "colluders", "wrap_probability", "rounding_slack")
 
@@ -88,8 +88,10 @@ _POLICY_NUMBERS: Final = ("min_noise_multiplier", "colluders", "wrap_probability
 def from_state(cls: type[SecAggClient], state: Mapping[str, Any]) -> SecAggClient:
     """``SecAggClient.from_state``."""
     try:
-        # (a state saved before sparse rings: the complete graph, its threshold)
-        ring = {"ring.neighbours": 0, **state}
+        # (a state saved before sparse or small rings: the complete graph, the exact ring)
+        ring = {"ring.neighbours": 0, "ring.modular": False, **state}
+        if not isinstance(ring["ring.modular"], bool):
+            raise ValueError(f"ring.modular is {ring['ring.modular']!r}, not a bool")
         params = RingParams(**{name: ring[f"ring.{name}"] for name in _RING})
         seed = int(state["noise_seed"])
         client = cls(

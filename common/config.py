@@ -133,6 +133,9 @@ class FederatedConfig:
     # each node's neighbours in a sparse ring (SecAgg+: common/aggregation/graph.py); 0: the
     # complete graph, every node masks with every other
     secagg_neighbours: int = 0
+    # the masked values' ring width (common/aggregation/small_ring.py: flattened, rounded
+    # conditionally, wraps allowed); 0: the exact ring, as wide as its wrap bound needs
+    secagg_ring_bits: int = 0
     # sparsification
     final_rate: float = 0.7
     schedule: ScheduleName = "gradual"

@@ -90,6 +90,8 @@ ADDED_KEYS: Final[dict[str, Any]] = {
     "secagg-colluders": 0,
     # Every earlier run masked over the complete graph.
     "secagg-neighbours": 0,
+    # Every earlier run masked in the exact ring.
+    "secagg-ring-bits": 0,
     # Every simulated node sampled at its real count's rate before it.
     "nominal-size": 0,
     # Every earlier user-level run took central-noise-multiplier as given.

@@ -17,6 +17,7 @@ from typing import Any, Final
 
 from fedsparse.common import plugins
 from fedsparse.common.aggregation.quantized_norms import feedback_contraction
+from fedsparse.common.aggregation.secure import DECODE_BITS
 from fedsparse.common.dp.mechanisms import clips_per_sample, is_private
 from fedsparse.common.names import (
     ACCOUNTANTS,
@@ -286,6 +287,11 @@ def _check_dp_level(v: Mapping[str, Any], fail: Fail) -> None:
         fail("secagg_neighbours", "0, or with it secure-aggregation=true")
     if neighbours and 0 < v["clients_per_round"] < neighbours + 2:
         fail("secagg_neighbours", f"at most clients-per-round - 2 = {v['clients_per_round'] - 2}")
+    bits = v["secagg_ring_bits"]
+    if bits and not 8 <= bits <= DECODE_BITS:
+        fail("secagg_ring_bits", f"0 (the exact ring) or in [8, {DECODE_BITS}]")
+    if bits and not v["secure_aggregation"]:
+        fail("secagg_ring_bits", "0, or with it secure-aggregation=true")
     if v["secure_aggregation"]:
         # the server sees no single update: nothing to encode lossily, feed back or save
         needs = _user_level_needs(v)

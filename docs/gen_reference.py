@@ -94,6 +94,10 @@ MEANINGS: dict[str, str] = {
     "(SecAgg+: it masks and shares its secrets with these only; an even k, at most "
     "clients-per-round - 2, fedsparse.common.aggregation.graph.sparse_degree suggests one); "
     "0: the complete graph.",
+    "secagg-ring-bits": "secure-aggregation: the width b of a small ring for the masked values "
+    "(flattened by a public rotation, rounded conditionally on a norm bound, wrapping allowed: "
+    "docs/explanation/secure-aggregation.md); 0: the exact ring, as wide as its wrap bound "
+    "needs.",
     "central-noise": "dp-level=user: where the server's noise comes from: `fresh` from OS "
     "entropy; `seeded` from the run seed, reproducible and not secret (simulations only).",
     "final-rate": "r*: the share of coordinates dropped once the schedule reaches its end "

@@ -54,8 +54,9 @@ from fedsparse.common.aggregation.secure import (
     decode_sum,
     remove_masks,
     ring_sum,
-    unpack_ring,
+    unpack_input,
 )
+from fedsparse.common.aggregation.small_ring import rotation_seed
 from fedsparse.common.wire.secagg import (
     COLLECT,
     COMMIT_BYTES,
@@ -205,6 +206,7 @@ class SecAggServer:
     def setup_messages(self) -> dict[int, dict[str, Any]]:
         self._stage(SETUP)
         ring = {name: getattr(self.params, name) for name in RING_FIELDS}
+        ring |= {"modular": 1} if self.params.modular else {}
         if self.params.neighbours:
             ring["neighbours"] = self.params.neighbours
         return self._send(SETUP, {nid: {STAGE: SETUP, **ring} for nid in self.sampled})
@@ -241,6 +243,7 @@ class SecAggServer:
         self._stage(SHARE_KEYS)
         u0 = sorted(self._pk)
         ring = {name: getattr(self.params, name) for name in RING_FIELDS}
+        ring |= {"modular": 1} if self.params.modular else {}
         if not self.params.neighbours:  # every node is shown the same ring
             ids = [self._signed.get(n, _UNSIGNED)[0] for n in u0]
             self._digest = ring_digest(ring, u0, *self._key_lists(u0), ids)
@@ -344,9 +347,7 @@ class SecAggServer:
                     node=nid,
                 )
             try:
-                vectors.append(
-                    unpack_ring(reply["masked_params"], self.params.kept, self.params.bits)
-                )
+                vectors.append(unpack_input(reply["masked_params"], self.params))
             except ValueError as exc:
                 raise SecAggError(
                     f"secure aggregation, stage {COLLECT!r}: field 'masked_params' of node "
@@ -489,4 +490,4 @@ class SecAggServer:
 
     def decode(self, ring_total: torch.Tensor) -> torch.Tensor:
         """The survivors' sum in value units (the centered lift over the scale)."""
-        return decode_sum(ring_total, self.params)
+        return decode_sum(ring_total, self.params, rotation_seed(self.round_id, self.nonce))

@@ -138,6 +138,7 @@ def _run(
         threshold=smallest_threshold(len(nodes), cfg.secagg_colluders),
         kept=stats.keep,
         colluders=cfg.secagg_colluders,
+        bits=cfg.secagg_ring_bits,  # 0: the exact ring
     )
     if cfg.central_target_epsilon:  # the target's sigma for the fewest survivors, t
         assert strategy.central_sigma is not None  # calibrated by _sample

@@ -15,44 +15,38 @@ norm is at most ``sC + sqrt(k)`` and ``s = sqrt(k) / (gamma C)`` makes that ``(1
 **Wrap bound.** Coordinate ``j`` of the sum over ``m <= n`` clients is ``S_j = Q_j + Z_j``:
 ``|Q_j| <= n (sC + 1)`` (``|x_j| <= ||x||_2 <= C``, rounding adds less than 1), and ``Z_j``,
 a sum of ``m`` independent discrete Gaussians of variance parameter ``v = (s sigma C)^2 / t``,
-is sub-Gaussian with proxy ``V = n v`` (a discrete Gaussian is sub-Gaussian with its
-parameter: "The Discrete Gaussian for Differential Privacy", arXiv:2004.00010). The centered
-lift is exact while ``-2^(b-1) <= S_j < 2^(b-1)``, so with ``a = 2^(b-1) - 1 - n (sC + 1)``
+is sub-Gaussian with proxy ``V = n v`` (arXiv:2004.00010). The centered lift is exact while
+``-2^(b-1) <= S_j < 2^(b-1)``, so with ``a = 2^(b-1) - 1 - n (sC + 1)``, ``P(some coordinate
+wraps) <= 2 k exp(-a^2 / (2 V))`` (a union bound over k): :func:`choose_ring` takes the
+smallest ``b`` that puts this below ``wrap_probability``.
 
-    P(some coordinate wraps) <= 2 k exp(-a^2 / (2 V))        (union bound over k),
+**Noise shares**: each client adds discrete Gaussian noise ``N_Z(0, (s sigma C)^2 / t)`` in
+ring units; any ``m >= t`` survivors' shares sum to variance ``m/t (s sigma C)^2``; the
+sampler and the sum's divergence from one discrete Gaussian are ``discrete_noise.py``'s, and
+:func:`check_ring` refuses a noisy ring where ``k tau`` exceeds ``TAU_LIMIT``. A small ring
+(``small_ring.py``) flattens, rounds conditionally and wraps.
 
-and :func:`choose_ring` takes the smallest ``b`` that puts this below ``wrap_probability``.
-
-**Noise shares** (distributed DP, "The Distributed Discrete Gaussian Mechanism for Federated
-Learning with Secure Aggregation", arXiv:2102.06387): each client adds discrete Gaussian
-noise ``N_Z(0, (s sigma C)^2 / t)`` in ring units (``sigma C / sqrt(t)`` in value units),
-sampled by Canonne-Kamath-Steinke's rejection from the discrete Laplace, in floating point.
-Any ``m >= t`` survivors' shares sum to variance ``m/t (s sigma C)^2 >= (s sigma C)^2``. The
-noise is integer, so it adds no rounding of its own; the rounding of ``x`` enters through the
-sensitivity ``sC + sqrt(k)``. The sum of discrete Gaussians is not exactly one: Kairouz et al.'s
-bound adds ``tau`` per coordinate, ``k tau`` in all, with
-``tau = 10 sum_{j=1}^{m-1} exp(-2 pi^2 v j/(j+1))`` (:func:`sum_divergence_tau`); the
-accounting leaves it out, so :func:`check_ring` refuses a noisy ring where ``k tau`` exceeds
-``TAU_LIMIT`` (shares of a few ring units and more make it underflow to 0).
-
-**Masks** ("Practical Secure Aggregation for Privacy-Preserving Machine Learning", Bonawitz et
-al.; SecAgg+: "Secure Single-Server Aggregation with (Poly)Logarithmic Overhead", Bell et al.):
-client ``i`` sends ``y_i = x_i + sum_{j>i} m_ij - sum_{j<i} m_ji + m_i (mod 2^b)``, each mask
-the expansion of a 32-byte seed by SHAKE-256 (an extendable-output function of the standard
-library's ``hashlib``); the pairwise ones cancel in the sum (``secure_masks.py``, re-exported
-here with the ring's packing).
+**Masks** (Bonawitz et al.'s "Practical Secure Aggregation for Privacy-Preserving Machine
+Learning"; Bell et al.'s SecAgg+): pairwise and self masks expanded from 32-byte seeds by
+SHAKE-256 (``secure_masks.py``, re-exported here with the ring's packing).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
-from collections.abc import Iterable
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from fedsparse.common.aggregation import graph
+from fedsparse.common.aggregation import graph, small_ring
+from fedsparse.common.aggregation.discrete_noise import (
+    discrete_gaussian,
+    discrete_gaussian_variance,
+    stochastic_round,
+    sum_divergence_tau,
+)
 from fedsparse.common.aggregation.secure_masks import (
     PAIR_LABEL,
     SEED_BYTES,
@@ -62,6 +56,7 @@ from fedsparse.common.aggregation.secure_masks import (
     pack_ring,
     pairwise_sign,
     remove_masks,
+    ring_sum,
     unpack_ring,
 )
 
@@ -81,6 +76,7 @@ __all__ = [
     "expand_mask",
     "mask_input",
     "noise_share_std",
+    "pack_input",
     "pack_ring",
     "pairwise_sign",
     "quantize",
@@ -90,6 +86,7 @@ __all__ = [
     "ring_sum",
     "stochastic_round",
     "sum_divergence_tau",
+    "unpack_input",
     "unpack_ring",
     "worst_case_noise_multiplier",
     "wrap_probability_bound",
@@ -159,6 +156,9 @@ class RingParams:
     neighbours: int = 0
     """Each client's neighbours in a sparse ring (SecAgg+: ``common/aggregation/graph.py``;
     even, at most ``n - 2``); 0: every other client (the complete graph)."""
+    modular: bool = False
+    """A small ring (``small_ring.py``): values flattened by the round's rotation, rounded
+    conditionally, bit-packed, wraps allowed; False: the exact ring of this module."""
 
     def __post_init__(self) -> None:
         check_threshold(self.clients, self.threshold, self.colluders)
@@ -178,6 +178,8 @@ class RingParams:
             raise ValueError(f"kept must be >= 1, got {self.kept}")
         if not 2 <= self.bits <= MAX_BITS:
             raise ValueError(f"bits must be in [2, {MAX_BITS}], got {self.bits}")
+        if self.modular and self.bits > DECODE_BITS:
+            raise ValueError(f"a small ring has at most {DECODE_BITS} bits, got {self.bits}")
 
     def share_threshold(self, members: int) -> int:
         """The shares that rebuild a secret of a ring of ``members``: ``threshold`` over the
@@ -197,13 +199,19 @@ class RingParams:
 
     @property
     def sensitivity(self) -> float:
-        """L2 bound of a client's rounded, scaled values: ``sC + sqrt(k)``."""
+        """L2 bound of a client's rounded, scaled values: ``sC + sqrt(k)``; in a small ring
+        the conditional rounding's bound (``small_ring.rounding_bound``)."""
+        if self.modular:
+            return small_ring.rounding_bound(self.scale * self.clip, self.kept)
         return self.scale * self.clip + math.sqrt(self.kept)
 
     @property
-    def element_bytes(self) -> int:
-        """Bytes of one ring element on the wire."""
-        return (self.bits + 7) // 8
+    def input_bytes(self) -> int:
+        """Bytes of a masked input on the wire: ``k ceil(b/8)``; a small ring's, bit-packed,
+        ``ceil(k b / 8)``."""
+        if self.modular:
+            return (self.kept * self.bits + 7) // 8
+        return self.kept * ((self.bits + 7) // 8)
 
 
 def choose_ring(
@@ -216,8 +224,11 @@ def choose_ring(
     wrap_probability: float = 1e-9,
     rounding_slack: float = 0.01,
     colluders: int = 0,
+    bits: int = 0,
 ) -> RingParams:
-    """The scale ``s = sqrt(k) / (gamma C)`` and the smallest ring whose wrap bound holds.
+    """The scale ``s = sqrt(k) / (gamma C)`` and the smallest ring whose wrap bound holds; with
+    ``bits > 0`` a small ring of that width and its scale (``small_ring.small_scale``;
+    ``wrap_probability`` and ``rounding_slack`` then play no part).
 
     ``ValueError`` for a ring over :data:`DECODE_BITS` bits, or a noisy one whose sum is too
     far from one discrete Gaussian for the accounting (``k tau > TAU_LIMIT``).
@@ -233,14 +244,30 @@ def choose_ring(
         raise ValueError(f"wrap_probability must be in (0, 1), got {wrap_probability}")
     if not (rounding_slack > 0 and math.isfinite(rounding_slack)):
         raise ValueError(f"rounding_slack must be positive and finite, got {rounding_slack}")
-    scale = math.sqrt(kept) / (rounding_slack * clip)
-    signal = clients * (scale * clip + 1)
-    variance = clients * (scale * sigma * clip) ** 2 / threshold
-    tail = math.sqrt(2 * variance * math.log(2 * kept / wrap_probability))
-    bits = max(2, math.ceil(math.log2(signal + 1 + tail)) + 1)
-    if bits > DECODE_BITS:
-        raise ValueError(f"the ring needs {bits} bits, more than {DECODE_BITS}")
+    small = bits != 0
+    if small:
+        if not 2 <= bits <= DECODE_BITS:
+            raise ValueError(f"bits must be 0 or in [2, {DECODE_BITS}], got {bits}")
+        scale = small_ring.small_scale(
+            bits=bits, clip=clip, sigma=sigma, clients=clients, threshold=threshold, kept=kept
+        )
+    else:
+        scale = math.sqrt(kept) / (rounding_slack * clip)
+        signal = clients * (scale * clip + 1)
+        variance = clients * (scale * sigma * clip) ** 2 / threshold
+        tail = math.sqrt(2 * variance * math.log(2 * kept / wrap_probability))
+        bits = max(2, math.ceil(math.log2(signal + 1 + tail)) + 1)
+        if bits > DECODE_BITS:
+            raise ValueError(f"the ring needs {bits} bits, more than {DECODE_BITS}")
     params = RingParams(clip, sigma, clients, threshold, kept, scale, bits, colluders)
+    params = dataclasses.replace(params, modular=True) if small else params
+    if small:  # the sum's divergence is accounted (central_noise_multiplier), not refused
+        if sigma > 0 and not params.share_std >= 0.5:
+            raise ValueError(
+                f"the noise shares ({params.share_std:.3g} ring units) are below the 1/2 "
+                f"ring unit the accounting of their sum needs (a wider ring, or a larger sigma)"
+            )
+        return params
     tau = sum_divergence_tau(params.share_std, clients) * kept
     if sigma > 0 and not tau <= TAU_LIMIT:
         raise ValueError(
@@ -281,6 +308,7 @@ def check_ring(
         wrap_probability=wrap_probability,
         rounding_slack=rounding_slack,
         colluders=params.colluders,
+        bits=params.bits if params.modular else 0,
     )
     for name in ("scale", "bits"):
         if getattr(params, name) != getattr(expected, name):
@@ -297,7 +325,18 @@ def check_ring(
 
 
 def wrap_probability_bound(params: RingParams) -> float:
-    """The module docstring's bound on P(some coordinate of the sum wraps), at most 1."""
+    """The module docstring's bound on P(some coordinate of the sum wraps), at most 1; a small
+    ring's is ``small_ring.expected_wraps`` (all clients one way), at most 1."""
+    if params.modular:
+        wraps = small_ring.expected_wraps(
+            bits=params.bits,
+            scale=params.scale,
+            clip=params.clip,
+            share_std=params.share_std,
+            clients=params.clients,
+            kept=params.kept,
+        )
+        return min(1.0, wraps)
     margin = (params.modulus >> 1) - 1 - params.clients * (params.scale * params.clip + 1)
     variance = params.clients * params.share_std**2
     if variance == 0:
@@ -318,11 +357,19 @@ def central_noise_multiplier(params: RingParams, survivors: int) -> float:
     Noise std ``s sigma C sqrt((m-c)/t)`` (the ``c`` colluders can subtract their own shares)
     over the rounded sensitivity ``sC + sqrt(k)``: ``sigma sqrt((m-c)/t) / (1 + sqrt(k)/(sC))``,
     at least ``sigma / (1 + gamma)`` for ``m >= t`` and ``c = 0``. The adjacency: one client's
-    values zeroed, its noise share still there.
+    values zeroed, its noise share still there. A small ring's sensitivity is its rounding
+    bound, and the sum's divergence from one discrete Gaussian is charged:
+    ``1 / sqrt(1/z^2 + k tau / 2)`` (Kairouz et al., Theorem 1; ``tau`` over ``m - c``).
     """
     if survivors < params.threshold:
         raise ValueError(f"{survivors} survivors, fewer than the threshold {params.threshold}")
-    return params.share_std * math.sqrt(survivors - params.colluders) / params.sensitivity
+    z = params.share_std * math.sqrt(survivors - params.colluders) / params.sensitivity
+    if not params.modular or z == 0:
+        return z
+    # Kairouz et al.'s Theorem 1: the sum of the m - c honest shares is (eps^2 / 2)-zCDP with
+    # eps^2 = 1/z^2 + k tau / 2; the exact ring refuses tau instead (choose_ring)
+    tau = sum_divergence_tau(params.share_std, survivors - params.colluders)
+    return z if tau == 0 else 1 / math.sqrt(1 / z**2 + params.kept * tau / 2)
 
 
 def ring_for_central(
@@ -335,17 +382,33 @@ def ring_for_central(
     colluders: int = 0,
     wrap_probability: float = 1e-9,
     rounding_slack: float = 0.01,
+    bits: int = 0,
 ) -> RingParams:
     """The ring (:func:`choose_ring`) whose decoded sum carries a central noise multiplier of
     at least ``central`` whichever ``m >= t`` clients survive: the fewest, ``t``, carry
     ``sigma sqrt((t - c) / t) / (1 + gamma)`` (:func:`central_noise_multiplier`), so
     ``sigma = central (1 + gamma) sqrt(t / (t - c))``, raised by a few float64 ulps where
     rounding leaves it short. More survivors carry more: ``sqrt((m - c) / (t - c))`` times
-    ``central``.
+    ``central``. A small ring's (``bits > 0``) scale falls as sigma grows, so its sigma is
+    found by bisection (``small_ring.calibrate_sigma``).
     """
     if not (central > 0 and math.isfinite(central)):
         raise ValueError(f"central must be positive and finite, got {central}")
     check_threshold(clients, threshold, colluders)
+    if bits:
+        ring = functools.partial(
+            choose_ring,
+            clip=clip,
+            clients=clients,
+            threshold=threshold,
+            kept=kept,
+            colluders=colluders,
+            bits=bits,
+        )
+        sigma = small_ring.calibrate_sigma(
+            central, lambda sigma: central_noise_multiplier(ring(sigma=sigma), threshold)
+        )
+        return ring(sigma=sigma)
     sigma = central * (1 + rounding_slack) * math.sqrt(threshold / (threshold - colluders))
     for _ in range(64):
         params = choose_ring(
@@ -369,23 +432,12 @@ def worst_case_noise_multiplier(params: RingParams) -> float:
     return params.share_std / params.sensitivity
 
 
-def sum_divergence_tau(share_std: float, survivors: int) -> float:
-    """Kairouz et al.'s ``tau`` for a sum of ``survivors`` discrete Gaussians of parameter
-    ``share_std`` (ring units): the sum's distance from one discrete Gaussian."""
-    v = share_std**2
-    return 10 * sum(math.exp(-2 * math.pi**2 * v * j / (j + 1)) for j in range(1, survivors))
-
-
-def stochastic_round(values: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """Unbiased rounding to ``int64``: ``floor(v) + 1`` with probability ``v - floor(v)``."""
-    v = values.to(torch.float64)
-    low = torch.floor(v)
-    up = torch.rand(v.shape, generator=generator, dtype=torch.float64) < (v - low)
-    return low.to(torch.int64) + up.to(torch.int64)
-
-
-def quantize(values: torch.Tensor, params: RingParams, generator: torch.Generator) -> torch.Tensor:
-    """Clip ``values`` to L2 norm ``C``, scale by ``s``, round stochastically (``int64``)."""
+def quantize(
+    values: torch.Tensor, params: RingParams, generator: torch.Generator, rotation: bytes = b""
+) -> torch.Tensor:
+    """Clip ``values`` to L2 norm ``C``, scale by ``s``, round stochastically (``int64``); in a
+    small ring rotate them by ``rotation``'s map first (``small_ring.flatten``) and round
+    conditionally on the norm bound (``small_ring.conditional_round``)."""
     if values.dim() != 1 or values.numel() != params.kept:
         raise ValueError(f"expected {params.kept} kept values, got shape {tuple(values.shape)}")
     v = values.to(torch.float64)
@@ -394,46 +446,12 @@ def quantize(values: torch.Tensor, params: RingParams, generator: torch.Generato
         raise ValueError("kept values must be finite")
     if norm > params.clip:
         v = v * (params.clip / norm)
-    return stochastic_round(v * params.scale, generator)
-
-
-def _discrete_laplace(count: int, scale: int, generator: torch.Generator) -> torch.Tensor:
-    """``P(y) ~ exp(-|y|/scale)``: the difference of two geometrics ``floor(scale * Exp(1))``."""
-    e = torch.empty(2, count, dtype=torch.float64).exponential_(generator=generator)
-    g = torch.floor(e * scale).to(torch.int64)
-    return g[0] - g[1]
-
-
-def discrete_gaussian(count: int, sigma: float, generator: torch.Generator) -> torch.Tensor:
-    """``count`` draws of ``N_Z(0, sigma^2)``: ``P(y) ~ exp(-y^2 / (2 sigma^2))`` on the integers.
-
-    Canonne, Kamath and Steinke's algorithm with ``t = floor(sigma) + 1``: draw ``Y`` from the
-    discrete Laplace of scale ``t``, keep it with probability
-    ``exp(-(|Y| - sigma^2/t)^2 / (2 sigma^2))``. Floating point, not their exact arithmetic.
-    """
-    if sigma < 0 or not math.isfinite(sigma):
-        raise ValueError(f"sigma must be >= 0 and finite, got {sigma}")
-    out = torch.zeros(count, dtype=torch.int64)
-    if sigma == 0 or count == 0:
-        return out
-    t = math.floor(sigma) + 1
-    pending = torch.arange(count)
-    while pending.numel():
-        y = _discrete_laplace(pending.numel(), t, generator)
-        keep = torch.exp(-((y.abs().to(torch.float64) - sigma**2 / t) ** 2) / (2 * sigma**2))
-        ok = torch.rand(pending.numel(), generator=generator, dtype=torch.float64) < keep
-        out[pending[ok]] = y[ok]
-        pending = pending[~ok]
-    return out
-
-
-def discrete_gaussian_variance(sigma: float) -> float:
-    """The variance of ``N_Z(0, sigma^2)`` (a little below ``sigma^2`` for small ``sigma``)."""
-    if sigma == 0:
-        return 0.0
-    y = np.arange(-math.ceil(40 * sigma + 10), math.ceil(40 * sigma + 10) + 1, dtype=np.float64)
-    w = np.exp(-(y**2) / (2 * sigma**2))
-    return float((w * y**2).sum() / w.sum())
+    if not params.modular:
+        return stochastic_round(v * params.scale, generator)
+    if not rotation:
+        raise ValueError("a small ring's values need the round's rotation seed")
+    flat = small_ring.flatten(v, rotation) * params.scale
+    return small_ring.conditional_round(flat, params.sensitivity, generator)
 
 
 def encode(
@@ -441,30 +459,41 @@ def encode(
     params: RingParams,
     rounding: torch.Generator,
     noise: torch.Generator,
+    rotation: bytes = b"",
 ) -> torch.Tensor:
-    """A client's ring input: quantized values plus its discrete Gaussian share, mod ``2^b``.
+    """A client's ring input: quantized values plus its discrete Gaussian share, mod ``2^b``
+    (a small ring's values rotated by ``rotation``'s map: :func:`quantize`).
 
     Deterministic given the two generators: whoever can predict them can strip the noise from
     the decoded sum, so a client seeds them from OS entropy (``client/secagg.py``).
     """
-    q = quantize(values, params, rounding)
+    q = quantize(values, params, rounding, rotation)
     q = q + discrete_gaussian(params.kept, params.share_std, noise)
     return q & (params.modulus - 1)
 
 
-def ring_sum(vectors: Iterable[torch.Tensor], bits: int) -> torch.Tensor:
-    """The sum of ring vectors mod ``2^bits`` (reduced after every addition: no overflow)."""
-    total: torch.Tensor | None = None
-    mask = (1 << bits) - 1
-    for v in vectors:
-        total = v.clone() if total is None else (total + v) & mask
-    if total is None:
-        raise ValueError("ring_sum of no vectors")
-    return total & mask
-
-
-def decode_sum(ring_total: torch.Tensor, params: RingParams) -> torch.Tensor:
-    """The centered lift of a ring sum, in value units (``float64``)."""
+def decode_sum(ring_total: torch.Tensor, params: RingParams, rotation: bytes = b"") -> torch.Tensor:
+    """The centered lift of a ring sum, in value units (``float64``); a small ring's rotated
+    back by ``rotation``'s map (``small_ring.unflatten``)."""
     half = params.modulus >> 1
     lifted = torch.where(ring_total >= half, ring_total - params.modulus, ring_total)
-    return lifted.to(torch.float64) / params.scale
+    total = lifted.to(torch.float64) / params.scale
+    if not params.modular:
+        return total
+    if not rotation:
+        raise ValueError("a small ring's sum needs the round's rotation seed")
+    return small_ring.unflatten(total, rotation)
+
+
+def pack_input(values: torch.Tensor, params: RingParams) -> bytes:
+    """A masked input on the wire (``params.input_bytes``; a small ring's bit-packed)."""
+    if params.modular:
+        return small_ring.pack_bits(values, params.bits)
+    return pack_ring(values, params.bits)
+
+
+def unpack_input(data: bytes, params: RingParams) -> torch.Tensor:
+    """The inverse of :func:`pack_input`; ``ValueError`` for a wrong length or element."""
+    if params.modular:
+        return small_ring.unpack_bits(data, params.kept, params.bits)
+    return unpack_ring(data, params.kept, params.bits)

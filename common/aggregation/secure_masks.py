@@ -23,6 +23,7 @@ __all__ = [
     "pack_ring",
     "pairwise_sign",
     "remove_masks",
+    "ring_sum",
     "unpack_ring",
 ]
 
@@ -111,3 +112,14 @@ def unpack_ring(data: bytes, kept: int, bits: int) -> torch.Tensor:
     if kept and int(words.max()) >> bits:
         raise ValueError(f"a ring element is not below 2^{bits}")
     return torch.from_numpy(words.astype(np.int64))
+
+
+def ring_sum(vectors: Iterable[torch.Tensor], bits: int) -> torch.Tensor:
+    """The sum of ring vectors mod ``2^bits`` (reduced after every addition: no overflow)."""
+    total: torch.Tensor | None = None
+    mask = (1 << bits) - 1
+    for v in vectors:
+        total = v.clone() if total is None else (total + v) & mask
+    if total is None:
+        raise ValueError("ring_sum of no vectors")
+    return total & mask

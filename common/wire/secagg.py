@@ -155,6 +155,8 @@ SPARSE: Final[dict[tuple[str, str], dict[str, Any]]] = {
     (SETUP, "down"): {"neighbours": int},
     (SHARE_KEYS, "down"): {"members": (list, int)},
 }
+#: A small ring's field (``common/aggregation/small_ring.py``; absent: the exact ring).
+SMALL: Final[dict[tuple[str, str], dict[str, Any]]] = {(SETUP, "down"): {"modular": int}}
 #: Lists that pair up element by element (with the optional lists, when present).
 PARALLEL: Final[dict[tuple[str, str], tuple[str, ...]]] = {
     (SHARE_KEYS, "down"): ("nids", "pk1", "pk2"),
@@ -186,6 +188,15 @@ def advertisement(
     return _ADVERTISEMENT + _framed(*ids, nonce, pk1, pk2, flag)
 
 
+def _ring_parameters(digest: Any, ring: Mapping[str, Any]) -> None:
+    """Hashes the ring's parameters (``RING_FIELDS``, and ``modular`` when a small ring's)."""
+    for name, kind in RING_FIELDS.items():
+        value = repr(float(ring[name])) if kind is float else str(int(ring[name]))
+        digest.update(_framed(f"{name}={value}".encode()))
+    if ring.get("modular"):
+        digest.update(_framed(b"modular=1"))
+
+
 def ring_digest(
     ring: Mapping[str, Any],
     nids: Sequence[int],
@@ -194,13 +205,12 @@ def ring_digest(
     identities: Sequence[bytes],
 ) -> bytes:
     """The SHA-256 of a ring as a node was shown it: its parameters (``RING_FIELDS`` of
-    ``ring``) and each member's id, keys and identity (``b""``: none), by id. Two nodes that
-    were shown the same ring compute the same digest; a server that shows them different
-    rings (members, keys or parameters) cannot give them one."""
+    ``ring``, and its ``modular`` flag when set) and each member's id, keys and identity
+    (``b""``: none), by id. Two nodes that were shown the same ring compute the same digest;
+    a server that shows them different rings (members, keys or parameters) cannot give them
+    one."""
     digest = hashlib.sha256(_RING_DIGEST)
-    for name, kind in RING_FIELDS.items():
-        value = repr(float(ring[name])) if kind is float else str(int(ring[name]))
-        digest.update(_framed(f"{name}={value}".encode()))
+    _ring_parameters(digest, ring)
     for nid, key1, key2, identity in sorted(zip(nids, pk1, pk2, identities, strict=True)):
         digest.update(_framed(nid.to_bytes(8, "big"), key1, key2, identity))
     return digest.digest()
@@ -214,9 +224,7 @@ def graph_digest(
     :func:`ring_digest` of the neighbourhood's keys it was sent (so two share-keys messages
     that differ in one key are two rings, for the node's one ring a round)."""
     digest = hashlib.sha256(_GRAPH_DIGEST)
-    for name, kind in RING_FIELDS.items():
-        value = repr(float(ring[name])) if kind is float else str(int(ring[name]))
-        digest.update(_framed(f"{name}={value}".encode()))
+    _ring_parameters(digest, ring)
     digest.update(_framed(f"neighbours={int(neighbours)}".encode()))
     digest.update(len(members).to_bytes(4, "big"))
     for nid in sorted(members):
@@ -280,7 +288,8 @@ def check_payload(payload: Any, stage: str, direction: str) -> dict[str, Any]:
     optional: dict[str, Any] = {}
     present: list[str] = []
     paired: list[str] = []  # the optional lists that pair with the stage's (not the members)
-    for group in (OPTIONAL.get((stage, direction), {}), SPARSE.get((stage, direction), {})):
+    groups = (OPTIONAL, SPARSE, SMALL)
+    for group in (kind.get((stage, direction), {}) for kind in groups):
         here = [field for field in group if field in payload]
         if here and len(here) != len(group):
             missing = next(field for field in group if field not in payload)
@@ -321,6 +330,8 @@ def _out_of_range(field: str, value: Any) -> str:
         return f"holds {bad[0]}, not an unsigned 64-bit id" if bad else ""
     if field == "neighbours" and value < 2:  # a complete ring sends no such field
         return f"holds {value}, not a sparse ring's (>= 2)"
+    if field == "modular" and value != 1:  # an exact ring sends no such field
+        return f"holds {value}, not a small ring's (1)"
     if field != "masked_params":
         long = [len(v) for v in items if isinstance(v, bytes) and len(v) > MAX_FIELD_BYTES]
         return f"holds {long[0]} bytes, more than {MAX_FIELD_BYTES}" if long else ""

@@ -188,7 +188,7 @@ def test_non_finite_values_are_a_local_refusal_that_changes_nothing() -> None:
         c.collect(collect_payload(shares, 1), torch.zeros(K + 1))
     assert c.released_rounds == frozenset()
     reply = c.collect(collect_payload(shares, 1), torch.zeros(K))
-    assert len(reply["masked_params"]) == K * params().element_bytes
+    assert len(reply["masked_params"]) == params().input_bytes
     assert c.released_rounds == {ROUND}
 
 
@@ -293,7 +293,7 @@ def test_collect_refuses_a_forged_share_and_too_few_nodes() -> None:
     with pytest.raises(SecAggError, match="'round_id'/'nonce' is not this round's"):
         c.collect({**good, "round_id": ROUND + 1}, torch.zeros(K))
     reply = c.collect(good, torch.zeros(K))
-    assert len(reply["masked_params"]) == K * params().element_bytes
+    assert len(reply["masked_params"]) == params().input_bytes
 
 
 def test_a_nodes_round_in_a_repr_shows_no_secret() -> None:

@@ -423,3 +423,30 @@ def test_a_sparse_ring_is_an_even_degree_below_the_round_under_secure_aggregatio
     )
     assert ok.to_run_config()["secagg-neighbours"] == 8
     assert FederatedConfig.from_run_config(ok.to_run_config()).secagg_neighbours == 8
+
+
+@pytest.mark.parametrize(
+    ("bits", "secure", "message"),
+    [
+        (7, True, r"secagg-ring-bits=7: expected 0 \(the exact ring\) or in \[8, 54\]"),
+        (55, True, r"secagg-ring-bits=55: expected 0 \(the exact ring\) or in \[8, 54\]"),
+        (-1, True, "secagg-ring-bits=-1: expected 0"),
+        (12, False, "secagg-ring-bits=12: expected 0, or with it secure-aggregation=true"),
+    ],
+)
+def test_a_small_ring_is_8_to_54_bits_under_secure_aggregation(
+    bits: int, secure: bool, message: str
+) -> None:
+    level = "user" if secure else "sample"
+    with pytest.raises(ValueError, match=message):
+        FederatedConfig(
+            secure_aggregation=secure,
+            dp_level=level,  # type: ignore[arg-type]
+            clients_per_round=10,
+            secagg_ring_bits=bits,
+        )
+    ok = FederatedConfig(
+        secure_aggregation=True, dp_level="user", clients_per_round=10, secagg_ring_bits=12
+    )
+    assert ok.to_run_config()["secagg-ring-bits"] == 12
+    assert FederatedConfig.from_run_config(ok.to_run_config()).secagg_ring_bits == 12

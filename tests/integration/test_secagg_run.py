@@ -29,6 +29,7 @@ from fedsparse.common.aggregation.secure import (
     ring_sum,
     worst_case_noise_multiplier,
 )
+from fedsparse.common.aggregation.small_ring import rotation_seed
 from fedsparse.common.config import FederatedConfig
 from fedsparse.common.dp.accounting import compute_epsilon_of_history
 from fedsparse.common.dp.central import calibrate_central_noise
@@ -50,6 +51,7 @@ class Recorder:
         self.inputs: dict[int, dict[int, torch.Tensor]] = {}  # round -> node -> ring input
         self.decoded: dict[int, tuple[torch.Tensor, Any, list[int]]] = {}
         self.models: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
+        self.nonces: dict[int, bytes] = {}  # round -> the server's nonce (a small ring's rotation)
 
 
 @pytest.fixture
@@ -74,6 +76,7 @@ def recorder(monkeypatch: pytest.MonkeyPatch) -> Iterator[Recorder]:
     def decoding(self: Any, ring_total: torch.Tensor) -> torch.Tensor:
         out = decode(self, ring_total)
         rec.decoded[self.round_id] = (out, self.params, self.survivors)
+        rec.nonces[self.round_id] = self.nonce
         return out
 
     def round_(strategy: Any, grid: Any, server_round: int, messages: Any, **kw: Any) -> Any:
@@ -118,7 +121,8 @@ def _run(out: Path, *, node_config: dict[str, Any] | None = None, **kwargs: Any)
 def _plaintext(rec: Recorder, server_round: int) -> torch.Tensor:
     noisy_sum, params, survivors = rec.decoded[server_round]
     inputs = rec.inputs[server_round]
-    return decode_sum(ring_sum([inputs[n] for n in survivors], params.bits), params)
+    rotation = rotation_seed(server_round, rec.nonces[server_round])
+    return decode_sum(ring_sum([inputs[n] for n in survivors], params.bits), params, rotation)
 
 
 @pytest.mark.slow
@@ -142,7 +146,7 @@ def test_a_secure_run_moves_the_model_by_the_plaintext_sum_of_the_same_inputs(
         assert set(r["secagg_bytes"]) == set(STAGES)
         assert r["uplink_payload_bytes"] == sum(s["up"] for s in r["secagg_bytes"].values())
         masked = r["secagg_bytes"]["collect_masked_vectors"]["up"]
-        assert masked >= NODES * params.kept * params.element_bytes
+        assert masked >= NODES * params.input_bytes
     # both epsilons: central at rate 1 over the rounds, each node's worst case (its share)
     sigma = central_noise_multiplier(params, NODES)
     central = compute_epsilon_of_history([(sigma, 1.0, 2)], delta=1e-5, accountant="rdp")
@@ -639,3 +643,37 @@ def test_a_sparse_ring_moves_the_model_as_the_complete_graph_for_fewer_key_bytes
     assert lost not in survivors and len(survivors) == NODES - 1
     assert torch.equal(noisy_sum, _plaintext(recorder, 1))
     assert not rounds[0]["failed"]
+
+
+@pytest.mark.slow
+def test_a_small_ring_moves_the_model_by_its_decoded_sum_at_12_bits_a_value(
+    tmp_path: Path, recorder: Recorder
+) -> None:
+    """Through the ClientApp with ``secagg-ring-bits = 12``: every node's update accepted, the
+    model moved by the decoded sum (the masks cancel; rotated back), the masked vectors 12
+    bits a value where the exact ring spends whole bytes, and the central epsilon the one of
+    the small ring's noise multiplier (its rounding bound and the sum's divergence charged)."""
+    small = _run(tmp_path / "small", secagg_ring_bits=12)
+    assert [r["num_accepted"] for r in small] == [NODES, NODES]
+    for r in small:
+        noisy_sum, params, survivors = recorder.decoded[r["round"]]
+        assert params.modular and params.bits == 12 and len(survivors) == NODES
+        plain = _plaintext(recorder, r["round"])
+        assert torch.equal(noisy_sum, plain)
+        before, after, support = recorder.models[r["round"]]
+        expected = before.clone()
+        assert support is not None
+        expected[support] += plain.to(torch.float32) / NODES
+        assert torch.equal(after, expected)
+    sigma = central_noise_multiplier(params, NODES)
+    central = compute_epsilon_of_history([(sigma, 1.0, 2)], delta=1e-5, accountant="rdp")
+    assert small[-1]["central_epsilon"] == pytest.approx(central, rel=1e-9)
+    assert [r["central_noise_multiplier"] for r in small] == [sigma, sigma]
+    exact_rounds = _run(tmp_path / "exact")
+    exact = recorder.decoded[2][1]
+    assert not exact.modular and exact.bits > 12
+    masked = [
+        r["secagg_bytes"]["collect_masked_vectors"]["up"] for r in (small[1], exact_rounds[1])
+    ]
+    assert masked[1] - masked[0] == NODES * (exact.input_bytes - params.input_bytes)
+    assert params.input_bytes == math.ceil(params.kept * 12 / 8)

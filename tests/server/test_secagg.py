@@ -217,7 +217,7 @@ def test_a_malformed_masked_vector_is_named() -> None:
     )
     assert torch.equal(total, r.expected([101, 202, 404, 505]))
     up = r.server.bytes["collect_masked_vectors"]["up"]
-    assert up == 4 * (K * r.p.element_bytes + BINDING_BYTES)  # accepted replies only
+    assert up == 4 * (r.p.input_bytes + BINDING_BYTES)  # accepted replies only
 
 
 @pytest.mark.parametrize(
@@ -284,7 +284,7 @@ def test_every_stage_message_is_counted_up_and_down() -> None:
     sent["unmask"] = counted(msgs, replies)
     assert s.bytes == {stage: {"down": d, "up": u} for stage, (d, u) in sent.items()}
     # the masked vectors: k elements of ceil(b/8) bytes each, per client, plus the key's name
-    masked = 5 * (K * p.element_bytes + BINDING_BYTES)
+    masked = 5 * (p.input_bytes + BINDING_BYTES)
     assert s.bytes["collect_masked_vectors"]["up"] == masked
     # the setup: 8 ring fields of 8 bytes, their names, the stage and the round's id and
     # 16-byte nonce, to each of 5 clients
