@@ -3,12 +3,13 @@
 
 Pure arithmetic on the public parameters (``common/aggregation/secure.py``, ``small_ring.py``),
 no round is run: for ``--kept`` values a client (3,829: the digits CNN at r = 0.9, of its
-38,282 parameters), 5% colluders and the smallest threshold, each row gives the ring's width,
-its scale, the rounding's share of the sensitivity (``Delta / sC``), the central noise
-multiplier ``sigma = 1`` carries at the threshold (the rounding bound and, in a small ring,
-the sum's divergence from one discrete Gaussian charged), the ``sigma`` a central target of 1
-needs (``ring_for_central``), and the masked payload per client in bytes and in bits per
-kept value and per parameter (the exact ring sends whole bytes: its width rounded up to 8).
+38,282 parameters), 5% colluders and the smallest threshold, and each central target ``z``
+of ``--targets`` (1, and 8.18: user epsilon 3 over 30 rounds of every client), each row gives
+the masked payload per client (bytes, bits per parameter; the exact ring sends whole bytes),
+the ``sigma`` the target needs over the target (``ring_for_central``: the rounding bound and,
+in a small ring, the sum's divergence from one discrete Gaussian charged), the rounding's
+share of the sensitivity (``Delta / sC``), and the decoded sum's noise in value units over
+``z C``: what the width costs in accuracy at the same epsilon (1: none).
 
 Usage: python benchmarks/secagg_ring_widths.py [--clients 100 1000] [--kept 3829]
 """
@@ -16,10 +17,9 @@ Usage: python benchmarks/secagg_ring_widths.py [--clients 100 1000] [--kept 3829
 from __future__ import annotations
 
 import argparse
+import math
 
 from fedsparse.common.aggregation.secure import (
-    central_noise_multiplier,
-    choose_ring,
     ring_for_central,
     smallest_threshold,
 )
@@ -32,9 +32,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", type=int, nargs="+", default=[100, 1000])
     parser.add_argument("--kept", type=int, default=3829)
+    parser.add_argument("--targets", type=float, nargs="+", default=[1.0, 8.18])
     args = parser.parse_args()
-    head = f"{'n':>5} {'ring':>10} {'scale':>9} {'Delta/sC':>9} {'z at sigma=1':>13}"
-    head += f" {'sigma for z=1':>14} {'bytes':>7} {'bits/value':>11} {'bits/param':>11}"
+    head = f"{'n':>5} {'ring':>10} {'bytes':>7} {'bits/param':>10}"
+    for target in args.targets:
+        head += f" | z={target:g}: {'sigma/z':>7} {'Delta/sC':>8} {'noise/zC':>8}"
     print(head)
     for n in args.clients:
         colluders = n // 20
@@ -47,20 +49,21 @@ def main() -> None:
         )
         for bits in (0, 16, 14, 13, 12, 11, 10):
             name = f"{bits} bits"
+            row = ""
             try:
-                p = choose_ring(sigma=1.0, bits=bits, **ring)  # type: ignore[arg-type]
-                name = name if bits else f"exact {p.bits}"
-                z = central_noise_multiplier(p, p.threshold)
-                sigma = ring_for_central(1.0, bits=bits, **ring).sigma  # type: ignore[arg-type]
+                for target in args.targets:
+                    p = ring_for_central(target, bits=bits, **ring)  # type: ignore[arg-type]
+                    # the decoded sum's noise at the threshold, in value units, over z C
+                    noise = p.share_std * math.sqrt(p.threshold - p.colluders) / p.scale
+                    inflation = p.sensitivity / (p.scale * p.clip)
+                    row += f" | {'':>{len(f'z={target:g}:')}} {p.sigma / target:>7.3f}"
+                    row += f" {inflation:>8.3f} {noise / (target * p.clip):>8.3f}"
             except ValueError as exc:
                 print(f"{n:>5} {name:>10}  refused: {exc}")
                 continue
-            inflation = p.sensitivity / (p.scale * p.clip)
-            value_bits = 8 * p.input_bytes / p.kept
-            print(
-                f"{n:>5} {name:>10} {p.scale:>9.1f} {inflation:>9.3f} {z:>13.3f} {sigma:>14.3f}"
-                f" {p.input_bytes:>7,} {value_bits:>11.2f} {8 * p.input_bytes / PARAMETERS:>11.3f}"
-            )
+            name = name if bits else f"exact {p.bits}"
+            per_param = 8 * p.input_bytes / PARAMETERS
+            print(f"{n:>5} {name:>10} {p.input_bytes:>7,} {per_param:>10.3f}{row}")
 
 
 if __name__ == "__main__":

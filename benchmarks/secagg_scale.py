@@ -17,7 +17,8 @@ its masked payload, and the wall time of the clients (all of them, one
 after another) and of the server per stage, and the round's. The complete graph costs
 ``O(n^2)`` keys and shares in all, so it runs only up to ``--complete-up-to`` clients.
 
-``--ring-bits b`` masks in a small ring of ``b`` bits (``common/aggregation/small_ring.py``).
+``--ring-bits b`` masks in a small ring of ``b`` bits (``common/aggregation/small_ring.py``),
+its sigma the one that carries a central noise multiplier of 1 (the exact ring's: 1).
 
 Usage: python benchmarks/secagg_scale.py [--clients 100 1000] [--complete-up-to 100]
 [--ring-bits 12]
@@ -38,6 +39,7 @@ from fedsparse.common.aggregation.graph import sparse_degree
 from fedsparse.common.aggregation.secure import (
     central_noise_multiplier,
     choose_ring,
+    ring_for_central,
     smallest_threshold,
 )
 from fedsparse.common.wire.secagg import COLLECT, SETUP, SHARE_KEYS, STAGES, UNMASK
@@ -51,14 +53,17 @@ def one_round(
 ) -> dict[str, Any]:
     """One round's bytes per client per stage and times per stage (clients, server); ``bits``:
     a small ring's width (0: the exact ring)."""
-    ring = choose_ring(
+    shape = dict(
         clip=1.0,
-        sigma=1.0,
         clients=clients,
         threshold=smallest_threshold(clients, colluders),
         kept=kept,
         colluders=colluders,
-        bits=bits,
+    )
+    ring = (  # a small ring: the sigma that carries a central noise multiplier of 1
+        ring_for_central(1.0, bits=bits, **shape)  # type: ignore[arg-type]
+        if bits
+        else choose_ring(sigma=1.0, **shape)  # type: ignore[arg-type]
     )
     params = dataclasses.replace(ring, neighbours=neighbours)
     ids = [10_000 + 7 * i for i in range(clients)]
@@ -113,8 +118,8 @@ def report(clients: int, neighbours: int, result: dict[str, Any]) -> None:
     central = central_noise_multiplier(params, params.threshold)
     print(
         f"\nn = {clients}, {shape}, {params.bits}-bit {kind} ring, threshold "
-        f"{params.threshold}, {result['survivors']} survivors; sigma = 1 carries a central "
-        f"noise multiplier of {central:.3f} at the threshold"
+        f"{params.threshold}, {result['survivors']} survivors; sigma = {params.sigma:.4g} "
+        f"carries a central noise multiplier of {central:.3f} at the threshold"
     )
     print(
         f"{'stage':>24} {'down B/client':>14} {'up B/client':>12} {'clients s':>10} {'server s':>9}"

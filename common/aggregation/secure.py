@@ -261,18 +261,12 @@ def choose_ring(
             raise ValueError(f"the ring needs {bits} bits, more than {DECODE_BITS}")
     params = RingParams(clip, sigma, clients, threshold, kept, scale, bits, colluders)
     params = dataclasses.replace(params, modular=True) if small else params
-    if small:  # the sum's divergence is accounted (central_noise_multiplier), not refused
-        if sigma > 0 and not params.share_std >= 0.5:
-            raise ValueError(
-                f"the noise shares ({params.share_std:.3g} ring units) are below the 1/2 "
-                f"ring unit the accounting of their sum needs (a wider ring, or a larger sigma)"
-            )
-        return params
     tau = sum_divergence_tau(params.share_std, clients) * kept
     if sigma > 0 and not tau <= TAU_LIMIT:
         raise ValueError(
             f"the noise shares ({params.share_std:.3g} ring units) are too small for the "
-            f"accounting: k tau = {tau:.3g} > {TAU_LIMIT} (raise sigma or lower rounding_slack)"
+            f"accounting: k tau = {tau:.3g} > {TAU_LIMIT} (raise sigma or "
+            f"{'widen the ring' if small else 'lower rounding_slack'})"
         )
     return params
 
@@ -290,8 +284,9 @@ def check_ring(
     The server writes the parameters, so the client recomputes what follows from them:
     the threshold against ``colluders`` (its own bound, at most the ring's declared ``c``),
     ``sigma > 0``, the scale and bits :func:`choose_ring` gives for its own
-    ``wrap_probability`` and ``rounding_slack``, and a worst-case noise multiplier (its
-    share alone) of at least its own ``min_noise_multiplier``.
+    ``wrap_probability`` and ``rounding_slack`` (a small ring's, for its width: those two
+    play no part there), and a worst-case noise multiplier (its share alone) of at least its
+    own ``min_noise_multiplier``.
     """
     if params.colluders < colluders:
         raise ValueError(
@@ -326,7 +321,8 @@ def check_ring(
 
 def wrap_probability_bound(params: RingParams) -> float:
     """The module docstring's bound on P(some coordinate of the sum wraps), at most 1; a small
-    ring's is ``small_ring.expected_wraps`` (all clients one way), at most 1."""
+    ring's is ``small_ring.expected_wraps``, the expected number of wrapped coordinates when
+    all clients point one way, at most 1 (by Markov's inequality also a bound on P(any))."""
     if params.modular:
         wraps = small_ring.expected_wraps(
             bits=params.bits,
@@ -358,18 +354,11 @@ def central_noise_multiplier(params: RingParams, survivors: int) -> float:
     over the rounded sensitivity ``sC + sqrt(k)``: ``sigma sqrt((m-c)/t) / (1 + sqrt(k)/(sC))``,
     at least ``sigma / (1 + gamma)`` for ``m >= t`` and ``c = 0``. The adjacency: one client's
     values zeroed, its noise share still there. A small ring's sensitivity is its rounding
-    bound, and the sum's divergence from one discrete Gaussian is charged:
-    ``1 / sqrt(1/z^2 + k tau / 2)`` (Kairouz et al., Theorem 1; ``tau`` over ``m - c``).
+    bound ``Delta``.
     """
     if survivors < params.threshold:
         raise ValueError(f"{survivors} survivors, fewer than the threshold {params.threshold}")
-    z = params.share_std * math.sqrt(survivors - params.colluders) / params.sensitivity
-    if not params.modular or z == 0:
-        return z
-    # Kairouz et al.'s Theorem 1: the sum of the m - c honest shares is (eps^2 / 2)-zCDP with
-    # eps^2 = 1/z^2 + k tau / 2; the exact ring refuses tau instead (choose_ring)
-    tau = sum_divergence_tau(params.share_std, survivors - params.colluders)
-    return z if tau == 0 else 1 / math.sqrt(1 / z**2 + params.kept * tau / 2)
+    return params.share_std * math.sqrt(survivors - params.colluders) / params.sensitivity
 
 
 def ring_for_central(
@@ -395,7 +384,10 @@ def ring_for_central(
     if not (central > 0 and math.isfinite(central)):
         raise ValueError(f"central must be positive and finite, got {central}")
     check_threshold(clients, threshold, colluders)
-    if bits:
+    if bits:  # a ring too narrow for its clients' rounding whatever sigma: said first
+        small_ring.small_scale(
+            bits=bits, clip=clip, sigma=0.0, clients=clients, threshold=threshold, kept=kept
+        )
         ring = functools.partial(
             choose_ring,
             clip=clip,

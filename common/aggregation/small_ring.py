@@ -167,10 +167,14 @@ def conditional_round(
     frac = v - low
     base = low.to(torch.int64)
     limit = math.floor(bound * bound)
+    # ||q|| < ||v|| + sqrt(k): below 2^31 the squares and their sum stay inside int64,
+    # above it they are summed as Python ints (exact either way)
+    small = float(torch.linalg.vector_norm(v)) + math.sqrt(v.numel()) < 2**31
     for _ in range(MAX_TRIES):
         up = torch.rand(v.shape, generator=generator, dtype=torch.float64) < frac
         q = base + up.to(torch.int64)
-        if int((q * q).sum()) <= limit:
+        norm2 = int((q * q).sum()) if small else sum(x * x for x in q.tolist())
+        if norm2 <= limit:
             return q
     raise ValueError(
         f"no rounding within the norm bound {bound:.6g} in {MAX_TRIES} draws (norm "

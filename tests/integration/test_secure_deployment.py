@@ -2,11 +2,14 @@
 processes over TLS gRPC, each stage of the protocol (setup, key sharing, masked input, unmask)
 a real message. The same run config in this process (``InProcessGrid``) gives the same bytes
 per stage, the same payloads and the same user and central ε, and every node's masked input is
-summed; every process the deployment started is stopped."""
+summed; every process the deployment started is stopped. Twice: over the complete graph in
+the exact ring (three nodes), and over a sparse ring (SecAgg+, four nodes of two neighbours
+each) in a 12-bit small ring, bit-packed."""
 
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 
@@ -36,28 +39,35 @@ RUN_CONFIG = {
     "lr": 0.5,
 }
 EXACT = ("num_replies", "num_accepted", "keep", "uplink_payload_bytes", "secagg_bytes")
+#: name -> (nodes, run-config keys over RUN_CONFIG)
+SHAPES = {
+    "complete-exact": (NODES, {}),
+    "sparse-small": (4, {"secagg-neighbours": 2, "secagg-ring-bits": 12}),
+}
 
 
 def _rounds(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines()]
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
+@pytest.fixture(scope="module", params=list(SHAPES))
+def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    nodes, extra = SHAPES[request.param]
+    config = {**RUN_CONFIG, "clients-per-round": nodes, "min-clients": nodes, **extra}
     base = tmp_path_factory.mktemp("secure-deployment")
     pids: list[int] = []
     deployed = run_deployment(
         out=base / "deploy",
-        overrides=dict(RUN_CONFIG),
-        num_nodes=NODES,
+        overrides=dict(config),
+        num_nodes=nodes,
         timeout=300,
         pids=pids,
         idle_seconds=0,
     )
     simulated = run_simulation(
         out=base / "sim",
-        overrides=dict(RUN_CONFIG),
-        clients=NODES,
+        overrides=dict(config),
+        clients=nodes,
         timeout=300,
         backend="inprocess",
     )
@@ -67,19 +77,26 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
         "deploy_rounds": _rounds(base / "deploy"),
         "sim_rounds": _rounds(base / "sim"),
         "pids": pids,
+        "nodes": nodes,
+        "small": bool(extra),
     }
 
 
 def test_every_stage_runs_as_messages_and_sums_every_node(runs: dict) -> None:
     (deployed,) = runs["deploy_rounds"]
+    nodes = runs["nodes"]
     assert not deployed["failed"], deployed["failure"]
-    assert deployed["num_accepted"] == NODES and deployed["num_missing"] == 0
+    assert deployed["num_accepted"] == nodes and deployed["num_missing"] == 0
     stages = deployed["secagg_bytes"]
     assert list(stages) == ["setup", "share_keys", "collect_masked_vectors", "unmask"]
     assert all(sizes["down"] > 0 and sizes["up"] > 0 for sizes in stages.values())
     # the survivors' shares give at least the configured central σ (each node adds its share
     # for the worst case: fewer survivors than all of them)
     assert deployed["central_noise_multiplier"] >= 4.0
+    if runs["small"]:  # 12 bits a value, bit-packed, and a round id and nonce a reply
+        masked = stages["collect_masked_vectors"]["up"]
+        packed = nodes * math.ceil(deployed["keep"] * 12 / 8)
+        assert packed < masked < packed + nodes * 200
 
 
 def test_the_deployment_sends_what_the_simulation_sends(runs: dict) -> None:
@@ -91,7 +108,7 @@ def test_the_deployment_sends_what_the_simulation_sends(runs: dict) -> None:
 
 
 def test_no_process_left_alive(runs: dict) -> None:
-    assert len(runs["pids"]) == NODES + 2  # superlink, the supernodes, flwr run
+    assert len(runs["pids"]) == runs["nodes"] + 2  # superlink, the supernodes, flwr run
     deadline = time.monotonic() + 10
 
     def alive(pid: int) -> bool:

@@ -110,3 +110,19 @@ def test_the_ring_width_must_be_the_run_configs_both_ways() -> None:
         "pk2",
         "seeded_noise",
     }
+
+
+def test_a_small_ring_is_saved_and_a_forged_kind_is_refused() -> None:
+    """A node's saved state keeps the ring's kind (a bool): restored, it is the same small
+    ring; a kind saved as 1 or "True", or False beside a small ring's scale, is refused."""
+    client = SecAggClient(IDS[0], small(), min_noise_multiplier=0.1)
+    state = client.to_state()
+    assert state["ring.modular"] is True
+    assert SecAggClient.from_state(state).params == small()
+    for forged in (1, "True", None, False):
+        with pytest.raises(SecAggError, match="saved state is unusable|ring parameters refused"):
+            SecAggClient.from_state({**state, "ring.modular": forged})
+    plain = choose_ring(clip=1.0, sigma=1.0, clients=5, threshold=3, kept=K)
+    exact = SecAggClient(IDS[0], plain, min_noise_multiplier=0.1).to_state()
+    del exact["ring.modular"]  # a state saved before small rings: the exact ring
+    assert not SecAggClient.from_state(exact).params.modular

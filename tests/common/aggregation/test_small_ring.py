@@ -191,6 +191,18 @@ def test_every_quantized_input_lies_within_the_sensitivity(seed: int) -> None:
     assert torch.equal(zero, torch.zeros(256, dtype=torch.int64))  # a zeroed client adds 0
 
 
+def test_conditional_rounding_checks_the_norm_exactly_past_int64() -> None:
+    """At 40 bits a client's squared norm is over 2^63: the check sums Python ints, so every
+    rounded vector is within the bound (an int64 sum wraps negative and passes anything)."""
+    p = small(bits=40, clients=100, threshold=51, kept=3829)
+    assert p.sensitivity**2 > 2**63
+    g = gen(3)
+    values = torch.randn(3829, generator=g, dtype=torch.float64)
+    for r in range(30):
+        q = quantize(values, p, g, rotation_seed(r, b"b" * 16))
+        assert sum(x * x for x in q.tolist()) <= math.floor(p.sensitivity**2)
+
+
 @pytest.mark.parametrize("target", [0.7, 1.0, 2.5])
 def test_the_calibrated_small_ring_carries_its_central_target(target: float) -> None:
     p = ring_for_central(target, clip=1.0, clients=100, threshold=60, kept=1000, bits=12)
@@ -203,11 +215,15 @@ def test_the_calibrated_small_ring_carries_its_central_target(target: float) -> 
 def test_a_ring_that_cannot_carry_the_target_says_so() -> None:
     """At 11 bits and 1,000 clients the scale falls as sigma grows until the rounding is all
     of the sensitivity: the carried multiplier saturates (near 5.8) below a large target. At
-    8 bits the shares stay under the 1/2 ring unit the accounting needs."""
+    10 bits and sigma = 1 the shares (0.26 ring units) are too small for the accounting, as
+    in the exact ring; at 8 bits 5,000 clients' rounding alone overflows the ring, whatever
+    sigma, and that is what the calibration says."""
     with pytest.raises(ValueError, match="carries no central noise multiplier 50"):
         ring_for_central(50.0, clip=1.0, clients=1000, threshold=501, kept=3800, bits=11)
-    with pytest.raises(ValueError, match="below the 1/2 ring unit"):
+    with pytest.raises(ValueError, match=r"too small for the accounting.*widen the ring"):
         choose_ring(clip=1.0, sigma=1.0, clients=1000, threshold=501, kept=3800, bits=10)
+    with pytest.raises(ValueError, match="8-bit ring cannot hold the rounding of 5000"):
+        ring_for_central(1.0, clip=1.0, clients=5000, threshold=2501, kept=100, bits=8)
 
 
 def test_a_node_recomputes_a_small_ring_and_refuses_another_scale_or_width() -> None:
