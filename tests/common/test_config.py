@@ -398,55 +398,40 @@ def test_secure_aggregation_is_distributed_dp_fedavg_in_fp32(
     assert ok.to_run_config()["secure-aggregation"] is True
 
 
-@pytest.mark.parametrize(
-    ("neighbours", "clients", "secure", "message"),
-    [
-        (3, 10, True, r"secagg-neighbours=3: expected 0 \(the complete graph\) or an even"),
-        (-2, 10, True, "secagg-neighbours=-2: expected 0"),
-        (4, 10, False, "secagg-neighbours=4: expected 0, or with it secure-aggregation=true"),
-        (10, 10, True, "secagg-neighbours=10: expected at most clients-per-round - 2 = 8"),
-    ],
-)
-def test_a_sparse_ring_is_an_even_degree_below_the_round_under_secure_aggregation(
-    neighbours: int, clients: int, secure: bool, message: str
-) -> None:
-    level = "user" if secure else "sample"
-    with pytest.raises(ValueError, match=message):
-        FederatedConfig(
-            secure_aggregation=secure,
-            dp_level=level,  # type: ignore[arg-type]
-            clients_per_round=clients,
-            secagg_neighbours=neighbours,
-        )
-    ok = FederatedConfig(
-        secure_aggregation=True, dp_level="user", clients_per_round=10, secagg_neighbours=8
-    )
-    assert ok.to_run_config()["secagg-neighbours"] == 8
-    assert FederatedConfig.from_run_config(ok.to_run_config()).secagg_neighbours == 8
+#: a ring's shape key -> a value it takes (ten clients a round, under secure aggregation)
+RING_SHAPES = {"secagg-neighbours": 8, "secagg-ring-bits": 12}
 
 
 @pytest.mark.parametrize(
-    ("bits", "secure", "message"),
+    ("key", "value", "secure", "message"),
     [
-        (7, True, r"secagg-ring-bits=7: expected 0 \(the exact ring\) or in \[8, 54\]"),
-        (55, True, r"secagg-ring-bits=55: expected 0 \(the exact ring\) or in \[8, 54\]"),
-        (-1, True, "secagg-ring-bits=-1: expected 0"),
-        (12, False, "secagg-ring-bits=12: expected 0, or with it secure-aggregation=true"),
+        ("secagg-neighbours", 3, True, r"=3: expected 0 \(the complete graph\) or an even"),
+        ("secagg-neighbours", -2, True, "=-2: expected 0"),
+        ("secagg-neighbours", 4, False, "=4: expected 0, or with it secure-aggregation=true"),
+        ("secagg-neighbours", 10, True, "=10: expected at most clients-per-round - 2 = 8"),
+        ("secagg-ring-bits", 7, True, r"=7: expected 0 \(the exact ring\) or in \[8, 54\]"),
+        ("secagg-ring-bits", 55, True, r"=55: expected 0 \(the exact ring\) or in \[8, 54\]"),
+        ("secagg-ring-bits", -1, True, "=-1: expected 0"),
+        ("secagg-ring-bits", 12, False, "=12: expected 0, or with it secure-aggregation=true"),
     ],
 )
-def test_a_small_ring_is_8_to_54_bits_under_secure_aggregation(
-    bits: int, secure: bool, message: str
+def test_a_sparse_or_small_ring_is_checked_and_needs_secure_aggregation(
+    key: str, value: int, secure: bool, message: str
 ) -> None:
+    """A sparse ring: an even degree below the round; a small ring: 8 to 54 bits; both only
+    under secure aggregation, and both through the run config and back."""
     level = "user" if secure else "sample"
-    with pytest.raises(ValueError, match=message):
+    field = key.replace("-", "_")
+    with pytest.raises(ValueError, match=f"{key}{message}"):
         FederatedConfig(
             secure_aggregation=secure,
             dp_level=level,  # type: ignore[arg-type]
             clients_per_round=10,
-            secagg_ring_bits=bits,
+            **{field: value},
         )
+    good = RING_SHAPES[key]
     ok = FederatedConfig(
-        secure_aggregation=True, dp_level="user", clients_per_round=10, secagg_ring_bits=12
+        secure_aggregation=True, dp_level="user", clients_per_round=10, **{field: good}
     )
-    assert ok.to_run_config()["secagg-ring-bits"] == 12
-    assert FederatedConfig.from_run_config(ok.to_run_config()).secagg_ring_bits == 12
+    assert ok.to_run_config()[key] == good
+    assert getattr(FederatedConfig.from_run_config(ok.to_run_config()), field) == good
