@@ -14,8 +14,10 @@ import pytest
 import torch
 from scipy.linalg import hadamard
 
+from fedsparse.common import config_values
 from fedsparse.common.aggregation import small_ring
 from fedsparse.common.aggregation.secure import (
+    DECODE_BITS,
     RingParams,
     central_noise_multiplier,
     check_ring,
@@ -311,3 +313,7 @@ def test_a_small_rings_masked_input_is_bit_packed() -> None:
     data = pack_input(values, p)
     assert len(data) == p.input_bytes == 152
     assert torch.equal(unpack_input(data, p), values)
+
+
+def test_the_config_checks_widest_small_ring_is_the_decoders() -> None:
+    assert config_values.SMALL_RING_BITS == DECODE_BITS
